@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Build or fetch, once per machine, everything the test suite needs. Each step
+# is idempotent and cached under $EPGUARD_CACHE (default ~/.cache/epguard).
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+export EPGUARD_CACHE="${EPGUARD_CACHE:-$HOME/.cache/epguard}"
+mkdir -p "$EPGUARD_CACHE/bin"
+for step in scripts/tools.d/*.sh; do
+    [ -e "$step" ] || continue
+    echo "== tools: $(basename "$step")"
+    bash "$step"
+done
