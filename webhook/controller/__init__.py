@@ -1,0 +1,11 @@
+"""The epguard controller: a kopf operator with one module per concern.
+
+``certificates``  self-managed TLS for the webhook (CA + serving cert in a Secret,
+                  caBundle injection, rotation with an overlap)
+
+A new concern (for example the ImageVerdict recorder) is a new module holding its kopf
+handlers, added to ``HANDLER_MODULES``; ``__main__`` imports each one before kopf starts,
+which is all kopf needs to register the handlers.
+"""
+
+HANDLER_MODULES: tuple[str, ...] = ("webhook.controller.certificates",)

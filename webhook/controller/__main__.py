@@ -1,0 +1,72 @@
+"""``epguard-controller``: run the kopf operator with every handler module loaded.
+
+HA: the chart runs two replicas. kopf peering (a ClusterKopfPeering object, its CRD
+shipped by the chart) pauses every replica but the one with the highest priority; each
+replica draws a random priority at start, so exactly one handles events and another takes
+over within the peering lifetime when it dies. kopf pauses all replicas on a priority
+tie, which a random 31-bit draw makes practically impossible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import secrets
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import kopf
+
+from webhook.controller import HANDLER_MODULES
+from webhook.controller.config import ControllerConfig, parse
+
+
+def _configure_settings(config: ControllerConfig, priority: int) -> Any:
+    @kopf.on.startup()
+    def _settings(settings: kopf.OperatorSettings, **_: Any) -> None:
+        settings.peering.priority = priority
+        settings.peering.mandatory = bool(config.peering)
+        settings.peering.clusterwide = True
+        # The operator's own bookkeeping stays out of the objects' annotations as much as
+        # kopf allows; events about handler progress go to the log, not to the API.
+        settings.posting.level = logging.WARNING
+        settings.persistence.finalizer = "epguard.io/controller"
+
+    return _settings
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse(argv)
+    logging.basicConfig(
+        level=config.log_level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    for module in HANDLER_MODULES:
+        importlib.import_module(module)
+    priority = secrets.randbelow(2**31 - 1) + 1
+    _configure_settings(config, priority)
+    logging.getLogger("epguard.controller").info(
+        "starting: namespace=%s manage_certs=%s peering=%s priority=%d",
+        config.namespace,
+        config.manage_certs,
+        config.peering or "(standalone)",
+        priority,
+    )
+    asyncio.run(
+        kopf.operator(
+            clusterwide=True,
+            standalone=not config.peering,
+            peering_name=config.peering or None,
+            priority=priority,
+            liveness_endpoint=config.liveness or None,
+            memo=kopf.Memo(config=config),
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,378 @@
+"""Self-managed TLS: keep the Secret's CA and serving cert valid and the webhook
+configurations' caBundle equal to the Secret's CA bundle.
+
+Why a background loop and not kopf watches/timers on the Secret:
+- kopf timers and daemons put a finalizer on the object they run for; a finalizer on the
+  TLS Secret or on the webhook configuration would block ``helm uninstall`` whenever the
+  controller is gone first;
+- kopf's watches are cluster-wide in a cluster-wide operator, which would need a
+  ClusterRole on Secrets. The loop reads one named Secret in the release namespace, which
+  a Role limited by ``resourceNames`` allows.
+
+The loop runs in every controller replica, also in those that kopf peering pauses: each
+write carries the resourceVersion it read (or is a create), so when two replicas race
+one write wins, the other gets a 409 and re-reads on its next pass. Nothing here needs
+a leader.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import datetime as dt
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import kopf
+
+from webhook import certs
+from webhook.controller.config import ControllerConfig
+
+log = logging.getLogger("epguard.controller.certificates")
+
+VALIDATING = "ValidatingWebhookConfiguration"
+MUTATING = "MutatingWebhookConfiguration"
+MANAGED_BY_LABELS = {
+    "app.kubernetes.io/part-of": "epguard",
+    "app.kubernetes.io/managed-by": "epguard-controller",
+}
+
+
+class Conflict(Exception):
+    """A write lost a race (HTTP 409): re-read and decide again."""
+
+
+@dataclass
+class StoredSecret:
+    data: dict[str, bytes]
+    resource_version: str | None
+    owner_uids: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class WebhookConfigRef:
+    kind: str  # VALIDATING or MUTATING
+    name: str
+
+
+@dataclass
+class StoredWebhookConfig:
+    uid: str
+    # (webhook name, current caBundle bytes) in list order; the index matters for patches.
+    webhooks: list[tuple[str, bytes]]
+
+
+class TLSApi(Protocol):
+    """The handful of API calls TLS management needs. The real one is LightkubeTLSApi;
+    the tests use an in-memory fake with the same conflict semantics."""
+
+    async def read_secret(self, namespace: str, name: str) -> StoredSecret | None: ...
+
+    async def write_secret(
+        self,
+        namespace: str,
+        name: str,
+        secret: StoredSecret,
+        owner: tuple[WebhookConfigRef, str] | None,
+    ) -> None:
+        """Create when ``secret.resource_version`` is None, else replace at that version.
+        Raises Conflict when the object exists (create) or changed (replace)."""
+
+    async def read_webhook_config(self, ref: WebhookConfigRef) -> StoredWebhookConfig | None: ...
+
+    async def set_ca_bundle(
+        self, ref: WebhookConfigRef, webhooks: list[tuple[int, str]], bundle: bytes
+    ) -> None:
+        """Set caBundle of the listed (index, name) webhooks; Conflict if one moved."""
+
+
+@dataclass
+class ReconcileResult:
+    secret_written: bool = False
+    bundles_patched: list[str] = field(default_factory=list)
+    missing_configs: list[str] = field(default_factory=list)
+    reasons: tuple[str, ...] = ()
+    next_action_at: dt.datetime | None = None
+
+
+class CertificateManager:
+    def __init__(
+        self,
+        api: TLSApi,
+        config: ControllerConfig,
+        clock: Callable[[], dt.datetime] | None = None,
+    ) -> None:
+        if config.policy is None:
+            raise ValueError("CertificateManager needs a TLS policy (manage_certs on)")
+        self.api = api
+        self.config = config
+        self.policy: certs.TLSPolicy = config.policy
+        self.clock = clock or (lambda: dt.datetime.now(dt.UTC))
+
+    def _configs(self) -> list[WebhookConfigRef]:
+        refs = [WebhookConfigRef(VALIDATING, self.config.validating_webhook)]
+        if self.config.mutating_webhook:
+            refs.append(WebhookConfigRef(MUTATING, self.config.mutating_webhook))
+        return refs
+
+    async def reconcile_once(self) -> ReconcileResult:
+        """One pass: fix the Secret if needed, then every caBundle. Raises Conflict when
+        another replica wrote in between (the caller retries soon)."""
+        now = self.clock()
+        result = ReconcileResult()
+        ns, name = self.config.namespace, self.config.tls_secret
+
+        configs: dict[WebhookConfigRef, StoredWebhookConfig] = {}
+        for ref in self._configs():
+            found = await self.api.read_webhook_config(ref)
+            if found is None:
+                result.missing_configs.append(f"{ref.kind}/{ref.name}")
+            else:
+                configs[ref] = found
+        # The Secret is owned by the ValidatingWebhookConfiguration (a namespaced object may
+        # have a cluster-scoped owner), so `helm uninstall`, which deletes that
+        # configuration, also garbage-collects the Secret the controller created.
+        owner_ref = self._configs()[0]
+        owner = (owner_ref, configs[owner_ref].uid) if owner_ref in configs else None
+
+        stored = await self.api.read_secret(ns, name)
+        decision = certs.reconcile(stored.data if stored else None, self.policy, now)
+        owner_missing = owner is not None and (stored is None or owner[1] not in stored.owner_uids)
+        if decision.changed or owner_missing:
+            new = StoredSecret(
+                data=decision.data,
+                resource_version=stored.resource_version if stored else None,
+            )
+            await self.api.write_secret(ns, name, new, owner)
+            result.secret_written = True
+            for reason in decision.reasons:
+                log.info("TLS Secret %s/%s: %s", ns, name, reason)
+        result.reasons = decision.reasons
+
+        bundle = decision.data[certs.CA_CRT]
+        for ref, cfg in configs.items():
+            stale = [
+                (i, hook) for i, (hook, current) in enumerate(cfg.webhooks) if current != bundle
+            ]
+            if stale:
+                await self.api.set_ca_bundle(ref, stale, bundle)
+                result.bundles_patched.append(f"{ref.kind}/{ref.name}")
+                log.info(
+                    "caBundle of %s/%s updated for %s",
+                    ref.kind,
+                    ref.name,
+                    ", ".join(h for _, h in stale),
+                )
+        result.next_action_at = certs.next_action_at(decision.data, self.policy)
+        return result
+
+    def delay_after(self, result: ReconcileResult | None) -> float:
+        """Seconds to sleep before the next pass: soon while something is missing (the
+        chart creates the webhook configuration at about the same time as this pod), else
+        the poll interval, cut short when a rotation step falls due before it."""
+        interval = self.config.poll_interval
+        if result is None or result.missing_configs:
+            return min(5.0, interval)
+        if result.next_action_at is not None:
+            until = (result.next_action_at - self.clock()).total_seconds()
+            return max(1.0, min(interval, until + 1.0))
+        return interval
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            result: ReconcileResult | None = None
+            try:
+                result = await self.reconcile_once()
+            except Conflict:
+                log.info("TLS reconcile lost a race with another replica; retrying")
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                # Never let the loop die: a transient API error must not end rotation.
+                log.exception("TLS reconcile failed; retrying")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=self.delay_after(result))
+
+
+# --- the real API, through lightkube ------------------------------------------------------
+
+
+def _b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode("ascii")
+
+
+class LightkubeTLSApi:
+    def __init__(self, client: Any) -> None:
+        # lightkube.AsyncClient; typed Any because lightkube's models are loosely typed.
+        self.client = client
+
+    @staticmethod
+    def _conflict(exc: Exception) -> bool:
+        status = getattr(getattr(exc, "status", None), "code", None)
+        return status == 409
+
+    async def read_secret(self, namespace: str, name: str) -> StoredSecret | None:
+        from lightkube import ApiError
+        from lightkube.resources.core_v1 import Secret
+
+        try:
+            obj = await self.client.get(Secret, name=name, namespace=namespace)
+        except ApiError as exc:
+            if exc.status.code == 404:
+                return None
+            raise
+        data = {k: base64.b64decode(v) for k, v in (obj.data or {}).items()}
+        owners = tuple(o.uid for o in (obj.metadata.ownerReferences or []))
+        return StoredSecret(data, obj.metadata.resourceVersion, owners)
+
+    async def write_secret(
+        self,
+        namespace: str,
+        name: str,
+        secret: StoredSecret,
+        owner: tuple[WebhookConfigRef, str] | None,
+    ) -> None:
+        from lightkube import ApiError
+        from lightkube.models.meta_v1 import ObjectMeta, OwnerReference
+        from lightkube.resources.core_v1 import Secret
+
+        owners = None
+        if owner is not None:
+            ref, uid = owner
+            owners = [
+                OwnerReference(
+                    apiVersion="admissionregistration.k8s.io/v1",
+                    kind=ref.kind,
+                    name=ref.name,
+                    uid=uid,
+                )
+            ]
+        obj = Secret(
+            metadata=ObjectMeta(
+                name=name,
+                namespace=namespace,
+                labels=dict(MANAGED_BY_LABELS),
+                resourceVersion=secret.resource_version,
+                ownerReferences=owners,
+            ),
+            type="kubernetes.io/tls",
+            data={k: _b64(v) for k, v in sorted(secret.data.items())},
+        )
+        try:
+            if secret.resource_version is None:
+                await self.client.create(obj)
+            else:
+                await self.client.replace(obj)
+        except ApiError as exc:
+            if self._conflict(exc):
+                raise Conflict(str(exc)) from exc
+            raise
+
+    async def read_webhook_config(self, ref: WebhookConfigRef) -> StoredWebhookConfig | None:
+        from lightkube import ApiError
+        from lightkube.resources.admissionregistration_v1 import (
+            MutatingWebhookConfiguration,
+            ValidatingWebhookConfiguration,
+        )
+
+        res = (
+            ValidatingWebhookConfiguration
+            if ref.kind == VALIDATING
+            else MutatingWebhookConfiguration
+        )
+        try:
+            obj = await self.client.get(res, name=ref.name)
+        except ApiError as exc:
+            if exc.status.code == 404:
+                return None
+            raise
+        hooks = [
+            (w.name, base64.b64decode(w.clientConfig.caBundle or "")) for w in (obj.webhooks or [])
+        ]
+        return StoredWebhookConfig(uid=obj.metadata.uid, webhooks=hooks)
+
+    async def set_ca_bundle(
+        self, ref: WebhookConfigRef, webhooks: list[tuple[int, str]], bundle: bytes
+    ) -> None:
+        from lightkube import ApiError
+        from lightkube.resources.admissionregistration_v1 import (
+            MutatingWebhookConfiguration,
+            ValidatingWebhookConfiguration,
+        )
+        from lightkube.types import PatchType
+
+        res = (
+            ValidatingWebhookConfiguration
+            if ref.kind == VALIDATING
+            else MutatingWebhookConfiguration
+        )
+        # A JSON patch with a `test` per webhook: if `helm upgrade` reordered or renamed
+        # the webhooks since the read, the patch fails as a whole instead of writing a
+        # bundle into the wrong entry.
+        ops: list[dict[str, Any]] = []
+        for index, hook in webhooks:
+            ops.append({"op": "test", "path": f"/webhooks/{index}/name", "value": hook})
+            ops.append(
+                {
+                    "op": "add",
+                    "path": f"/webhooks/{index}/clientConfig/caBundle",
+                    "value": _b64(bundle),
+                }
+            )
+        try:
+            await self.client.patch(
+                res, ref.name, ops, patch_type=PatchType.JSON, field_manager="epguard-controller"
+            )
+        except ApiError as exc:
+            # 422 is what a failed `test` op returns.
+            if exc.status.code in (409, 422):
+                raise Conflict(str(exc)) from exc
+            raise
+
+
+# --- kopf wiring ----------------------------------------------------------------------------
+
+ApiFactory = Callable[[], Awaitable[TLSApi]]
+
+
+async def _default_api() -> TLSApi:
+    from lightkube import AsyncClient
+
+    return LightkubeTLSApi(AsyncClient(field_manager="epguard-controller"))
+
+
+@kopf.on.startup()
+async def start_certificate_manager(memo: kopf.Memo, **_: Any) -> None:
+    config: ControllerConfig = memo["config"]
+    if not config.manage_certs:
+        log.info("TLS is managed elsewhere (cert-manager); not touching certificates")
+        return
+    factory: ApiFactory = memo.get("tls_api_factory", _default_api)
+    manager = CertificateManager(await factory(), config)
+    stop = asyncio.Event()
+    memo["tls_stop"] = stop
+    memo["tls_task"] = asyncio.create_task(manager.run(stop), name="epguard-tls")
+    log.info(
+        "managing TLS Secret %s/%s for %s",
+        config.namespace,
+        config.tls_secret,
+        ", ".join(config.policy.dns_names if config.policy else ()),
+    )
+
+
+@kopf.on.cleanup()
+async def stop_certificate_manager(memo: kopf.Memo, **_: Any) -> None:
+    stop: asyncio.Event | None = memo.get("tls_stop")
+    task: asyncio.Task[None] | None = memo.get("tls_task")
+    if stop is not None:
+        stop.set()
+    if task is not None:
+        await asyncio.gather(task, return_exceptions=True)
+
+
+def ca_bundle_of(data: Mapping[str, bytes]) -> bytes:
+    """The bytes that belong in caBundle for a given Secret's data."""
+    return data[certs.CA_CRT]
