@@ -1,0 +1,369 @@
+"""The detached dev stack behind ``python -m devcluster up|down|status`` (``make up``/``down``).
+
+``up`` runs, in order, each stage guarded so that it works with whatever parts
+of epguard exist yet:
+
+1. the control plane (etcd + kube-apiserver, see :mod:`devcluster.controlplane`);
+2. ``helm upgrade --install`` of ``charts/epguard`` into ``epguard-system`` (objects
+   that need a kubelet are stored but never run);
+3. the webhook (``python -m webhook``) as a local process on 127.0.0.1, with a
+   serving certificate for 127.0.0.1 from a dev CA;
+4. the controller (``python -m webhook.controller``) as a local process;
+5. the chart's ValidatingWebhookConfiguration pointed at the local webhook:
+   ``clientConfig.url`` plus the dev CA as ``caBundle``.
+
+The controller runs with ``--manage-certs=false`` here: its certificates are
+issued for the in-cluster Service name, which the API server cannot reach in a
+cluster without Services; the local webhook's certificate must name 127.0.0.1.
+
+Everything ``up`` starts is recorded in ``<run dir>/state.json`` (pids with
+their start times, ports, paths) so that ``down`` stops exactly that and
+nothing else, even from another shell.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from devcluster import binaries, pki
+from devcluster.controlplane import ControlPlane, ControlPlaneError
+from devcluster.process import ManagedProcess, free_port
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_RUN_DIR = REPO_ROOT / ".run"
+CHART_DIR = REPO_ROOT / "charts" / "epguard"
+RELEASE = "epguard"
+NAMESPACE = "epguard-system"
+RULES_CONFIGMAP = "epguard-rules"
+WEBHOOK_PATH = "/validate"
+WEBHOOK_START_TIMEOUT = 60.0
+
+
+class StageError(RuntimeError):
+    """A part of epguard that exists failed to come up."""
+
+
+@dataclass
+class Stack:
+    """What ``up`` started, persisted as JSON in the run directory."""
+
+    run_dir: Path
+    control_plane: ControlPlane | None = None
+    extras: list[ManagedProcess] = field(default_factory=list)
+    webhook_url: str | None = None
+    stages: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def state_file(self) -> Path:
+        return self.run_dir / "state.json"
+
+    def save(self) -> None:
+        data: dict[str, Any] = {
+            "control_plane": self.control_plane.to_dict() if self.control_plane else None,
+            "extras": [p.to_dict() for p in self.extras],
+            "webhook_url": self.webhook_url,
+            "stages": self.stages,
+        }
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        tmp.replace(self.state_file)
+
+    @classmethod
+    def load(cls, run_dir: Path) -> Stack | None:
+        try:
+            data = json.loads((run_dir / "state.json").read_text())
+        except (OSError, ValueError):
+            return None
+        cp = data.get("control_plane")
+        return cls(
+            run_dir=run_dir,
+            control_plane=ControlPlane.from_dict(cp) if cp else None,
+            extras=[ManagedProcess.from_dict(p) for p in data.get("extras", [])],
+            webhook_url=data.get("webhook_url"),
+            stages=dict(data.get("stages", {})),
+        )
+
+    def processes(self) -> list[ManagedProcess]:
+        cp = self.control_plane.processes if self.control_plane else []
+        return [*cp, *self.extras]
+
+    def stop(self) -> None:
+        # Local epguard processes first (they watch the API server), then the API
+        # server, then etcd.
+        for proc in reversed(self.extras):
+            proc.stop()
+        self.extras = []
+        if self.control_plane is not None:
+            self.control_plane.stop()
+
+
+# --- stages ------------------------------------------------------------------------
+
+
+def install_chart(cp: ControlPlane, helm_args: list[str]) -> str:
+    """``helm upgrade --install`` the chart; returns what happened, in words."""
+    if not (CHART_DIR / "Chart.yaml").is_file():
+        return f"skipped: no chart at {CHART_DIR.relative_to(REPO_ROOT)}"
+    helm = binaries.find("helm")
+    cmd = [
+        str(helm), "upgrade", "--install", RELEASE, str(CHART_DIR),
+        "--namespace", NAMESPACE, "--create-namespace",
+        "--kubeconfig", str(cp.kubeconfig),
+        *helm_args,
+    ]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        raise StageError(f"helm install failed:\n{r.stdout}{r.stderr}")
+    return f"installed release {RELEASE} in {NAMESPACE}"
+
+
+def _rules_file(cp: ControlPlane, webhook_dir: Path) -> Path:
+    """The rules the webhook starts with: the chart's ConfigMap if installed, else the
+    webhook's shipped defaults, else an empty rule set. (In the cluster the webhook
+    also watches the ConfigMap, so later edits apply either way.)"""
+    dest = webhook_dir / "rules.yaml"
+    r = cp.kubectl("get", "configmap", RULES_CONFIGMAP, "-n", NAMESPACE, "-o", "json")
+    if r.returncode == 0:
+        text = json.loads(r.stdout).get("data", {}).get("rules.yaml")
+        if text:
+            dest.write_text(text)
+            return dest
+    for candidate in sorted((REPO_ROOT / "webhook").glob("**/*rules*.yaml")):
+        shutil.copyfile(candidate, dest)
+        return dest
+    dest.write_text("rules: []\n")
+    return dest
+
+
+def _webhook_tls(webhook_dir: Path) -> tuple[Path, Path, bytes]:
+    """A dev CA and a serving certificate for 127.0.0.1; returns (cert, key, CA PEM)."""
+    ca = pki.CertificateAuthority("epguard-devcluster-webhook-ca")
+    cert, key = webhook_dir / "tls.crt", webhook_dir / "tls.key"
+    ca.issue_serving("epguard-webhook", ["localhost"], ["127.0.0.1"]).write(cert, key)
+    (webhook_dir / "ca.crt").write_bytes(ca.cert_pem)
+    return cert, key, ca.cert_pem
+
+
+def _child_env(cp: ControlPlane) -> dict[str, str]:
+    env = dict(os.environ)
+    # Cluster credentials: the webhook then also watches the live rules ConfigMap.
+    env["KUBECONFIG"] = str(cp.kubeconfig)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def _wait_https(
+    proc: ManagedProcess, url: str, ca_file: Path, timeout: float = WEBHOOK_START_TIMEOUT
+) -> None:
+    deadline = time.monotonic() + timeout
+    with httpx.Client(verify=str(ca_file), timeout=2.0, trust_env=False) as client:
+        while True:
+            if not proc.alive():
+                raise StageError(f"{proc.name} exited; last log lines:\n{proc.log_tail()}")
+            try:
+                if client.get(url).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise StageError(
+                    f"{proc.name}: {url} not ready after {timeout:.0f}s; "
+                    f"last log lines:\n{proc.log_tail()}"
+                )
+            time.sleep(0.2)
+
+
+def start_webhook(stack: Stack, cp: ControlPlane) -> str:
+    if not (REPO_ROOT / "webhook" / "__main__.py").is_file():
+        return "skipped: webhook/__main__.py does not exist yet"
+    webhook_dir = stack.run_dir / "webhook"
+    webhook_dir.mkdir(parents=True, exist_ok=True)
+    cert, key, _ = _webhook_tls(webhook_dir)
+    rules = _rules_file(cp, webhook_dir)
+    port = free_port()
+    proc = ManagedProcess.spawn(
+        "webhook",
+        [
+            sys.executable, "-m", "webhook",
+            "--rules", str(rules),
+            "--tls-cert", str(cert), "--tls-key", str(key),
+            "--host", "127.0.0.1", "--port", str(port),
+        ],
+        stack.run_dir / "logs" / "webhook.log",
+        env=_child_env(cp),
+        cwd=REPO_ROOT,
+        detached=True,
+    )
+    stack.extras.append(proc)
+    stack.save()
+    base = f"https://127.0.0.1:{port}"
+    _wait_https(proc, f"{base}/readyz", webhook_dir / "ca.crt")
+    stack.webhook_url = base + WEBHOOK_PATH
+    return f"running on {base} (pid {proc.pid}), rules from {rules}"
+
+
+def start_controller(stack: Stack, cp: ControlPlane) -> str:
+    if not (REPO_ROOT / "webhook" / "controller" / "__main__.py").is_file():
+        return "skipped: webhook/controller/__main__.py does not exist yet"
+    proc = ManagedProcess.spawn(
+        "controller",
+        [
+            sys.executable, "-m", "webhook.controller",
+            "--namespace", NAMESPACE,
+            # See the module docstring: the local webhook's certificate is ours.
+            "--manage-certs", "false",
+            # One local replica: no peering object, and no fixed liveness port to
+            # collide with anything else on the machine.
+            "--peering", "",
+            "--liveness", "",
+        ],
+        stack.run_dir / "logs" / "controller.log",
+        env=_child_env(cp),
+        cwd=REPO_ROOT,
+        detached=True,
+    )
+    stack.extras.append(proc)
+    stack.save()
+    # kopf has no readiness endpoint without a liveness URL: give it a moment to
+    # fail on a bad flag or missing credentials, which is what is worth catching.
+    time.sleep(3)
+    if not proc.alive():
+        raise StageError(f"controller exited; last log lines:\n{proc.log_tail()}")
+    return f"running (pid {proc.pid})"
+
+
+def point_webhook_config(stack: Stack, cp: ControlPlane) -> str:
+    """Patch every epguard ValidatingWebhookConfiguration to call the local webhook."""
+    if stack.webhook_url is None:
+        return "skipped: no local webhook running"
+    r = cp.kubectl(
+        "get", "validatingwebhookconfigurations",
+        "-l", f"app.kubernetes.io/instance={RELEASE}", "-o", "json",
+    )  # fmt: skip
+    if r.returncode != 0:
+        raise StageError(f"listing webhook configurations failed: {r.stderr}")
+    configs = json.loads(r.stdout)["items"]
+    if not configs:
+        return "skipped: the chart installed no ValidatingWebhookConfiguration"
+    ca_b64 = base64.b64encode((stack.run_dir / "webhook" / "ca.crt").read_bytes()).decode()
+    names = []
+    for config in configs:
+        name = config["metadata"]["name"]
+        patch = [
+            {
+                "op": "replace",
+                "path": f"/webhooks/{i}/clientConfig",
+                "value": {"url": stack.webhook_url, "caBundle": ca_b64},
+            }
+            for i in range(len(config.get("webhooks", [])))
+        ]
+        p = cp.kubectl(
+            "patch", "validatingwebhookconfiguration", name, "--type=json", "-p", json.dumps(patch)
+        )
+        if p.returncode != 0:
+            raise StageError(f"patching {name} failed: {p.stderr}")
+        names.append(name)
+    return f"{', '.join(names)} -> {stack.webhook_url}"
+
+
+# --- commands ----------------------------------------------------------------------
+
+
+def _say(msg: str) -> None:
+    # Progress goes to stderr so that stdout's last line is the export line.
+    print(msg, file=sys.stderr, flush=True)
+
+
+def up(run_dir: Path = DEFAULT_RUN_DIR, helm_args: list[str] | None = None) -> int:
+    existing = Stack.load(run_dir)
+    if existing is not None:
+        if existing.processes() and all(p.alive() for p in existing.processes()):
+            _say(f"already up (state in {existing.state_file}); `make down` to stop it")
+            assert existing.control_plane is not None
+            print(f"export KUBECONFIG={existing.control_plane.kubeconfig}")
+            return 0
+        _say("cleaning up a previous, partly dead stack")
+        down(run_dir, quiet=True)
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "logs").mkdir(exist_ok=True)
+    stack = Stack(run_dir=run_dir)
+    cp = ControlPlane(run_dir / "controlplane", detached=True)
+    stack.control_plane = cp
+    _say("starting etcd and kube-apiserver ...")
+    started = time.monotonic()
+    try:
+        cp.start()
+    except (ControlPlaneError, binaries.MissingBinary) as e:
+        _say(f"control plane failed: {e}")
+        stack.stop()
+        return 1
+    stack.stages["control-plane"] = f"{cp.server} (up in {time.monotonic() - started:.1f}s)"
+    stack.save()
+    _say(f"control plane: {stack.stages['control-plane']}")
+
+    stages: list[tuple[str, Callable[[], str]]] = [
+        ("chart", lambda: install_chart(cp, helm_args or [])),
+        ("webhook", lambda: start_webhook(stack, cp)),
+        ("controller", lambda: start_controller(stack, cp)),
+        ("webhook-config", lambda: point_webhook_config(stack, cp)),
+    ]
+    failed = False
+    for name, stage in stages:
+        try:
+            stack.stages[name] = stage()
+        except (StageError, binaries.MissingBinary, subprocess.TimeoutExpired) as e:
+            # Keep what runs: the logs and the cluster are what one debugs with.
+            stack.stages[name] = f"FAILED: {e}"
+            failed = True
+        stack.save()
+        _say(f"{name}: {stack.stages[name]}")
+        if failed:
+            break
+    _say(f"logs: {run_dir / 'logs'} and {cp.workdir / 'logs'}; stop with `make down`")
+    print(f"export KUBECONFIG={cp.kubeconfig}")
+    return 1 if failed else 0
+
+
+def down(run_dir: Path = DEFAULT_RUN_DIR, *, quiet: bool = False) -> int:
+    stack = Stack.load(run_dir)
+    if stack is None:
+        if not quiet:
+            _say(f"nothing to stop (no state in {run_dir / 'state.json'})")
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return 0
+    names = [f"{p.name} (pid {p.pid})" for p in stack.processes()]
+    stack.stop()
+    shutil.rmtree(run_dir, ignore_errors=True)
+    if not quiet:
+        _say("stopped " + (", ".join(names) if names else "nothing") + f"; removed {run_dir}")
+    return 0
+
+
+def status(run_dir: Path = DEFAULT_RUN_DIR) -> int:
+    """Print what runs; exit 0 when everything ``up`` started is alive, else 1."""
+    stack = Stack.load(run_dir)
+    if stack is None:
+        print("down")
+        return 1
+    procs = stack.processes()
+    for p in procs:
+        print(f"{p.name:15} pid {p.pid:<8} {'running' if p.alive() else 'DEAD'}  log {p.log}")
+    for name, what in stack.stages.items():
+        print(f"{name:15} {what}")
+    if stack.control_plane is not None:
+        print(f"export KUBECONFIG={stack.control_plane.kubeconfig}")
+    return 0 if procs and all(p.alive() for p in procs) else 1
+

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Build kube-apiserver and etcd from the Go module proxy into $EPGUARD_CACHE/bin,
+# the way controller-runtime's envtest uses them (no kubelet, no controllers).
+# No release binaries can be downloaded here, but the proxy serves the sources.
+#
+# Each binary is rebuilt only when it is missing or when its pinned module
+# (devcluster/go/<name>/go.mod + go.sum) changed: a stamp next to the binary
+# records the sha256 of both files and the Go version that built it.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/../.." && pwd)"
+cache="${EPGUARD_CACHE:-$HOME/.cache/epguard}"
+bin="$cache/bin"
+mkdir -p "$bin"
+
+command -v go >/dev/null 2>&1 || { echo "10-kube: 'go' not found on PATH (need Go >= 1.26)" >&2; exit 1; }
+
+# -mod=mod: the modules carry no vendor/ tree; go.sum pins every download.
+# GOTOOLCHAIN=local: never try to download a toolchain (only the proxy's modules are reachable).
+export GOFLAGS="${GOFLAGS:+$GOFLAGS }-mod=mod"
+export GOTOOLCHAIN=local
+
+# name  package-to-build
+targets=(
+    "kube-apiserver k8s.io/kubernetes/cmd/kube-apiserver"
+    "etcd go.etcd.io/etcd/server/v3"
+)
+
+for t in "${targets[@]}"; do
+    read -r name pkg <<<"$t"
+    moddir="$root/devcluster/go/$name"
+    stamp="$bin/.$name.stamp"
+    want="$(cat "$moddir/go.mod" "$moddir/go.sum" | sha256sum | cut -d' ' -f1) $(go env GOVERSION)"
+    if [ -x "$bin/$name" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+        echo "10-kube: $name up to date ($bin/$name)"
+        continue
+    fi
+    echo "10-kube: building $name from $pkg (first time per machine: several minutes)"
+    start=$(date +%s)
+    tmp="$bin/.$name.tmp.$$"
+    # -trimpath and -s -w keep the binaries smaller and reproducible.
+    (cd "$moddir" && go build -trimpath -ldflags='-s -w' -o "$tmp" "$pkg")
+    mv -f "$tmp" "$bin/$name"
+    printf '%s\n' "$want" >"$stamp"
+    echo "10-kube: built $name in $(( $(date +%s) - start ))s -> $bin/$name"
+done
+"$bin/kube-apiserver" --version
+"$bin/etcd" --version | head -1
