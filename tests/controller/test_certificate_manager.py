@@ -139,7 +139,7 @@ class TestFirstPass:
         late = FakeApi()
         m = manager(late)
         await m.reconcile_once()
-        assert late.secrets[("epguard-system", "epguard-tls")].owner_uids == ()
+        assert not late.secrets[("epguard-system", "epguard-tls")].owner_uids
         late.add_config(VALIDATING, "epguard", ["pods.epguard.io"])
         await m.reconcile_once()
         assert late.secrets[("epguard-system", "epguard-tls")].owner_uids == ("uid-epguard",)

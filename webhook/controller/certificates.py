@@ -344,7 +344,6 @@ async def _default_api() -> TLSApi:
     return LightkubeTLSApi(AsyncClient(field_manager="epguard-controller"))
 
 
-@kopf.on.startup()
 async def start_certificate_manager(memo: kopf.Memo, **_: Any) -> None:
     config: ControllerConfig = memo["config"]
     if not config.manage_certs:
@@ -363,7 +362,6 @@ async def start_certificate_manager(memo: kopf.Memo, **_: Any) -> None:
     )
 
 
-@kopf.on.cleanup()
 async def stop_certificate_manager(memo: kopf.Memo, **_: Any) -> None:
     stop: asyncio.Event | None = memo.get("tls_stop")
     task: asyncio.Task[None] | None = memo.get("tls_task")
@@ -371,6 +369,12 @@ async def stop_certificate_manager(memo: kopf.Memo, **_: Any) -> None:
         stop.set()
     if task is not None:
         await asyncio.gather(task, return_exceptions=True)
+
+
+# Registered without decorator syntax so the names keep their plain signatures (kopf's
+# decorators retype them as ActivityFn, which the tests could not call).
+kopf.on.startup(id="epguard-tls-start")(start_certificate_manager)
+kopf.on.cleanup(id="epguard-tls-stop")(stop_certificate_manager)
 
 
 def ca_bundle_of(data: Mapping[str, bytes]) -> bytes:
