@@ -1,0 +1,138 @@
+"""Container image references, normalized the way the container runtime reads them.
+
+This follows the distribution/reference grammar (the one ``docker pull`` and
+containerd use) and docker's normalization: ``lmsysorg/sglang:v1`` is
+``docker.io/lmsysorg/sglang:v1``, ``ubuntu`` is ``docker.io/library/ubuntu:latest``.
+Rules are globs over the normalized ``name:tag``, so two spellings of one image
+must come out identical. A malformed reference raises ``ImageRefError``; it
+never crashes the caller.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+
+DEFAULT_DOMAIN = "docker.io"
+LEGACY_DEFAULT_DOMAIN = "index.docker.io"
+OFFICIAL_REPO_PREFIX = "library/"
+MAX_NAME_LENGTH = 255
+
+_ALNUM = r"[a-z0-9]+"
+_SEPARATOR = r"(?:[._]|__|[-]+)"
+_PATH_COMPONENT = rf"{_ALNUM}(?:{_SEPARATOR}{_ALNUM})*"
+_DOMAIN_COMPONENT = r"(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])"
+_IPV6 = r"\[(?:[a-fA-F0-9:]+)\]"
+_HOST = rf"(?:{_DOMAIN_COMPONENT}(?:\.{_DOMAIN_COMPONENT})*|{_IPV6})"
+_DOMAIN = rf"{_HOST}(?::[0-9]+)?"
+_TAG = r"[\w][\w.-]{0,127}"
+_DIGEST = r"[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,}"
+
+_REFERENCE = re.compile(
+    rf"^(?P<name>(?:{_DOMAIN}/)?{_PATH_COMPONENT}(?:/{_PATH_COMPONENT})*)"
+    rf"(?::(?P<tag>{_TAG}))?"
+    rf"(?:@(?P<digest>{_DIGEST}))?$"
+)
+_DOMAIN_ONLY = re.compile(rf"^{_DOMAIN}$")
+_SHA256 = re.compile(r"^sha256:[0-9a-f]{64}$")
+
+
+class ImageRefError(ValueError):
+    """The string is not a valid image reference."""
+
+
+@dataclass(frozen=True, slots=True)
+class ImageRef:
+    domain: str
+    path: str
+    tag: str | None
+    digest: str | None
+
+    @property
+    def name(self) -> str:
+        return f"{self.domain}/{self.path}"
+
+    @property
+    def name_tag(self) -> str:
+        """What rule globs match: ``name:tag``, or just ``name`` when pinned by digest only."""
+        return f"{self.name}:{self.tag}" if self.tag is not None else self.name
+
+    def __str__(self) -> str:
+        return self.name_tag + (f"@{self.digest}" if self.digest else "")
+
+
+def _split_domain(name: str) -> tuple[str, str]:
+    # docker's rule: the first component is a registry host only if it looks like
+    # one (has a dot or a port, is "localhost", or has upper case letters, which a
+    # repository path may not).
+    first, sep, rest = name.partition("/")
+    if sep and ("." in first or ":" in first or first == "localhost" or first.lower() != first):
+        domain, remainder = first, rest
+    else:
+        domain, remainder = DEFAULT_DOMAIN, name
+    if domain == LEGACY_DEFAULT_DOMAIN:
+        domain = DEFAULT_DOMAIN
+    if domain == DEFAULT_DOMAIN and "/" not in remainder:
+        remainder = OFFICIAL_REPO_PREFIX + remainder
+    return domain, remainder
+
+
+@lru_cache(maxsize=4096)
+def parse(reference: str) -> ImageRef:
+    """Parse and normalize; no tag and no digest means ``latest``, a digest is kept."""
+    if not isinstance(reference, str):
+        raise ImageRefError(f"image reference must be a string, not {type(reference).__name__}")
+    ref = reference.strip()
+    if not ref:
+        raise ImageRefError("image reference is empty")
+    if len(ref) > 4096:
+        raise ImageRefError("image reference is too long")
+    # Split off tag and digest before deciding the domain, so "host:5000/x" keeps its port.
+    name_part, at, digest = ref.partition("@")
+    if at and not digest:
+        raise ImageRefError(f"invalid reference {ref!r}: empty digest")
+    last_slash = name_part.rfind("/")
+    colon = name_part.rfind(":")
+    if colon > last_slash:
+        name, tag = name_part[:colon], name_part[colon + 1 :]
+        if not tag:
+            raise ImageRefError(f"invalid reference {ref!r}: empty tag")
+    else:
+        name, tag = name_part, ""
+    domain, path = _split_domain(name)
+    if not _DOMAIN_ONLY.match(domain):
+        raise ImageRefError(f"invalid reference {ref!r}: bad registry host {domain!r}")
+    if path != path.lower():
+        raise ImageRefError(f"invalid reference {ref!r}: repository name must be lowercase")
+    candidate = f"{domain}/{path}" + (f":{tag}" if tag else "") + (f"@{digest}" if digest else "")
+    m = _REFERENCE.match(candidate)
+    if m is None:
+        raise ImageRefError(f"invalid reference format: {ref!r}")
+    if len(m.group("name")) > MAX_NAME_LENGTH:
+        raise ImageRefError(f"invalid reference {ref!r}: repository name longer than 255")
+    if digest and digest.startswith("sha256:") and not _SHA256.match(digest):
+        raise ImageRefError(f"invalid reference {ref!r}: a sha256 digest is 64 lower-case hex")
+    return ImageRef(
+        domain=domain,
+        path=path,
+        tag=tag or (None if digest else "latest"),
+        digest=digest or None,
+    )
+
+
+def normalize_pattern(pattern: str) -> str:
+    """Apply the same domain rule to a rule's glob, so admins may write ``lmsysorg/sglang:v1*``.
+
+    Globs cannot go through ``parse`` (``*`` is not in the grammar), so only the
+    domain defaulting is applied; a pattern starting with a wildcard is left alone.
+    """
+    p = pattern.strip()
+    if not p or p[0] in "*?[":
+        return p
+    first, sep, rest = p.partition("/")
+    if sep and ("." in first or ":" in first or first == "localhost"):
+        return (DEFAULT_DOMAIN + "/" + rest) if first == LEGACY_DEFAULT_DOMAIN else p
+    if not sep:
+        return f"{DEFAULT_DOMAIN}/{OFFICIAL_REPO_PREFIX}{p}"
+    return f"{DEFAULT_DOMAIN}/{p}"

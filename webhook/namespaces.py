@@ -1,0 +1,81 @@
+"""Per-namespace settings read from Namespace labels, held in memory.
+
+``epguard.io/mode: enforce|warn|audit`` overrides the global mode for one
+namespace (a team can trial epguard in ``warn`` before it enforces), and
+``epguard.io/inject: enabled`` says the probe is injected there, so a missing
+probe init container in a workload template is not worth a warning.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, cast
+
+Mode = Literal["enforce", "warn", "audit"]
+MODES: tuple[Mode, ...] = ("enforce", "warn", "audit")
+MODE_LABEL = "epguard.io/mode"
+INJECT_LABEL = "epguard.io/inject"
+INJECT_ON = frozenset({"enabled", "true"})
+
+
+def parse_mode(value: Any) -> Mode | None:
+    if isinstance(value, str) and value.strip().lower() in MODES:
+        return cast(Mode, value.strip().lower())
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceSettings:
+    mode: Mode | None = None
+    inject: bool = False
+    # A label value we could not use, kept so the watch can log it once.
+    bad_mode: str | None = None
+
+
+def settings_from_labels(labels: Any) -> NamespaceSettings:
+    if not isinstance(labels, Mapping):
+        return NamespaceSettings()
+    raw_mode = labels.get(MODE_LABEL)
+    mode = parse_mode(raw_mode)
+    inject = labels.get(INJECT_LABEL)
+    return NamespaceSettings(
+        mode=mode,
+        inject=isinstance(inject, str) and inject.strip().lower() in INJECT_ON,
+        bad_mode=raw_mode if isinstance(raw_mode, str) and mode is None else None,
+    )
+
+
+class NamespaceIndex:
+    """Only namespaces that carry an epguard label are kept; the rest use defaults."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._settings: dict[str, NamespaceSettings] = {}
+
+    def __len__(self) -> int:
+        return len(self._settings)
+
+    def get(self, namespace: str | None) -> NamespaceSettings:
+        if not namespace:
+            return NamespaceSettings()
+        return self._settings.get(namespace) or NamespaceSettings()
+
+    def upsert(self, name: str, labels: Any) -> NamespaceSettings:
+        s = settings_from_labels(labels)
+        with self._lock:
+            if s.mode is None and not s.inject:
+                self._settings.pop(name, None)
+            else:
+                self._settings[name] = s
+        return s
+
+    def delete(self, name: str) -> None:
+        with self._lock:
+            self._settings.pop(name, None)
+
+    def replace(self, labels_by_name: Mapping[str, Any]) -> None:
+        fresh = {n: settings_from_labels(lbl) for n, lbl in labels_by_name.items()}
+        with self._lock:
+            self._settings = {n: s for n, s in fresh.items() if s.mode is not None or s.inject}

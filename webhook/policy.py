@@ -1,0 +1,358 @@
+"""The decision engine: one admission request plus in-memory state → one decision.
+
+Pure and synchronous: no I/O, no API calls (everything it needs is in
+``PolicyState``, kept current by watches), so the HTTP server and the offline
+CLI share it and say the same words.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from webhook.argv import FLAG, analyse_container, container_argv
+from webhook.imageref import ImageRef, ImageRefError, parse
+from webhook.namespaces import Mode, NamespaceIndex
+from webhook.review import AdmissionRequest
+from webhook.rules import Rule, RuleSet, RulesHolder
+from webhook.verdicts import NoVerdicts, VerdictHit, VerdictLookup
+from webhook.workloads import ContainerView, PodTemplateView, annotations_of, pod_templates
+
+SKIP_ANNOTATION = "epguard.io/skip"
+INJECT_ANNOTATION = "epguard.io/inject"
+PROBE_CONTAINER = "epguard-probe"
+JUDGED_OPERATIONS = frozenset({"CREATE", "UPDATE"})
+# Subresources that carry a pod spec worth judging; /status, /scale … do not.
+JUDGED_SUBRESOURCES = frozenset({"", "ephemeralcontainers"})
+
+Severity = Literal["deny", "warn"]
+Result = Literal["allowed", "denied", "warned", "audited", "exempted", "ignored"]
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    severity: Severity
+    message: str
+    # What fired: a rule id, "verdict:<ImageVerdict name>", or None for advice.
+    source: str | None = None
+    # Identity used to recognise the same problem in oldObject on UPDATE.
+    key: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    default_mode: Mode = "enforce"
+    allow_skip: bool = True
+
+
+@dataclass
+class PolicyState:
+    rules: RulesHolder
+    namespaces: NamespaceIndex = field(default_factory=NamespaceIndex)
+    verdicts: VerdictLookup = field(default_factory=NoVerdicts)
+    config: PolicyConfig = field(default_factory=PolicyConfig)
+
+    @classmethod
+    def from_rules(cls, rules: RuleSet, config: PolicyConfig | None = None) -> PolicyState:
+        return cls(rules=RulesHolder(rules), config=config or PolicyConfig())
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    allowed: bool
+    result: Result
+    mode: Mode
+    message: str | None = None
+    warnings: tuple[str, ...] = ()
+    findings: tuple[Finding, ...] = ()
+    exemption: str | None = None
+    audit_annotations: dict[str, str] | None = None
+
+    @property
+    def denials(self) -> tuple[Finding, ...]:
+        return tuple(f for f in self.findings if f.severity == "deny")
+
+    @property
+    def fired(self) -> tuple[str, ...]:
+        """Rule/verdict ids behind would-be denials, in order, without repeats."""
+        return tuple(dict.fromkeys(f.source for f in self.denials if f.source))
+
+
+ALLOW_IGNORED = Decision(allowed=True, result="ignored", mode="enforce")
+
+
+def _strip_period(text: str) -> str:
+    return text.strip().rstrip(".").strip()
+
+
+def _is_probe(c: ContainerView) -> bool:
+    if c.name == PROBE_CONTAINER:
+        return True
+    argv = container_argv(c.raw) if c.kind == "initContainer" else ()
+    return any("epguard" in a and "probe" in a for a in argv)
+
+
+def _subject(c: ContainerView, where: str, image: str) -> str:
+    label = {"initContainer": "init container", "ephemeralContainer": "ephemeral container"}.get(
+        c.kind, "container"
+    )
+    place = f" in {where}" if where else ""
+    return f'{label} "{c.name}"{place} (image {image})'
+
+
+def _rule_finding(subject: str, rule: Rule, key: tuple[str, ...]) -> Finding:
+    if rule.action == "deny":
+        text = (
+            f"{subject} requests {FLAG} mooncake, which this image cannot serve: "
+            f"{_strip_period(rule.reason)}. Fix: {_strip_period(rule.remedy)}. "
+            f"[epguard rule {rule.id}]"
+        )
+    else:
+        text = (
+            f"{subject} requests {FLAG} mooncake, which this image may not serve: "
+            f"{_strip_period(rule.reason)}. Fix: {_strip_period(rule.remedy)}. "
+            f"[epguard rule {rule.id}, warn]"
+        )
+    return Finding(rule.action, text, rule.id, (*key, rule.id))
+
+
+def _verdict_finding(subject: str, hit: VerdictHit, key: tuple[str, ...]) -> Finding:
+    v = hit.verdict
+    reason = _strip_period(v.reason) or "its epguard probe failed"
+    src = f"verdict:{v.object_name}"
+    if hit.trust == "deny":
+        return Finding(
+            "deny",
+            f"{subject} requests {FLAG} mooncake, which this image cannot serve: {reason} "
+            f"({hit.where()}). Fix: use an image whose epguard probe passes; once this one is "
+            f"fixed, delete ImageVerdict {v.object_name}. [epguard verdict {v.object_name}]",
+            src,
+            (*key, src),
+        )
+    return Finding(
+        "warn",
+        f"{subject} requests {FLAG} mooncake; an earlier pod on this tag failed its epguard "
+        f"probe: {reason} ({hit.where()}), but tags move and that verdict is older than the "
+        f"TTL. Pin the image by digest to be sure. [epguard verdict {v.object_name}, warn]",
+        src,
+        (*key, src),
+    )
+
+
+def _template_findings(
+    t: PodTemplateView,
+    state: PolicyState,
+    now: dt.datetime,
+    namespace_injects: bool,
+) -> list[Finding]:
+    findings: list[Finding] = []
+    probe_present = (
+        namespace_injects
+        or t.annotations.get(INJECT_ANNOTATION, "").strip().lower() in ("enabled", "true")
+        or any(_is_probe(c) for c in t.containers if c.kind == "initContainer")
+    )
+    rules = state.rules.current
+    for c in t.containers:
+        if c.name == PROBE_CONTAINER:
+            continue  # the probe carries the worker's argv after "--"; it is not a worker
+        report = analyse_container(c.raw)
+        image_text = c.image if c.image is not None else "<none>"
+        subject = _subject(c, t.where, image_text)
+        if report.unresolved_value is not None:
+            findings.append(
+                Finding(
+                    "warn",
+                    f"{subject} passes {FLAG} {report.unresolved_value}, whose value cannot be "
+                    "resolved at admission (it comes from a Secret, ConfigMap, field or shell "
+                    "variable); epguard could not check it",
+                )
+            )
+        hidden = report.config_file is not None and not report.requests_mooncake
+        if hidden and report.looks_like_sglang:
+            findings.append(
+                Finding(
+                    "warn",
+                    f"{subject} reads --config {report.config_file or '<file>'}; a {FLAG} set "
+                    "in that file cannot be seen at admission, so epguard did not check it",
+                )
+            )
+        if not report.requests_mooncake:
+            continue
+        try:
+            ref: ImageRef = parse(c.image) if c.image is not None else parse("")
+        except ImageRefError as exc:
+            findings.append(
+                Finding(
+                    "warn",
+                    f"{subject} requests {FLAG} mooncake but its image reference is not valid "
+                    f"({exc}); epguard could not check it",
+                )
+            )
+            continue
+        subject = _subject(c, t.where, str(ref))
+        key = (t.where, c.kind, c.name, str(ref))
+        matched = rules.match(ref)
+        findings.extend(_rule_finding(subject, r, key) for r in matched)
+        hit = state.verdicts.lookup(ref, now)
+        if hit is not None and hit.trust != "usable":
+            findings.append(_verdict_finding(subject, hit, key))
+        if not matched and hit is None and not probe_present:
+            findings.append(
+                Finding(
+                    "warn",
+                    f"{subject} requests {FLAG} mooncake and epguard knows nothing about this "
+                    "image: add the epguard probe or enable injection "
+                    f"(label the namespace {INJECT_ANNOTATION}=enabled)",
+                )
+            )
+    return findings
+
+
+@dataclass(frozen=True, slots=True)
+class _Judgement:
+    findings: list[Finding]
+    # Why the object (or a template whose denials were dropped) is exempt, if it is.
+    exemption: str | None
+
+
+def _judge(
+    templates: list[PodTemplateView],
+    obj_annotations: dict[str, str],
+    state: PolicyState,
+    now: dt.datetime,
+    namespace_injects: bool,
+) -> _Judgement:
+    allow_skip = state.config.allow_skip
+    findings: list[Finding] = []
+    obj_skip = obj_annotations.get(SKIP_ANNOTATION)
+    exemption = obj_skip if allow_skip else None
+    for t in templates:
+        tf = _template_findings(t, state, now, namespace_injects)
+        t_skip = t.annotations.get(SKIP_ANNOTATION)
+        if t_skip is not None and allow_skip and any(f.severity == "deny" for f in tf):
+            # A template's annotation exempts that template, and so the pods made from
+            # it (the annotation is copied onto them).
+            exemption = exemption if exemption is not None else t_skip
+            tf = [f for f in tf if f.severity != "deny"]
+        findings.extend(tf)
+    if not allow_skip and (
+        obj_skip is not None or any(SKIP_ANNOTATION in t.annotations for t in templates)
+    ):
+        findings.append(
+            Finding(
+                "warn",
+                f"the {SKIP_ANNOTATION} annotation is disabled in this cluster and was ignored",
+            )
+        )
+    return _Judgement(findings, exemption)
+
+
+def decide(
+    request: AdmissionRequest, state: PolicyState, now: dt.datetime | None = None
+) -> Decision:
+    if request.operation not in JUDGED_OPERATIONS:
+        return ALLOW_IGNORED
+    if (request.subResource or "") not in JUDGED_SUBRESOURCES:
+        return ALLOW_IGNORED
+    templates = pod_templates(request.kind.group, request.kind.kind, request.object)
+    if templates is None:
+        return ALLOW_IGNORED  # a kind epguard does not judge: never in the way
+    now = now or dt.datetime.now(dt.UTC)
+    ns = state.namespaces.get(request.namespace)
+    mode: Mode = ns.mode or state.config.default_mode
+    obj_annotations = dict(annotations_of(request.object))
+    judgement = _judge(templates, obj_annotations, state, now, ns.inject)
+    findings = judgement.findings
+
+    if request.operation == "UPDATE" and request.oldObject is not None:
+        # Do not block an update (a scale-down, a finalizer removal, a label) of an
+        # object whose problem was already there: only what the update introduces.
+        old_templates = pod_templates(request.kind.group, request.kind.kind, request.oldObject)
+        old_keys = {
+            f.key
+            for f in _judge(old_templates or [], {}, state, now, ns.inject).findings
+            if f.severity == "deny"
+        }
+        findings = [
+            Finding(
+                "warn",
+                f.message + " (already present before this update; not blocking it)",
+                f.source,
+                f.key,
+            )
+            if f.severity == "deny" and f.key in old_keys
+            else f
+            for f in findings
+        ]
+    return _conclude(findings, mode, judgement.exemption)
+
+
+def _conclude(findings: list[Finding], mode: Mode, exemption: str | None) -> Decision:
+    denials = [f for f in findings if f.severity == "deny"]
+    warnings = [f.message for f in findings if f.severity == "warn"]
+    fired = ",".join(dict.fromkeys(f.source for f in denials if f.source))
+    if exemption is not None:
+        why = exemption.strip() or "(no reason given)"
+        note = f"epguard checks skipped by annotation {SKIP_ANNOTATION}: {why}"
+        return Decision(
+            allowed=True,
+            result="exempted",
+            mode=mode,
+            warnings=(note, *warnings),
+            findings=tuple(findings),
+            exemption=exemption,
+            audit_annotations={"exempted": exemption[:256] or "(no reason given)"},
+        )
+    if not denials:
+        return Decision(
+            allowed=True,
+            result="allowed",
+            mode=mode,
+            warnings=tuple(warnings),
+            findings=tuple(findings),
+        )
+    message = "; ".join(f.message for f in denials)
+    if mode == "enforce":
+        return Decision(
+            allowed=False,
+            result="denied",
+            mode=mode,
+            message=message,
+            warnings=tuple(warnings),
+            findings=tuple(findings),
+            audit_annotations={"denied": fired},
+        )
+    if mode == "warn":
+        return Decision(
+            allowed=True,
+            result="warned",
+            mode=mode,
+            warnings=(
+                *(f"epguard (warn mode) would deny: {f.message}" for f in denials),
+                *warnings,
+            ),
+            findings=tuple(findings),
+            audit_annotations={"would-deny": fired},
+        )
+    return Decision(
+        allowed=True,
+        result="audited",
+        mode=mode,
+        warnings=tuple(warnings),
+        findings=tuple(findings),
+        audit_annotations={"would-deny": fired},
+        message=message,
+    )
+
+
+def describe_object(obj: Any) -> str:
+    """``Kind ns/name`` for logs."""
+    from webhook.workloads import as_map
+
+    o = as_map(obj)
+    meta = as_map(o.get("metadata"))
+    kind = o.get("kind") if isinstance(o.get("kind"), str) else "object"
+    name = meta.get("name") or meta.get("generateName") or "<unnamed>"
+    ns = meta.get("namespace")
+    return f"{kind} {ns + '/' if isinstance(ns, str) and ns else ''}{name}"

@@ -1,0 +1,206 @@
+"""The admin's rules: which images cannot serve mooncake elastic EP, and what to say.
+
+A rules file is YAML of exactly this shape::
+
+    rules:
+      - id: sglang-0523-no-prebuilt-pg        # unique
+        image: "docker.io/lmsysorg/sglang:v0.5.23*"  # glob on the normalized name:tag
+        digest: "sha256:..."                  # optional: match the pinned digest instead
+        reason: "..."                         # what goes wrong, one sentence
+        remedy: "..."                         # what to do instead
+        action: deny                          # deny (default) | warn
+        evidence: "..."                       # optional: where the claim comes from
+
+Loading is all-or-nothing: one bad entry rejects the whole file with a message
+naming the entry, so a live edit with a typo never half-applies.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from webhook.imageref import ImageRef, normalize_pattern
+
+Action = Literal["deny", "warn"]
+_DIGEST = re.compile(r"^[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,}$")
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,126}$")
+
+
+class RulesError(ValueError):
+    """A rules document that must not be applied; the message says where and why."""
+
+
+class Rule(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, str_strip_whitespace=True)
+
+    id: str
+    image: str | None = None
+    digest: str | None = None
+    reason: str = Field(min_length=1)
+    remedy: str = Field(min_length=1)
+    action: Action = "deny"
+    evidence: str | None = None
+
+    @field_validator("id")
+    @classmethod
+    def _id_shape(cls, v: str) -> str:
+        if not _ID.match(v):
+            raise ValueError("must be 1-127 characters of letters, digits, '.', '_' or '-'")
+        return v
+
+    @field_validator("image")
+    @classmethod
+    def _image_glob(cls, v: str | None) -> str | None:
+        if v is None:
+            return None
+        if not v:
+            raise ValueError("must not be empty (leave it out to match by digest only)")
+        return normalize_pattern(v)
+
+    @field_validator("digest")
+    @classmethod
+    def _digest_shape(cls, v: str | None) -> str | None:
+        if v is not None and not _DIGEST.match(v):
+            raise ValueError("must look like 'sha256:<hex>'")
+        return v.lower() if v else v
+
+    @model_validator(mode="after")
+    def _needs_a_selector(self) -> Rule:
+        if self.image is None and self.digest is None:
+            raise ValueError("a rule needs 'image' (a glob) or 'digest'")
+        return self
+
+    def matches(self, ref: ImageRef) -> bool:
+        if self.digest is not None and (ref.digest or "").lower() != self.digest:
+            return False
+        return self.image is None or fnmatch.fnmatchcase(ref.name_tag, self.image)
+
+
+@dataclass(frozen=True)
+class RuleSet:
+    rules: tuple[Rule, ...] = ()
+    source: str = "<none>"
+    # Memo of ref → matching rules; a RuleSet is immutable, so it never goes stale.
+    _memo: dict[ImageRef, tuple[Rule, ...]] = field(default_factory=dict, repr=False, compare=False)
+
+    def match(self, ref: ImageRef) -> tuple[Rule, ...]:
+        hit = self._memo.get(ref)
+        if hit is None:
+            hit = tuple(r for r in self.rules if r.matches(ref))
+            if len(self._memo) > 4096:
+                self._memo.clear()
+            self._memo[ref] = hit
+        return hit
+
+    def __len__(self) -> int:
+        return len(self.rules)
+
+
+def _describe(index: int, raw: Any) -> str:
+    rid = raw.get("id") if isinstance(raw, dict) else None
+    return f"rules[{index}]" + (f" (id {rid!r})" if isinstance(rid, str) else "")
+
+
+def parse_rules(data: Any, source: str) -> RuleSet:
+    if data is None:
+        return RuleSet((), source)
+    if not isinstance(data, dict):
+        raise RulesError(f"{source}: the top level must be a mapping with a 'rules' list")
+    unknown = sorted(str(k) for k in data if k != "rules")
+    if unknown:
+        raise RulesError(f"{source}: unknown top-level key(s) {unknown}; only 'rules' is allowed")
+    raw_rules = data.get("rules")
+    if raw_rules is None:
+        return RuleSet((), source)
+    if not isinstance(raw_rules, list):
+        raise RulesError(f"{source}: 'rules' must be a list")
+    rules: list[Rule] = []
+    seen: dict[str, int] = {}
+    for index, raw in enumerate(raw_rules):
+        if not isinstance(raw, dict):
+            raise RulesError(f"{source}: rules[{index}] must be a mapping")
+        try:
+            rule = Rule.model_validate(raw)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc']) or 'rule'}: {e['msg']}" for e in exc.errors()
+            )
+            raise RulesError(f"{source}: {_describe(index, raw)}: {problems}") from None
+        if rule.id in seen:
+            raise RulesError(
+                f"{source}: duplicate rule id {rule.id!r} "
+                f"at rules[{seen[rule.id]}] and rules[{index}]"
+            )
+        seen[rule.id] = index
+        rules.append(rule)
+    return RuleSet(tuple(rules), source)
+
+
+def load_rules_text(text: str, source: str) -> RuleSet:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise RulesError(f"{source}: not valid YAML: {exc}") from None
+    return parse_rules(data, source)
+
+
+def load_rules_file(path: str) -> RuleSet:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as exc:
+        raise RulesError(f"{path}: cannot read rules file: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise RulesError(f"{path}: rules file is not UTF-8 text") from None
+    return load_rules_text(text, path)
+
+
+def default_rules_path() -> str:
+    from importlib.resources import files
+
+    return str(files("webhook") / "data" / "default-rules.yaml")
+
+
+def rule_ids(rules: Iterable[Rule]) -> list[str]:
+    return [r.id for r in rules]
+
+
+class RulesHolder:
+    """The rules in force: the live ConfigMap's when there is one, else the file's.
+
+    Each layer only ever changes to a set that loaded completely, so a bad edit
+    leaves the last good rules in force (the caller logs and counts the error).
+    Replacing a reference is atomic, so admissions never see a half-built set.
+    """
+
+    def __init__(self, file_rules: RuleSet) -> None:
+        self._file = file_rules
+        self._live: RuleSet | None = None
+        self.current: RuleSet = file_rules
+
+    @property
+    def file_rules(self) -> RuleSet:
+        return self._file
+
+    @property
+    def live_rules(self) -> RuleSet | None:
+        return self._live
+
+    def _refresh(self) -> None:
+        self.current = self._live if self._live is not None else self._file
+
+    def set_file(self, rules: RuleSet) -> None:
+        self._file = rules
+        self._refresh()
+
+    def set_live(self, rules: RuleSet | None) -> None:
+        """None means the ConfigMap (or its key) is gone: fall back to the file."""
+        self._live = rules
+        self._refresh()

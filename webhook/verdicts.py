@@ -1,0 +1,183 @@
+"""Verdicts learned from real probe runs (``ImageVerdict``, group epguard.io), in memory.
+
+The policy only sees the ``VerdictLookup`` protocol, so the admission path never
+calls the API server: a watch (``watch.py``) keeps a ``VerdictStore`` current.
+
+Trust depends on how the pod names its image:
+
+* pinned by digest: the bytes are the bytes the probe saw, so an Unusable
+  verdict for that digest refuses, for as long as the verdict exists;
+* by tag only: tags move (a rebuilt ``:latest`` may be fixed), so an Unusable
+  verdict refuses only while younger than ``tag_ttl`` and warns after.
+
+The ImageVerdict fields read here (from ``spec``, falling back to ``status``):
+``image`` (as written in the pod), ``digest`` (resolved from the pod's
+``imageID``), ``verdict`` (``Usable``/``Unusable``), ``reason``, ``lastSeen``
+(RFC 3339) and ``pod`` (``namespace/name`` of the pod that saw it).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from webhook.imageref import ImageRef, ImageRefError, parse
+
+Trust = Literal["deny", "warn", "usable"]
+DEFAULT_TAG_TTL = dt.timedelta(hours=24)
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    object_name: str
+    image: str
+    ref: ImageRef | None
+    digest: str | None
+    usable: bool
+    reason: str
+    last_seen: dt.datetime | None
+    pod: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class VerdictHit:
+    verdict: Verdict
+    trust: Trust
+    by_digest: bool
+
+    def where(self) -> str:
+        bits = []
+        if self.verdict.pod:
+            bits.append(f"in pod {self.verdict.pod}")
+        if self.verdict.last_seen is not None:
+            bits.append(f"at {self.verdict.last_seen.strftime('%Y-%m-%dT%H:%M:%SZ')}")
+        return ("seen failing " + " ".join(bits)) if bits else "seen failing in this cluster"
+
+
+class VerdictLookup(Protocol):
+    def lookup(self, ref: ImageRef, now: dt.datetime) -> VerdictHit | None: ...
+
+
+class NoVerdicts:
+    """The lookup used when nothing is learned (CLI, or no cluster)."""
+
+    def lookup(self, ref: ImageRef, now: dt.datetime) -> VerdictHit | None:
+        return None
+
+
+def _field(obj: Mapping[str, Any], name: str) -> Any:
+    for part in ("spec", "status"):
+        section = obj.get(part)
+        if isinstance(section, Mapping) and section.get(name) is not None:
+            return section.get(name)
+    return None
+
+
+def _time(value: Any) -> dt.datetime | None:
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        t = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return t if t.tzinfo else t.replace(tzinfo=dt.UTC)
+
+
+def verdict_from_object(obj: Any) -> Verdict | None:
+    """An ImageVerdict as the API returns it → Verdict, or None when unusable as evidence."""
+    if not isinstance(obj, Mapping):
+        return None
+    meta = obj.get("metadata")
+    name = meta.get("name") if isinstance(meta, Mapping) else None
+    image = _field(obj, "image")
+    verdict = _field(obj, "verdict")
+    if not isinstance(name, str) or not isinstance(image, str) or not isinstance(verdict, str):
+        return None
+    if verdict.lower() not in ("usable", "unusable"):
+        return None
+    try:
+        ref: ImageRef | None = parse(image)
+    except ImageRefError:
+        ref = None
+    digest = _field(obj, "digest")
+    digest = digest.lower() if isinstance(digest, str) and digest else None
+    if digest is None and ref is not None and ref.digest:
+        digest = ref.digest.lower()
+    reason = _field(obj, "reason")
+    pod = _field(obj, "pod")
+    return Verdict(
+        object_name=name,
+        image=image,
+        ref=ref,
+        digest=digest,
+        usable=verdict.lower() == "usable",
+        reason=reason.strip().splitlines()[0] if isinstance(reason, str) and reason.strip() else "",
+        last_seen=_time(_field(obj, "lastSeen")),
+        pod=pod if isinstance(pod, str) and pod else None,
+    )
+
+
+class VerdictStore:
+    """ImageVerdicts by object name, indexed by digest and by normalized name:tag.
+
+    Written by the watch task, read by admissions; a lock keeps the two indexes
+    consistent with each other even if a writer runs in another thread.
+    """
+
+    def __init__(self, tag_ttl: dt.timedelta = DEFAULT_TAG_TTL) -> None:
+        self.tag_ttl = tag_ttl
+        self._lock = threading.Lock()
+        self._by_name: dict[str, Verdict] = {}
+        self._by_digest: dict[str, Verdict] = {}
+        self._by_tag: dict[str, Verdict] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def _reindex(self) -> None:
+        by_digest: dict[str, Verdict] = {}
+        by_tag: dict[str, Verdict] = {}
+        epoch = dt.datetime.min.replace(tzinfo=dt.UTC)
+        # Newest first wins: "a newer probe outcome replaces it".
+        ordered = sorted(self._by_name.values(), key=lambda v: v.last_seen or epoch)
+        for v in ordered:
+            if v.digest:
+                by_digest[v.digest] = v
+            if v.ref is not None and v.ref.tag is not None:
+                by_tag[v.ref.name_tag] = v
+        self._by_digest, self._by_tag = by_digest, by_tag
+
+    def upsert(self, verdict: Verdict) -> None:
+        with self._lock:
+            self._by_name[verdict.object_name] = verdict
+            self._reindex()
+
+    def delete(self, object_name: str) -> None:
+        with self._lock:
+            if self._by_name.pop(object_name, None) is not None:
+                self._reindex()
+
+    def replace(self, verdicts: Iterable[Verdict]) -> None:
+        with self._lock:
+            self._by_name = {v.object_name: v for v in verdicts}
+            self._reindex()
+
+    def lookup(self, ref: ImageRef, now: dt.datetime) -> VerdictHit | None:
+        if ref.digest:
+            v = self._by_digest.get(ref.digest.lower())
+            if v is not None:
+                return VerdictHit(v, "usable" if v.usable else "deny", by_digest=True)
+        if ref.tag is None:
+            return None
+        v = self._by_tag.get(ref.name_tag)
+        if v is None:
+            return None
+        if ref.digest and v.digest and v.digest != ref.digest.lower():
+            return None  # the tag's verdict was about other bytes than the ones pinned here
+        if v.usable:
+            return VerdictHit(v, "usable", by_digest=False)
+        fresh = v.last_seen is not None and now - v.last_seen < self.tag_ttl
+        return VerdictHit(v, "deny" if fresh else "warn", by_digest=False)
