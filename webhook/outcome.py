@@ -1,0 +1,209 @@
+"""Probe outcomes read back from pod status, as the kubelet recorded them.
+
+The probe (``probe/``) writes a termination message whose first line is the
+verdict, one line is ``versions: torch=… sglang=… <mooncake-dist>=…`` and the
+last line is ``fix: …``; the kubelet copies it into
+``status.initContainerStatuses[].state.terminated.message``. This module turns
+that into typed observations and into the ``ImageVerdict`` spec the controller
+writes. It is pure (no API calls) so it can be tested on real probe messages.
+
+Only exit codes 0 and 1 are evidence about the image: 2 is a usage error, and
+anything else (OOM kill 137, a signal, the node going away) says nothing about
+whether mooncake fits the image, so it is not recorded.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from webhook.imageref import ImageRefError, parse
+from webhook.workloads import as_list, as_map
+
+PROBE_CONTAINER = "epguard-probe"
+USABLE_PREFIX = "epguard: mooncake elastic EP is usable"
+UNUSABLE_PREFIX = "epguard: mooncake elastic EP is unusable"
+NOTHING_PREFIX = "epguard: nothing to check"
+MAX_REASON = 1024
+
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+
+VerdictName = Literal["Usable", "Unusable"]
+
+
+@dataclass(frozen=True, slots=True)
+class Versions:
+    torch: str = ""
+    sglang: str = ""
+    mooncake: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeOutcome:
+    """One terminated probe container of one pod."""
+
+    container: str
+    image: str
+    digest: str | None
+    verdict: VerdictName
+    reason: str
+    report: str
+    versions: Versions
+    finished_at: str
+    exit_code: int
+    restart_count: int
+
+    @property
+    def key(self) -> str:
+        """Identifies this termination, so re-delivered pod events are recorded once."""
+        return f"{self.container}/{self.restart_count}/{self.finished_at}"
+
+
+def is_probe_container(name: str) -> bool:
+    return name == PROBE_CONTAINER or name.startswith(PROBE_CONTAINER + "-")
+
+
+def digest_of(image_id: Any) -> str | None:
+    """``imageID`` comes as ``docker.io/x@sha256:…`` or ``docker-pullable://…@sha256:…``."""
+    if not isinstance(image_id, str):
+        return None
+    found = _DIGEST.findall(image_id.lower())
+    return found[-1] if found else None
+
+
+def parse_versions(message: str) -> Versions:
+    for line in message.splitlines():
+        if not line.startswith("versions:"):
+            continue
+        pairs = dict(
+            token.split("=", 1) for token in line[len("versions:") :].split() if "=" in token
+        )
+        mooncake = " ".join(
+            f"{name} {value}" if value != "none" else ""
+            for name, value in pairs.items()
+            if name.startswith("mooncake")
+        ).strip()
+        return Versions(
+            torch=_known(pairs.get("torch")),
+            sglang=_known(pairs.get("sglang")),
+            mooncake=mooncake or "none",
+        )
+    return Versions()
+
+
+def _known(value: str | None) -> str:
+    return "" if value is None else value
+
+
+def classify(message: str, exit_code: int) -> VerdictName | None:
+    """The verdict a termination stands for, or None when it is no evidence."""
+    first = message.strip().splitlines()[0] if message.strip() else ""
+    if first.startswith(NOTHING_PREFIX):
+        return None
+    if exit_code == 0 and first.startswith(USABLE_PREFIX):
+        return "Usable"
+    if exit_code == 1 and first.startswith(UNUSABLE_PREFIX):
+        return "Unusable"
+    return None
+
+
+def _terminations(status: Mapping[str, Any]) -> Iterator[tuple[Mapping[str, Any], int]]:
+    # The current state is the newest; lastState holds the previous run while the
+    # container restarts (Init:CrashLoopBackOff shows "waiting" with lastState terminated).
+    for section in ("state", "lastState"):
+        terminated = as_map(as_map(status.get(section)).get("terminated"))
+        if terminated:
+            yield terminated, int(status.get("restartCount") or 0) - (section == "lastState")
+            return
+
+
+def outcomes_of(pod: Mapping[str, Any]) -> list[ProbeOutcome]:
+    """Every probe termination a pod's status holds that is evidence about its image."""
+    spec_images = {
+        c.get("name"): c.get("image")
+        for c in as_list(as_map(pod.get("spec")).get("initContainers"))
+        if isinstance(c, Mapping)
+    }
+    found: list[ProbeOutcome] = []
+    for status in as_list(as_map(pod.get("status")).get("initContainerStatuses")):
+        if not isinstance(status, Mapping):
+            continue
+        name = status.get("name")
+        if not isinstance(name, str) or not is_probe_container(name):
+            continue
+        for terminated, restarts in _terminations(status):
+            message = terminated.get("message")
+            message = message if isinstance(message, str) else ""
+            code = terminated.get("exitCode")
+            if not isinstance(code, int):
+                continue
+            verdict = classify(message, code)
+            if verdict is None:
+                continue
+            image = spec_images.get(name) or status.get("image")
+            if not isinstance(image, str) or not image:
+                continue
+            lines = message.strip().splitlines()
+            found.append(
+                ProbeOutcome(
+                    container=name,
+                    image=image,
+                    digest=digest_of(status.get("imageID")),
+                    verdict=verdict,
+                    reason=lines[0][:MAX_REASON],
+                    report=message.strip()[:4096],
+                    versions=parse_versions(message),
+                    finished_at=str(terminated.get("finishedAt") or ""),
+                    exit_code=code,
+                    restart_count=max(restarts, 0),
+                )
+            )
+    return found
+
+
+def verdict_name(image: str, digest: str | None) -> str:
+    """The ImageVerdict's object name: one object per image content when known.
+
+    By digest when the kubelet resolved one (the bytes the probe saw), otherwise by a
+    hash of the normalized reference, so two spellings of one image share an object.
+    """
+    if digest:
+        return digest.replace(":", "-")
+    try:
+        key = str(parse(image))
+    except ImageRefError:
+        key = image
+    return "ref-" + hashlib.sha256(key.encode()).hexdigest()[:40]
+
+
+def verdict_spec(
+    outcome: ProbeOutcome,
+    pod: str,
+    now: dt.datetime,
+    previous: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """The spec to write: the newest outcome replaces the old one; count and firstSeen carry."""
+    stamp = now.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    prev = as_map(previous)
+    count = prev.get("count")
+    first_seen = prev.get("firstSeen")
+    return {
+        "image": outcome.image,
+        "digest": outcome.digest or "",
+        "verdict": outcome.verdict,
+        "reason": outcome.reason,
+        "report": outcome.report,
+        "versions": {
+            "sglang": outcome.versions.sglang,
+            "torch": outcome.versions.torch,
+            "mooncake": outcome.versions.mooncake,
+        },
+        "firstSeen": first_seen if isinstance(first_seen, str) and first_seen else stamp,
+        "lastSeen": stamp,
+        "pod": pod,
+        "count": (count if isinstance(count, int) and count > 0 else 0) + 1,
+    }
