@@ -158,9 +158,7 @@ class Recorder:
             )
         return self._owner_kinds[key]
 
-    async def post_event(
-        self, about: ObjectReference, outcome: ProbeOutcome, message: str
-    ) -> None:
+    async def post_event(self, about: ObjectReference, outcome: ProbeOutcome, message: str) -> None:
         now = _now()
         usable = outcome.verdict == "Usable"
         event = Event(
@@ -192,9 +190,7 @@ def _message(outcome: ProbeOutcome, pod: str) -> str:
     )
 
 
-async def record_probe_outcomes(
-    body: Mapping[str, Any], memo: kopf.Memo, **_: Any
-) -> list[str]:
+async def record_probe_outcomes(body: Mapping[str, Any], memo: kopf.Memo, **_: Any) -> list[str]:
     """Record every new probe termination of one pod; returns the keys recorded."""
     meta = as_map(body.get("metadata"))
     namespace, name = meta.get("namespace"), meta.get("name")
