@@ -1,0 +1,210 @@
+"""``epguard``: the webhook's engine, offline, for CI pipelines.
+
+``epguard check FILE|- ...`` judges manifests (multi-document YAML, ``List``
+objects, ``helm template`` output on stdin) exactly as the webhook would judge a
+CREATE of each object, prints the findings in the same words, and exits 1 when
+anything would be denied. ``epguard rules FILE`` validates a rules file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+import yaml
+
+from webhook.namespaces import MODES, Mode, NamespaceIndex
+from webhook.policy import Decision, PolicyConfig, PolicyState, decide
+from webhook.review import AdmissionRequest, GroupVersionKind
+from webhook.rules import RulesError, RulesHolder, default_rules_path, load_rules_file
+from webhook.workloads import KNOWN_KINDS, as_map, group_of
+
+EXIT_OK, EXIT_DENIED, EXIT_ERROR = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Checked:
+    source: str
+    label: str
+    decision: Decision
+
+
+def _documents(source: str, stream: TextIO) -> Iterator[Any]:
+    for doc in yaml.safe_load_all(stream):
+        yield from _flatten(doc)
+
+
+def _flatten(doc: Any) -> Iterator[Any]:
+    d = as_map(doc)
+    kind = d.get("kind")
+    if isinstance(kind, str) and kind.endswith("List") and isinstance(d.get("items"), list):
+        for item in d["items"]:
+            yield from _flatten(item)
+    elif d:
+        yield d
+
+
+def _label(obj: Any) -> str:
+    o = as_map(obj)
+    meta = as_map(o.get("metadata"))
+    ns = meta.get("namespace")
+    name = meta.get("name") or meta.get("generateName") or "<unnamed>"
+    prefix = f"{ns}/" if isinstance(ns, str) and ns else ""
+    return f"{o.get('kind')} {prefix}{name}"
+
+
+def check_object(obj: Any, state: PolicyState, namespace: str | None) -> Decision | None:
+    o = as_map(obj)
+    kind = o.get("kind")
+    if not isinstance(kind, str):
+        return None
+    group = group_of(o.get("apiVersion"))
+    if (group, kind) not in KNOWN_KINDS:
+        return None
+    api_version = o.get("apiVersion")
+    version = api_version.rsplit("/", 1)[-1] if isinstance(api_version, str) else ""
+    meta = as_map(o.get("metadata"))
+    ns = meta.get("namespace") if isinstance(meta.get("namespace"), str) else namespace
+    request = AdmissionRequest(
+        uid="epguard-check",
+        kind=GroupVersionKind(group=group, version=version, kind=kind),
+        operation="CREATE",
+        namespace=ns,
+        object=o,
+    )
+    return decide(request, state)
+
+
+def _print_human(results: list[Checked], out: TextIO) -> None:
+    for r in results:
+        d = r.decision
+        head = f"{r.source}: {r.label}"
+        if not d.allowed:
+            for f in d.denials:
+                print(f"{head}: DENY: {f.message}", file=out)
+        elif d.result in ("warned", "audited"):
+            for f in d.denials:
+                print(f"{head}: WOULD DENY ({d.mode} mode): {f.message}", file=out)
+        for w in d.warnings:
+            if d.result == "warned" and w.startswith("epguard (warn mode) would deny: "):
+                continue
+            print(f"{head}: WARN: {w}", file=out)
+
+
+def _print_json(results: list[Checked], out: TextIO) -> None:
+    payload = [
+        {
+            "source": r.source,
+            "object": r.label,
+            "allowed": r.decision.allowed,
+            "result": r.decision.result,
+            "message": r.decision.message,
+            "warnings": list(r.decision.warnings),
+        }
+        for r in results
+    ]
+    json.dump(payload, out, indent=2)
+    out.write("\n")
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    try:
+        rules = load_rules_file(args.rules or default_rules_path())
+    except RulesError as exc:
+        print(f"epguard: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    mode: Mode = args.mode
+    namespaces = NamespaceIndex()
+    state = PolicyState(
+        rules=RulesHolder(rules),
+        namespaces=namespaces,
+        config=PolicyConfig(default_mode=mode, allow_skip=not args.no_skip),
+    )
+    results: list[Checked] = []
+    checked = skipped = 0
+    for path in args.files:
+        try:
+            if path == "-":
+                docs = list(_documents("<stdin>", sys.stdin))
+            else:
+                with open(path, encoding="utf-8") as fh:
+                    docs = list(_documents(path, fh))
+        except (OSError, UnicodeDecodeError) as exc:
+            print(f"epguard: cannot read {path}: {exc}", file=sys.stderr)
+            return EXIT_ERROR
+        except yaml.YAMLError as exc:
+            print(f"epguard: {path}: not valid YAML: {exc}", file=sys.stderr)
+            return EXIT_ERROR
+        for doc in docs:
+            decision = check_object(doc, state, args.namespace)
+            if decision is None:
+                skipped += 1
+                continue
+            checked += 1
+            results.append(Checked("<stdin>" if path == "-" else path, _label(doc), decision))
+    if args.output == "json":
+        _print_json(results, sys.stdout)
+    else:
+        _print_human(results, sys.stdout)
+    denied = sum(1 for r in results if not r.decision.allowed)
+    warned = sum(len(r.decision.warnings) for r in results)
+    print(
+        f"epguard: {checked} object(s) checked ({skipped} of other kinds skipped), "
+        f"{denied} denied, {warned} warning(s); {len(rules)} rule(s) from {rules.source}",
+        file=sys.stderr,
+    )
+    return EXIT_DENIED if denied else EXIT_OK
+
+
+def cmd_rules(args: argparse.Namespace) -> int:
+    status = EXIT_OK
+    for path in args.files:
+        try:
+            rules = load_rules_file(path)
+        except RulesError as exc:
+            print(f"epguard: {exc}", file=sys.stderr)
+            status = EXIT_ERROR
+            continue
+        print(f"{path}: {len(rules)} rule(s) OK")
+        for r in rules.rules:
+            target = r.image or ""
+            if r.digest:
+                target += f"@{r.digest}"
+            print(f"  {r.id}: {r.action} {target}")
+    return status
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="epguard", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser(
+        "check",
+        help="judge manifests offline; exit 1 if any would be denied",
+        description="Judge Kubernetes manifests with the webhook's engine. Exit 0: nothing "
+        "denied; 1: something would be denied; 2: bad input or rules.",
+    )
+    c.add_argument("files", nargs="+", metavar="FILE|-", help="YAML manifests, '-' for stdin")
+    c.add_argument("--rules", help="rules file (default: the built-in rules)")
+    c.add_argument("--mode", choices=MODES, default="enforce", help="default enforce")
+    c.add_argument("--namespace", help="namespace for objects that name none")
+    c.add_argument("--no-skip", action="store_true", help="ignore the epguard.io/skip annotation")
+    c.add_argument("-o", "--output", choices=("text", "json"), default="text")
+    c.set_defaults(func=cmd_check)
+    r = sub.add_parser("rules", help="validate rules files")
+    r.add_argument("files", nargs="+", metavar="FILE")
+    r.set_defaults(func=cmd_rules)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    code: int = args.func(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

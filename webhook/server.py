@@ -1,0 +1,210 @@
+"""Wiring: settings → in-memory state, background tasks, and the uvicorn server.
+
+Background tasks (started in the app's lifespan, cancelled on shutdown):
+TLS file reload, rules file reload, and — when cluster credentials exist —
+the ConfigMap, Namespace and ImageVerdict watches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import hashlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+
+from webhook.app import create_app
+from webhook.metrics import Metrics
+from webhook.namespaces import NamespaceIndex
+from webhook.policy import PolicyConfig, PolicyState
+from webhook.rules import RulesError, RulesHolder, default_rules_path, load_rules_file
+from webhook.settings import Settings
+from webhook.tls import ReloadingTLS
+from webhook.verdicts import VerdictStore
+from webhook.watch import (
+    NamespaceSync,
+    RulesConfigMapSync,
+    Source,
+    Sync,
+    VerdictSync,
+    kube_config,
+    lightkube_sources,
+    run_watch,
+)
+
+log = logging.getLogger("epguard.server")
+
+
+def _file_digest(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as fh:
+            return hashlib.sha256(fh.read()).digest()
+    except OSError:
+        return None
+
+
+class Runtime:
+    """Everything one webhook process holds. Raises RulesError / TLSReloadError on a bad start."""
+
+    def __init__(self, settings: Settings, sources: dict[str, Source] | None = None) -> None:
+        self.settings = settings
+        self.metrics = Metrics()
+        self.rules_path = settings.rules or default_rules_path()
+        file_rules = load_rules_file(self.rules_path)
+        self._rules_digest = _file_digest(self.rules_path)
+        self.metrics.rules_loaded.labels("file").set(len(file_rules))
+        self.metrics.rules_reloads.labels("file", "ok").inc()
+        self.verdicts = VerdictStore(dt.timedelta(hours=settings.verdict_ttl_hours))
+        self.state = PolicyState(
+            rules=RulesHolder(file_rules),
+            namespaces=NamespaceIndex(),
+            verdicts=self.verdicts,
+            config=PolicyConfig(default_mode=settings.mode, allow_skip=settings.allow_skip),
+        )
+        self.tls: ReloadingTLS | None = None
+        if settings.tls_cert and settings.tls_key:
+            self.tls = ReloadingTLS(
+                settings.tls_cert,
+                settings.tls_key,
+                on_reload=lambda ok: self.metrics.tls_reloads.labels(
+                    "ok" if ok else "failed"
+                ).inc(),
+            )
+        self.rules_sync = RulesConfigMapSync(
+            self.state.rules,
+            settings.namespace,
+            settings.rules_configmap,
+            settings.rules_key,
+            self.metrics,
+        )
+        self.syncs: dict[str, Sync] = {
+            "configmap": self.rules_sync,
+            "namespace": NamespaceSync(self.state.namespaces),
+            "imageverdict": VerdictSync(self.verdicts, self.metrics),
+        }
+        self._sources = sources
+        self.watching = False
+        self.ready = False
+        self.app: FastAPI = create_app(
+            self.state,
+            self.metrics,
+            ready=lambda: self.ready,
+            status=self.status,
+            lifespan=self.lifespan,
+        )
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "mode": self.settings.mode,
+            "watching": self.watching,
+            "namespaces_with_settings": len(self.state.namespaces),
+            "verdicts": len(self.verdicts),
+            "last_rules_error": self.rules_sync.last_error,
+        }
+
+    def check_rules_file(self) -> bool:
+        """Reload the rules file if it changed (e.g. a mounted ConfigMap); keep the old on error."""
+        digest = _file_digest(self.rules_path)
+        if digest is None or digest == self._rules_digest:
+            return False
+        self._rules_digest = digest
+        try:
+            rules = load_rules_file(self.rules_path)
+        except RulesError as exc:
+            self.metrics.rules_reloads.labels("file", "rejected").inc()
+            log.error("rejected a rules file change, keeping the last good rules: %s", exc)
+            return False
+        self.state.rules.set_file(rules)
+        self.metrics.rules_reloads.labels("file", "ok").inc()
+        self.metrics.rules_loaded.labels("file").set(len(rules))
+        log.info("rules file %s reloaded: %d rule(s)", self.rules_path, len(rules))
+        return True
+
+    async def _poll_rules_file(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.reload_interval)
+            try:
+                self.check_rules_file()
+            except Exception:
+                log.exception("unexpected error while checking the rules file")
+
+    def _watch_sources(self) -> dict[str, Source] | None:
+        if self._sources is not None:
+            return self._sources
+        if self.settings.watch == "off":
+            log.info("watches disabled: running on the rules file %s alone", self.rules_path)
+            return None
+        try:
+            config = kube_config(self.settings.kubeconfig)
+        except Exception as exc:
+            log.warning(
+                "cannot read cluster credentials (%s): running on the rules file alone", exc
+            )
+            return None
+        if config is None:
+            log.info(
+                "no cluster credentials: running on the rules file %s alone "
+                "(no live ConfigMap rules, namespace modes or learned verdicts)",
+                self.rules_path,
+            )
+            return None
+        return lightkube_sources(config, self.settings.namespace, self.settings.rules_configmap)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        tasks: list[asyncio.Task[None]] = []
+        if self.tls is not None:
+            tasks.append(asyncio.create_task(self.tls.run(self.settings.reload_interval)))
+        tasks.append(asyncio.create_task(self._poll_rules_file()))
+        sources = self._watch_sources()
+        if sources:
+            self.watching = True
+            for name, source in sources.items():
+                tasks.append(asyncio.create_task(run_watch(self.syncs[name], source, self.metrics)))
+        rules = self.state.rules.current
+        log.info(
+            "epguard webhook ready: %d rule(s) from %s, mode %s, exemptions %s",
+            len(rules),
+            rules.source,
+            self.settings.mode,
+            "honoured" if self.settings.allow_skip else "disabled",
+        )
+        self.ready = True
+        try:
+            yield
+        finally:
+            self.ready = False
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def uvicorn_config(self) -> uvicorn.Config:
+        s = self.settings
+        tls = self.tls
+        return uvicorn.Config(
+            self.app,
+            host=s.host,
+            port=s.port,
+            log_config=None,
+            access_log=False,
+            lifespan="on",
+            # The API server reuses connections; keep them longer than uvicorn's 5 s.
+            timeout_keep_alive=75,
+            timeout_graceful_shutdown=10,
+            server_header=False,
+            ssl_certfile=s.tls_cert,
+            ssl_keyfile=s.tls_key,
+            ssl_context_factory=(lambda _cfg, _default: tls.server_context) if tls else None,
+        )
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
