@@ -1,0 +1,225 @@
+"""Command line: ``python3 probe [options] -- WORKER_ARGV...``.
+
+Exit status: 0 usable or nothing to check, 1 unusable, 2 usage error. A bug in
+the probe must not block workers, so by default it is reported on stderr (and in
+the termination message) and the probe exits 0; ``--on-internal-error=deny``
+makes it exit 1 instead.
+"""
+
+import argparse
+import json
+import os
+import sys
+import traceback
+
+try:
+    from . import diagnosis, engine, inventory, message, request, sandbox
+except ImportError:  # run as `python3 probe`: the directory itself is on sys.path
+    import diagnosis
+    import engine
+    import inventory
+    import message
+    import request
+    import sandbox
+
+DEFAULT_TERMINATION_LOG = "/dev/termination-log"
+
+
+def _parser():
+    p = argparse.ArgumentParser(
+        prog="python3 probe",
+        usage="python3 probe [options] -- WORKER_ARGV...",
+        description="Check, inside the worker's image, that SGLang's elastic EP can load "
+                    "mooncake's torch ProcessGroup. WORKER_ARGV is the worker container's "
+                    "command and args, verbatim.",
+        allow_abbrev=False,
+    )
+    p.add_argument("--json", action="store_true", help="print a JSON report on stdout")
+    p.add_argument("--termination-log", metavar="PATH", default=None,
+                   help="where to write the termination message (default: %s when "
+                        "writable)" % DEFAULT_TERMINATION_LOG)
+    p.add_argument("--max-message-bytes", type=int, default=2048, metavar="N",
+                   help="size limit of the termination message (default 2048; the kubelet "
+                        "shares 12 KiB among a pod's containers)")
+    p.add_argument("--level", choices=("import", "smoke"), default="import",
+                   help="smoke: also run a one-rank process group on the mooncake backends")
+    p.add_argument("--timeout", type=float, default=120.0, metavar="S",
+                   help="seconds each step in the child may take (default 120)")
+    p.add_argument("--on-internal-error", choices=("allow", "deny"), default="allow",
+                   help="exit status when the probe itself fails: allow=0 (default), deny=1")
+    p.add_argument("--always", action="store_true",
+                   help="check even if WORKER_ARGV does not request mooncake")
+    return p
+
+
+def _split(argv):
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1:]
+    return argv, []
+
+
+def _termination_path(opts):
+    if opts.termination_log is not None:
+        return opts.termination_log or None
+    path = DEFAULT_TERMINATION_LOG
+    if os.path.exists(path) and os.access(path, os.W_OK):
+        return path
+    return None
+
+
+def _write(path, text):
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+    except OSError as exc:
+        sys.stderr.write("epguard: cannot write %s: %s\n" % (path, exc.strerror))
+
+
+def _absorb(o, run):
+    for e in run.events:
+        kind = e.get("event")
+        if kind == "torch":
+            o.torch = e
+        elif kind == "import":
+            o.imports[e["module"]] = e
+        elif kind == "alternate":
+            o.alternates[e["module"]] = bool(e.get("ok"))
+        elif kind == "backends":
+            o.backends = e
+        elif kind == "cuda":
+            o.cuda = e
+        elif kind == "smoke":
+            o.smoke.append(e)
+
+
+def _plan(req, level, timeout, modules):
+    alternates = [] if req.either else [m for m in engine.MODULES if m not in req.modules]
+    return {"modules": modules, "names": req.names, "first_success_only": req.either,
+            "alternates": alternates, "level": level, "timeout": timeout}
+
+
+def check(opts, req_argv):
+    o = diagnosis.Outcome()
+    o.request = req_argv
+    o.level = opts.level
+    o.timeout = opts.timeout
+    # Start the child first: it spends a second or more importing torch, while the
+    # inventory and SGLang's sources are read here.
+    child = sandbox.Child(opts.timeout)
+    o.requirement = engine.requirement()
+    o.dists = inventory.mooncake_distributions()
+    o.package = inventory.mooncake_package()
+    o.torch_metadata = inventory.metadata_version("torch")
+    req = o.requirement
+    if not o.dists and not o.package.found:
+        modules = []  # nothing to import: only torch and CUDA facts are wanted
+    else:
+        modules = list(req.modules)
+    pending = modules
+    for _ in range(len(modules) + 1):
+        child.send_plan(_plan(req, opts.level, opts.timeout, pending))
+        run = child.collect()
+        _absorb(o, run)
+        if run.finished:
+            break
+        if run.timed_out:
+            rec = {"ok": False, "timeout": int(opts.timeout) if opts.timeout == int(
+                opts.timeout) else opts.timeout}
+        elif run.signal:
+            rec = {"ok": False, "crash": run.signal}
+        else:
+            rec = {"ok": False, "crash": "exit status %s" % run.returncode}
+        o.output_tail = run.output_tail
+        step = run.last_step or ""
+        if step == "import torch":
+            o.torch = rec
+            break
+        mod = step[len("import "):] if step.startswith("import ") else None
+        if mod in pending:
+            o.imports[mod] = rec
+            pending = pending[pending.index(mod) + 1:]
+            if not pending:
+                break
+            child = sandbox.Child(opts.timeout)
+            continue
+        if mod:
+            o.alternates[mod] = False
+        elif step == "cuda":
+            o.cuda = dict(rec, available=False, devices=0)
+        elif step.startswith("smoke"):
+            o.smoke.append(dict(rec, backend=step))
+        break
+    return o
+
+
+def _crash_site(tail):
+    """The innermost Python frame faulthandler printed for a fatal signal."""
+    for line in tail.splitlines():
+        line = line.strip()
+        if line.startswith("File ") and "child" not in line:
+            return line
+    return None
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    own, worker = _split(argv)
+    opts = _parser().parse_args(own)  # exits 2 on a usage error
+    if opts.max_message_bytes < 200:
+        _parser().error("--max-message-bytes must be at least 200")
+    if opts.timeout <= 0:
+        _parser().error("--timeout must be positive")
+    try:
+        return _run(opts, worker)
+    except Exception as exc:  # noqa: BLE001 - a probe bug must not block the worker
+        sys.stderr.write("epguard: probe internal error (please report):\n")
+        traceback.print_exc()
+        first = "%sprobe internal error: %s: %s" % (message.PREFIX, type(exc).__name__, exc)
+        fix = ("report this epguard bug; the worker %s" % (
+            "is blocked because --on-internal-error=deny" if opts.on_internal_error == "deny"
+            else "starts unchecked"))
+        _write(_termination_path(opts), message.render(first, [], fix, opts.max_message_bytes))
+        return 1 if opts.on_internal_error == "deny" else 0
+
+
+def _run(opts, worker):
+    req_argv = request.detect(worker)
+    if not req_argv.requested and not opts.always:
+        why = ("the worker argv does not request --elastic-ep-backend mooncake"
+               if worker else "no worker argv given (expected: -- WORKER_ARGV...)")
+        if req_argv.backend is not None:
+            why += " (it asks for %r)" % req_argv.backend.strip()
+        text = message.render(message.NOTHING + why, [], "nothing to fix",
+                              opts.max_message_bytes).splitlines()[0]
+        _write(_termination_path(opts), text)
+        sys.stderr.write(text + "\n")
+        if opts.json:
+            doc = message.report("not-requested", [], [
+                {"name": "request", "ok": True, "detail": why}], {}, why, "nothing to fix",
+                message=text, classification="not-requested")
+            sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+        return 0
+
+    o = check(opts, req_argv)
+    v = diagnosis.diagnose(o)
+    evidence = list(v.evidence)
+    if v.classification == "crash" and o.output_tail:
+        site = _crash_site(o.output_tail)
+        if site:
+            evidence.insert(1, "crash site: " + site)
+    first = (message.USABLE if v.verdict == diagnosis.USABLE else message.UNUSABLE) + v.cause
+    text = message.render(first, evidence, v.fix, opts.max_message_bytes)
+    _write(_termination_path(opts), text)
+    sys.stderr.write(text + "\n")
+    if opts.json:
+        doc = message.report(
+            v.verdict, o.requirement.modules, v.checks, v.versions, v.cause, v.fix,
+            classification=v.classification, missing_libraries=v.missing_libraries,
+            request={"backend": req_argv.backend, "where": req_argv.where,
+                     "dp_attention": req_argv.dp_attention},
+            message=text)
+        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+    return 0 if v.verdict == diagnosis.USABLE else 1

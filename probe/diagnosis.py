@@ -1,0 +1,486 @@
+"""Turn what the probe saw into a verdict, a cause and a fix.
+
+The import error the engine would die with is often a poor guide: the loader
+names the first missing library only, mooncake's loaders say "not built against
+torch==X" both for a torch skew and for the -non-cuda wheel that ships no
+extension at all, and SGLang re-raises both as "upgrade to 0.3.11". The
+classification here uses the error together with the wheel's contents, the ELF
+dependencies of the extension and torch's CUDA version.
+"""
+
+import os
+import re
+
+try:
+    from . import catalog, elf, inventory
+except ImportError:  # run as `python3 probe`: the directory itself is on sys.path
+    import catalog
+    import elf
+    import inventory
+
+USABLE, UNUSABLE = "usable", "unusable"
+
+_RDMA = ("libibverbs.so.1", "libmlx5.so.1", "librdmacm.so.1", "libnuma.so.1")
+_MISSING_LIB_RE = re.compile(r"(lib[\w.+-]*?\.so(?:\.\d+)*): cannot open shared object file")
+
+
+class Outcome(object):
+    """Everything observed, filled in by cli.py; read by :func:`diagnose`."""
+
+    def __init__(self):
+        self.request = None
+        self.requirement = None
+        self.dists = []
+        self.package = None
+        self.torch = None  # child's "torch" event, or {"ok": False, "crash"/"timeout": ...}
+        self.torch_metadata = None
+        self.imports = {}  # module -> child's "import" event, or a crash/timeout record
+        self.alternates = {}  # module -> bool
+        self.backends = None
+        self.cuda = None
+        self.smoke = []
+        self.level = "import"
+        self.timeout = None
+        self.output_tail = ""
+
+
+class Verdict(object):
+    def __init__(self):
+        self.verdict = UNUSABLE
+        self.classification = None
+        self.cause = ""
+        self.fix = ""
+        self.evidence = []  # lines between the first and the fix line
+        self.checks = []
+        self.missing_libraries = []
+        self.versions = {}
+
+    def check(self, name, ok, detail):
+        self.checks.append({"name": name, "ok": bool(ok), "detail": detail})
+
+
+def _first_error(event):
+    chain = event.get("error") or []
+    if not chain:
+        return ""
+    first = chain[0]
+    return "%s: %s" % (first.get("type"), first.get("message", "").strip())
+
+
+def _all_error_text(event):
+    return "\n".join(e.get("message", "") for e in event.get("error") or [])
+
+
+def _one_line(text, limit=240):
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _torch_version(o):
+    if o.torch and o.torch.get("ok"):
+        return o.torch.get("version")
+    return o.torch_metadata
+
+
+def _torch_cuda(o):
+    if o.torch and o.torch.get("ok"):
+        return o.torch.get("cuda")
+    return None
+
+
+def versions(o):
+    out = {"torch": _torch_version(o) or "none",
+           "sglang": (o.requirement.version if o.requirement else None) or "none"}
+    if o.dists:
+        for name, version in o.dists:
+            out[name] = version
+    else:
+        out["mooncake"] = "none"
+    return out
+
+
+def versions_line(v):
+    return "versions: " + " ".join("%s=%s" % (k, val) for k, val in v.items())
+
+
+def _mooncake_label(o):
+    if not o.dists:
+        return "mooncake"
+    return ", ".join("%s %s" % d for d in o.dists)
+
+
+def _primary_dist(o):
+    return o.dists[0] if o.dists else (None, None)
+
+
+def _ext_roots(o, module):
+    """Compiled files the import of ``module`` loads, for the dependency walk."""
+    pkg = o.package
+    tag = inventory.torch_tag(_torch_version(o))
+    roots = []
+    if tag:
+        key = tag.replace(".", "_")
+        if module == "mooncake.ep":
+            roots.append(pkg.files.get("ep_" + key))
+        roots.append(pkg.files.get("pg_" + key))
+    roots = [r for r in roots if r]
+    for d in pkg.dirs:
+        for n in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+            if module == "mooncake.ep" and n.startswith("_ep.") and n.endswith(".so"):
+                roots.append(os.path.join(d, n))
+    return roots + list(pkg.libs)
+
+
+def _lib_meaning(lib, torch_cuda_major):
+    m = re.match(r"libcudart\.so\.(\d+)$", lib)
+    if m:
+        return "cuda-mismatch" if int(m.group(1)) != torch_cuda_major else "cuda-runtime"
+    if lib == "libcuda.so.1":
+        return "no-driver"
+    if lib in _RDMA:
+        return "rdma"
+    return "other"
+
+
+_LIB_WORDS = {
+    "no-driver": "NVIDIA driver not mounted in this container",
+    "rdma": "RDMA userspace (rdma-core) not in the image",
+    "cuda-runtime": "CUDA runtime not found",
+    "other": "not in the image",
+}
+
+
+def _missing_libs(o, module, event):
+    loaded = event.get("mapped") or []
+    found = elf.missing_libraries(_ext_roots(o, module), loaded=loaded)
+    names = [n for n, _ in found]
+    # The loader's own complaint first, even if our walk could not see it.
+    m = _MISSING_LIB_RE.search(_all_error_text(event))
+    if m and m.group(1) not in names:
+        names.insert(0, m.group(1))
+    elif m:
+        names.remove(m.group(1))
+        names.insert(0, m.group(1))
+    return names
+
+
+def _fix_for_libs(o, kinds, cuda_major, need_ste):
+    fixes = []
+    if "cuda-mismatch" in kinds:
+        tv = inventory.torch_tag(_torch_version(o))
+        wheel = catalog.wheel_for(tv, cuda_major, need_ste) or catalog.dist_for_cuda(cuda_major)
+        dist = _primary_dist(o)[0] or "the CUDA %s mooncake wheel" % "?"
+        fixes.append("install %s (built for CUDA %s like torch) instead of %s"
+                     % (wheel, cuda_major, dist))
+    if "rdma" in kinds:
+        fixes.append("add RDMA userspace to the image (Debian/Ubuntu: apt-get install "
+                     "libibverbs1 ibverbs-providers libnuma1)")
+    if "other" in kinds or "cuda-runtime" in kinds:
+        fixes.append("install the packages that provide the missing libraries in the image")
+    if "no-driver" in kinds:
+        fixes.append("give this init container the worker's GPU request (nvidia.com/gpu) so "
+                     "the NVIDIA runtime mounts libcuda.so.1")
+    return "; ".join(fixes)
+
+
+def _classify_import_failure(o, module, event, v):
+    """Set classification/cause/fix on ``v`` for a failed import of ``module``."""
+    req = o.requirement
+    pkg = o.package
+    text = _all_error_text(event)
+    first = _first_error(event)
+    tv = _torch_version(o)
+    tag = inventory.torch_tag(tv)
+    cuda_major = inventory.cuda_major(_torch_cuda(o))
+    dist, dist_v = _primary_dist(o)
+    need_ste = "set_transfer_engine" in (req.names.get(module, []) if req else [])
+    recommended = catalog.wheel_for(tag, cuda_major, need_ste) if cuda_major else None
+    label = _mooncake_label(o)
+
+    if event.get("crash"):
+        v.classification = "crash"
+        v.cause = "crashed with %s while importing %s" % (event["crash"], module)
+        v.fix = ("the native import itself dies: try %s, or another build of %s"
+                 % (recommended or "a mooncake build for this torch", label))
+        return
+    if event.get("timeout"):
+        v.classification = "timeout"
+        v.cause = "timed out after %s s while importing %s" % (event["timeout"], module)
+        if pkg.jit:
+            v.cause += " (0.3.14 builds its torch adapter by JIT on first import)"
+            v.fix = ("bake the adapter into the image: run `python -m mooncake.pg --prebuild` "
+                     "at build time with MOONCAKE_PG_JIT_DIR set to a directory in the image")
+        else:
+            v.fix = "find what %s waits for on import (network, a lock, a device)" % module
+        return
+
+    libs = _missing_libs(o, module, event) if "cannot open shared object file" in text else []
+    if libs:
+        v.missing_libraries = libs
+        kinds = [_lib_meaning(lib, cuda_major) for lib in libs]
+        # One phrase per kind, libraries of a kind together, in the order first seen.
+        groups = []
+        for lib, kind in zip(libs, kinds):
+            for g in groups:
+                if g[0] == kind:
+                    g[1].append(lib)
+                    break
+            else:
+                groups.append((kind, [lib]))
+        described = ["%s (%s)" % (", ".join(ls), _LIB_WORDS[k])
+                     for k, ls in groups if k != "cuda-mismatch"]
+        if "cuda-mismatch" in kinds:
+            cu = [lib for lib, k in zip(libs, kinds) if k == "cuda-mismatch"][0]
+            v.classification = "cuda-mismatch"
+            v.cause = ("%s is built for CUDA %s (needs %s) but torch %s uses CUDA %s"
+                       % (label, cu.rsplit(".", 1)[-1], cu, tv, cuda_major))
+            if described:
+                v.cause += "; also missing: " + ", ".join(described)
+        else:
+            v.classification = "no-driver" if set(kinds) == {"no-driver"} else "missing-libraries"
+            v.cause = "%s cannot load: missing %s" % (module, ", ".join(described))
+        v.fix = _fix_for_libs(o, set(kinds), cuda_major, need_ste)
+        return
+
+    no_ext = not pkg.extensions["pg"] and not pkg.extensions["ep"] and not pkg.jit
+    if ("Mooncake EP was not built." in text or "was not built against torch" in text) and (
+            no_ext or (dist or "").endswith("non-cuda")):
+        v.classification = "non-cuda-wheel"
+        v.cause = ("%s ships mooncake's loaders but no compiled PG extension (%s)"
+                   % (label, first.splitlines()[0] if first else "import failed"))
+        v.fix = "install %s instead of %s" % (
+            recommended or catalog.dist_for_cuda(cuda_major), dist or "the -non-cuda wheel")
+        return
+    if "was not built against torch" in text:
+        shipped = pkg.extensions["pg"] or pkg.extensions["ep"]
+        v.classification = "no-extension-for-torch"
+        v.cause = ("%s has no PG extension for torch %s (it ships pg_* for torch %s)"
+                   % (label, tag, ", ".join(shipped) or "none"))
+        if pkg.other_abi["pg"] and not shipped:
+            v.cause += "; pg_* exist only for another Python version"
+        alt = ("install %s" % recommended) if recommended else (
+            "install %s==%s (JIT, needs ninja + nvcc at image build)" % catalog.JIT_WHEEL)
+        v.fix = "%s, or use torch %s" % (alt, " / ".join(shipped) if shipped else "it was built for")
+        return
+    if "JIT compilation failed" in text:
+        need = inventory.jit_prerequisites(bool((o.cuda or {}).get("available")))
+        v.classification = "jit-prerequisites"
+        inner = first.split("JIT compilation failed:", 1)[-1]
+        v.cause = ("%s builds its PG torch adapter by JIT on import and cannot here: %s"
+                   % (label, _one_line(inner, 200)))
+        if need:
+            v.cause += " (missing: %s)" % ", ".join(need)
+        fallback = catalog.wheel_for(tag, cuda_major, need_ste) if cuda_major else None
+        v.fix = ("prebuild the adapter into the image (`python -m mooncake.pg --prebuild` with "
+                 "ninja, nvcc and a GPU or TORCH_CUDA_ARCH_LIST, MOONCAKE_PG_JIT_DIR in the image)")
+        if fallback:
+            v.fix += ", or install %s" % fallback
+        return
+    if "No module named" in text:
+        v.classification = "module-missing"
+        other = [m for m, ok in o.alternates.items() if ok]
+        v.cause = "%s has no %s%s" % (
+            label, module, " (SGLang %s imports it)" % req.version if req and req.version else "")
+        if other:
+            v.cause += "; %s imports, which suits another SGLang" % other[0]
+        v.fix = "install %s" % (recommended or "mooncake >= 0.3.11 built for this torch")
+        return
+    if "undefined symbol" in text:
+        v.classification = "abi-mismatch"
+        v.cause = "%s does not link against this torch: %s" % (module, _one_line(first, 200))
+        v.fix = "install %s" % (recommended or "a mooncake build made for torch %s" % tv)
+        return
+    v.classification = "import-error"
+    v.cause = "importing %s fails: %s" % (module, _one_line(first, 200))
+    v.fix = "install %s" % (recommended or "a mooncake build made for torch %s" % tv)
+
+
+def _module_ok(o, module):
+    ev = o.imports.get(module)
+    return bool(ev and ev.get("ok") and not ev.get("missing_names"))
+
+
+def diagnose(o):
+    v = Verdict()
+    v.versions = versions(o)
+    req = o.requirement
+    pkg = o.package
+    v.check("request", True, o.request.describe())
+    v.check("sglang", True, req.source)
+    v.check("mooncake-installed", bool(o.dists or pkg.found),
+            _mooncake_label(o) if o.dists else ("package only" if pkg.found else "none"))
+    if pkg.jit:
+        ext = "JIT adapter sources (0.3.14), no prebuilt pg_*"
+    else:
+        ext = " ".join("%s_%s" % (k, t.replace(".", "_"))
+                       for k in ("pg", "ep") for t in pkg.extensions[k]) or "none"
+    v.check("extensions", bool(pkg.extensions["pg"] or pkg.extensions["ep"] or pkg.jit), ext)
+
+    torch_ok = bool(o.torch and o.torch.get("ok"))
+    if o.torch is None:
+        tdetail = "not checked"
+    elif torch_ok:
+        tdetail = "%s (CUDA %s)" % (o.torch.get("version"), o.torch.get("cuda") or "none")
+    elif o.torch.get("crash"):
+        tdetail = "crashed with %s while importing torch" % o.torch["crash"]
+    elif o.torch.get("timeout"):
+        tdetail = "timed out after %s s while importing torch" % o.torch["timeout"]
+    else:
+        tdetail = _one_line(_first_error(o.torch), 200)
+    v.check("torch", torch_ok, tdetail)
+    if o.cuda is not None:
+        v.check("cuda", True, "available=%s devices=%s" % (
+            "yes" if o.cuda.get("available") else "no", o.cuda.get("devices", 0)))
+
+    evidence = [versions_line(v.versions)]
+    if torch_ok:
+        evidence.append("torch: built for CUDA %s; GPU visible: %s" % (
+            o.torch.get("cuda") or "none (CPU build)",
+            ("yes, %s device(s)" % o.cuda.get("devices")) if o.cuda and o.cuda.get("available")
+            else "no"))
+    evidence.append("needs: %s%s" % (
+        " or ".join(req.modules) if req.either else " and ".join(req.modules),
+        "" if req.either else " (%s; names: %s)" % (
+            req.source, ", ".join(n for m in req.modules for n in req.names.get(m, [])))))
+    if o.dists or pkg.found:
+        evidence.append("extensions: " + ext)
+
+    def finish():
+        for mod, ev in o.imports.items():
+            if ev.get("ok") is False and v.classification not in (None,):
+                evidence.append("error (%s): %s" % (mod, _one_line(
+                    _first_error(ev) or v.cause, 300)))
+                break
+        evidence.append("request: " + o.request.describe())
+        v.evidence = evidence
+        return v
+
+    if not torch_ok:
+        v.classification = "torch-unusable"
+        v.cause = "torch does not import: " + tdetail
+        v.fix = "repair the image's torch installation (the worker imports it first)"
+        return finish()
+    if not o.dists and not pkg.found:
+        tag = inventory.torch_tag(_torch_version(o))
+        major = inventory.cuda_major(_torch_cuda(o))
+        need = any("set_transfer_engine" in n for n in req.names.values())
+        v.classification = "mooncake-not-installed"
+        v.cause = "no mooncake distribution is installed (%s)" % req.source
+        v.check("import", False, "nothing to import")
+        wheel = catalog.wheel_for(tag, major, need) if major else None
+        v.fix = "install %s" % (wheel or "a mooncake build whose wheel ships pg_%s" % (
+            (tag or "?").replace(".", "_")))
+        return finish()
+
+    # Imports and names.
+    for mod in req.modules:
+        ev = o.imports.get(mod)
+        if ev is None:
+            v.check("import " + mod, False, "not attempted")
+            continue
+        if ev.get("ok"):
+            v.check("import " + mod, True, ev.get("file") or "ok")
+            names = req.names.get(mod, [])
+            if names:
+                miss = ev.get("missing_names") or []
+                v.check("names " + mod, not miss,
+                        ("missing: " + ", ".join(miss)) if miss else ", ".join(names))
+        elif ev.get("crash"):
+            v.check("import " + mod, False, "crashed with %s" % ev["crash"])
+        elif ev.get("timeout"):
+            v.check("import " + mod, False, "timed out after %s s" % ev["timeout"])
+        else:
+            v.check("import " + mod, False, _one_line(_first_error(ev), 300))
+
+    passing = [m for m in req.modules if _module_ok(o, m)]
+    if (req.either and not passing) or (not req.either and len(passing) < len(req.modules)):
+        failing = [m for m in req.modules if not _module_ok(o, m)]
+        mod = failing[0]
+        ev = o.imports.get(mod) or {}
+        if ev.get("ok"):
+            miss = ev.get("missing_names") or []
+            v.classification = "missing-names"
+            v.cause = "%s lacks %s, which %s" % (
+                mod, ", ".join(miss), "SGLang %s imports" % req.version)
+            tag = inventory.torch_tag(_torch_version(o))
+            major = inventory.cuda_major(_torch_cuda(o))
+            if "set_transfer_engine" in miss:
+                wheel = catalog.wheel_for(tag, major, True) if major else None
+                v.fix = "install %s (set_transfer_engine exists from mooncake %s)" % (
+                    wheel or "mooncake >= %s" % catalog.SET_TRANSFER_ENGINE_SINCE,
+                    catalog.SET_TRANSFER_ENGINE_SINCE)
+            elif pkg.jit and mod == "mooncake.ep":
+                v.fix = ("mooncake 0.3.14 no longer exposes the PG through mooncake.ep: pin "
+                         "mooncake <= 0.3.13.post1 for SGLang <= 0.5.16, or use SGLang >= 0.5.17")
+            else:
+                v.fix = "install a mooncake build whose %s exports %s" % (mod, ", ".join(miss))
+        elif not ev:
+            v.classification = "import-error"
+            v.cause = "%s was not imported (an earlier step failed)" % mod
+            v.fix = "see the evidence lines"
+        else:
+            _classify_import_failure(o, mod, ev, v)
+        if v.missing_libraries:
+            evidence.append("missing libraries: " + " ".join(v.missing_libraries))
+        if o.alternates:
+            evidence.append("other module: " + ", ".join(
+                "%s %s" % (m, "imports" if ok else "fails") for m, ok in o.alternates.items()))
+        return finish()
+
+    # Backends: SGLang builds a "mooncake" device group and a "mooncake-cpu" CPU group.
+    b = o.backends or {}
+    if not b.get("readable"):
+        v.check("backends", True, "skipped: Backend.backend_capability unreadable")
+    else:
+        caps = b.get("capability", {})
+        gpu = caps.get("mooncake")
+        cpu = caps.get("mooncake-cpu")
+        detail = "mooncake=%s mooncake-cpu=%s" % (
+            ",".join(gpu) if gpu is not None else "absent",
+            ",".join(cpu) if cpu is not None else "absent")
+        ok = bool(gpu) and "cpu" not in gpu and bool(cpu) and "cpu" in cpu
+        v.check("backends", ok, detail)
+        evidence.append("backends: " + detail)
+        if not ok:
+            if gpu is None and cpu is None:
+                v.classification = "backends-missing"
+                v.cause = "%s imports but registers no mooncake torch backend" % passing[0]
+            elif gpu is None or cpu is None:
+                v.classification = "half-registration"
+                v.cause = ("%s registers only %s; SGLang needs both mooncake (device) and "
+                           "mooncake-cpu (cpu) process groups" % (
+                               passing[0], "mooncake" if gpu is not None else "mooncake-cpu"))
+            else:
+                v.classification = "backend-devices"
+                v.cause = "mooncake backends registered for the wrong devices: " + detail
+            v.fix = "install %s built for torch %s" % (
+                _mooncake_label(o), _torch_version(o))
+            return finish()
+
+    if o.level == "smoke":
+        bad = [s for s in o.smoke if not s.get("ok")]
+        for s in o.smoke:
+            v.check("smoke " + str(s.get("backend")), s.get("ok"),
+                    _one_line(_first_error(s), 200) if not s.get("ok") else "all_reduce + barrier")
+        if not o.smoke or bad:
+            s = bad[0] if bad else {}
+            v.classification = "smoke-failed"
+            if s.get("crash") or s.get("timeout"):
+                v.cause = ("one-rank process group %s" % (
+                    "crashed with %s" % s["crash"] if s.get("crash")
+                    else "timed out after %s s" % s["timeout"]))
+            else:
+                v.cause = "one-rank process group on %s failed: %s" % (
+                    s.get("backend", "mooncake"), _one_line(_first_error(s), 200) or "no result")
+            v.fix = "check the mooncake transport (RDMA devices, MC_FORCE_TCP) in this pod"
+            return finish()
+
+    v.verdict = USABLE
+    v.classification = "usable"
+    v.cause = "%s imports with torch %s%s" % (
+        " and ".join(passing), _torch_version(o),
+        "; backends mooncake and mooncake-cpu registered" if b.get("readable") else "")
+    if o.level == "smoke":
+        v.cause += "; one-rank smoke test passed"
+    v.fix = "nothing to fix"
+    return finish()

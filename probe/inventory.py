@@ -1,0 +1,168 @@
+"""What is installed, read from files only (no import of torch or mooncake here).
+
+Mooncake ships as several distributions that all install the same ``mooncake``
+package (``mooncake-transfer-engine`` for CUDA 12, ``-cuda13``, ``-non-cuda``, and
+whatever a source build calls itself), so every ``mooncake*`` dist-info on sys.path
+is listed. The package directory tells which compiled ``pg_<torch>`` / ``ep_<torch>``
+extensions exist for this interpreter, or whether it is 0.3.14's JIT loader.
+"""
+
+import importlib.machinery
+import importlib.util
+import os
+import re
+import sys
+
+_EXT_RE = re.compile(r"^(pg|ep)_(\d+(?:_\d+)*)(\..*)$")
+
+
+def _read_metadata(path):
+    name = version = None
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if not line.strip():
+                    break
+                if line.startswith("Name:"):
+                    name = line.split(":", 1)[1].strip()
+                elif line.startswith("Version:"):
+                    version = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return name, version
+
+
+def _canonical(name):
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def mooncake_distributions(path=None):
+    """[(dist name, version)] for every mooncake* distribution, first on sys.path wins."""
+    out, seen = [], set()
+    for entry in path if path is not None else sys.path:
+        try:
+            names = os.listdir(entry or ".")
+        except OSError:
+            continue
+        for n in sorted(names):
+            low = n.lower()
+            if not low.startswith("mooncake"):
+                continue
+            if low.endswith(".dist-info"):
+                meta = os.path.join(entry or ".", n, "METADATA")
+            elif low.endswith(".egg-info"):
+                meta = os.path.join(entry or ".", n)
+                if os.path.isdir(meta):
+                    meta = os.path.join(meta, "PKG-INFO")
+            else:
+                continue
+            name, version = _read_metadata(meta)
+            if name and _canonical(name) not in seen:
+                seen.add(_canonical(name))
+                out.append((_canonical(name), version or "unknown"))
+    return out
+
+
+class Package(object):
+    """The ``mooncake`` package directory as this interpreter would load it."""
+
+    def __init__(self):
+        self.dirs = []
+        self.extensions = {"pg": [], "ep": []}  # torch versions, e.g. "2.13.0"
+        self.other_abi = {"pg": [], "ep": []}  # built for another Python
+        self.files = {}  # "pg_2_13_0" -> path
+        self.loaders = []  # "pg.py", "ep.py"
+        self.jit = False  # 0.3.14: mooncake/_pg_jit sources, no pg_* modules
+        self.has_ep_core = False  # 0.3.13+: torch-independent mooncake._ep
+        self.libs = []  # libmooncake_pg.so and friends
+
+    @property
+    def found(self):
+        return bool(self.dirs)
+
+
+def _torch_key(version):
+    return tuple(int(p) for p in version.split("."))
+
+
+def mooncake_package():
+    pkg = Package()
+    try:
+        spec = importlib.util.find_spec("mooncake")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        return pkg
+    pkg.dirs = list(spec.submodule_search_locations or [])
+    suffixes = importlib.machinery.EXTENSION_SUFFIXES
+    for d in pkg.dirs:
+        try:
+            names = sorted(os.listdir(d))
+        except OSError:
+            continue
+        for n in names:
+            m = _EXT_RE.match(n)
+            if m:
+                kind, ver = m.group(1), m.group(2).replace("_", ".")
+                bucket = pkg.extensions if m.group(3) in suffixes else pkg.other_abi
+                if ver not in bucket[kind]:
+                    bucket[kind].append(ver)
+                if m.group(3) in suffixes:
+                    pkg.files.setdefault("%s_%s" % (kind, m.group(2)), os.path.join(d, n))
+            elif n in ("pg.py", "ep.py"):
+                pkg.loaders.append(n)
+            elif n == "_pg_jit" and os.path.isdir(os.path.join(d, n)):
+                pkg.jit = True
+            elif n.startswith("_ep.") and n.endswith(".so"):
+                pkg.has_ep_core = True
+            elif n.startswith("libmooncake") and n.endswith(".so"):
+                pkg.libs.append(os.path.join(d, n))
+    for kind in ("pg", "ep"):
+        for bucket in (pkg.extensions, pkg.other_abi):
+            bucket[kind].sort(key=_torch_key)
+    return pkg
+
+
+def torch_tag(version):
+    """``2.13.0+cu130`` -> ``2.13.0`` (what mooncake's loaders do with the version)."""
+    m = re.match(r"\d+(?:\.\d+)*", version or "")
+    return m.group(0) if m else None
+
+
+def cuda_major(cuda_version):
+    m = re.match(r"(\d+)", cuda_version or "")
+    return int(m.group(1)) if m else None
+
+
+def metadata_version(dist):
+    try:
+        from importlib import metadata
+    except ImportError:  # pragma: no cover - Python < 3.8
+        return None
+    try:
+        return metadata.version(dist)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def jit_prerequisites(cuda_available):
+    """What 0.3.14's JIT loader needs to build its torch adapter, without building it.
+
+    Mirrors mooncake/pg.py 0.3.14: ninja on PATH, ``CUDA_HOME/bin/nvcc`` (torch
+    looks at CUDA_HOME, CUDA_PATH, then nvcc on PATH, then /usr/local/cuda), and a
+    visible GPU or TORCH_CUDA_ARCH_LIST. Only whether variables are set is read.
+    """
+    import shutil
+
+    missing = []
+    if shutil.which("ninja") is None:
+        missing.append("ninja")
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if not home:
+        nvcc = shutil.which("nvcc")
+        home = os.path.dirname(os.path.dirname(nvcc)) if nvcc else "/usr/local/cuda"
+    if not os.path.isfile(os.path.join(home, "bin", "nvcc")):
+        missing.append("nvcc (CUDA toolkit)")
+    if not cuda_available and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        missing.append("a visible GPU or TORCH_CUDA_ARCH_LIST")
+    return missing

@@ -1,0 +1,92 @@
+"""The termination message and the JSON report: the probe's output contract.
+
+The kubelet keeps at most 4096 bytes of a container's termination message and
+12 KiB for the whole pod, so the verdict is the first line, the fix the last, and
+evidence lines in between are dropped from the end first when the budget is
+tight. Error texts come from third-party code and may quote the environment, so
+no environment variable's value may leave the probe: any that appears is
+replaced by ``$NAME``.
+"""
+
+import os
+import re
+
+PREFIX = "epguard: "
+UNUSABLE = PREFIX + "mooncake elastic EP is unusable in this image: "
+USABLE = PREFIX + "mooncake elastic EP is usable: "
+NOTHING = PREFIX + "nothing to check: "
+
+# Values shorter than this are words like "1", "true", "cuda" that occur everywhere;
+# they cannot carry a secret, and masking them would garble the message.
+_MIN_SECRET = 6
+_VERSIONISH = re.compile(r"^[0-9][0-9A-Za-z.+_-]*$")
+
+
+def scrub(text, environ=None):
+    environ = os.environ if environ is None else environ
+    pairs = []
+    for name, value in environ.items():
+        value = value.strip()
+        if len(value) < _MIN_SECRET or _VERSIONISH.match(value):
+            continue
+        pairs.append((value, name))
+        # Path lists: also each entry, since paths in error texts hold single entries.
+        if ":" in value:
+            for part in value.split(":"):
+                if len(part) >= _MIN_SECRET and not _VERSIONISH.match(part):
+                    pairs.append((part, name))
+    for value, name in sorted(pairs, key=lambda p: -len(p[0])):
+        if value in text:
+            text = text.replace(value, "$" + name)
+    return text
+
+
+def _clip(line, limit):
+    data = line.encode("utf-8")
+    if len(data) <= limit:
+        return line
+    return data[: max(0, limit - 3)].decode("utf-8", "ignore") + "..."
+
+
+def render(first, evidence, fix, max_bytes):
+    """Lines joined, within ``max_bytes``: first line and fix always kept."""
+    first = scrub(first).replace("\n", " ")
+    fix = "fix: " + scrub(fix).replace("\n", " ")
+    evidence = [scrub(e).replace("\n", " ") for e in evidence]
+    budget = max(0, max_bytes)
+    # First and fix share at most the whole budget; keep both visible.
+    head = _clip(first, max(40, budget * 2 // 3))
+    tail = _clip(fix, max(20, budget - len(head.encode("utf-8")) - 1))
+    lines = [head]
+    used = len(head.encode("utf-8")) + 1 + len(tail.encode("utf-8"))
+    for e in evidence:
+        cost = len(e.encode("utf-8")) + 1
+        if used + cost > budget:
+            remaining = budget - used - 1
+            if remaining > 60:
+                lines.append(_clip(e, remaining))
+            break
+        lines.append(e)
+        used += cost
+    lines.append(tail)
+    out = "\n".join(lines)
+    data = out.encode("utf-8")
+    if len(data) > budget:
+        out = data[:budget].decode("utf-8", "ignore")
+    return out
+
+
+def report(verdict, required_modules, checks, versions, cause, fix, **extra):
+    """The ``--json`` document."""
+    doc = {
+        "verdict": verdict,
+        "required_modules": list(required_modules),
+        "checks": [{"name": c["name"], "ok": c["ok"], "detail": scrub(str(c["detail"]))}
+                   for c in checks],
+        "versions": dict(versions),
+        "cause": scrub(cause),
+        "fix": scrub(fix),
+    }
+    for k, val in extra.items():
+        doc[k] = scrub(val) if isinstance(val, str) else val
+    return doc

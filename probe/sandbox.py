@@ -1,0 +1,130 @@
+"""Run child.py in a child interpreter and collect its step reports.
+
+A library that segfaults or hangs on import must yield a verdict, not a silent
+death of the probe: each step the child announces gets ``timeout`` seconds, the
+child runs in its own session so a hang is killed with everything it spawned, and
+a death by signal is reported with the step it interrupted.
+"""
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+_CHILD_SOURCE = None
+
+
+def _child_source():
+    global _CHILD_SOURCE
+    if _CHILD_SOURCE is None:
+        here = os.path.dirname(os.path.abspath(__file__))
+        with open(os.path.join(here, "child.py")) as f:
+            _CHILD_SOURCE = f.read()
+    return _CHILD_SOURCE
+
+
+class Run(object):
+    """What one child reported, and how it ended."""
+
+    def __init__(self):
+        self.events = []
+        self.last_step = None
+        self.returncode = None
+        self.signal = None  # e.g. "SIGSEGV"
+        self.timed_out = False
+        self.output_tail = ""
+        self.finished = False  # the child reported "done"
+
+    def first(self, kind, **match):
+        for e in self.events:
+            if e.get("event") == kind and all(e.get(k) == v for k, v in match.items()):
+                return e
+        return None
+
+    def all(self, kind):
+        return [e for e in self.events if e.get("event") == kind]
+
+
+class Child(object):
+    """A started child; ``send_plan`` then ``collect``."""
+
+    def __init__(self, timeout, python=None, cwd=None):
+        self.timeout = timeout
+        read_fd, write_fd = os.pipe()
+        self._read_fd = read_fd
+        try:
+            self.proc = subprocess.Popen(
+                [python or sys.executable, "-c", _child_source(), str(write_fd)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                pass_fds=(write_fd,),
+                start_new_session=True,
+                cwd=cwd,
+            )
+        finally:
+            os.close(write_fd)
+
+    def send_plan(self, plan):
+        try:
+            self.proc.stdin.write((json.dumps(plan) + "\n").encode())
+            self.proc.stdin.close()
+        except (BrokenPipeError, OSError):
+            pass
+
+    def _kill(self):
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+    def collect(self):
+        run = Run()
+        out_fd = self.proc.stdout.fileno()
+        open_fds = {self._read_fd: b"", out_fd: b""}
+        tail = b""
+        deadline = time.monotonic() + self.timeout
+        try:
+            while open_fds:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    run.timed_out = True
+                    self._kill()
+                    break
+                ready, _, _ = select.select(list(open_fds), [], [], remaining)
+                for fd in ready:
+                    chunk = os.read(fd, 65536)
+                    if not chunk:
+                        del open_fds[fd]
+                        continue
+                    if fd == out_fd:
+                        tail = (tail + chunk)[-4096:]
+                        continue
+                    buf = open_fds[fd] + chunk
+                    *lines, rest = buf.split(b"\n")
+                    open_fds[fd] = rest
+                    for line in lines:
+                        try:
+                            event = json.loads(line.decode("utf-8", "replace"))
+                        except ValueError:
+                            continue
+                        run.events.append(event)
+                        if event.get("event") == "step":
+                            run.last_step = event.get("step")
+                            deadline = time.monotonic() + self.timeout
+                        elif event.get("event") == "done":
+                            run.finished = True
+        finally:
+            os.close(self._read_fd)
+            self.proc.stdout.close()
+            run.returncode = self.proc.wait()
+        if run.returncode is not None and run.returncode < 0 and not run.timed_out:
+            try:
+                run.signal = signal.Signals(-run.returncode).name
+            except ValueError:
+                run.signal = "signal %d" % -run.returncode
+        run.output_tail = tail.decode("utf-8", "replace")
+        return run
