@@ -1,0 +1,119 @@
+"""Probe injection: what the mutating webhook adds to worker pods."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from webhook.injection import COPY_CONTAINER, InjectionSettings, plan, wants_injection
+
+SETTINGS = InjectionSettings(epguard_image="ghcr.io/epguard/epguard:0.1.0")
+IMAGE = "docker.io/lmsysorg/sglang:v0.5.18-cu130"
+
+
+def worker(**extra: Any) -> dict[str, Any]:
+    c: dict[str, Any] = {
+        "name": "worker",
+        "image": IMAGE,
+        "command": ["python3", "-m", "sglang.launch_server"],
+        "args": ["--model-path", "/models/x", "--elastic-ep-backend", "mooncake"],
+        "resources": {
+            "limits": {"nvidia.com/gpu": "8", "rdma/ib": "1", "cpu": "64", "memory": "1Ti"},
+            "requests": {"nvidia.com/gpu": "8", "cpu": "32"},
+        },
+        "env": [
+            {"name": "MC_FORCE_TCP", "value": "1"},
+            {"name": "NCCL_DEBUG", "value": "INFO"},
+        ],
+        "volumeMounts": [{"name": "models", "mountPath": "/models"}],
+    }
+    c.update(extra)
+    return c
+
+
+def apply(spec: dict[str, Any], patch: list[dict[str, Any]]) -> dict[str, Any]:
+    """Apply our add-only patch the way the API server does (add replaces a member)."""
+    out = copy.deepcopy({"spec": spec})
+    for op in patch:
+        assert op["op"] == "add"
+        assert op["path"].startswith("/spec/")
+        out["spec"][op["path"].removeprefix("/spec/")] = op["value"]
+    return out["spec"]
+
+
+def test_probe_goes_first_before_the_model_download_init_container() -> None:
+    download = {"name": "download-model", "image": "busybox", "command": ["sh", "-c", "pull"]}
+    spec = {"initContainers": [download], "containers": [worker()], "volumes": [{"name": "models"}]}
+    result = plan(spec, SETTINGS)
+    assert result.probes == ("epguard-probe",)
+    new = apply(spec, result.patch)
+    names = [c["name"] for c in new["initContainers"]]
+    assert names == [COPY_CONTAINER, "epguard-probe", "download-model"]
+    assert [v["name"] for v in new["volumes"]] == ["models", "epguard-probe"]
+
+
+def test_probe_runs_the_worker_image_with_the_worker_argv() -> None:
+    new = apply({"containers": [worker()]}, plan({"containers": [worker()]}, SETTINGS).patch)
+    probe = new["initContainers"][1]
+    assert probe["image"] == IMAGE
+    assert probe["command"][:2] == ["python3", "/epguard/probe"]
+    sep = probe["command"].index("--")
+    assert probe["command"][sep + 1 :] == worker()["command"] + worker()["args"]
+    assert probe["terminationMessagePolicy"] == "FallbackToLogsOnError"
+
+
+def test_probe_requests_the_worker_gpus_and_rdma_but_not_its_cpu_and_memory() -> None:
+    new = apply({"containers": [worker()]}, plan({"containers": [worker()]}, SETTINGS).patch)
+    resources = new["initContainers"][1]["resources"]
+    assert resources["limits"]["nvidia.com/gpu"] == "8"
+    assert resources["limits"]["rdma/ib"] == "1"
+    assert resources["requests"]["nvidia.com/gpu"] == "8"
+    assert resources["limits"]["memory"] == "4Gi"
+    assert "cpu" not in resources["limits"]
+
+
+def test_probe_inherits_env_but_no_model_volume() -> None:
+    new = apply({"containers": [worker()]}, plan({"containers": [worker()]}, SETTINGS).patch)
+    probe = new["initContainers"][1]
+    assert {e["name"] for e in probe["env"]} == {"MC_FORCE_TCP", "NCCL_DEBUG"}
+    assert [m["name"] for m in probe["volumeMounts"]] == ["epguard-probe"]
+
+
+def test_injection_is_idempotent_on_reinvocation() -> None:
+    spec = {"containers": [worker()]}
+    once = apply(spec, plan(spec, SETTINGS).patch)
+    again = plan(once, SETTINGS)
+    assert not again.changed
+
+
+def test_pods_that_do_not_ask_for_mooncake_are_never_touched() -> None:
+    plain = worker(args=["--model-path", "/m", "--elastic-ep-backend", "nixl"])
+    assert not plan({"containers": [plain]}, SETTINGS).changed
+    assert not plan({"containers": [{"name": "nginx", "image": "nginx"}]}, SETTINGS).changed
+
+
+def test_each_requesting_container_gets_its_own_named_probe() -> None:
+    spec = {"containers": [worker(name="prefill"), worker(name="decode"), {"name": "side"}]}
+    assert plan(spec, SETTINGS).probes == ("epguard-probe-prefill", "epguard-probe-decode")
+
+
+def test_shell_wrapped_launch_line_is_injected() -> None:
+    c = worker(
+        command=["/bin/bash", "-c"],
+        args=["python3 -m sglang.launch_server --elastic-ep-backend=mooncake --tp 8"],
+    )
+    assert plan({"containers": [c]}, SETTINGS).probes == ("epguard-probe",)
+
+
+@pytest.mark.parametrize("spec", [None, {}, {"containers": "x"}, {"containers": [1, None]}])
+def test_malformed_specs_are_left_alone(spec: Any) -> None:
+    assert not plan(spec, SETTINGS).changed
+
+
+def test_opt_in_is_the_namespace_label_or_the_pod_annotation() -> None:
+    assert wants_injection({"epguard.io/inject": "enabled"}, {})
+    assert wants_injection({}, {"epguard.io/inject": "enabled"})
+    assert not wants_injection({"epguard.io/inject": "disabled"}, {})
+    assert not wants_injection({}, {})

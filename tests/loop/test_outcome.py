@@ -1,0 +1,110 @@
+"""Reading probe outcomes back from pod status (what the controller records)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+from tests.loop.conftest import pod_with_probe_status, run_real_probe
+from webhook.outcome import (
+    classify,
+    digest_of,
+    outcomes_of,
+    parse_versions,
+    verdict_name,
+    verdict_spec,
+)
+
+# What the probe writes when mooncake imports and both backends register. It cannot be
+# produced on a machine without libcuda.so.1; the GPU test of the probe checks the
+# real first line has this prefix.
+USABLE = (
+    "epguard: mooncake elastic EP is usable: mooncake.pg imports after torch\n"
+    "versions: torch=2.13.0+cu130 sglang=0.5.18 mooncake-transfer-engine-cuda13=0.3.13.post1\n"
+    "fix: nothing to fix"
+)
+
+
+def test_real_probe_failure_is_an_unusable_outcome(real_probe_failure: tuple[int, str]) -> None:
+    code, message = real_probe_failure
+    assert code == 1
+    [outcome] = outcomes_of(pod_with_probe_status(message, code))
+    assert outcome.verdict == "Unusable"
+    assert outcome.reason == message.splitlines()[0]
+    assert outcome.reason.startswith("epguard: mooncake elastic EP is unusable")
+    assert outcome.digest == "sha256:" + "ab" * 32
+    assert outcome.image == "docker.io/lmsysorg/sglang:v0.5.18-cu130"
+    assert outcome.versions.mooncake == "none"
+
+
+def test_crash_loop_outcome_is_read_from_last_state(real_probe_failure: tuple[int, str]) -> None:
+    code, message = real_probe_failure
+    pod = pod_with_probe_status(message, code, section="lastState", restart_count=3)
+    [outcome] = outcomes_of(pod)
+    assert outcome.verdict == "Unusable"
+    assert outcome.restart_count == 2
+
+
+def test_usable_message_with_exit_zero_is_a_usable_outcome() -> None:
+    [outcome] = outcomes_of(pod_with_probe_status(USABLE, 0))
+    assert outcome.verdict == "Usable"
+    assert outcome.versions.torch == "2.13.0+cu130"
+    assert outcome.versions.sglang == "0.5.18"
+    assert outcome.versions.mooncake == "mooncake-transfer-engine-cuda13 0.3.13.post1"
+
+
+def test_oom_kill_is_no_evidence_about_the_image(real_probe_failure: tuple[int, str]) -> None:
+    _, message = real_probe_failure
+    assert outcomes_of(pod_with_probe_status(message, 137)) == []
+
+
+def test_nothing_to_check_is_no_evidence(tmp_path: Path) -> None:
+    code, message = run_real_probe(tmp_path, ["python3", "-m", "sglang.launch_server"])
+    assert code == 0
+    assert classify(message, code) is None
+    assert outcomes_of(pod_with_probe_status(message, code)) == []
+
+
+def test_pods_without_status_or_with_garbage_yield_nothing() -> None:
+    assert outcomes_of({}) == []
+    assert outcomes_of({"status": {"initContainerStatuses": [None, 3, {"name": 5}]}}) == []
+    pod = pod_with_probe_status("epguard: mooncake elastic EP is unusable in this image: x", 1)
+    pod["status"]["initContainerStatuses"][0]["state"]["terminated"]["exitCode"] = "1"
+    assert outcomes_of(pod) == []
+
+
+def test_digest_is_taken_from_every_image_id_spelling() -> None:
+    digest = "sha256:" + "0f" * 32
+    assert digest_of(f"docker.io/lmsysorg/sglang@{digest}") == digest
+    assert digest_of(f"docker-pullable://lmsysorg/sglang@{digest}") == digest
+    assert digest_of("") is None
+    assert digest_of(None) is None
+
+
+def test_verdict_name_is_by_digest_and_shared_by_spellings_of_one_tag() -> None:
+    assert verdict_name("x", "sha256:" + "ab" * 32) == "sha256-" + "ab" * 32
+    assert verdict_name("lmsysorg/sglang:v1", None) == verdict_name(
+        "docker.io/lmsysorg/sglang:v1", None
+    )
+    assert verdict_name("lmsysorg/sglang:v1", None) != verdict_name("lmsysorg/sglang:v2", None)
+
+
+def test_verdict_spec_counts_runs_and_keeps_first_seen() -> None:
+    [outcome] = outcomes_of(pod_with_probe_status(USABLE, 0))
+    t1 = dt.datetime(2026, 11, 30, 20, 0, tzinfo=dt.UTC)
+    first = verdict_spec(outcome, "llm/worker-0", t1, None)
+    assert (first["count"], first["firstSeen"], first["lastSeen"]) == (
+        1,
+        "2026-11-30T20:00:00Z",
+        "2026-11-30T20:00:00Z",
+    )
+    second = verdict_spec(outcome, "llm/worker-1", t1 + dt.timedelta(hours=1), first)
+    assert second["count"] == 2
+    assert second["firstSeen"] == "2026-11-30T20:00:00Z"
+    assert second["lastSeen"] == "2026-11-30T21:00:00Z"
+    assert second["pod"] == "llm/worker-1"
+
+
+def test_versions_line_missing_gives_empty_versions() -> None:
+    versions = parse_versions("epguard: mooncake elastic EP is unusable in this image: x")
+    assert versions.torch == "" and versions.mooncake == ""
