@@ -57,7 +57,7 @@ def wheel_for(torch_version, cuda_major, need_set_transfer_engine=False):
         if need_set_transfer_engine and _vkey(v) < _vkey(SET_TRANSFER_ENGINE_SINCE):
             continue
         best = v
-    return "%s==%s" % (dist, best) if best else None
+    return f"{dist}=={best}" if best else None
 
 
 def torch_versions_for(dist, version):

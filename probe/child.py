@@ -11,6 +11,7 @@ It is run with ``-c`` rather than as a file so that the probe's own directory is
 on sys.path while mooncake imports. Standard library only; Python 3.8 syntax.
 """
 
+import contextlib
 import faulthandler
 import importlib
 import json
@@ -38,7 +39,7 @@ def describe(exc):
 
 def where(exc):
     frames = traceback.extract_tb(exc.__traceback__)
-    return ["%s:%s" % (f.filename, f.lineno) for f in frames[-3:]]
+    return [f"{f.filename}:{f.lineno}" for f in frames[-3:]]
 
 
 def mapped_libraries():
@@ -76,7 +77,8 @@ def smoke(want_cuda, timeout):
     import torch
     import torch.distributed as dist
 
-    store_file = tempfile.NamedTemporaryFile(prefix="epguard-smoke-", delete=False).name
+    fd, store_file = tempfile.mkstemp(prefix="epguard-smoke-")
+    os.close(fd)
     store = dist.FileStore(store_file, 1)
     dist.init_process_group(
         backend="mooncake-cpu", store=store, rank=0, world_size=1,
@@ -98,10 +100,8 @@ def smoke(want_cuda, timeout):
             emit(event="smoke", backend="mooncake", ok=bool(t.sum().item() == 4.0))
     finally:
         dist.destroy_process_group()
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(store_file)
-        except OSError:
-            pass
 
 
 def main():

@@ -36,8 +36,9 @@ def _parser():
     )
     p.add_argument("--json", action="store_true", help="print a JSON report on stdout")
     p.add_argument("--termination-log", metavar="PATH", default=None,
-                   help="where to write the termination message (default: %s when "
-                        "writable)" % DEFAULT_TERMINATION_LOG)
+                   help="where to write the termination message (default: "
+                        f"{DEFAULT_TERMINATION_LOG} when "
+                        "writable)")
     p.add_argument("--max-message-bytes", type=int, default=2048, metavar="N",
                    help="size limit of the termination message (default 2048; the kubelet "
                         "shares 12 KiB among a pod's containers)")
@@ -75,7 +76,7 @@ def _write(path, text):
         with open(path, "w") as f:
             f.write(text)
     except OSError as exc:
-        sys.stderr.write("epguard: cannot write %s: %s\n" % (path, exc.strerror))
+        sys.stderr.write(f"epguard: cannot write {path}: {exc.strerror}\n")
 
 
 def _absorb(o, run):
@@ -114,10 +115,8 @@ def check(opts, req_argv):
     o.package = inventory.mooncake_package()
     o.torch_metadata = inventory.metadata_version("torch")
     req = o.requirement
-    if not o.dists and not o.package.found:
-        modules = []  # nothing to import: only torch and CUDA facts are wanted
-    else:
-        modules = list(req.modules)
+    # With no mooncake at all there is nothing to import: only torch and CUDA facts.
+    modules = list(req.modules) if (o.dists or o.package.found) else []
     pending = modules
     for _ in range(len(modules) + 1):
         child.send_plan(_plan(req, opts.level, opts.timeout, pending))
@@ -131,7 +130,7 @@ def check(opts, req_argv):
         elif run.signal:
             rec = {"ok": False, "crash": run.signal}
         else:
-            rec = {"ok": False, "crash": "exit status %s" % run.returncode}
+            rec = {"ok": False, "crash": f"exit status {run.returncode}"}
         o.output_tail = run.output_tail
         step = run.last_step or ""
         if step == "import torch":
@@ -177,7 +176,7 @@ def main(argv=None):
     except Exception as exc:  # noqa: BLE001 - a probe bug must not block the worker
         sys.stderr.write("epguard: probe internal error (please report):\n")
         traceback.print_exc()
-        first = "%sprobe internal error: %s: %s" % (message.PREFIX, type(exc).__name__, exc)
+        first = f"{message.PREFIX}probe internal error: {type(exc).__name__}: {exc}"
         fix = ("report this epguard bug; the worker %s" % (
             "is blocked because --on-internal-error=deny" if opts.on_internal_error == "deny"
             else "starts unchecked"))
@@ -191,7 +190,7 @@ def _run(opts, worker):
         why = ("the worker argv does not request --elastic-ep-backend mooncake"
                if worker else "no worker argv given (expected: -- WORKER_ARGV...)")
         if req_argv.backend is not None:
-            why += " (it asks for %r)" % req_argv.backend.strip()
+            why += f" (it asks for {req_argv.backend.strip()!r})"
         text = message.render(message.NOTHING + why, [], "nothing to fix",
                               opts.max_message_bytes).splitlines()[0]
         _write(_termination_path(opts), text)

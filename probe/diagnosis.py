@@ -24,7 +24,7 @@ _RDMA = ("libibverbs.so.1", "libmlx5.so.1", "librdmacm.so.1", "libnuma.so.1")
 _MISSING_LIB_RE = re.compile(r"(lib[\w.+-]*?\.so(?:\.\d+)*): cannot open shared object file")
 
 
-class Outcome(object):
+class Outcome:
     """Everything observed, filled in by cli.py; read by :func:`diagnose`."""
 
     def __init__(self):
@@ -44,7 +44,7 @@ class Outcome(object):
         self.output_tail = ""
 
 
-class Verdict(object):
+class Verdict:
     def __init__(self):
         self.verdict = UNUSABLE
         self.classification = None
@@ -64,7 +64,7 @@ def _first_error(event):
     if not chain:
         return ""
     first = chain[0]
-    return "%s: %s" % (first.get("type"), first.get("message", "").strip())
+    return "{}: {}".format(first.get("type"), first.get("message", "").strip())
 
 
 def _all_error_text(event):
@@ -100,13 +100,13 @@ def versions(o):
 
 
 def versions_line(v):
-    return "versions: " + " ".join("%s=%s" % (k, val) for k, val in v.items())
+    return "versions: " + " ".join(f"{k}={val}" for k, val in v.items())
 
 
 def _mooncake_label(o):
     if not o.dists:
         return "mooncake"
-    return ", ".join("%s %s" % d for d in o.dists)
+    return ", ".join("{} {}".format(*d) for d in o.dists)
 
 
 def _primary_dist(o):
@@ -169,9 +169,8 @@ def _fix_for_libs(o, kinds, cuda_major, need_ste):
     if "cuda-mismatch" in kinds:
         tv = inventory.torch_tag(_torch_version(o))
         wheel = catalog.wheel_for(tv, cuda_major, need_ste) or catalog.dist_for_cuda(cuda_major)
-        dist = _primary_dist(o)[0] or "the CUDA %s mooncake wheel" % "?"
-        fixes.append("install %s (built for CUDA %s like torch) instead of %s"
-                     % (wheel, cuda_major, dist))
+        dist = _primary_dist(o)[0] or "the CUDA {} mooncake wheel".format("?")
+        fixes.append(f"install {wheel} (built for CUDA {cuda_major} like torch) instead of {dist}")
     if "rdma" in kinds:
         fixes.append("add RDMA userspace to the image (Debian/Ubuntu: apt-get install "
                      "libibverbs1 ibverbs-providers libnuma1)")
@@ -199,19 +198,19 @@ def _classify_import_failure(o, module, event, v):
 
     if event.get("crash"):
         v.classification = "crash"
-        v.cause = "crashed with %s while importing %s" % (event["crash"], module)
-        v.fix = ("the native import itself dies: try %s, or another build of %s"
-                 % (recommended or "a mooncake build for this torch", label))
+        v.cause = "crashed with {} while importing {}".format(event["crash"], module)
+        other = recommended or "a mooncake build for this torch"
+        v.fix = f"the native import itself dies: try {other}, or another build of {label}"
         return
     if event.get("timeout"):
         v.classification = "timeout"
-        v.cause = "timed out after %s s while importing %s" % (event["timeout"], module)
+        v.cause = "timed out after {} s while importing {}".format(event["timeout"], module)
         if pkg.jit:
             v.cause += " (0.3.14 builds its torch adapter by JIT on first import)"
             v.fix = ("bake the adapter into the image: run `python -m mooncake.pg --prebuild` "
                      "at build time with MOONCAKE_PG_JIT_DIR set to a directory in the image")
         else:
-            v.fix = "find what %s waits for on import (network, a lock, a device)" % module
+            v.fix = f"find what {module} waits for on import (network, a lock, a device)"
         return
 
     libs = _missing_libs(o, module, event) if "cannot open shared object file" in text else []
@@ -227,18 +226,19 @@ def _classify_import_failure(o, module, event, v):
                     break
             else:
                 groups.append((kind, [lib]))
-        described = ["%s (%s)" % (", ".join(ls), _LIB_WORDS[k])
+        described = ["{} ({})".format(", ".join(ls), _LIB_WORDS[k])
                      for k, ls in groups if k != "cuda-mismatch"]
         if "cuda-mismatch" in kinds:
             cu = [lib for lib, k in zip(libs, kinds) if k == "cuda-mismatch"][0]
             v.classification = "cuda-mismatch"
-            v.cause = ("%s is built for CUDA %s (needs %s) but torch %s uses CUDA %s"
-                       % (label, cu.rsplit(".", 1)[-1], cu, tv, cuda_major))
+            built = cu.rsplit(".", 1)[-1]
+            v.cause = (f"{label} is built for CUDA {built} (needs {cu}) "
+                       f"but torch {tv} uses CUDA {cuda_major}")
             if described:
                 v.cause += "; also missing: " + ", ".join(described)
         else:
             v.classification = "no-driver" if set(kinds) == {"no-driver"} else "missing-libraries"
-            v.cause = "%s cannot load: missing %s" % (module, ", ".join(described))
+            v.cause = "{} cannot load: missing {}".format(module, ", ".join(described))
         v.fix = _fix_for_libs(o, set(kinds), cuda_major, need_ste)
         return
 
@@ -246,53 +246,53 @@ def _classify_import_failure(o, module, event, v):
     if ("Mooncake EP was not built." in text or "was not built against torch" in text) and (
             no_ext or (dist or "").endswith("non-cuda")):
         v.classification = "non-cuda-wheel"
-        v.cause = ("%s ships mooncake's loaders but no compiled PG extension (%s)"
-                   % (label, first.splitlines()[0] if first else "import failed"))
-        v.fix = "install %s instead of %s" % (
+        said = first.splitlines()[0] if first else "import failed"
+        v.cause = f"{label} ships mooncake's loaders but no compiled PG extension ({said})"
+        v.fix = "install {} instead of {}".format(
             recommended or catalog.dist_for_cuda(cuda_major), dist or "the -non-cuda wheel")
         return
     if "was not built against torch" in text:
         shipped = pkg.extensions["pg"] or pkg.extensions["ep"]
         v.classification = "no-extension-for-torch"
-        v.cause = ("%s has no PG extension for torch %s (it ships pg_* for torch %s)"
-                   % (label, tag, ", ".join(shipped) or "none"))
+        v.cause = (f"{label} has no PG extension for torch {tag} "
+                   f"(it ships pg_* for torch {', '.join(shipped) or 'none'})")
         if pkg.other_abi["pg"] and not shipped:
             v.cause += "; pg_* exist only for another Python version"
-        alt = ("install %s" % recommended) if recommended else (
-            "install %s==%s (JIT, needs ninja + nvcc at image build)" % catalog.JIT_WHEEL)
-        v.fix = "%s, or use torch %s" % (alt, " / ".join(shipped) if shipped else "it was built for")
+        alt = (f"install {recommended}") if recommended else (
+            "install {}=={} (JIT, needs ninja + nvcc at image build)".format(*catalog.JIT_WHEEL))
+        v.fix = f"{alt}, or use torch {' / '.join(shipped) if shipped else 'it was built for'}"
         return
     if "JIT compilation failed" in text:
         need = inventory.jit_prerequisites(bool((o.cuda or {}).get("available")))
         v.classification = "jit-prerequisites"
         inner = first.split("JIT compilation failed:", 1)[-1]
-        v.cause = ("%s builds its PG torch adapter by JIT on import and cannot here: %s"
-                   % (label, _one_line(inner, 200)))
+        v.cause = (f"{label} builds its PG torch adapter by JIT on import and cannot here: "
+                   f"{_one_line(inner, 200)}")
         if need:
-            v.cause += " (missing: %s)" % ", ".join(need)
+            v.cause += " (missing: {})".format(", ".join(need))
         fallback = catalog.wheel_for(tag, cuda_major, need_ste) if cuda_major else None
         v.fix = ("prebuild the adapter into the image (`python -m mooncake.pg --prebuild` with "
                  "ninja, nvcc and a GPU or TORCH_CUDA_ARCH_LIST, MOONCAKE_PG_JIT_DIR in the image)")
         if fallback:
-            v.fix += ", or install %s" % fallback
+            v.fix += f", or install {fallback}"
         return
     if "No module named" in text:
         v.classification = "module-missing"
         other = [m for m, ok in o.alternates.items() if ok]
-        v.cause = "%s has no %s%s" % (
-            label, module, " (SGLang %s imports it)" % req.version if req and req.version else "")
+        v.cause = "{} has no {}{}".format(
+            label, module, f" (SGLang {req.version} imports it)" if req and req.version else "")
         if other:
-            v.cause += "; %s imports, which suits another SGLang" % other[0]
+            v.cause += f"; {other[0]} imports, which suits another SGLang"
         v.fix = "install %s" % (recommended or "mooncake >= 0.3.11 built for this torch")
         return
     if "undefined symbol" in text:
         v.classification = "abi-mismatch"
-        v.cause = "%s does not link against this torch: %s" % (module, _one_line(first, 200))
-        v.fix = "install %s" % (recommended or "a mooncake build made for torch %s" % tv)
+        v.cause = f"{module} does not link against this torch: {_one_line(first, 200)}"
+        v.fix = "install %s" % (recommended or f"a mooncake build made for torch {tv}")
         return
     v.classification = "import-error"
-    v.cause = "importing %s fails: %s" % (module, _one_line(first, 200))
-    v.fix = "install %s" % (recommended or "a mooncake build made for torch %s" % tv)
+    v.cause = f"importing {module} fails: {_one_line(first, 200)}"
+    v.fix = "install %s" % (recommended or f"a mooncake build made for torch {tv}")
 
 
 def _module_ok(o, module):
@@ -312,7 +312,7 @@ def diagnose(o):
     if pkg.jit:
         ext = "JIT adapter sources (0.3.14), no prebuilt pg_*"
     else:
-        ext = " ".join("%s_%s" % (k, t.replace(".", "_"))
+        ext = " ".join("{}_{}".format(k, t.replace(".", "_"))
                        for k in ("pg", "ep") for t in pkg.extensions[k]) or "none"
     v.check("extensions", bool(pkg.extensions["pg"] or pkg.extensions["ep"] or pkg.jit), ext)
 
@@ -320,27 +320,28 @@ def diagnose(o):
     if o.torch is None:
         tdetail = "not checked"
     elif torch_ok:
-        tdetail = "%s (CUDA %s)" % (o.torch.get("version"), o.torch.get("cuda") or "none")
+        tdetail = "{} (CUDA {})".format(o.torch.get("version"), o.torch.get("cuda") or "none")
     elif o.torch.get("crash"):
-        tdetail = "crashed with %s while importing torch" % o.torch["crash"]
+        tdetail = "crashed with {} while importing torch".format(o.torch["crash"])
     elif o.torch.get("timeout"):
-        tdetail = "timed out after %s s while importing torch" % o.torch["timeout"]
+        tdetail = "timed out after {} s while importing torch".format(o.torch["timeout"])
     else:
         tdetail = _one_line(_first_error(o.torch), 200)
     v.check("torch", torch_ok, tdetail)
     if o.cuda is not None:
-        v.check("cuda", True, "available=%s devices=%s" % (
+        v.check("cuda", True, "available={} devices={}".format(
             "yes" if o.cuda.get("available") else "no", o.cuda.get("devices", 0)))
 
     evidence = [versions_line(v.versions)]
     if torch_ok:
-        evidence.append("torch: built for CUDA %s; GPU visible: %s" % (
+        evidence.append("torch: built for CUDA {}; GPU visible: {}".format(
             o.torch.get("cuda") or "none (CPU build)",
-            ("yes, %s device(s)" % o.cuda.get("devices")) if o.cuda and o.cuda.get("available")
+            "yes, {} device(s)".format(o.cuda.get("devices"))
+            if o.cuda and o.cuda.get("available")
             else "no"))
-    evidence.append("needs: %s%s" % (
+    evidence.append("needs: {}{}".format(
         " or ".join(req.modules) if req.either else " and ".join(req.modules),
-        "" if req.either else " (%s; names: %s)" % (
+        "" if req.either else " ({}; names: {})".format(
             req.source, ", ".join(n for m in req.modules for n in req.names.get(m, [])))))
     if o.dists or pkg.found:
         evidence.append("extensions: " + ext)
@@ -348,7 +349,7 @@ def diagnose(o):
     def finish():
         for mod, ev in o.imports.items():
             if ev.get("ok") is False and v.classification not in (None,):
-                evidence.append("error (%s): %s" % (mod, _one_line(
+                evidence.append("error ({}): {}".format(mod, _one_line(
                     _first_error(ev) or v.cause, 300)))
                 break
         evidence.append("request: " + o.request.describe())
@@ -365,11 +366,11 @@ def diagnose(o):
         major = inventory.cuda_major(_torch_cuda(o))
         need = any("set_transfer_engine" in n for n in req.names.values())
         v.classification = "mooncake-not-installed"
-        v.cause = "no mooncake distribution is installed (%s)" % req.source
+        v.cause = f"no mooncake distribution is installed ({req.source})"
         v.check("import", False, "nothing to import")
         wheel = catalog.wheel_for(tag, major, need) if major else None
-        v.fix = "install %s" % (wheel or "a mooncake build whose wheel ships pg_%s" % (
-            (tag or "?").replace(".", "_")))
+        pg = "pg_" + (tag or "?").replace(".", "_")
+        v.fix = "install " + (wheel or f"a mooncake build whose wheel ships {pg}")
         return finish()
 
     # Imports and names.
@@ -386,9 +387,9 @@ def diagnose(o):
                 v.check("names " + mod, not miss,
                         ("missing: " + ", ".join(miss)) if miss else ", ".join(names))
         elif ev.get("crash"):
-            v.check("import " + mod, False, "crashed with %s" % ev["crash"])
+            v.check("import " + mod, False, "crashed with {}".format(ev["crash"]))
         elif ev.get("timeout"):
-            v.check("import " + mod, False, "timed out after %s s" % ev["timeout"])
+            v.check("import " + mod, False, "timed out after {} s".format(ev["timeout"]))
         else:
             v.check("import " + mod, False, _one_line(_first_error(ev), 300))
 
@@ -400,23 +401,23 @@ def diagnose(o):
         if ev.get("ok"):
             miss = ev.get("missing_names") or []
             v.classification = "missing-names"
-            v.cause = "%s lacks %s, which %s" % (
-                mod, ", ".join(miss), "SGLang %s imports" % req.version)
+            v.cause = "{} lacks {}, which {}".format(
+                mod, ", ".join(miss), f"SGLang {req.version} imports")
             tag = inventory.torch_tag(_torch_version(o))
             major = inventory.cuda_major(_torch_cuda(o))
             if "set_transfer_engine" in miss:
                 wheel = catalog.wheel_for(tag, major, True) if major else None
-                v.fix = "install %s (set_transfer_engine exists from mooncake %s)" % (
-                    wheel or "mooncake >= %s" % catalog.SET_TRANSFER_ENGINE_SINCE,
+                v.fix = "install {} (set_transfer_engine exists from mooncake {})".format(
+                    wheel or f"mooncake >= {catalog.SET_TRANSFER_ENGINE_SINCE}",
                     catalog.SET_TRANSFER_ENGINE_SINCE)
             elif pkg.jit and mod == "mooncake.ep":
                 v.fix = ("mooncake 0.3.14 no longer exposes the PG through mooncake.ep: pin "
                          "mooncake <= 0.3.13.post1 for SGLang <= 0.5.16, or use SGLang >= 0.5.17")
             else:
-                v.fix = "install a mooncake build whose %s exports %s" % (mod, ", ".join(miss))
+                v.fix = "install a mooncake build whose {} exports {}".format(mod, ", ".join(miss))
         elif not ev:
             v.classification = "import-error"
-            v.cause = "%s was not imported (an earlier step failed)" % mod
+            v.cause = f"{mod} was not imported (an earlier step failed)"
             v.fix = "see the evidence lines"
         else:
             _classify_import_failure(o, mod, ev, v)
@@ -424,7 +425,7 @@ def diagnose(o):
             evidence.append("missing libraries: " + " ".join(v.missing_libraries))
         if o.alternates:
             evidence.append("other module: " + ", ".join(
-                "%s %s" % (m, "imports" if ok else "fails") for m, ok in o.alternates.items()))
+                "{} {}".format(m, "imports" if ok else "fails") for m, ok in o.alternates.items()))
         return finish()
 
     # Backends: SGLang builds a "mooncake" device group and a "mooncake-cpu" CPU group.
@@ -435,7 +436,7 @@ def diagnose(o):
         caps = b.get("capability", {})
         gpu = caps.get("mooncake")
         cpu = caps.get("mooncake-cpu")
-        detail = "mooncake=%s mooncake-cpu=%s" % (
+        detail = "mooncake={} mooncake-cpu={}".format(
             ",".join(gpu) if gpu is not None else "absent",
             ",".join(cpu) if cpu is not None else "absent")
         ok = bool(gpu) and "cpu" not in gpu and bool(cpu) and "cpu" in cpu
@@ -444,17 +445,16 @@ def diagnose(o):
         if not ok:
             if gpu is None and cpu is None:
                 v.classification = "backends-missing"
-                v.cause = "%s imports but registers no mooncake torch backend" % passing[0]
+                v.cause = f"{passing[0]} imports but registers no mooncake torch backend"
             elif gpu is None or cpu is None:
                 v.classification = "half-registration"
-                v.cause = ("%s registers only %s; SGLang needs both mooncake (device) and "
-                           "mooncake-cpu (cpu) process groups" % (
+                v.cause = ("{} registers only {}; SGLang needs both mooncake (device) and "
+                           "mooncake-cpu (cpu) process groups".format(
                                passing[0], "mooncake" if gpu is not None else "mooncake-cpu"))
             else:
                 v.classification = "backend-devices"
                 v.cause = "mooncake backends registered for the wrong devices: " + detail
-            v.fix = "install %s built for torch %s" % (
-                _mooncake_label(o), _torch_version(o))
+            v.fix = f"install {_mooncake_label(o)} built for torch {_torch_version(o)}"
             return finish()
 
     if o.level == "smoke":
@@ -467,17 +467,17 @@ def diagnose(o):
             v.classification = "smoke-failed"
             if s.get("crash") or s.get("timeout"):
                 v.cause = ("one-rank process group %s" % (
-                    "crashed with %s" % s["crash"] if s.get("crash")
-                    else "timed out after %s s" % s["timeout"]))
+                    "crashed with {}".format(s["crash"]) if s.get("crash")
+                    else "timed out after {} s".format(s["timeout"])))
             else:
-                v.cause = "one-rank process group on %s failed: %s" % (
+                v.cause = "one-rank process group on {} failed: {}".format(
                     s.get("backend", "mooncake"), _one_line(_first_error(s), 200) or "no result")
             v.fix = "check the mooncake transport (RDMA devices, MC_FORCE_TCP) in this pod"
             return finish()
 
     v.verdict = USABLE
     v.classification = "usable"
-    v.cause = "%s imports with torch %s%s" % (
+    v.cause = "{} imports with torch {}{}".format(
         " and ".join(passing), _torch_version(o),
         "; backends mooncake and mooncake-cpu registered" if b.get("readable") else "")
     if o.level == "smoke":

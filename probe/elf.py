@@ -34,7 +34,7 @@ _DEFAULT_DIRS = (
 )
 
 
-class Dynamic(object):
+class Dynamic:
     """The parts of one ELF file's dynamic section that name its dependencies."""
 
     def __init__(self, path, needed, rpath, runpath, elf_class):

@@ -25,7 +25,7 @@ SOURCES = (
 )
 
 
-class Requirement(object):
+class Requirement:
     def __init__(self, version, modules, names, source, either=False):
         self.version = version  # None when SGLang is not installed
         self.modules = modules  # in import order
@@ -99,7 +99,7 @@ def _scan_regex(text):
     for m in re.finditer(r"from\s+mooncake\s+import\s+(ep|pg)(?:\s+as\s+(\w+))?", text):
         mod = "mooncake." + m.group(1)
         alias = m.group(2) or m.group(1)
-        names = set(re.findall(r"\b%s\.(\w+)" % re.escape(alias), text))
+        names = set(re.findall(rf"\b{re.escape(alias)}\.(\w+)", text))
         found.setdefault(mod, set()).update(names)
     return found
 
@@ -129,10 +129,10 @@ def requirement():
             for mod, names in scan_source(text).items():
                 found.setdefault(mod, set()).update(names)
     if not found:
-        why = "SGLang %s sources %s" % (
+        why = "SGLang {} sources {}".format(
             version, "name no mooncake module" if read else "unreadable")
         return Requirement(version, list(MODULES), {}, why + ": either module", True)
     modules = [m for m in MODULES if m in found]
     return Requirement(
         version, modules, {m: sorted(found[m]) for m in modules},
-        "SGLang %s imports %s" % (version, " and ".join(modules)))
+        "SGLang {} imports {}".format(version, " and ".join(modules)))

@@ -63,7 +63,7 @@ def mooncake_distributions(path=None):
     return out
 
 
-class Package(object):
+class Package:
     """The ``mooncake`` package directory as this interpreter would load it."""
 
     def __init__(self):
@@ -108,7 +108,7 @@ def mooncake_package():
                 if ver not in bucket[kind]:
                     bucket[kind].append(ver)
                 if m.group(3) in suffixes:
-                    pkg.files.setdefault("%s_%s" % (kind, m.group(2)), os.path.join(d, n))
+                    pkg.files.setdefault(f"{kind}_{m.group(2)}", os.path.join(d, n))
             elif n in ("pg.py", "ep.py"):
                 pkg.loaders.append(n)
             elif n == "_pg_jit" and os.path.isdir(os.path.join(d, n)):

@@ -29,7 +29,7 @@ _KNOWN = ELASTIC_FLAGS + _OTHER_FLAGS
 _SHELLS = ("sh", "bash", "dash", "ash", "zsh", "ksh")
 
 
-class Request(object):
+class Request:
     def __init__(self):
         self.backend = None  # last value given, as written
         self.where = None  # "argv", "sh -c script", "config <path>"
@@ -42,11 +42,11 @@ class Request(object):
         return self.backend is not None and self.backend.strip().lower() == "mooncake"
 
     def describe(self):
-        out = "%s %s (%s)" % (BACKEND, (self.backend or "").strip(), self.where)
+        out = "{} {} ({})".format(BACKEND, (self.backend or "").strip(), self.where)
         if self.dp_attention:
             out += "; DP attention on"
             if self.attn_dp_size:
-                out += " (%s %s)" % (ATTN_DP_SIZE, self.attn_dp_size)
+                out += f" ({ATTN_DP_SIZE} {self.attn_dp_size})"
         return out
 
 
@@ -157,7 +157,7 @@ def detect(argv):
             with open(path) as f:
                 cfg = parse_simple_yaml(f.read())
         except OSError:
-            req.notes.append("config %s not readable here" % path)
+            req.notes.append(f"config {path} not readable here")
         else:
             for key, value in cfg.items():
                 flag = "--" + key

@@ -6,6 +6,7 @@ child runs in its own session so a hang is killed with everything it spawned, an
 a death by signal is reported with the step it interrupted.
 """
 
+import contextlib
 import json
 import os
 import select
@@ -26,7 +27,7 @@ def _child_source():
     return _CHILD_SOURCE
 
 
-class Run(object):
+class Run:
     """What one child reported, and how it ended."""
 
     def __init__(self):
@@ -48,7 +49,7 @@ class Run(object):
         return [e for e in self.events if e.get("event") == kind]
 
 
-class Child(object):
+class Child:
     """A started child; ``send_plan`` then ``collect``."""
 
     def __init__(self, timeout, python=None, cwd=None):
@@ -76,10 +77,8 @@ class Child(object):
             pass
 
     def _kill(self):
-        try:
+        with contextlib.suppress(OSError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except OSError:
-            pass
 
     def collect(self):
         run = Run()
@@ -125,6 +124,6 @@ class Child(object):
             try:
                 run.signal = signal.Signals(-run.returncode).name
             except ValueError:
-                run.signal = "signal %d" % -run.returncode
+                run.signal = f"signal {-run.returncode}"
         run.output_tail = tail.decode("utf-8", "replace")
         return run
