@@ -22,6 +22,7 @@ from webhook.workloads import ContainerView, PodTemplateView, annotations_of, po
 SKIP_ANNOTATION = "epguard.io/skip"
 INJECT_ANNOTATION = "epguard.io/inject"
 PROBE_CONTAINER = "epguard-probe"
+COPY_CONTAINER = "epguard-copy-probe"
 JUDGED_OPERATIONS = frozenset({"CREATE", "UPDATE"})
 # Subresources that carry a pod spec worth judging; /status, /scale … do not.
 JUDGED_SUBRESOURCES = frozenset({"", "ephemeralcontainers"})
@@ -86,8 +87,13 @@ def _strip_period(text: str) -> str:
     return text.strip().rstrip(".").strip()
 
 
+def _is_probe_name(name: str) -> bool:
+    # The injector names one probe per worker: epguard-probe, epguard-probe-<worker>.
+    return name == PROBE_CONTAINER or name.startswith(PROBE_CONTAINER + "-")
+
+
 def _is_probe(c: ContainerView) -> bool:
-    if c.name == PROBE_CONTAINER:
+    if _is_probe_name(c.name):
         return True
     argv = container_argv(c.raw) if c.kind == "initContainer" else ()
     return any("epguard" in a and "probe" in a for a in argv)
@@ -154,7 +160,7 @@ def _template_findings(
     )
     rules = state.rules.current
     for c in t.containers:
-        if c.name == PROBE_CONTAINER:
+        if _is_probe_name(c.name) or c.name == COPY_CONTAINER:
             continue  # the probe carries the worker's argv after "--"; it is not a worker
         report = analyse_container(c.raw)
         image_text = c.image if c.image is not None else "<none>"

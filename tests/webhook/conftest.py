@@ -1,0 +1,35 @@
+"""Fixtures for the webhook tests: test rules, policy state, and a loopback TLS server."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from webhook_factory import TEST_RULES
+from webhook_server import RunningServer, running_server
+
+from webhook.policy import PolicyConfig, PolicyState
+from webhook.rules import load_rules_text
+
+
+@pytest.fixture
+def state() -> PolicyState:
+    return PolicyState.from_rules(load_rules_text(TEST_RULES, "test-rules"))
+
+
+def make_state(**config: object) -> PolicyState:
+    return PolicyState.from_rules(
+        load_rules_text(TEST_RULES, "test-rules"),
+        PolicyConfig(**config),  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    with running_server(tmp_path_factory.mktemp("server"), TEST_RULES) as s:
+        yield s
