@@ -1,0 +1,125 @@
+{{/* Chart name, overridable. */}}
+{{- define "epguard.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Object-name prefix: "epguard" for a release named like the chart. */}}
+{{- define "epguard.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "epguard.webhookName" -}}{{ include "epguard.fullname" . | trunc 55 | trimSuffix "-" }}-webhook{{- end -}}
+{{- define "epguard.controllerName" -}}{{ include "epguard.fullname" . | trunc 52 | trimSuffix "-" }}-controller{{- end -}}
+{{/* The mutating configuration the injection feature adds; the controller keeps its caBundle. */}}
+{{- define "epguard.mutatingName" -}}{{ include "epguard.fullname" . | trunc 56 | trimSuffix "-" }}-inject{{- end -}}
+{{- define "epguard.rulesConfigMap" -}}epguard-rules{{- end -}}
+
+{{- define "epguard.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/name: {{ include "epguard.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: epguard
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Selector labels of one component (webhook, controller, helm-test). */}}
+{{- define "epguard.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "epguard.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "epguard.componentLabels" -}}
+{{ include "epguard.labels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "epguard.image" -}}
+{{- $img := .Values.image -}}
+{{- $ref := printf "%s/%s" $img.registry $img.repository | trimPrefix "/" -}}
+{{- if $img.digest -}}
+{{- printf "%s@%s" $ref $img.digest -}}
+{{- else -}}
+{{- printf "%s:%s" $ref (default .Chart.AppVersion $img.tag) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "epguard.webhookServiceAccount" -}}
+{{- default (include "epguard.webhookName" .) .Values.webhook.serviceAccount.name -}}
+{{- end -}}
+{{- define "epguard.controllerServiceAccount" -}}
+{{- default (include "epguard.controllerName" .) .Values.controller.serviceAccount.name -}}
+{{- end -}}
+
+{{/* A securityContext dict without null entries (null means "let the platform choose"). */}}
+{{- define "epguard.compact" -}}
+{{- $out := dict -}}
+{{- range $k, $v := . -}}
+{{- if not (kindIs "invalid" $v) -}}
+{{- $_ := set $out $k $v -}}
+{{- end -}}
+{{- end -}}
+{{- toYaml $out -}}
+{{- end -}}
+
+{{/* Preferred (not required) spreading over nodes, when no affinity is given. */}}
+{{- define "epguard.defaultAffinity" -}}
+podAntiAffinity:
+  preferredDuringSchedulingIgnoredDuringExecution:
+    - weight: 100
+      podAffinityTerm:
+        topologyKey: kubernetes.io/hostname
+        labelSelector:
+          matchLabels:
+            {{- include "epguard.selectorLabels" . | nindent 12 }}
+{{- end -}}
+
+{{/*
+CEL for matchConditions.
+
+The needle is the shortest spelling of --elastic-ep-backend that argparse can accept
+(webhook/argv.py MIN_PREFIX); tests/chart asserts the two agree. Any container or init
+container whose command, args or literal env values contain it is sent to epguard, which
+covers `--elastic-ep-backend mooncake`, `--elastic-ep-backend=mooncake`, prefixes,
+`sh -c "..."` scripts and `$(VAR)` references to env values.
+*/}}
+{{- define "epguard.cel.needle" -}}--elastic{{- end -}}
+
+{{/* CEL: container variable c mentions the needle. */}}
+{{- define "epguard.cel.container" -}}
+{{- $n := include "epguard.cel.needle" . -}}
+(has({{ .c }}.command) && {{ .c }}.command.exists(s, s.contains('{{ $n }}'))) || (has({{ .c }}.args) && {{ .c }}.args.exists(s, s.contains('{{ $n }}'))) || (has({{ .c }}.env) && {{ .c }}.env.exists(e, has(e.value) && e.value.contains('{{ $n }}')))
+{{- end -}}
+
+{{/*
+CEL: the pod spec at dotted path .path mentions the needle. Every step of the path is
+guarded by has(), so an object of another shape (or with fields missing) evaluates to
+false instead of an error -- an error would apply failurePolicy to an unrelated object.
+*/}}
+{{- define "epguard.cel.podSpec" -}}
+{{- $parts := splitList "." .path -}}
+{{- $guards := list -}}
+{{- $acc := first $parts -}}
+{{- range rest $parts -}}
+{{- $acc = printf "%s.%s" $acc . -}}
+{{- $guards = append $guards (printf "has(%s)" $acc) -}}
+{{- end -}}
+{{- $lists := list -}}
+{{- range list "containers" "initContainers" -}}
+{{- $lists = append $lists (printf "(has(%s.%s) && %s.%s.exists(c, %s))" $acc . $acc . (include "epguard.cel.container" (dict "c" "c"))) -}}
+{{- end -}}
+({{ join " && " $guards }} && ({{ join " || " $lists }}))
+{{- end -}}
