@@ -137,7 +137,7 @@ def _split_script(script: str) -> list[str]:
     except ValueError:
         # Unbalanced quotes: the shell would fail too; split on whitespace so the
         # flag is still seen.
-        return text.replace("\n", " ; ").split()
+        return [t.strip("'\"") for t in text.replace("\n", " ; ").split()]
 
 
 def flatten(argv: Sequence[str], depth: int = 0) -> list[str]:
