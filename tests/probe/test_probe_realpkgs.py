@@ -1,0 +1,194 @@
+"""The probe against real wheels from PyPI laid over real torch 2.13.0 (CUDA 13 build).
+
+Each case is an image someone could build. Expected texts are the facts of the
+wheels (domain-facts.md, Table 2) and of this OS: whether rdma-core and the NVIDIA
+driver are present is asked of the dynamic loader here (ctypes), not assumed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+
+import pytest
+from probe_harness import (
+    MTE_CUDA12,
+    MTE_CUDA13,
+    MTE_CUDA13_OLD,
+    MTE_JIT,
+    MTE_NON_CUDA,
+    SGLANG_EP,
+    SGLANG_PG,
+    overlay,
+    run_probe,
+)
+
+pytestmark = pytest.mark.realpkg
+
+UNUSABLE = "epguard: mooncake elastic EP is unusable in this image: "
+VERSIONS_RE = re.compile(r"^versions: torch=\S+ sglang=\S+( [a-z0-9-]+=\S+)+$")
+
+
+def loads(soname: str) -> bool:
+    try:
+        ctypes.CDLL(soname)
+    except OSError:
+        return False
+    return True
+
+
+# What libmooncake_pg.so needs from the OS / the container runtime, and whether the
+# loader finds it on this machine.
+SYSTEM_LIBS = ("libcuda.so.1", "libibverbs.so.1", "libmlx5.so.1", "libnuma.so.1",
+               "libcurl.so.4")
+ABSENT = {lib for lib in SYSTEM_LIBS if not loads(lib)}
+
+
+def probe(tmp_path, *names, **kw):
+    return run_probe(tmp_path, pythonpath=[overlay(n) for n in names], **kw)
+
+
+def assert_contract(r, rc=1):
+    assert r.rc == rc, r.stderr
+    assert r.lines[0].startswith(UNUSABLE if rc else "epguard: mooncake elastic EP is usable: ")
+    assert r.lines[-1].startswith("fix: ")
+    assert sum(bool(VERSIONS_RE.match(line)) for line in r.lines) == 1, r.message
+    assert len(r.message.encode()) <= 2048
+    assert r.report["verdict"] == ("unusable" if rc else "usable")
+    assert r.report["cause"] in r.lines[0]
+
+
+# --- which module SGLang needs, from its real sources ------------------------------------
+
+@pytest.mark.parametrize("sglang", SGLANG_EP + SGLANG_PG)
+def test_requires_the_module_the_installed_sglang_imports(tmp_path, sglang):
+    r = probe(tmp_path, MTE_CUDA13, sglang)
+    version = sglang.split("-", 1)[1]
+    expected = "mooncake.ep" if sglang in SGLANG_EP else "mooncake.pg"
+    assert r.report["required_modules"] == [expected]
+    assert r.report["versions"]["sglang"] == version
+    assert f"sglang={version}" in r.message
+    needs = next(line for line in r.lines if line.startswith("needs: "))
+    assert needs.startswith(f"needs: {expected} (SGLang {version} imports {expected}")
+    if sglang in SGLANG_PG:
+        assert "set_transfer_engine" in needs
+    else:
+        assert "set_host_ip" in needs and "set_transfer_engine" not in needs
+
+
+# --- CUDA 12 wheel over CUDA 13 torch ------------------------------------------------------
+
+@pytest.mark.parametrize("sglang", [SGLANG_PG[0], SGLANG_EP[1]])
+def test_names_libcudart_12_when_cuda12_wheel_meets_cuda13_torch(tmp_path, sglang):
+    r = probe(tmp_path, MTE_CUDA12, sglang)
+    assert_contract(r)
+    assert r.classification == "cuda-mismatch"
+    assert "libcudart.so.12" in r.report["missing_libraries"]
+    assert "built for CUDA 12 (needs libcudart.so.12) but torch 2.13.0+cu130 uses CUDA 13" \
+        in r.lines[0]
+    assert "mooncake-transfer-engine=0.3.13.post1" in r.message
+    assert "install mooncake-transfer-engine-cuda13==0.3.13.post1" in r.lines[-1]
+
+
+# --- CUDA 13 wheel on a node without the driver (and maybe without rdma-core) --------------
+
+@pytest.mark.parametrize("sglang", [SGLANG_PG[0], SGLANG_EP[1]])
+def test_names_every_missing_system_library_not_only_the_first(tmp_path, sglang):
+    r = probe(tmp_path, MTE_CUDA13, sglang)
+    if not ABSENT:
+        pytest.skip("this machine has the driver and rdma-core: the wheel can load")
+    assert_contract(r)
+    assert set(r.report["missing_libraries"]) == ABSENT
+    for lib in ABSENT:
+        assert lib in r.lines[0]
+    expected = "no-driver" if ABSENT == {"libcuda.so.1"} else "missing-libraries"
+    assert r.classification == expected
+    assert ("nvidia.com/gpu" in r.lines[-1]) == ("libcuda.so.1" in ABSENT)
+    assert ("libibverbs1" in r.lines[-1]) == bool(ABSENT & {"libibverbs.so.1", "libmlx5.so.1"})
+
+
+def test_the_loader_error_alone_names_one_library_the_probe_names_all(tmp_path):
+    r = probe(tmp_path, MTE_CUDA13, SGLANG_PG[0])
+    if len(ABSENT) < 2:
+        pytest.skip("needs at least two absent libraries to show the difference")
+    error = next(line for line in r.lines if line.startswith("error (mooncake.pg): "))
+    named_by_loader = [lib for lib in ABSENT if lib in error]
+    assert len(named_by_loader) == 1
+    assert len(r.report["missing_libraries"]) == len(ABSENT)
+
+
+# --- wheel without an extension for this torch ---------------------------------------------
+
+@pytest.mark.parametrize(("sglang", "said"), [
+    (SGLANG_PG[0], "Mooncake PG was not built against torch==2.13.0."),
+    (SGLANG_EP[1], "Mooncake EP was not built against torch==2.13.0."),
+])
+def test_names_torch_and_shipped_versions_when_no_extension_matches(tmp_path, sglang, said):
+    r = probe(tmp_path, MTE_CUDA13_OLD, sglang)
+    assert_contract(r)
+    assert r.classification == "no-extension-for-torch"
+    assert "has no PG extension for torch 2.13.0" in r.lines[0]
+    assert "2.9.0, 2.9.1, 2.10.0" in r.lines[0]
+    assert said in r.message
+    assert "mooncake-transfer-engine-cuda13=0.3.10" in r.message
+    assert "mooncake-transfer-engine-cuda13==0.3.13.post1" in r.lines[-1]
+
+
+# --- the -non-cuda wheel ---------------------------------------------------------------------
+
+@pytest.mark.parametrize(("sglang", "said"), [
+    (SGLANG_PG[0], "Mooncake PG was not built against torch==2.13.0."),
+    (SGLANG_EP[1], "Mooncake EP was not built. Please rebuild Mooncake with WITH_EP=ON."),
+])
+def test_recognises_the_non_cuda_wheel_that_ships_loaders_only(tmp_path, sglang, said):
+    r = probe(tmp_path, MTE_NON_CUDA, sglang)
+    assert_contract(r)
+    assert r.classification == "non-cuda-wheel"
+    assert "ships mooncake's loaders but no compiled PG extension" in r.lines[0]
+    assert said in r.message
+    assert "extensions: none" in r.lines
+    assert "install mooncake-transfer-engine-cuda13==0.3.13.post1 instead of " \
+           "mooncake-transfer-engine-non-cuda" in r.lines[-1]
+
+
+# --- 0.3.14's JIT loader -----------------------------------------------------------------------
+
+def test_reports_the_missing_jit_prerequisites_of_0_3_14(tmp_path):
+    r = probe(tmp_path, MTE_JIT, SGLANG_PG[0])
+    assert_contract(r)
+    assert r.classification == "jit-prerequisites"
+    assert "builds its PG torch adapter by JIT" in r.lines[0]
+    assert "nvcc" in r.lines[0]
+    assert "extensions: JIT adapter sources (0.3.14), no prebuilt pg_*" in r.lines
+    assert "python -m mooncake.pg --prebuild" in r.lines[-1]
+
+
+# --- nothing installed -----------------------------------------------------------------------
+
+def test_says_mooncake_none_when_no_mooncake_is_installed(tmp_path):
+    r = probe(tmp_path, SGLANG_PG[1])
+    assert_contract(r)
+    assert r.classification == "mooncake-not-installed"
+    assert "mooncake=none" in r.message
+    assert r.report["versions"]["mooncake"] == "none"
+    assert "mooncake-transfer-engine-cuda13==0.3.13.post1" in r.lines[-1]
+
+
+def test_without_sglang_either_module_is_tried(tmp_path):
+    r = probe(tmp_path, MTE_CUDA13_OLD)
+    assert_contract(r)
+    assert r.report["required_modules"] == ["mooncake.pg", "mooncake.ep"]
+    assert "sglang=none" in r.message
+    tried = {c["name"] for c in r.report["checks"] if c["name"].startswith("import ")}
+    assert tried == {"import mooncake.pg", "import mooncake.ep"}
+
+
+# --- facts beside the failure ---------------------------------------------------------------
+
+def test_records_torch_and_cuda_facts_beside_a_failed_import(tmp_path):
+    r = probe(tmp_path, MTE_CUDA13_OLD, SGLANG_PG[0])
+    checks = {c["name"]: c for c in r.report["checks"]}
+    assert checks["torch"]["ok"] and checks["torch"]["detail"].startswith("2.13.0+cu130 (CUDA 13")
+    assert checks["import mooncake.pg"]["ok"] is False
+    assert "backends" not in checks  # never reached: nothing registered anything
+    assert checks["cuda"]["detail"] == "available=no devices=0"
