@@ -218,8 +218,10 @@ def _template_findings(
 @dataclass(frozen=True, slots=True)
 class _Judgement:
     findings: list[Finding]
-    # Why the object (or a template whose denials were dropped) is exempt, if it is.
+    # Why the whole object is exempt (its own annotation), if it is.
     exemption: str | None
+    # Why a template's denials were dropped (its annotation), if any were.
+    template_exemption: str | None
 
 
 def _judge(
@@ -233,13 +235,20 @@ def _judge(
     findings: list[Finding] = []
     obj_skip = obj_annotations.get(SKIP_ANNOTATION)
     exemption = obj_skip if allow_skip else None
+    template_exemption: str | None = None
     for t in templates:
         tf = _template_findings(t, state, now, namespace_injects)
         t_skip = t.annotations.get(SKIP_ANNOTATION)
-        if t_skip is not None and allow_skip and any(f.severity == "deny" for f in tf):
+        # (When the object itself is exempt, keep the denials: the log shows what was skipped.)
+        if (
+            t_skip is not None
+            and allow_skip
+            and obj_skip is None
+            and any(f.severity == "deny" for f in tf)
+        ):
             # A template's annotation exempts that template, and so the pods made from
             # it (the annotation is copied onto them).
-            exemption = exemption if exemption is not None else t_skip
+            template_exemption = template_exemption if template_exemption is not None else t_skip
             tf = [f for f in tf if f.severity != "deny"]
         findings.extend(tf)
     if not allow_skip and (
@@ -251,7 +260,7 @@ def _judge(
                 f"the {SKIP_ANNOTATION} annotation is disabled in this cluster and was ignored",
             )
         )
-    return _Judgement(findings, exemption)
+    return _Judgement(findings, exemption, template_exemption)
 
 
 def decide(
@@ -291,7 +300,10 @@ def decide(
             else f
             for f in findings
         ]
-    return _conclude(findings, mode, judgement.exemption)
+    exemption = judgement.exemption
+    if exemption is None and not any(f.severity == "deny" for f in findings):
+        exemption = judgement.template_exemption  # the only denials were exempted ones
+    return _conclude(findings, mode, exemption)
 
 
 def _conclude(findings: list[Finding], mode: Mode, exemption: str | None) -> Decision:
