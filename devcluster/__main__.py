@@ -28,12 +28,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=[],
         help="extra argument for `helm upgrade --install` (repeatable), e.g. --helm-arg=--set=x=y",
     )
+    p_up.add_argument(
+        "--chart",
+        type=Path,
+        default=stack.CHART_DIR,
+        help="the chart to install (default: charts/epguard)",
+    )
     sub.add_parser("down", help="stop everything `up` started and remove the run directory")
     sub.add_parser("status", help="what runs; exit 1 unless everything is alive")
     args = parser.parse_args(argv)
     run_dir: Path = args.run_dir.resolve()
     if args.command == "up":
-        return stack.up(run_dir, args.helm_arg)
+        return stack.up(run_dir, args.helm_arg, args.chart.resolve())
     if args.command == "down":
         return stack.down(run_dir)
     return stack.status(run_dir)

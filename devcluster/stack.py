@@ -27,6 +27,7 @@ import base64
 import json
 import os
 import shutil
+import ssl
 import subprocess
 import sys
 import time
@@ -112,13 +113,13 @@ class Stack:
 # --- stages ------------------------------------------------------------------------
 
 
-def install_chart(cp: ControlPlane, helm_args: list[str]) -> str:
+def install_chart(cp: ControlPlane, chart: Path, helm_args: list[str]) -> str:
     """``helm upgrade --install`` the chart; returns what happened, in words."""
-    if not (CHART_DIR / "Chart.yaml").is_file():
-        return f"skipped: no chart at {CHART_DIR.relative_to(REPO_ROOT)}"
+    if not (chart / "Chart.yaml").is_file():
+        return f"skipped: no chart at {chart}"
     helm = binaries.find("helm")
     cmd = [
-        str(helm), "upgrade", "--install", RELEASE, str(CHART_DIR),
+        str(helm), "upgrade", "--install", RELEASE, str(chart),
         "--namespace", NAMESPACE, "--create-namespace",
         "--kubeconfig", str(cp.kubeconfig),
         *helm_args,
@@ -168,7 +169,8 @@ def _wait_https(
     proc: ManagedProcess, url: str, ca_file: Path, timeout: float = WEBHOOK_START_TIMEOUT
 ) -> None:
     deadline = time.monotonic() + timeout
-    with httpx.Client(verify=str(ca_file), timeout=2.0, trust_env=False) as client:
+    verify = ssl.create_default_context(cafile=str(ca_file))
+    with httpx.Client(verify=verify, timeout=2.0, trust_env=False) as client:
         while True:
             if not proc.alive():
                 raise StageError(f"{proc.name} exited; last log lines:\n{proc.log_tail()}")
@@ -200,6 +202,7 @@ def start_webhook(stack: Stack, cp: ControlPlane) -> str:
             "--rules", str(rules),
             "--tls-cert", str(cert), "--tls-key", str(key),
             "--host", "127.0.0.1", "--port", str(port),
+            "--kubeconfig", str(cp.kubeconfig), "--namespace", NAMESPACE,
         ],
         stack.run_dir / "logs" / "webhook.log",
         env=_child_env(cp),
@@ -286,7 +289,11 @@ def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def up(run_dir: Path = DEFAULT_RUN_DIR, helm_args: list[str] | None = None) -> int:
+def up(
+    run_dir: Path = DEFAULT_RUN_DIR,
+    helm_args: list[str] | None = None,
+    chart: Path = CHART_DIR,
+) -> int:
     existing = Stack.load(run_dir)
     if existing is not None:
         if existing.processes() and all(p.alive() for p in existing.processes()):
@@ -315,7 +322,7 @@ def up(run_dir: Path = DEFAULT_RUN_DIR, helm_args: list[str] | None = None) -> i
     _say(f"control plane: {stack.stages['control-plane']}")
 
     stages: list[tuple[str, Callable[[], str]]] = [
-        ("chart", lambda: install_chart(cp, helm_args or [])),
+        ("chart", lambda: install_chart(cp, chart, helm_args or [])),
         ("webhook", lambda: start_webhook(stack, cp)),
         ("controller", lambda: start_controller(stack, cp)),
         ("webhook-config", lambda: point_webhook_config(stack, cp)),

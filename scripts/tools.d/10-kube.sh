@@ -4,8 +4,8 @@
 # No release binaries can be downloaded here, but the proxy serves the sources.
 #
 # Each binary is rebuilt only when it is missing or when its pinned module
-# (devcluster/go/<name>/go.mod + go.sum) changed: a stamp next to the binary
-# records the sha256 of both files and the Go version that built it.
+# (devcluster/go/<name>/go.mod + go.sum) or this script changed: a stamp next to the binary
+# records the sha256 of those three files and the Go version that built it.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 cache="${EPGUARD_CACHE:-$HOME/.cache/epguard}"
@@ -29,7 +29,7 @@ for t in "${targets[@]}"; do
     read -r name pkg <<<"$t"
     moddir="$root/devcluster/go/$name"
     stamp="$bin/.$name.stamp"
-    want="$(cat "$moddir/go.mod" "$moddir/go.sum" | sha256sum | cut -d' ' -f1) $(go env GOVERSION)"
+    want="$(cat "$moddir/go.mod" "$moddir/go.sum" "$0" | sha256sum | cut -d' ' -f1) $(go env GOVERSION)"
     if [ -x "$bin/$name" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
         echo "10-kube: $name up to date ($bin/$name)"
         continue
@@ -38,7 +38,17 @@ for t in "${targets[@]}"; do
     start=$(date +%s)
     tmp="$bin/.$name.tmp.$$"
     # -trimpath and -s -w keep the binaries smaller and reproducible.
-    (cd "$moddir" && go build -trimpath -ldflags='-s -w' -o "$tmp" "$pkg")
+    ldflags="-s -w"
+    if [ "$name" = kube-apiserver ]; then
+        # A plain `go build` reports v0.0.0-master: Kubernetes stamps its version at
+        # link time. Helm's kubeVersion checks, kubectl's skew warning and /version
+        # all read it, so stamp it from the pinned module version.
+        ver="$(cd "$moddir" && go list -m -f '{{.Version}}' k8s.io/kubernetes)"
+        minor="$(echo "$ver" | cut -d. -f2)"
+        v=k8s.io/component-base/version
+        ldflags="$ldflags -X $v.gitVersion=$ver -X $v.gitMajor=1 -X $v.gitMinor=$minor -X $v.gitTreeState=archive"
+    fi
+    (cd "$moddir" && go build -trimpath -ldflags="$ldflags" -o "$tmp" "$pkg")
     mv -f "$tmp" "$bin/$name"
     printf '%s\n' "$want" >"$stamp"
     echo "10-kube: built $name in $(( $(date +%s) - start ))s -> $bin/$name"
