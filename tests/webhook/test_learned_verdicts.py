@@ -1,0 +1,127 @@
+"""Verdicts learned from probe runs (ImageVerdict): digest pins deny, tags deny within a TTL."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from conftest import make_state
+from webhook_factory import container, pod, request
+
+from webhook.policy import decide
+from webhook.verdicts import VerdictStore, verdict_from_object
+
+NOW = dt.datetime(2026, 11, 30, 12, 0, tzinfo=dt.UTC)
+IMAGE = "registry.example.com/ml/sglang:v0.5.18-custom"
+DIGEST = "sha256:" + "ef" * 32
+OTHER_DIGEST = "sha256:" + "01" * 32
+
+
+def imageverdict(
+    name: str = "iv-1",
+    image: str = IMAGE,
+    digest: str = DIGEST,
+    verdict: str = "Unusable",
+    last_seen: dt.datetime = NOW - dt.timedelta(hours=1),
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "epguard.io/v1alpha1",
+        "kind": "ImageVerdict",
+        "metadata": {"name": name},
+        "spec": {
+            "image": image,
+            "digest": digest,
+            "verdict": verdict,
+            "reason": "ImportError: Mooncake PG was not built against torch==2.13.0.\nmore",
+            "versions": {"sglang": "0.5.18", "torch": "2.13.0", "mooncake": "0.3.11"},
+            "firstSeen": "2026-11-29T10:00:00Z",
+            "lastSeen": last_seen.strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "pod": "ml/worker-0",
+            "count": 3,
+        },
+    }
+
+
+def store_with(*objs: dict[str, Any], ttl_hours: float = 24) -> VerdictStore:
+    store = VerdictStore(dt.timedelta(hours=ttl_hours))
+    for o in objs:
+        v = verdict_from_object(o)
+        assert v is not None
+        store.upsert(v)
+    return store
+
+
+def judge(image: str, store: VerdictStore) -> Any:
+    state = make_state()
+    state.verdicts = store
+    return decide(request(pod([container(image=image)])), state, now=NOW)
+
+
+def test_denies_a_digest_pinned_image_with_an_unusable_verdict_and_says_where_it_was_learned() -> (
+    None
+):
+    d = judge(f"registry.example.com/ml/sglang@{DIGEST}", store_with(imageverdict()))
+    assert not d.allowed
+    assert "Mooncake PG was not built against torch==2.13.0" in (d.message or "")
+    assert "seen failing in pod ml/worker-0 at 2026-11-30T11:00:00Z" in (d.message or "")
+    assert "[epguard verdict iv-1]" in (d.message or "")
+    assert d.fired == ("verdict:iv-1",)
+
+
+def test_digest_verdicts_do_not_expire() -> None:
+    old = imageverdict(last_seen=NOW - dt.timedelta(days=30))
+    assert not judge(f"registry.example.com/ml/sglang@{DIGEST}", store_with(old)).allowed
+
+
+def test_denies_a_tag_within_the_ttl() -> None:
+    assert not judge(IMAGE, store_with(imageverdict())).allowed
+
+
+def test_only_warns_on_a_tag_after_the_ttl() -> None:
+    d = judge(IMAGE, store_with(imageverdict(last_seen=NOW - dt.timedelta(hours=25))))
+    assert d.allowed
+    assert any("older than the TTL" in w and "Pin the image by digest" in w for w in d.warnings)
+
+
+def test_a_newer_usable_outcome_replaces_an_unusable_one() -> None:
+    store = store_with(
+        imageverdict("iv-old", verdict="Unusable", last_seen=NOW - dt.timedelta(hours=2)),
+        imageverdict("iv-new", digest=OTHER_DIGEST, verdict="Usable", last_seen=NOW),
+    )
+    d = judge(IMAGE, store)
+    assert d.allowed and d.warnings == ()
+
+
+def test_deleting_the_imageverdict_clears_it() -> None:
+    store = store_with(imageverdict())
+    store.delete("iv-1")
+    d = judge(IMAGE, store)
+    assert d.allowed
+    assert any("add the epguard probe" in w for w in d.warnings)
+
+
+def test_a_tag_verdict_about_other_bytes_does_not_judge_a_different_pinned_digest() -> None:
+    d = judge(f"{IMAGE}@{OTHER_DIGEST}", store_with(imageverdict()))
+    assert d.allowed
+
+
+def test_ignores_verdict_objects_it_cannot_use() -> None:
+    assert verdict_from_object({"metadata": {"name": "x"}, "spec": {"image": IMAGE}}) is None
+    assert (
+        verdict_from_object(
+            {"metadata": {"name": "x"}, "spec": {"image": IMAGE, "verdict": "Maybe"}}
+        )
+        is None
+    )
+    assert verdict_from_object([1, 2]) is None
+    v = verdict_from_object(
+        {"metadata": {"name": "x"}, "status": {"image": "bad IMAGE", "verdict": "Unusable"}}
+    )
+    assert v is not None and v.ref is None and v.last_seen is None
+
+
+def test_a_tag_verdict_without_a_time_is_treated_as_stale() -> None:
+    obj = imageverdict()
+    del obj["spec"]["lastSeen"]
+    d = judge(IMAGE, store_with(obj))
+    assert d.allowed and any("older than the TTL" in w for w in d.warnings)
