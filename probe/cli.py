@@ -155,12 +155,16 @@ def check(opts, req_argv):
 
 
 def _crash_site(tail):
-    """The innermost Python frame faulthandler printed for a fatal signal."""
-    for line in tail.splitlines():
-        line = line.strip()
-        if line.startswith("File ") and "child" not in line:
+    """The innermost mooncake frame faulthandler printed for a fatal signal.
+
+    faulthandler lists the most recent call first; the innermost frame is often
+    ctypes or importlib, so the first one inside a mooncake package says more.
+    """
+    frames = [ln.strip() for ln in tail.splitlines() if ln.strip().startswith("File ")]
+    for line in frames:
+        if "/mooncake/" in line:
             return line
-    return None
+    return frames[0] if frames else None
 
 
 def main(argv=None):

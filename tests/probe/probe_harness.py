@@ -117,7 +117,7 @@ def write_double(root: Path, pg: str | None = None, ep: str | None = None,
 
 # What a healthy mooncake.pg does on import (0.3.14 _pg_jit/pg_py.cpp and, by the
 # same strings, the prebuilt pg_* modules): register both backends with torch.
-REGISTER_BOTH = """
+REGISTER_BOTH = textwrap.dedent("""
     import torch.distributed as dist
 
     def _create(*args, **kwargs):
@@ -125,9 +125,9 @@ REGISTER_BOTH = """
 
     dist.Backend.register_backend("mooncake", _create, extended_api=True, devices=["cuda"])
     dist.Backend.register_backend("mooncake-cpu", _create, extended_api=True, devices=["cpu"])
-"""
+""")
 
-PG_NAMES = """
+PG_NAMES = textwrap.dedent("""
     class MooncakeBackendOptions:
         pass
 
@@ -142,7 +142,7 @@ PG_NAMES = """
 
     def join_group(*args):
         pass
-"""
+""")
 
 
 def copy_probe(dest: Path) -> Path:

@@ -1,0 +1,144 @@
+"""Outcomes no published wheel can reach on this machine, with small test doubles.
+
+A healthy mooncake needs the NVIDIA driver's libcuda.so.1 to load, so on a machine
+without a GPU no real wheel gets as far as registering its torch backends. These
+doubles are plain ``mooncake`` packages run with the real torch 2.13.0: they
+register through torch's real ``Backend.register_backend`` and are checked through
+the real ``Backend.backend_capability``. Each test says which real case it stands for.
+"""
+
+from __future__ import annotations
+
+import pytest
+from probe_harness import (
+    PG_NAMES,
+    REGISTER_BOTH,
+    SGLANG_EP,
+    SGLANG_PG,
+    overlay,
+    run_probe,
+    write_double,
+)
+
+pytestmark = pytest.mark.realpkg
+
+
+def probe(tmp_path, double, *overlays, **kw):
+    return run_probe(tmp_path, pythonpath=[double, *(overlay(o) for o in overlays)], **kw)
+
+
+# --- usable ------------------------------------------------------------------------------------
+
+def test_says_usable_when_the_module_imports_and_registers_both_backends(tmp_path):
+    # Stands for mooncake-transfer-engine-cuda13 0.3.13.post1 on a GPU node with rdma-core.
+    double = write_double(tmp_path / "img", pg=REGISTER_BOTH + PG_NAMES)
+    r = probe(tmp_path, double, SGLANG_PG[0])
+    assert r.rc == 0, r.stderr
+    assert r.lines[0].startswith("epguard: mooncake elastic EP is usable: mooncake.pg imports "
+                                 "with torch 2.13.0+cu130")
+    assert r.lines[-1] == "fix: nothing to fix"
+    assert "backends: mooncake=cuda mooncake-cpu=cpu" in r.lines
+    assert "versions: torch=2.13.0+cu130 sglang=0.5.18 " \
+           "mooncake-transfer-engine-cuda13=0.0.0.double" in r.lines
+    assert r.report["verdict"] == "usable"
+    assert all(c["ok"] for c in r.report["checks"])
+
+
+def test_without_sglang_the_first_module_that_works_is_enough(tmp_path):
+    # Stands for an image with mooncake but no SGLang (e.g. a Dynamo base layer).
+    double = write_double(tmp_path / "img", pg=REGISTER_BOTH + PG_NAMES)
+    r = probe(tmp_path, double)
+    assert r.rc == 0, r.message
+    assert [c["name"] for c in r.report["checks"] if c["name"].startswith("import ")] == [
+        "import mooncake.pg", "import mooncake.ep"]
+    ep = next(c for c in r.report["checks"] if c["name"] == "import mooncake.ep")
+    assert ep["detail"] == "not attempted"
+
+
+# --- registrations -------------------------------------------------------------------------------
+
+def test_half_a_registration_is_unusable(tmp_path):
+    # Stands for F11: a broken wheel that registers "mooncake" but not "mooncake-cpu";
+    # SGLang creates both groups, so startup would fail.
+    half = REGISTER_BOTH.replace(
+        'dist.Backend.register_backend("mooncake-cpu"', '# dist.Backend.register_backend("x"')
+    double = write_double(tmp_path / "img", pg=half + PG_NAMES)
+    r = probe(tmp_path, double, SGLANG_PG[0])
+    assert r.rc == 1
+    assert r.classification == "half-registration"
+    assert "mooncake.pg registers only mooncake; SGLang needs both" in r.lines[0]
+    assert "backends: mooncake=cuda mooncake-cpu=absent" in r.lines
+
+
+def test_an_import_that_registers_nothing_is_unusable(tmp_path):
+    # Stands for a mooncake.ep of 0.3.14 (torch-independent _ep, no PG) under SGLang <= 0.5.16.
+    double = write_double(tmp_path / "img", ep=PG_NAMES + "\ndef set_host_ip(*a): pass\n"
+                                               "def set_device_filter(*a): pass\n")
+    r = probe(tmp_path, double, SGLANG_EP[1])
+    assert r.rc == 1
+    assert r.classification == "backends-missing"
+    assert "registers no mooncake torch backend" in r.lines[0]
+
+
+# --- names the engine imports ----------------------------------------------------------------------
+
+def test_names_the_symbols_the_engine_imports_that_are_missing(tmp_path):
+    # Stands for F3: mooncake 0.3.9-0.3.10.post2 has pg.py without set_transfer_engine,
+    # which SGLang >= 0.5.17 imports.
+    names = PG_NAMES.replace("def set_transfer_engine", "def _no_set_transfer_engine")
+    double = write_double(tmp_path / "img", pg=REGISTER_BOTH + names)
+    r = probe(tmp_path, double, SGLANG_PG[1])
+    assert r.rc == 1
+    assert r.classification == "missing-names"
+    assert "mooncake.pg lacks set_transfer_engine, which SGLang 0.5.23 imports" in r.lines[0]
+    assert "mooncake-transfer-engine-cuda13==0.3.13.post1" in r.lines[-1]
+    assert "0.3.11" in r.lines[-1]
+
+
+def test_says_which_module_works_when_sglang_wants_the_other_one(tmp_path):
+    # Stands for SGLang >= 0.5.17 beside mooncake <= 0.3.8, which has only mooncake.ep (F4).
+    double = write_double(tmp_path / "img", ep=REGISTER_BOTH + PG_NAMES)
+    r = probe(tmp_path, double, SGLANG_PG[0])
+    assert r.rc == 1
+    assert r.classification == "module-missing"
+    assert "has no mooncake.pg (SGLang 0.5.18 imports it); mooncake.ep imports" in r.lines[0]
+    assert "other module: mooncake.ep imports" in r.lines
+
+
+# --- crashes and hangs ------------------------------------------------------------------------------
+
+SEGFAULT = "import torch\nimport ctypes\nctypes.string_at(0)\n"
+
+
+def test_reports_a_segfault_on_import_instead_of_dying(tmp_path):
+    # Stands for F16: native init conflicts that segfault on import.
+    double = write_double(tmp_path / "img", pg=SEGFAULT)
+    r = probe(tmp_path, double, SGLANG_PG[0])
+    assert r.rc == 1
+    assert r.classification == "crash"
+    assert "crashed with SIGSEGV while importing mooncake.pg" in r.lines[0]
+    site = next(line for line in r.lines if line.startswith("crash site: "))
+    assert "mooncake/pg.py" in site
+
+
+def test_reports_a_hang_on_import_after_the_step_timeout(tmp_path):
+    # Stands for an import that blocks (a lock, a network call, a device); also what
+    # 0.3.14 does while it JIT-builds its adapter for minutes.
+    double = write_double(tmp_path / "img", pg="import time\ntime.sleep(3600)\n")
+    r = probe(tmp_path, double, SGLANG_PG[0], opts=["--timeout", "4"])
+    assert r.rc == 1
+    assert r.classification == "timeout"
+    assert "timed out after 4 s while importing mooncake.pg" in r.lines[0]
+
+
+def test_falls_back_to_a_fresh_child_after_a_crash(tmp_path):
+    # Without SGLang either module will do: when mooncake.pg kills the child, a new
+    # child still tries mooncake.ep (a 0.3.9-0.3.13 wheel exposes the PG under both).
+    double = write_double(tmp_path / "img", pg=SEGFAULT,
+                          ep=REGISTER_BOTH + PG_NAMES)
+    r = probe(tmp_path, double)
+    assert r.rc == 0, r.message
+    checks = {c["name"]: c for c in r.report["checks"]}
+    assert checks["import mooncake.pg"] == {
+        "name": "import mooncake.pg", "ok": False, "detail": "crashed with SIGSEGV"}
+    assert checks["import mooncake.ep"]["ok"]
