@@ -1,0 +1,65 @@
+# syntax=docker/dockerfile:1
+#
+# The epguard image: runs the admission webhook (default) and the controller
+# (`epguard-controller`), and carries the in-image probe at /opt/epguard/probe so the
+# injection webhook can copy it into worker pods.
+#
+#   docker build -t epguard:dev .
+#   docker build --build-arg PYTHON_BASE=python:3.11-slim-bookworm@sha256:<digest> \
+#                --build-arg VERSION=0.1.0 --build-arg REVISION=$(git rev-parse HEAD) .
+#
+# Base pinning: both stages use PYTHON_BASE, so the interpreter the venv was built with
+# is the one it runs with. The default is the tag; a release build passes the digest of
+# that tag (`docker buildx imagetools inspect python:3.11-slim-bookworm`) so the build
+# is reproducible. tests/chart/test_image.py checks that both stages share the argument.
+ARG PYTHON_BASE=python:3.11-slim-bookworm
+
+# --- builder: build epguard's wheel, install it with its dependencies into a venv ------
+FROM ${PYTHON_BASE} AS builder
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONDONTWRITEBYTECODE=1
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY webhook ./webhook
+COPY probe ./probe
+# Every dependency ships manylinux wheels for CPython 3.11 (amd64, arm64);
+# --only-binary keeps it that way, so no compiler is ever needed, here or later.
+RUN python -m pip wheel --no-deps --wheel-dir /wheels . \
+ && python -m venv /opt/epguard/venv \
+ && /opt/epguard/venv/bin/pip install --only-binary=:all: /wheels/epguard-*.whl \
+ && /opt/epguard/venv/bin/pip uninstall --yes pip \
+ && /opt/epguard/venv/bin/python -m compileall -q /opt/epguard/venv
+
+# --- final: the venv and the probe on a fresh base, no build tools ---------------------
+FROM ${PYTHON_BASE}
+ARG VERSION=0.1.0
+ARG REVISION=unknown
+ARG CREATED=unknown
+ARG PYTHON_BASE
+LABEL org.opencontainers.image.title="epguard" \
+      org.opencontainers.image.description="Refuses SGLang elastic-EP (--elastic-ep-backend mooncake) workers whose image cannot serve it: admission webhook, controller and in-image probe" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.created="${CREATED}" \
+      org.opencontainers.image.licenses="Apache-2.0" \
+      org.opencontainers.image.source="https://github.com/epguard/epguard" \
+      org.opencontainers.image.base.name="${PYTHON_BASE}" \
+      io.epguard.probe.path="/opt/epguard/probe"
+
+# The venv's interpreter is a symlink to this base's /usr/local/bin/python3.11.
+COPY --from=builder /opt/epguard/venv /opt/epguard/venv
+# The probe as plain files (stdlib only): `python3 /opt/epguard/probe -- <argv>` runs it
+# with whatever Python the worker image has. Root-owned and read-only for the user.
+COPY probe /opt/epguard/probe
+
+ENV PATH="/opt/epguard/venv/bin:${PATH}" \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    HOME=/tmp
+
+# A fixed non-root UID/GID (the chart's runAsUser), with no passwd entry needed.
+USER 65532:65532
+EXPOSE 8443
+ENTRYPOINT ["epguard-webhook"]
+CMD []

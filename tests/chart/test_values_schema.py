@@ -1,0 +1,148 @@
+"""values.yaml and values.schema.json: every value documented, every value typed, and a
+typo fails the install instead of being ignored."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from tests.chart.conftest import CHART, CI_VALUES, run_helm
+
+SCHEMA = json.loads((CHART / "values.schema.json").read_text())
+VALUES_TEXT = (CHART / "values.yaml").read_text()
+VALUES = yaml.safe_load(VALUES_TEXT)
+
+
+def resolve(node: dict[str, Any]) -> dict[str, Any]:
+    ref = node.get("$ref")
+    if ref:
+        return resolve(SCHEMA["definitions"][ref.rsplit("/", 1)[1]])
+    return node
+
+
+def object_schemas(node: Any, path: str = "$") -> Iterator[tuple[str, dict[str, Any]]]:
+    if isinstance(node, dict):
+        if node.get("type") == "object" or "properties" in node:
+            yield path, node
+        for key, child in node.items():
+            yield from object_schemas(child, f"{path}.{key}")
+    elif isinstance(node, list):
+        for i, child in enumerate(node):
+            yield from object_schemas(child, f"{path}[{i}]")
+
+
+class TestSchemaShape:
+    def test_every_object_schema_closes_its_keys(self) -> None:
+        for path, node in object_schemas(SCHEMA):
+            ap = node.get("additionalProperties")
+            assert ap is False or isinstance(ap, dict), f"{path} allows any key"
+            if "properties" in node:
+                assert ap is False, f"{path} has known keys but accepts others"
+            if isinstance(ap, dict):
+                assert (
+                    (ap != {}
+                    and ap.get("type") != "object")
+                    or ap.get("additionalProperties") is False
+                ), path
+
+    def test_every_value_in_values_yaml_has_a_schema(self) -> None:
+        def walk(values: Any, schema: dict[str, Any], path: str) -> None:
+            schema = resolve(schema)
+            if isinstance(values, dict) and "properties" in schema:
+                for key, child in values.items():
+                    assert key in schema["properties"], f"{path}.{key} is not in the schema"
+                    walk(child, schema["properties"][key], f"{path}.{key}")
+
+        walk(VALUES, SCHEMA, "")
+
+    def test_the_defaults_satisfy_the_schema(self) -> None:
+        jsonschema.validate(VALUES, SCHEMA)
+
+    @pytest.mark.parametrize("path", CI_VALUES, ids=[p.stem for p in CI_VALUES])
+    def test_every_ci_variant_satisfies_the_schema(self, path: Any) -> None:
+        jsonschema.validate(yaml.safe_load(path.read_text()), SCHEMA)
+
+
+class TestDocumentation:
+    def test_every_value_has_a_doc_comment_directly_above_it(self) -> None:
+        """Every leaf of the values tree (per the schema; sections with their own keys
+        are not leaves) carries a `# --` comment right above its line."""
+        lines = VALUES_TEXT.splitlines()
+        key = re.compile(r"^(\s*)([A-Za-z][\w.-]*):")
+        stack: list[tuple[int, str]] = []
+        documented: dict[tuple[str, ...], bool] = {}
+        for i, line in enumerate(lines):
+            m = key.match(line)
+            if not m or line.lstrip().startswith("-"):
+                continue
+            indent = len(m.group(1))
+            while stack and stack[-1][0] >= indent:
+                stack.pop()
+            path = (*(k for _, k in stack), m.group(2))
+            stack.append((indent, m.group(2)))
+            j = i - 1
+            while (
+                j >= 0
+                and lines[j].strip().startswith("#")
+                and not lines[j].strip().startswith("# --")
+            ):
+                j -= 1
+            documented[path] = j >= 0 and lines[j].strip().startswith("# --")
+
+        def leaves(
+            values: Any, schema: dict[str, Any], path: tuple[str, ...]
+        ) -> Iterator[tuple[str, ...]]:
+            schema = resolve(schema)
+            if (
+                isinstance(values, dict)
+                and "properties" in schema
+                and path
+                and not documented.get(path)
+            ):
+                for k, child in values.items():
+                    yield from leaves(child, schema["properties"][k], (*path, k))
+            elif not path:
+                for k, child in values.items():
+                    yield from leaves(child, schema["properties"][k], (k,))
+            else:
+                yield path
+
+        missing = [".".join(p) for p in leaves(VALUES, SCHEMA, ()) if not documented.get(p)]
+        assert not missing, f"values without a `# --` comment: {missing}"
+
+    def test_the_failure_policy_default_is_justified_where_it_is_set(self) -> None:
+        block = VALUES_TEXT.split("failurePolicy: Ignore")[0].rsplit("# --", 1)[1]
+        assert "matchConditions" in block and "probe" in block and "Fail" in block
+
+
+class TestTyposFail:
+    @pytest.mark.parametrize(
+        ("setting", "complaint"),
+        [
+            ("webhook.mdoe=warn", "mdoe"),
+            ("webhook.failurePolicy=fail", "failurePolicy"),
+            ("webhook.timeoutSeconds=60", "timeoutSeconds"),
+            ("tls.certManger.enabled=true", "certManger"),
+            ("rules.extra[0].image=x", "extra"),
+            ("webhook.resources.limit.memory=1Gi", "limit"),
+            ("controller.affinity.podAntiAfinity.x=1", "podAntiAfinity"),
+            ("image.digest=latest", "digest"),
+            ("webhook.mode=block", "mode"),
+        ],
+    )
+    def test_helm_refuses_a_wrong_value(self, setting: str, complaint: str) -> None:
+        proc = run_helm("template", "x", str(CHART), "--set", setting, check=False)
+        assert proc.returncode != 0, f"{setting} was accepted"
+        assert complaint in proc.stderr
+
+    def test_a_typo_in_a_values_file_fails_too(self, tmp_path: Any) -> None:
+        f = tmp_path / "v.yaml"
+        f.write_text("networkPolicy:\n  enable: false\n")
+        proc = run_helm("template", "x", str(CHART), "-f", str(f), check=False)
+        assert proc.returncode != 0 and "enable" in proc.stderr
