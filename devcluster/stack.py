@@ -31,7 +31,7 @@ import ssl
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,7 +61,10 @@ class Stack:
     """What ``up`` started, persisted as JSON in the run directory."""
 
     run_dir: Path
+    # Set only when this stack owns (started, and will stop) the control plane.
     control_plane: ControlPlane | None = None
+    # False for test fixtures: the processes then die with the test session.
+    detached: bool = True
     extras: list[ManagedProcess] = field(default_factory=list)
     webhook_url: str | None = None
     stages: dict[str, str] = field(default_factory=dict)
@@ -207,7 +210,7 @@ def start_webhook(stack: Stack, cp: ControlPlane) -> str:
         stack.run_dir / "logs" / "webhook.log",
         env=_child_env(cp),
         cwd=REPO_ROOT,
-        detached=True,
+        detached=stack.detached,
     )
     stack.extras.append(proc)
     stack.save()
@@ -235,7 +238,7 @@ def start_controller(stack: Stack, cp: ControlPlane) -> str:
         stack.run_dir / "logs" / "controller.log",
         env=_child_env(cp),
         cwd=REPO_ROOT,
-        detached=True,
+        detached=stack.detached,
     )
     stack.extras.append(proc)
     stack.save()
@@ -281,6 +284,37 @@ def point_webhook_config(stack: Stack, cp: ControlPlane) -> str:
     return f"{', '.join(names)} -> {stack.webhook_url}"
 
 
+def deploy_epguard(
+    stack: Stack,
+    cp: ControlPlane,
+    chart: Path = CHART_DIR,
+    helm_args: Sequence[str] = (),
+    say: Callable[[str], None] = lambda _: None,
+) -> bool:
+    """Stages 2-5 against a running control plane; False once one fails (later ones
+    are not attempted). What each did, in words, lands in ``stack.stages``."""
+    stack.run_dir.mkdir(parents=True, exist_ok=True)
+    (stack.run_dir / "logs").mkdir(exist_ok=True)
+    stages: list[tuple[str, Callable[[], str]]] = [
+        ("chart", lambda: install_chart(cp, chart, list(helm_args))),
+        ("webhook", lambda: start_webhook(stack, cp)),
+        ("controller", lambda: start_controller(stack, cp)),
+        ("webhook-config", lambda: point_webhook_config(stack, cp)),
+    ]
+    for name, stage in stages:
+        try:
+            stack.stages[name] = stage()
+        except (StageError, binaries.MissingBinary, subprocess.TimeoutExpired) as e:
+            # Keep what runs: the logs and the cluster are what one debugs with.
+            stack.stages[name] = f"FAILED: {e}"
+            stack.save()
+            say(f"{name}: {stack.stages[name]}")
+            return False
+        stack.save()
+        say(f"{name}: {stack.stages[name]}")
+    return True
+
+
 # --- commands ----------------------------------------------------------------------
 
 
@@ -321,24 +355,7 @@ def up(
     stack.save()
     _say(f"control plane: {stack.stages['control-plane']}")
 
-    stages: list[tuple[str, Callable[[], str]]] = [
-        ("chart", lambda: install_chart(cp, chart, helm_args or [])),
-        ("webhook", lambda: start_webhook(stack, cp)),
-        ("controller", lambda: start_controller(stack, cp)),
-        ("webhook-config", lambda: point_webhook_config(stack, cp)),
-    ]
-    failed = False
-    for name, stage in stages:
-        try:
-            stack.stages[name] = stage()
-        except (StageError, binaries.MissingBinary, subprocess.TimeoutExpired) as e:
-            # Keep what runs: the logs and the cluster are what one debugs with.
-            stack.stages[name] = f"FAILED: {e}"
-            failed = True
-        stack.save()
-        _say(f"{name}: {stack.stages[name]}")
-        if failed:
-            break
+    failed = not deploy_epguard(stack, cp, chart, helm_args or [], _say)
     _say(f"logs: {run_dir / 'logs'} and {cp.workdir / 'logs'}; stop with `make down`")
     print(f"export KUBECONFIG={cp.kubeconfig}")
     return 1 if failed else 0

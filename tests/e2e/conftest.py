@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from devcluster import ControlPlane, MissingBinary
+from devcluster.stack import Stack, deploy_epguard
 
 
 @pytest.fixture(scope="session")
@@ -30,6 +31,27 @@ def control_plane() -> Iterator[ControlPlane]:
         yield cp
     finally:
         cp.stop()
+
+
+@pytest.fixture(scope="session")
+def epguard(
+    control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    """epguard deployed into the session's control plane as ``make up`` does it: the
+    chart installed with helm, the webhook and the controller as local processes, and
+    the chart's ValidatingWebhookConfiguration pointed at the local webhook.
+
+    ``.webhook_url``, ``.run_dir`` (``webhook/{tls.crt,tls.key,ca.crt,rules.yaml}``,
+    ``logs/``), ``.extras`` (the processes), ``.stages`` (what each step did)."""
+    stack = Stack(run_dir=tmp_path_factory.mktemp("epguard"), detached=False)
+    try:
+        ok = deploy_epguard(stack, control_plane)
+        skipped = {k: v for k, v in stack.stages.items() if v.startswith("skipped")}
+        if not ok or skipped:
+            pytest.fail(f"epguard did not deploy: {stack.stages}", pytrace=False)
+        yield stack
+    finally:
+        stack.stop()
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from devcluster import ControlPlane, binaries
+from devcluster.stack import Stack
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -188,3 +189,38 @@ def test_devcluster_up_prints_a_working_kubeconfig_last_and_down_stops_everythin
     assert down.returncode == 0, down.stderr
     assert all(_gone(pid) for pid in pids)
     assert not run_dir.exists()
+
+
+def test_the_api_server_calls_the_local_epguard_webhook_only_for_elastic_ep_pods(
+    control_plane: ControlPlane, epguard: Stack, namespace: str
+) -> None:
+    elastic = yaml.safe_dump(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "worker", "namespace": namespace},
+            "spec": {
+                "containers": [
+                    {
+                        "name": "worker",
+                        "image": "lmsysorg/sglang:v0.5.23-cu129",
+                        "command": ["python3", "-m", "sglang.launch_server"],
+                        "args": ["--elastic-ep-backend", "mooncake"],
+                    }
+                ]
+            },
+        }
+    )
+
+    # Whatever the rules say about this image (deny, warn, or "add the probe"),
+    # epguard answers, and its answer names epguard.
+    judged = control_plane.kubectl("apply", "--dry-run=server", "-f", "-", input=elastic)
+    ordinary = control_plane.kubectl(
+        "apply", "--dry-run=server", "-f", "-", input=_pod("web", namespace, "nginx:1.27")
+    )
+
+    assert "epguard" in judged.stdout + judged.stderr
+    assert ordinary.returncode == 0, ordinary.stderr
+    assert "epguard" not in ordinary.stdout + ordinary.stderr
+    assert epguard.webhook_url is not None
+    assert all(p.alive() for p in epguard.extras)
