@@ -48,6 +48,7 @@ from devcluster.process import ManagedProcess, free_port
 # The first address of this range becomes the `kubernetes` Service's ClusterIP.
 SERVICE_CLUSTER_IP_RANGE = "10.0.0.0/24"
 ADMIN_USER = "epguard-admin"
+_PORT_ATTEMPTS = 3
 START_TIMEOUT = 180.0  # seconds; two shared cores make the first start slow
 # Already on by default in 1.35; named so that a change of defaults cannot
 # silently take away what epguard and its tests rely on.
@@ -139,19 +140,33 @@ class ControlPlane:
             atexit.register(self.stop)
         try:
             self._write_pki()
-            self.endpoints = Endpoints(free_port(), free_port(), free_port())
-            self._start_etcd(etcd)
-            self._start_apiserver(apiserver)
+            for attempt in range(_PORT_ATTEMPTS):
+                self.endpoints = Endpoints(free_port(), free_port(), free_port())
+                try:
+                    self._start_etcd(etcd)
+                    self._start_apiserver(apiserver)
+                    break
+                except ControlPlaneError as e:
+                    # free_port() cannot reserve a port: another process may bind it
+                    # first. Rare, and the cure is simply other ports.
+                    if "address already in use" not in str(e) or attempt + 1 == _PORT_ATTEMPTS:
+                        raise
+                    self._stop_processes()
+                    shutil.rmtree(self.data_dir, ignore_errors=True)
+                    self.data_dir.mkdir()
             self._write_kubeconfig()
         except BaseException:
             self.stop()
             raise
 
-    def stop(self) -> None:
-        """Stop the API server first (it would log etcd errors otherwise), then etcd."""
+    def _stop_processes(self) -> None:
         for proc in reversed(self.processes):
             proc.stop()
         self.processes = []
+
+    def stop(self) -> None:
+        """Stop the API server first (it would log etcd errors otherwise), then etcd."""
+        self._stop_processes()
         if self.data_dir is not None:
             shutil.rmtree(self.data_dir, ignore_errors=True)
             self.data_dir = None
