@@ -29,13 +29,14 @@ def scrub(text, environ=None):
         value = value.strip()
         if len(value) < _MIN_SECRET or _VERSIONISH.match(value):
             continue
-        pairs.append((value, name))
+        pairs.append((value, 0, name))
         # Path lists: also each entry, since paths in error texts hold single entries.
         if ":" in value:
             for part in value.split(":"):
                 if len(part) >= _MIN_SECRET and not _VERSIONISH.match(part):
-                    pairs.append((part, name))
-    for value, name in sorted(pairs, key=lambda p: -len(p[0])):
+                    pairs.append((part, 1, name))
+    # Longest first; on a tie a whole value names it better than a path-list entry.
+    for value, _, name in sorted(pairs, key=lambda p: (-len(p[0]), p[1], p[2])):
         if value in text:
             text = text.replace(value, "$" + name)
     return text
@@ -48,17 +49,37 @@ def _clip(line, limit):
     return data[: max(0, limit - 3)].decode("utf-8", "ignore") + "..."
 
 
+def _clip_words(line, limit):
+    # key=value pairs are parsed by others: drop whole pairs rather than cut one.
+    words = line.split(" ")
+    while len(words) > 2 and len(" ".join(words).encode("utf-8")) > limit:
+        words.pop()
+    return " ".join(words)
+
+
+def _size(line):
+    return len(line.encode("utf-8")) + 1
+
+
 def render(first, evidence, fix, max_bytes):
-    """Lines joined, within ``max_bytes``: first line and fix always kept."""
+    """Lines joined, within ``max_bytes``.
+
+    The first line (verdict), a ``versions:`` line and the fix are kept whatever the
+    budget (clipped if need be): they are what webhook/outcome.py reads back. Other
+    evidence is kept in order while it fits.
+    """
     first = scrub(first).replace("\n", " ")
     fix = "fix: " + scrub(fix).replace("\n", " ")
     evidence = [scrub(e).replace("\n", " ") for e in evidence]
     budget = max(0, max_bytes)
-    # First and fix share at most the whole budget; keep both visible.
-    head = _clip(first, max(40, budget * 2 // 3))
-    tail = _clip(fix, max(20, budget - len(head.encode("utf-8")) - 1))
-    lines = [head]
-    used = len(head.encode("utf-8")) + 1 + len(tail.encode("utf-8"))
+    pinned = [e for e in evidence if e.startswith("versions: ")][:1]
+    evidence = [e for e in evidence if e not in pinned]
+    pinned = [_clip_words(e, budget // 2) for e in pinned]
+    reserved = sum(_size(e) for e in pinned)
+    head = _clip(first, max(40, (budget - reserved) * 3 // 5))
+    tail = _clip(fix, max(20, budget - reserved - _size(head) - 1))
+    lines = [head] + pinned
+    used = _size(head) + reserved + len(tail.encode("utf-8"))
     for e in evidence:
         cost = len(e.encode("utf-8")) + 1
         if used + cost > budget:

@@ -11,7 +11,7 @@ from probe import request
 LAUNCH = ["python3", "-m", "sglang.launch_server", "--model-path", "m"]
 
 
-# --- spellings argparse accepts --------------------------------------------------------
+# --- spellings argparse accepts -----------------------------------------------------------
 
 @pytest.mark.parametrize("flag", [
     ["--elastic-ep-backend", "mooncake"],
@@ -50,7 +50,7 @@ def test_a_flag_without_a_value_is_not_a_request():
     assert not request.detect([*LAUNCH, "--elastic-ep-backend"]).requested
 
 
-# --- shells -----------------------------------------------------------------------------
+# --- shells -------------------------------------------------------------------------------
 
 def test_reads_the_flag_inside_a_bash_c_script():
     script = ("cd /workspace && exec python3 -m sglang.launch_server --tp 16 \\\n"
@@ -95,7 +95,8 @@ def test_notes_attn_dp_size_above_one(size, on):
 
 def test_reads_the_backend_from_a_config_yaml(tmp_path: Path):
     cfg = tmp_path / "sglang.yaml"
-    cfg.write_text("model-path: m\nelastic_ep_backend: \"mooncake\"  # EP\nenable-dp-attention: true\n")
+    cfg.write_text(
+        "model-path: m\nelastic_ep_backend: \"mooncake\"  # EP\nenable-dp-attention: true\n")
     req = request.detect([*LAUNCH, "--config", str(cfg)])
     assert req.requested
     assert req.where == f"config {cfg}"

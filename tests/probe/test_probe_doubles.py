@@ -27,7 +27,7 @@ def probe(tmp_path, double, *overlays, **kw):
     return run_probe(tmp_path, pythonpath=[double, *(overlay(o) for o in overlays)], **kw)
 
 
-# --- usable ------------------------------------------------------------------------------------
+# --- usable -------------------------------------------------------------------------------
 
 def test_says_usable_when_the_module_imports_and_registers_both_backends(tmp_path):
     # Stands for mooncake-transfer-engine-cuda13 0.3.13.post1 on a GPU node with rdma-core.
@@ -55,7 +55,7 @@ def test_without_sglang_the_first_module_that_works_is_enough(tmp_path):
     assert ep["detail"] == "not attempted"
 
 
-# --- registrations -------------------------------------------------------------------------------
+# --- registrations ------------------------------------------------------------------------
 
 def test_half_a_registration_is_unusable(tmp_path):
     # Stands for F11: a broken wheel that registers "mooncake" but not "mooncake-cpu";
@@ -80,7 +80,7 @@ def test_an_import_that_registers_nothing_is_unusable(tmp_path):
     assert "registers no mooncake torch backend" in r.lines[0]
 
 
-# --- names the engine imports ----------------------------------------------------------------------
+# --- names the engine imports -------------------------------------------------------------
 
 def test_names_the_symbols_the_engine_imports_that_are_missing(tmp_path):
     # Stands for F3: mooncake 0.3.9-0.3.10.post2 has pg.py without set_transfer_engine,
@@ -105,7 +105,7 @@ def test_says_which_module_works_when_sglang_wants_the_other_one(tmp_path):
     assert "other module: mooncake.ep imports" in r.lines
 
 
-# --- crashes and hangs ------------------------------------------------------------------------------
+# --- crashes and hangs --------------------------------------------------------------------
 
 SEGFAULT = "import torch\nimport ctypes\nctypes.string_at(0)\n"
 

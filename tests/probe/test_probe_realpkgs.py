@@ -58,7 +58,7 @@ def assert_contract(r, rc=1):
     assert r.report["cause"] in r.lines[0]
 
 
-# --- which module SGLang needs, from its real sources ------------------------------------
+# --- which module SGLang needs, from its real sources -------------------------------------
 
 @pytest.mark.parametrize("sglang", SGLANG_EP + SGLANG_PG)
 def test_requires_the_module_the_installed_sglang_imports(tmp_path, sglang):
@@ -76,7 +76,7 @@ def test_requires_the_module_the_installed_sglang_imports(tmp_path, sglang):
         assert "set_host_ip" in needs and "set_transfer_engine" not in needs
 
 
-# --- CUDA 12 wheel over CUDA 13 torch ------------------------------------------------------
+# --- CUDA 12 wheel over CUDA 13 torch -----------------------------------------------------
 
 @pytest.mark.parametrize("sglang", [SGLANG_PG[0], SGLANG_EP[1]])
 def test_names_libcudart_12_when_cuda12_wheel_meets_cuda13_torch(tmp_path, sglang):
@@ -90,7 +90,7 @@ def test_names_libcudart_12_when_cuda12_wheel_meets_cuda13_torch(tmp_path, sglan
     assert "install mooncake-transfer-engine-cuda13==0.3.13.post1" in r.lines[-1]
 
 
-# --- CUDA 13 wheel on a node without the driver (and maybe without rdma-core) --------------
+# --- CUDA 13 wheel on a node without the driver (and maybe without rdma-core) -------------
 
 @pytest.mark.parametrize("sglang", [SGLANG_PG[0], SGLANG_EP[1]])
 def test_names_every_missing_system_library_not_only_the_first(tmp_path, sglang):
@@ -101,7 +101,7 @@ def test_names_every_missing_system_library_not_only_the_first(tmp_path, sglang)
     assert set(r.report["missing_libraries"]) == ABSENT
     for lib in ABSENT:
         assert lib in r.lines[0]
-    expected = "no-driver" if ABSENT == {"libcuda.so.1"} else "missing-libraries"
+    expected = "no-driver" if {"libcuda.so.1"} == ABSENT else "missing-libraries"
     assert r.classification == expected
     assert ("nvidia.com/gpu" in r.lines[-1]) == ("libcuda.so.1" in ABSENT)
     assert ("libibverbs1" in r.lines[-1]) == bool(ABSENT & {"libibverbs.so.1", "libmlx5.so.1"})
@@ -117,7 +117,7 @@ def test_the_loader_error_alone_names_one_library_the_probe_names_all(tmp_path):
     assert len(r.report["missing_libraries"]) == len(ABSENT)
 
 
-# --- wheel without an extension for this torch ---------------------------------------------
+# --- wheel without an extension for this torch --------------------------------------------
 
 @pytest.mark.parametrize(("sglang", "said"), [
     (SGLANG_PG[0], "Mooncake PG was not built against torch==2.13.0."),
@@ -134,7 +134,7 @@ def test_names_torch_and_shipped_versions_when_no_extension_matches(tmp_path, sg
     assert "mooncake-transfer-engine-cuda13==0.3.13.post1" in r.lines[-1]
 
 
-# --- the -non-cuda wheel ---------------------------------------------------------------------
+# --- the -non-cuda wheel ------------------------------------------------------------------
 
 @pytest.mark.parametrize(("sglang", "said"), [
     (SGLANG_PG[0], "Mooncake PG was not built against torch==2.13.0."),
@@ -151,7 +151,7 @@ def test_recognises_the_non_cuda_wheel_that_ships_loaders_only(tmp_path, sglang,
            "mooncake-transfer-engine-non-cuda" in r.lines[-1]
 
 
-# --- 0.3.14's JIT loader -----------------------------------------------------------------------
+# --- 0.3.14's JIT loader ------------------------------------------------------------------
 
 def test_reports_the_missing_jit_prerequisites_of_0_3_14(tmp_path):
     r = probe(tmp_path, MTE_JIT, SGLANG_PG[0])
@@ -163,7 +163,7 @@ def test_reports_the_missing_jit_prerequisites_of_0_3_14(tmp_path):
     assert "python -m mooncake.pg --prebuild" in r.lines[-1]
 
 
-# --- nothing installed -----------------------------------------------------------------------
+# --- nothing installed --------------------------------------------------------------------
 
 def test_says_mooncake_none_when_no_mooncake_is_installed(tmp_path):
     r = probe(tmp_path, SGLANG_PG[1])
@@ -183,7 +183,7 @@ def test_without_sglang_either_module_is_tried(tmp_path):
     assert tried == {"import mooncake.pg", "import mooncake.ep"}
 
 
-# --- facts beside the failure ---------------------------------------------------------------
+# --- facts beside the failure -------------------------------------------------------------
 
 def test_records_torch_and_cuda_facts_beside_a_failed_import(tmp_path):
     r = probe(tmp_path, MTE_CUDA13_OLD, SGLANG_PG[0])
