@@ -180,7 +180,7 @@ def create_app(
                 metrics.decisions.labels(decision.result, rule).inc()
             _log_decision(review.request, decision)
         elif decision.result == "allowed":
-            metrics.decisions.labels("allowed", "none").inc()
+            metrics.count_allowed_decision()
         for f in decision.findings:
             if f.severity == "warn":
                 metrics.warn_findings.labels(f.source or "none").inc()

@@ -66,7 +66,7 @@ def env_mapping(env: Any) -> dict[str, str]:
     if not isinstance(env, list):
         return mapping
     for item in env:
-        if not isinstance(item, Mapping):
+        if not isinstance(item, dict):
             continue
         name = item.get("name")
         value = item.get("value")
@@ -95,8 +95,12 @@ def expand(text: str, mapping: Mapping[str, str]) -> str:
 
 
 def container_argv(container: Mapping[str, Any]) -> tuple[str, ...]:
-    env = env_mapping(container.get("env"))
     parts = _as_str_list(container.get("command")) + _as_str_list(container.get("args"))
+    if not any("$(" in p for p in parts):
+        # Nothing to expand: skip building the env mapping, which for a worker with
+        # dozens of variables is most of the cost of judging it.
+        return tuple(parts)
+    env = env_mapping(container.get("env"))
     return tuple(expand(p, env) for p in parts)
 
 

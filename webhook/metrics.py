@@ -89,6 +89,11 @@ class Metrics:
             for res in ("allowed", "denied", "warned", "audited", "exempted", "ignored")
         }
 
+        self._allowed_decision = self.decisions.labels("allowed", "none")
+
+    def count_allowed_decision(self) -> None:
+        self._allowed_decision.inc()
+
     def count_review(self, result: str) -> None:
         child = self._review_children.get(result)
         (child or self.reviews.labels(result)).inc()
