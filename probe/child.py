@@ -22,7 +22,12 @@ import traceback
 _OUT = os.fdopen(int(sys.argv[1]), "w", buffering=1)
 
 
+STEP = ["start"]  # the step in progress, for errors raised inside smoke()
+
+
 def emit(**event):
+    if event.get("event") == "step":
+        STEP[0] = event["step"].replace("smoke ", "")
     _OUT.write(json.dumps(event, default=str) + "\n")
     _OUT.flush()
 
@@ -69,37 +74,56 @@ def backends():
             "capability": {str(k): [str(d) for d in v] for k, v in caps.items()}}
 
 
-def smoke(want_cuda, timeout):
-    """One-rank process groups on mooncake-cpu (and mooncake on cuda:0): all-reduce + barrier."""
+def smoke(module, want_cuda, timeout):
+    """One-rank groups the way SGLang builds them: all-reduce and barrier on each.
+
+    SGLang makes WORLD on "mooncake" (cuda) with MooncakeBackendOptions(active
+    ranks), then per group a "mooncake" device group and a "mooncake-cpu" CPU group.
+    Without a GPU only the CPU backend can be exercised.
+    """
     import datetime
     import tempfile
 
     import torch
     import torch.distributed as dist
 
+    options = getattr(module, "MooncakeBackendOptions", None)
+    td = datetime.timedelta(seconds=timeout)
+
+    def opts(device):
+        if options is None:
+            return None
+        return options(torch.ones(1, dtype=torch.int32, device=device))
+
     fd, store_file = tempfile.mkstemp(prefix="epguard-smoke-")
     os.close(fd)
     store = dist.FileStore(store_file, 1)
-    dist.init_process_group(
-        backend="mooncake-cpu", store=store, rank=0, world_size=1,
-        timeout=datetime.timedelta(seconds=timeout))
     try:
-        emit(event="step", step="smoke mooncake-cpu all_reduce")
-        t = torch.ones(4)
-        dist.all_reduce(t)
-        dist.barrier()
-        emit(event="smoke", backend="mooncake-cpu", ok=bool(t.sum().item() == 4.0))
         if want_cuda:
-            emit(event="step", step="smoke mooncake cuda:0 all_reduce")
             torch.cuda.set_device(0)
-            group = dist.new_group([0], backend="mooncake")
+            emit(event="step", step="smoke mooncake cuda:0")
+            dist.init_process_group(backend="mooncake", store=store, rank=0, world_size=1,
+                                    timeout=td, pg_options=opts("cuda:0"))
             t = torch.ones(4, device="cuda:0")
-            dist.all_reduce(t, group=group)
-            dist.barrier(group=group)
+            dist.all_reduce(t)
+            dist.barrier()
             torch.cuda.synchronize()
             emit(event="smoke", backend="mooncake", ok=bool(t.sum().item() == 4.0))
+            emit(event="step", step="smoke mooncake-cpu")
+            group = dist.new_group([0], backend="mooncake-cpu", pg_options=opts("cpu"),
+                                   timeout=td)
+        else:
+            emit(event="step", step="smoke mooncake-cpu")
+            dist.init_process_group(backend="mooncake-cpu", store=store, rank=0,
+                                    world_size=1, timeout=td, pg_options=opts("cpu"))
+            group = None
+        t = torch.ones(4)
+        dist.all_reduce(t, group=group)
+        dist.barrier(group=group)
+        emit(event="smoke", backend="mooncake-cpu", ok=bool(t.sum().item() == 4.0))
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
         with contextlib.suppress(OSError):
             os.unlink(store_file)
 
@@ -122,9 +146,9 @@ def main():
         emit(event="done")
         return
 
-    passed = False
+    passed = None  # the first module that imports with every name
     for mod in plan.get("modules", []):
-        if passed and plan.get("first_success_only"):
+        if passed is not None and plan.get("first_success_only"):
             break
         emit(event="step", step="import " + mod)
         try:
@@ -137,9 +161,10 @@ def main():
         missing = [n for n in names if not hasattr(module, n)]
         emit(event="import", module=mod, ok=True, file=getattr(module, "__file__", None),
              missing_names=missing)
-        passed = passed or not missing
+        if passed is None and not missing:
+            passed = module
 
-    for mod in plan.get("alternates", []) if not passed else []:
+    for mod in plan.get("alternates", []) if passed is None else []:
         emit(event="step", step="import " + mod)
         try:
             module = importlib.import_module(mod)
@@ -159,12 +184,12 @@ def main():
         available = False
         emit(event="cuda", available=False, devices=0, error=describe(exc))
 
-    if plan.get("level") == "smoke" and passed:
-        emit(event="step", step="smoke")
+    caps = (backends().get("capability") or {})
+    if plan.get("level") == "smoke" and passed is not None and "mooncake-cpu" in caps:
         try:
-            smoke(available, plan.get("timeout", 60))
+            smoke(passed, available, plan.get("timeout", 60))
         except BaseException as exc:  # noqa: BLE001
-            emit(event="smoke", backend="setup", ok=False, error=describe(exc))
+            emit(event="smoke", backend=STEP[0], ok=False, error=describe(exc))
     emit(event="done")
 
 

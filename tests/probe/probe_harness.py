@@ -129,7 +129,8 @@ REGISTER_BOTH = textwrap.dedent("""
 
 PG_NAMES = textwrap.dedent("""
     class MooncakeBackendOptions:
-        pass
+        def __init__(self, active_ranks, *args):
+            self.active_ranks = active_ranks
 
     def set_transfer_engine(*args):
         pass

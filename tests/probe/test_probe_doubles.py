@@ -142,3 +142,25 @@ def test_falls_back_to_a_fresh_child_after_a_crash(tmp_path):
     assert checks["import mooncake.pg"] == {
         "name": "import mooncake.pg", "ok": False, "detail": "crashed with SIGSEGV"}
     assert checks["import mooncake.ep"]["ok"]
+
+
+# --- --level smoke ----------------------------------------------------------------------------
+
+def test_smoke_level_reports_a_process_group_that_cannot_be_created(tmp_path):
+    # Stands for a wheel that imports and registers but whose backend fails when
+    # SGLang creates the groups (e.g. no usable transport in the pod). The double's
+    # backend constructor raises, through torch's real init_process_group.
+    double = write_double(tmp_path / "img", pg=REGISTER_BOTH + PG_NAMES)
+    r = probe(tmp_path, double, SGLANG_PG[0], opts=["--level", "smoke"])
+    assert r.rc == 1
+    assert r.classification == "smoke-failed"
+    assert "one-rank process group on mooncake-cpu failed" in r.lines[0]
+    assert "test double: no transport" in r.lines[0]
+
+
+def test_import_level_does_not_create_process_groups(tmp_path):
+    # The same double is usable when only imports and registrations are checked.
+    double = write_double(tmp_path / "img", pg=REGISTER_BOTH + PG_NAMES)
+    r = probe(tmp_path, double, SGLANG_PG[0])
+    assert r.rc == 0
+    assert not any(c["name"].startswith("smoke") for c in r.report["checks"])
