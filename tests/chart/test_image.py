@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.chart.conftest import REPO, render
+from tests.chart.chartlib import REPO, render
 
 DOCKERFILE = REPO / "Dockerfile"
 

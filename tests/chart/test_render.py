@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.chart.conftest import (
+from tests.chart.chartlib import (
     CHART,
     CI_VALUES,
     NAMESPACE,
@@ -34,8 +34,11 @@ WORKLOAD_RESOURCES = {
 
 
 def container(deploy: Obj, name: str) -> Obj:
-    (c,) = [c for c in deploy["spec"]["template"]["spec"]["containers"] if c["name"] == name]
-    return c
+    found: list[Obj] = [
+        c for c in deploy["spec"]["template"]["spec"]["containers"] if c["name"] == name
+    ]
+    assert len(found) == 1, name
+    return found[0]
 
 
 def env_of(c: Obj) -> dict[str, Any]:

@@ -8,11 +8,11 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-import jsonschema
+import jsonschema  # type: ignore[import-untyped]
 import pytest
 import yaml
 
-from tests.chart.conftest import CHART, CI_VALUES, run_helm
+from tests.chart.chartlib import CHART, CI_VALUES, run_helm
 
 SCHEMA = json.loads((CHART / "values.schema.json").read_text())
 VALUES_TEXT = (CHART / "values.yaml").read_text()
@@ -45,11 +45,9 @@ class TestSchemaShape:
             if "properties" in node:
                 assert ap is False, f"{path} has known keys but accepts others"
             if isinstance(ap, dict):
-                assert (
-                    (ap != {}
-                    and ap.get("type") != "object")
-                    or ap.get("additionalProperties") is False
-                ), path
+                assert (ap != {} and ap.get("type") != "object") or ap.get(
+                    "additionalProperties"
+                ) is False, path
 
     def test_every_value_in_values_yaml_has_a_schema(self) -> None:
         def walk(values: Any, schema: dict[str, Any], path: str) -> None:

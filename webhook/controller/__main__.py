@@ -21,6 +21,9 @@ import kopf
 
 from webhook.controller import HANDLER_MODULES
 from webhook.controller.config import ControllerConfig, parse
+from webhook.controller.peering import LightkubePeeringApi, ensure_peering
+
+log = logging.getLogger("epguard.controller")
 
 
 def _configure_settings(config: ControllerConfig, priority: int) -> Any:
@@ -44,11 +47,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # One line per API request at INFO drowns the controller's own log.
+    for noisy in ("httpx", "httpx2", "httpcore", "httpcore2"):
+        logging.getLogger(noisy).setLevel(
+            max(logging.WARNING, logging.getLevelName(config.log_level))
+        )
     for module in HANDLER_MODULES:
         importlib.import_module(module)
     priority = secrets.randbelow(2**31 - 1) + 1
     _configure_settings(config, priority)
-    logging.getLogger("epguard.controller").info(
+    if config.peering:
+        try:
+            ensure_peering(LightkubePeeringApi(), config.peering)
+        except Exception:
+            # kopf retries on its own and reports a missing peering object loudly; a
+            # transient API error here must not keep the controller from starting.
+            log.exception("could not ensure ClusterKopfPeering %s", config.peering)
+    log.info(
         "starting: namespace=%s manage_certs=%s peering=%s priority=%d",
         config.namespace,
         config.manage_certs,

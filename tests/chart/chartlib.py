@@ -1,0 +1,88 @@
+"""Helpers for the chart tests: render the chart with the real helm binary (which
+scripts/tools.d/20-kubectl-helm.sh puts in $EPGUARD_CACHE/bin), once per values variant
+per test session."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "epguard"
+CI_VALUES = sorted((CHART / "ci").glob("*.yaml"))
+RELEASE = "epguard"
+NAMESPACE = "epguard-system"
+CACHE = Path(os.environ.get("EPGUARD_CACHE", Path.home() / ".cache" / "epguard"))
+
+Obj = dict[str, Any]
+
+
+def helm_path() -> Path:
+    path = CACHE / "bin" / "helm"
+    if not path.is_file():
+        pytest.fail(
+            f"helm not found at {path}: run scripts/tools.sh (make tools) first", pytrace=False
+        )
+    return path
+
+
+def run_helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    # Keep helm away from the user's config, caches and any real cluster.
+    for var, sub in (("HELM_CONFIG_HOME", "config"), ("HELM_CACHE_HOME", "cache")):
+        env[var] = str(CACHE / "helm" / sub)
+    env["HELM_DATA_HOME"] = str(CACHE / "helm" / "data")
+    env["KUBECONFIG"] = "/dev/null"
+    proc = subprocess.run(
+        [str(helm_path()), *args], capture_output=True, text=True, env=env, timeout=120
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@dataclass
+class Rendered:
+    name: str
+    objects: list[Obj]
+
+    def all(self, kind: str) -> list[Obj]:
+        return [o for o in self.objects if o["kind"] == kind]
+
+    def one(self, kind: str, name: str | None = None) -> Obj:
+        found = [o for o in self.all(kind) if name is None or o["metadata"]["name"] == name]
+        assert len(found) == 1, f"{self.name}: expected one {kind} {name or ''}, got {len(found)}"
+        return found[0]
+
+    def maybe(self, kind: str, name: str | None = None) -> Obj | None:
+        found = [o for o in self.all(kind) if name is None or o["metadata"]["name"] == name]
+        return found[0] if found else None
+
+
+def template(*extra: str) -> list[Obj]:
+    out = run_helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE, *extra).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+_cache: dict[tuple[str, ...], Rendered] = {}
+
+
+def render(*extra: str, name: str = "") -> Rendered:
+    key = tuple(extra)
+    if key not in _cache:
+        _cache[key] = Rendered(name or " ".join(extra) or "defaults", template(*extra))
+    return _cache[key]
+
+
+def variant_args(path: Path | None) -> tuple[str, ...]:
+    return () if path is None else ("-f", str(path))
+
+
+VARIANTS: list[Path | None] = [None, *CI_VALUES]
+VARIANT_IDS = ["defaults", *(p.stem for p in CI_VALUES)]

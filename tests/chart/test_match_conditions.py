@@ -1,0 +1,301 @@
+"""The webhooks' matchConditions (CEL), evaluated with a CEL interpreter (cel-python)
+against objects of every shape: the API server must send exactly the objects whose
+containers mention the flag, and must never hit an evaluation error (which would apply
+failurePolicy to an object epguard has no business with)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import celpy
+import pytest
+
+from tests.chart.chartlib import render
+
+Obj = dict[str, Any]
+FLAG_ARGS = ["python3", "-m", "sglang.launch_server", "--elastic-ep-backend", "mooncake"]
+PLAIN_ARGS = ["python3", "-m", "sglang.launch_server", "--tp", "8"]
+
+
+def c(args: list[str] | None = None, **extra: Any) -> Obj:
+    out: Obj = {"name": "worker", "image": "lmsysorg/sglang:v0.5.21"}
+    if args is not None:
+        out["args"] = args
+    out.update(extra)
+    return out
+
+
+def pod_spec(*containers: Obj, init: list[Obj] | None = None) -> Obj:
+    spec: Obj = {"containers": list(containers)}
+    if init is not None:
+        spec["initContainers"] = init
+    return spec
+
+
+def template(spec: Obj) -> Obj:
+    return {"metadata": {"labels": {"app": "x"}}, "spec": spec}
+
+
+def pod(spec: Obj) -> Obj:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, "spec": spec}
+
+
+def workload(kind: str, spec: Obj) -> Obj:
+    group = "batch/v1" if kind == "Job" else "apps/v1"
+    return {
+        "apiVersion": group,
+        "kind": kind,
+        "metadata": {"name": "w"},
+        "spec": {"selector": {}, "template": template(spec)},
+    }
+
+
+def cronjob(spec: Obj) -> Obj:
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "CronJob",
+        "metadata": {"name": "cj"},
+        "spec": {"schedule": "* * * * *", "jobTemplate": {"spec": {"template": template(spec)}}},
+    }
+
+
+def lws(leader: Obj | None, worker: Obj | None) -> Obj:
+    lwt: Obj = {"size": 2}
+    if leader is not None:
+        lwt["leaderTemplate"] = template(leader)
+    if worker is not None:
+        lwt["workerTemplate"] = template(worker)
+    return {
+        "apiVersion": "leaderworkerset.x-k8s.io/v1",
+        "kind": "LeaderWorkerSet",
+        "metadata": {"name": "l"},
+        "spec": {"replicas": 1, "leaderWorkerTemplate": lwt},
+    }
+
+
+def dgd_v1alpha1(services: dict[str, Obj]) -> Obj:
+    return {
+        "apiVersion": "nvidia.com/v1alpha1",
+        "kind": "DynamoGraphDeployment",
+        "metadata": {"name": "d"},
+        "spec": {"services": services},
+    }
+
+
+def dgd_v1beta1(components: list[Obj]) -> Obj:
+    return {
+        "apiVersion": "nvidia.com/v1beta1",
+        "kind": "DynamoGraphDeployment",
+        "metadata": {"name": "d"},
+        "spec": {"components": components},
+    }
+
+
+# (webhook, description, object, expected)
+CASES: list[tuple[str, str, Obj, bool]] = [
+    ("pods", "flag in args", pod(pod_spec(c(FLAG_ARGS))), True),
+    ("pods", "flag in command", pod(pod_spec(c(None, command=FLAG_ARGS))), True),
+    ("pods", "--flag=value form", pod(pod_spec(c(["--elastic-ep-backend=mooncake"]))), True),
+    ("pods", "argparse prefix", pod(pod_spec(c(["--elastic-ep-b", "mooncake"]))), True),
+    (
+        "pods",
+        "inside sh -c",
+        pod(
+            pod_spec(
+                c(
+                    None,
+                    command=[
+                        "sh",
+                        "-c",
+                        "exec python3 -m sglang.launch_server --elastic-ep-backend mooncake",
+                    ],
+                )
+            )
+        ),
+        True,
+    ),
+    (
+        "pods",
+        "behind $(VAR) from env",
+        pod(pod_spec(c(["$(EP)"], env=[{"name": "EP", "value": "--elastic-ep-backend mooncake"}]))),
+        True,
+    ),
+    ("pods", "only an init container", pod(pod_spec(c(PLAIN_ARGS), init=[c(FLAG_ARGS)])), True),
+    ("pods", "second container", pod(pod_spec(c(PLAIN_ARGS), c(FLAG_ARGS))), True),
+    ("pods", "no flag", pod(pod_spec(c(PLAIN_ARGS))), False),
+    ("pods", "no args, no command, no env", pod(pod_spec(c(None))), False),
+    (
+        "pods",
+        "env from a secret (no value)",
+        pod(
+            pod_spec(
+                c(
+                    PLAIN_ARGS,
+                    env=[{"name": "X", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}],
+                )
+            )
+        ),
+        False,
+    ),
+    (
+        "pods",
+        "no spec at all",
+        {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}},
+        False,
+    ),
+    (
+        "pods",
+        "flag only in a label",
+        {**pod(pod_spec(c(PLAIN_ARGS))), "metadata": {"name": "p", "labels": {"x": "--elastic"}}},
+        False,
+    ),
+    *[
+        ("workloads", f"{kind} with flag", workload(kind, pod_spec(c(FLAG_ARGS))), True)
+        for kind in ("Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job")
+    ],
+    *[
+        ("workloads", f"{kind} without flag", workload(kind, pod_spec(c(PLAIN_ARGS))), False)
+        for kind in ("Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job")
+    ],
+    (
+        "workloads",
+        "Deployment, init container",
+        workload("Deployment", pod_spec(c(PLAIN_ARGS), init=[c(FLAG_ARGS)])),
+        True,
+    ),
+    (
+        "workloads",
+        "Deployment without template",
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": "w"},
+            "spec": {"replicas": 1},
+        },
+        False,
+    ),
+    ("cronjobs", "CronJob with flag", cronjob(pod_spec(c(FLAG_ARGS))), True),
+    ("cronjobs", "CronJob without flag", cronjob(pod_spec(c(PLAIN_ARGS))), False),
+    (
+        "cronjobs",
+        "CronJob without jobTemplate",
+        {
+            "apiVersion": "batch/v1",
+            "kind": "CronJob",
+            "metadata": {"name": "cj"},
+            "spec": {"schedule": "@daily"},
+        },
+        False,
+    ),
+    (
+        "leaderworkersets",
+        "flag in worker template",
+        lws(pod_spec(c(PLAIN_ARGS)), pod_spec(c(FLAG_ARGS))),
+        True,
+    ),
+    (
+        "leaderworkersets",
+        "flag in leader template",
+        lws(pod_spec(c(FLAG_ARGS)), pod_spec(c(PLAIN_ARGS))),
+        True,
+    ),
+    ("leaderworkersets", "worker only, with flag", lws(None, pod_spec(c(FLAG_ARGS))), True),
+    ("leaderworkersets", "worker only, no flag", lws(None, pod_spec(c(PLAIN_ARGS))), False),
+    ("leaderworkersets", "no templates", lws(None, None), False),
+    (
+        "dynamographdeployments",
+        "v1alpha1 mainContainer args",
+        dgd_v1alpha1(
+            {
+                "Frontend": {"replicas": 1},
+                "decode": {"extraPodSpec": {"mainContainer": c(FLAG_ARGS)}},
+            }
+        ),
+        True,
+    ),
+    (
+        "dynamographdeployments",
+        "v1alpha1 mainContainer command",
+        dgd_v1alpha1({"decode": {"extraPodSpec": {"mainContainer": c(None, command=FLAG_ARGS)}}}),
+        True,
+    ),
+    (
+        "dynamographdeployments",
+        "v1alpha1 sidecar container",
+        dgd_v1alpha1(
+            {
+                "decode": {
+                    "extraPodSpec": {"mainContainer": c(PLAIN_ARGS), "containers": [c(FLAG_ARGS)]}
+                }
+            }
+        ),
+        True,
+    ),
+    (
+        "dynamographdeployments",
+        "v1alpha1 without flag",
+        dgd_v1alpha1(
+            {"decode": {"extraPodSpec": {"mainContainer": c(PLAIN_ARGS)}}, "Frontend": {}}
+        ),
+        False,
+    ),
+    ("dynamographdeployments", "v1alpha1 empty services", dgd_v1alpha1({}), False),
+    (
+        "dynamographdeployments",
+        "v1beta1 component with flag",
+        dgd_v1beta1(
+            [{"name": "fe"}, {"name": "decode", "podTemplate": {"spec": pod_spec(c(FLAG_ARGS))}}]
+        ),
+        True,
+    ),
+    (
+        "dynamographdeployments",
+        "v1beta1 without flag",
+        dgd_v1beta1([{"name": "decode", "podTemplate": {"spec": pod_spec(c(PLAIN_ARGS))}}]),
+        False,
+    ),
+    ("dynamographdeployments", "v1beta1 no podTemplate", dgd_v1beta1([{"name": "decode"}]), False),
+]
+
+ENV = celpy.Environment()
+
+
+def expressions() -> dict[str, str]:
+    vwc = next(o for o in render().objects if o["kind"] == "ValidatingWebhookConfiguration")
+    return {w["name"].split(".")[0]: w["matchConditions"][0]["expression"] for w in vwc["webhooks"]}
+
+
+def evaluate(expression: str, obj: Obj) -> bool:
+    program = ENV.program(ENV.compile(expression))
+    result = program.evaluate({"object": celpy.json_to_cel(obj)})  # type: ignore[attr-defined]
+    assert isinstance(result, celpy.celtypes.BoolType), f"not a bool (an error?): {result!r}"
+    return bool(result)
+
+
+def test_there_is_one_expression_per_shape() -> None:
+    assert set(expressions()) == {
+        "pods",
+        "workloads",
+        "cronjobs",
+        "leaderworkersets",
+        "dynamographdeployments",
+    }
+
+
+@pytest.mark.parametrize(
+    ("hook", "what", "obj", "expected"), CASES, ids=[f"{h}: {w}" for h, w, _, _ in CASES]
+)
+def test_the_api_server_sends_exactly_the_objects_that_mention_the_flag(
+    hook: str, what: str, obj: Obj, expected: bool
+) -> None:
+    assert evaluate(expressions()[hook], obj) is expected
+
+
+@pytest.mark.parametrize(
+    "hook", ["pods", "workloads", "cronjobs", "leaderworkersets", "dynamographdeployments"]
+)
+def test_no_expression_errors_on_any_shape(hook: str) -> None:
+    # Each expression meets objects of other shapes only if rules and CEL disagree, but
+    # it must still answer false (or true), never fail.
+    for _, _, obj, _ in CASES:
+        evaluate(expressions()[hook], obj)

@@ -1,0 +1,266 @@
+"""The controller against a real kube-apiserver (devcluster's etcd + kube-apiserver, no
+kubelet): the chart's objects applied as `helm template` renders them, the controller
+run as the chart runs it (its rendered environment), and the chart's RBAC checked
+against the calls the controller makes."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from devcluster import ControlPlane, MissingBinary
+from webhook import certs
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "epguard"
+NS = "epguard-system"
+CACHE = Path(os.environ.get("EPGUARD_CACHE", Path.home() / ".cache" / "epguard"))
+HELM, KUBECTL = CACHE / "bin" / "helm", CACHE / "bin" / "kubectl"
+CONTROLLER_SA = f"system:serviceaccount:{NS}:epguard-controller"
+WEBHOOK_SA = f"system:serviceaccount:{NS}:epguard-webhook"
+
+
+def rendered(*extra: str) -> list[dict[str, Any]]:
+    out = subprocess.run(
+        [str(HELM), "template", "epguard", str(CHART), "-n", NS, *extra],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "KUBECONFIG": "/dev/null"},
+    ).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+class Cluster:
+    def __init__(self, cp: ControlPlane) -> None:
+        self.cp = cp
+        self.env = {**os.environ, "KUBECONFIG": str(cp.kubeconfig)}
+
+    def kubectl(self, *args: str, stdin: str | None = None, check: bool = True) -> str:
+        proc = subprocess.run(
+            [str(KUBECTL), *args],
+            input=stdin,
+            capture_output=True,
+            text=True,
+            env=self.env,
+            timeout=120,
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)}: {proc.stderr}")
+        return proc.stdout
+
+    def get(self, *args: str) -> dict[str, Any] | None:
+        proc = subprocess.run(
+            [str(KUBECTL), "get", *args, "-o", "json"],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            timeout=120,
+        )
+        return json.loads(proc.stdout) if proc.returncode == 0 else None
+
+    def can(self, who: str, verb: str, resource: str, *extra: str) -> bool:
+        proc = subprocess.run(
+            [str(KUBECTL), "auth", "can-i", verb, resource, f"--as={who}", *extra],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            timeout=60,
+        )
+        return proc.stdout.strip() == "yes"
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    cp = ControlPlane()
+    try:
+        cp.start()
+    except MissingBinary as e:
+        pytest.fail(f"{e} (run scripts/tools.sh)", pytrace=False)
+    try:
+        c = Cluster(cp)
+        c.kubectl("create", "namespace", NS)
+        # Everything the chart renders except the helm-test Pod (no kubelet runs it).
+        objs = [o for o in rendered() if o["kind"] != "Pod"]
+        c.kubectl(
+            "apply",
+            "--server-side",
+            "-f",
+            "-",
+            stdin="\n---\n".join(yaml.safe_dump(o) for o in objs),
+        )
+        yield c
+    finally:
+        cp.stop()
+
+
+def wait_for(what: str, check: Any, attempts: int = 240) -> Any:
+    """Poll until check() is truthy. Bounded by attempts, not asserted on time."""
+    for _ in range(attempts):
+        value = check()
+        if value:
+            return value
+        time.sleep(0.25)
+    raise AssertionError(f"gave up waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def controller(
+    cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[subprocess.Popen[str]]:
+    deploy = next(
+        o
+        for o in rendered()
+        if o["kind"] == "Deployment" and o["metadata"]["name"] == "epguard-controller"
+    )
+    container = deploy["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    env.update(
+        EPGUARD_NAMESPACE=NS,  # the downward API's answer in the cluster
+        EPGUARD_LIVENESS="",  # no fixed port on a shared machine
+        EPGUARD_CERT_POLL_SECONDS="1",  # the drift test below waits on one pass
+    )
+    log = tmp_path_factory.mktemp("controller") / "controller.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [str(REPO / ".venv" / "bin" / container["command"][0])],
+            env={**cluster.env, **env},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        print(log.read_text()[-4000:])
+
+
+def bundles(cluster: Cluster) -> set[str]:
+    vwc = cluster.get("validatingwebhookconfiguration", "epguard")
+    assert vwc is not None
+    return {w["clientConfig"].get("caBundle", "") for w in vwc["webhooks"]}
+
+
+def secret(cluster: Cluster) -> dict[str, Any] | None:
+    return cluster.get("secret", "epguard-tls", "-n", NS)
+
+
+class TestSelfManagedTLS:
+    def test_the_controller_creates_the_secret_and_injects_its_ca_everywhere(
+        self, cluster: Cluster, controller: subprocess.Popen[str]
+    ) -> None:
+        def injected() -> bool:
+            s = secret(cluster)
+            return s is not None and bundles(cluster) == {s["data"]["ca.crt"]}
+
+        wait_for("the caBundle", injected)
+        s = secret(cluster)
+        assert s is not None and s["type"] == "kubernetes.io/tls"
+        data = {k: base64.b64decode(v) for k, v in s["data"].items()}
+        leaf = certs.load_bundle(data["tls.crt"])[0]
+        assert any(certs.verifies(leaf, ca) for ca in certs.load_bundle(data["ca.crt"]))
+        assert "epguard-webhook.epguard-system.svc" in certs.san_dns_names(leaf)
+        owner = s["metadata"]["ownerReferences"][0]
+        assert (owner["kind"], owner["name"]) == ("ValidatingWebhookConfiguration", "epguard")
+
+    def test_a_reset_ca_bundle_is_restored(
+        self, cluster: Cluster, controller: subprocess.Popen[str]
+    ) -> None:
+        wait_for("the first injection", lambda: "" not in bundles(cluster))
+        cluster.kubectl(
+            "patch",
+            "validatingwebhookconfiguration",
+            "epguard",
+            "--type=json",
+            "-p",
+            json.dumps([{"op": "remove", "path": "/webhooks/1/clientConfig/caBundle"}]),
+        )
+        wait_for("the caBundle to come back", lambda: "" not in bundles(cluster))
+        s = secret(cluster)
+        assert s is not None and bundles(cluster) == {s["data"]["ca.crt"]}
+
+    def test_the_controller_registers_for_kopf_peering(
+        self, cluster: Cluster, controller: subprocess.Popen[str]
+    ) -> None:
+        peering = wait_for(
+            "the ClusterKopfPeering status",
+            lambda: (p := cluster.get("clusterkopfpeering", "epguard")) and p.get("status") and p,
+        )
+        assert len(peering["status"]) == 1  # this one replica
+        assert controller.poll() is None
+
+
+class TestRBAC:
+    """The chart's roles allow what the two processes do, and not much more."""
+
+    @pytest.mark.parametrize(
+        ("verb", "resource", "extra"),
+        [
+            ("create", "secrets", ["-n", NS]),
+            ("get", "secrets/epguard-tls", ["-n", NS]),
+            ("update", "secrets/epguard-tls", ["-n", NS]),
+            ("get", "validatingwebhookconfigurations/epguard", []),
+            ("patch", "validatingwebhookconfigurations/epguard", []),
+            ("patch", "mutatingwebhookconfigurations/epguard-inject", []),
+            ("create", "clusterkopfpeerings.kopf.dev", []),
+            ("patch", "clusterkopfpeerings.kopf.dev/epguard", []),
+            ("watch", "pods", ["-A"]),
+            ("create", "imageverdicts.epguard.io", []),
+            ("create", "events", ["-n", "default"]),
+        ],
+    )
+    def test_the_controller_may(
+        self, cluster: Cluster, verb: str, resource: str, extra: list[str]
+    ) -> None:
+        assert cluster.can(CONTROLLER_SA, verb, resource, *extra)
+
+    @pytest.mark.parametrize(
+        ("verb", "resource", "extra"),
+        [
+            ("get", "secrets/sh.helm.release.v1.epguard.v1", ["-n", NS]),
+            ("list", "secrets", ["-n", "default"]),
+            ("patch", "validatingwebhookconfigurations/someone-elses", []),
+            ("delete", "validatingwebhookconfigurations/epguard", []),
+            ("create", "pods", ["-n", "default"]),
+            ("delete", "pods", ["-n", "default"]),
+        ],
+    )
+    def test_the_controller_may_not(
+        self, cluster: Cluster, verb: str, resource: str, extra: list[str]
+    ) -> None:
+        assert not cluster.can(CONTROLLER_SA, verb, resource, *extra)
+
+    @pytest.mark.parametrize(
+        ("verb", "resource", "extra", "allowed"),
+        [
+            ("watch", "configmaps", ["-n", NS], True),
+            ("watch", "namespaces", [], True),
+            ("watch", "imageverdicts.epguard.io", [], True),
+            ("get", "secrets/epguard-tls", ["-n", NS], False),
+            ("watch", "configmaps", ["-n", "default"], False),
+            ("update", "configmaps/epguard-rules", ["-n", NS], False),
+            ("create", "imageverdicts.epguard.io", [], False),
+        ],
+    )
+    def test_the_webhook_only_reads_what_it_holds_in_memory(
+        self, cluster: Cluster, verb: str, resource: str, extra: list[str], allowed: bool
+    ) -> None:
+        assert cluster.can(WEBHOOK_SA, verb, resource, *extra) is allowed
