@@ -272,25 +272,27 @@ async def _one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, req: 
 
 async def _drive(
     port: int, ctx: ssl.SSLContext, req: bytes, conns: int, seconds: float, warmup: float
-) -> tuple[int, list[float], float]:
+) -> tuple[int, list[float], int]:
     streams = [
         await asyncio.open_connection("127.0.0.1", port, ssl=ctx, server_hostname="localhost")
         for _ in range(conns)
     ]
     latencies: list[float] = []
     count = 0
+    everything = 0
     start = time.perf_counter()
     measure_from = start + warmup
     stop_at = measure_from + seconds
 
     async def worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        nonlocal count
+        nonlocal count, everything
         while True:
             t0 = time.perf_counter()
             if t0 >= stop_at:
                 return
             await _one(reader, writer, req)
             t1 = time.perf_counter()
+            everything += 1
             if t0 >= measure_from:
                 latencies.append(t1 - t0)
                 count += 1
@@ -298,7 +300,7 @@ async def _drive(
     await asyncio.gather(*(worker(r, w) for r, w in streams))
     for _, w in streams:
         w.close()
-    return count, latencies, seconds
+    return count, latencies, everything
 
 
 def _pct(values: list[float], p: float) -> float:
@@ -325,6 +327,15 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU the process has used (from /proc), to compare cost per request
+    independently of how busy the rest of the machine is."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks
 
 
 def _rss_kib(pid: int) -> tuple[int, int]:
@@ -430,13 +441,21 @@ def main() -> int:
             # The machine may be shared: alternate floor and epguard in short rounds and
             # pool the rounds, so a burst of someone else's load hits both alike.
             per_round = args.seconds / args.rounds
+            cpu = {"floor": 0.0, "epguard": 0.0}
+            served = {"floor": 0, "epguard": 0}
             for conns in levels:
                 pooled: dict[str, tuple[int, list[float]]] = {"floor": (0, []), "epguard": (0, [])}
                 for _ in range(args.rounds):
-                    for name, port in (("floor", floor_port), ("epguard", wh_port)):
-                        count, lat, _secs = asyncio.run(
+                    for name, port, pid in (
+                        ("floor", floor_port, floor.pid),
+                        ("epguard", wh_port, webhook.pid),
+                    ):
+                        cpu0 = _cpu_seconds(pid)
+                        count, lat, everything = asyncio.run(
                             _drive(port, ctx, _request(port, body), conns, per_round, args.warmup)
                         )
+                        cpu[name] += _cpu_seconds(pid) - cpu0
+                        served[name] += everything
                         total, all_lat = pooled[name]
                         pooled[name] = (total + count, all_lat + lat)
                 for name, (total, all_lat) in pooled.items():
@@ -472,6 +491,12 @@ def main() -> int:
             f"{conns:>5} | {f_rps:>11.0f} {f50:>7.2f} {f99:>7.2f} | {e_rps:>13.0f} {e50:>7.2f} "
             f"{e99:>7.2f} | {e_rps / f_rps:>5.2f}"
         )
+    us = {n: cpu[n] / max(served[n], 1) * 1e6 for n in cpu}
+    print(
+        f"server CPU per request (all levels): floor {us['floor']:.0f} us, "
+        f"epguard {us['epguard']:.0f} us -> {us['floor'] / us['epguard']:.2f}x the floor's "
+        "throughput per core"
+    )
     print(
         f"webhook resident memory: {rss / 1024:.1f} MiB after the run "
         f"({rss_idle / 1024:.1f} MiB idle, peak {hwm / 1024:.1f} MiB)"
