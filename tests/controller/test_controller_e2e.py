@@ -197,6 +197,32 @@ class TestSelfManagedTLS:
         s = secret(cluster)
         assert s is not None and bundles(cluster) == {s["data"]["ca.crt"]}
 
+    def test_reapplying_the_chart_keeps_the_injected_bundle(
+        self, cluster: Cluster, controller: subprocess.Popen[str]
+    ) -> None:
+        """helm 4 upgrades by server-side apply (field manager "helm"): caBundle, which
+        the chart never sets, belongs to the controller and must survive it."""
+        wait_for("the first injection", lambda: "" not in bundles(cluster))
+        before = bundles(cluster)
+        vwc = next(
+            o
+            for o in rendered("--set", "webhook.timeoutSeconds=7")
+            if o["kind"] == "ValidatingWebhookConfiguration"
+        )
+        cluster.kubectl(
+            "apply",
+            "--server-side",
+            "--field-manager=helm",
+            "--force-conflicts",
+            "-f",
+            "-",
+            stdin=yaml.safe_dump(vwc),
+        )
+        live = cluster.get("validatingwebhookconfiguration", "epguard")
+        assert live is not None
+        assert {w["timeoutSeconds"] for w in live["webhooks"]} == {7}
+        assert bundles(cluster) == before
+
     def test_the_controller_registers_for_kopf_peering(
         self, cluster: Cluster, controller: subprocess.Popen[str]
     ) -> None:
