@@ -23,7 +23,6 @@ nothing else, even from another shell.
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import shutil
@@ -38,9 +37,10 @@ from typing import Any
 
 import httpx
 
-from devcluster import binaries, pki
+from devcluster import binaries
 from devcluster.controlplane import ControlPlane, ControlPlaneError
 from devcluster.process import ManagedProcess, free_port
+from devcluster.webhooktls import LocalWebhookTLS, WebhookTLSError, set_client_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_RUN_DIR = REPO_ROOT / ".run"
@@ -99,6 +99,17 @@ class Stack:
             stages=dict(data.get("stages", {})),
         )
 
+    @property
+    def webhook_tls(self) -> LocalWebhookTLS:
+        return LocalWebhookTLS(self.run_dir / "webhook")
+
+    def rotate_webhook_tls(self, cp: ControlPlane) -> None:
+        """Rotate the local webhook's CA and certificate with no failed admission."""
+        if self.webhook_url is None:
+            raise StageError("no local webhook running")
+        port = int(self.webhook_url.split(":")[2].split("/")[0])
+        self.webhook_tls.rotate(cp, port)
+
     def processes(self) -> list[ManagedProcess]:
         cp = self.control_plane.processes if self.control_plane else []
         return [*cp, *self.extras]
@@ -151,15 +162,6 @@ def _rules_file(cp: ControlPlane, webhook_dir: Path) -> Path:
     return dest
 
 
-def _webhook_tls(webhook_dir: Path) -> tuple[Path, Path, bytes]:
-    """A dev CA and a serving certificate for 127.0.0.1; returns (cert, key, CA PEM)."""
-    ca = pki.CertificateAuthority("epguard-devcluster-webhook-ca")
-    cert, key = webhook_dir / "tls.crt", webhook_dir / "tls.key"
-    ca.issue_serving("epguard-webhook", ["localhost"], ["127.0.0.1"]).write(cert, key)
-    (webhook_dir / "ca.crt").write_bytes(ca.cert_pem)
-    return cert, key, ca.cert_pem
-
-
 def _child_env(cp: ControlPlane) -> dict[str, str]:
     env = dict(os.environ)
     # Cluster credentials: the webhook then also watches the live rules ConfigMap.
@@ -195,7 +197,8 @@ def start_webhook(stack: Stack, cp: ControlPlane) -> str:
         return "skipped: webhook/__main__.py does not exist yet"
     webhook_dir = stack.run_dir / "webhook"
     webhook_dir.mkdir(parents=True, exist_ok=True)
-    cert, key, _ = _webhook_tls(webhook_dir)
+    tls = stack.webhook_tls
+    tls.issue()
     rules = _rules_file(cp, webhook_dir)
     port = free_port()
     proc = ManagedProcess.spawn(
@@ -203,7 +206,7 @@ def start_webhook(stack: Stack, cp: ControlPlane) -> str:
         [
             sys.executable, "-m", "webhook",
             "--rules", str(rules),
-            "--tls-cert", str(cert), "--tls-key", str(key),
+            "--tls-cert", str(tls.cert_file), "--tls-key", str(tls.key_file),
             "--host", "127.0.0.1", "--port", str(port),
             "--kubeconfig", str(cp.kubeconfig), "--namespace", NAMESPACE,
         ],
@@ -215,7 +218,7 @@ def start_webhook(stack: Stack, cp: ControlPlane) -> str:
     stack.extras.append(proc)
     stack.save()
     base = f"https://127.0.0.1:{port}"
-    _wait_https(proc, f"{base}/readyz", webhook_dir / "ca.crt")
+    _wait_https(proc, f"{base}/readyz", tls.bundle_file)
     stack.webhook_url = base + WEBHOOK_PATH
     return f"running on {base} (pid {proc.pid}), rules from {rules}"
 
@@ -254,33 +257,14 @@ def point_webhook_config(stack: Stack, cp: ControlPlane) -> str:
     """Patch every epguard ValidatingWebhookConfiguration to call the local webhook."""
     if stack.webhook_url is None:
         return "skipped: no local webhook running"
-    r = cp.kubectl(
-        "get", "validatingwebhookconfigurations",
-        "-l", f"app.kubernetes.io/instance={RELEASE}", "-o", "json",
-    )  # fmt: skip
-    if r.returncode != 0:
-        raise StageError(f"listing webhook configurations failed: {r.stderr}")
-    configs = json.loads(r.stdout)["items"]
-    if not configs:
-        return "skipped: the chart installed no ValidatingWebhookConfiguration"
-    ca_b64 = base64.b64encode((stack.run_dir / "webhook" / "ca.crt").read_bytes()).decode()
-    names = []
-    for config in configs:
-        name = config["metadata"]["name"]
-        patch = [
-            {
-                "op": "replace",
-                "path": f"/webhooks/{i}/clientConfig",
-                "value": {"url": stack.webhook_url, "caBundle": ca_b64},
-            }
-            for i in range(len(config.get("webhooks", [])))
-        ]
-        p = cp.kubectl(
-            "patch", "validatingwebhookconfiguration", name, "--type=json", "-p", json.dumps(patch)
+    try:
+        names = set_client_config(
+            cp, bundle=stack.webhook_tls.bundle_file.read_bytes(), url=stack.webhook_url
         )
-        if p.returncode != 0:
-            raise StageError(f"patching {name} failed: {p.stderr}")
-        names.append(name)
+    except WebhookTLSError as e:
+        raise StageError(str(e)) from e
+    if not names:
+        return "skipped: the chart installed no ValidatingWebhookConfiguration"
     return f"{', '.join(names)} -> {stack.webhook_url}"
 
 

@@ -6,6 +6,7 @@ import json
 import ssl
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -191,14 +192,12 @@ def test_devcluster_up_prints_a_working_kubeconfig_last_and_down_stops_everythin
     assert not run_dir.exists()
 
 
-def test_the_api_server_calls_the_local_epguard_webhook_only_for_elastic_ep_pods(
-    control_plane: ControlPlane, epguard: Stack, namespace: str
-) -> None:
-    elastic = yaml.safe_dump(
+def _elastic_pod(name: str, namespace: str) -> str:
+    return yaml.safe_dump(
         {
             "apiVersion": "v1",
             "kind": "Pod",
-            "metadata": {"name": "worker", "namespace": namespace},
+            "metadata": {"name": name, "namespace": namespace},
             "spec": {
                 "containers": [
                     {
@@ -212,15 +211,57 @@ def test_the_api_server_calls_the_local_epguard_webhook_only_for_elastic_ep_pods
         }
     )
 
-    # Whatever the rules say about this image (deny, warn, or "add the probe"),
-    # epguard answers, and its answer names epguard.
-    judged = control_plane.kubectl("apply", "--dry-run=server", "-f", "-", input=elastic)
+
+def _answered_by_epguard(result: subprocess.CompletedProcess[str]) -> bool:
+    # Whatever the rules say about the image (deny, warn, or "add the probe"), the
+    # webhook's answer names epguard. A failed call names it too, in the webhook's
+    # name, when failurePolicy is Fail; with Ignore it leaves no trace at all.
+    out = result.stdout + result.stderr
+    return "epguard" in out and "failed calling webhook" not in out
+
+
+def test_the_api_server_calls_the_local_epguard_webhook_only_for_elastic_ep_pods(
+    control_plane: ControlPlane, epguard: Stack, namespace: str
+) -> None:
+    judged = control_plane.kubectl(
+        "apply", "--dry-run=server", "-f", "-", input=_elastic_pod("worker", namespace)
+    )
     ordinary = control_plane.kubectl(
         "apply", "--dry-run=server", "-f", "-", input=_pod("web", namespace, "nginx:1.27")
     )
 
-    assert "epguard" in judged.stdout + judged.stderr
+    assert _answered_by_epguard(judged), judged
     assert ordinary.returncode == 0, ordinary.stderr
     assert "epguard" not in ordinary.stdout + ordinary.stderr
-    assert epguard.webhook_url is not None
     assert all(p.alive() for p in epguard.extras)
+
+
+def test_rotating_the_webhook_certificate_while_pods_are_judged_fails_no_admission(
+    control_plane: ControlPlane, epguard: Stack, namespace: str
+) -> None:
+    stop = threading.Event()
+    results: list[subprocess.CompletedProcess[str]] = []
+
+    def judge_pods() -> None:
+        pod = _elastic_pod("worker", namespace)
+        while not stop.is_set():
+            results.append(
+                control_plane.kubectl("apply", "--dry-run=server", "-f", "-", input=pod)
+            )
+
+    worker = threading.Thread(target=judge_pods)
+    worker.start()
+    try:
+        served = []
+        for _ in range(2):
+            epguard.rotate_webhook_tls(control_plane)
+            served.append(epguard.webhook_tls.cert_file.read_bytes())
+    finally:
+        stop.set()
+        worker.join()
+
+    failed = [r for r in results if not _answered_by_epguard(r)]
+    assert len(results) > 1
+    assert failed == []
+    assert served[0] != served[1]
+    assert epguard.webhook_tls.bundle_file.read_bytes().count(b"BEGIN CERTIFICATE") == 1
