@@ -1,9 +1,9 @@
 """Fixtures for end-to-end tests through a real kube-apiserver + etcd (see devcluster/).
 
-``control_plane`` starts once per test session (a start costs tens of seconds on
-a small machine) and is shared; tests isolate themselves with the ``namespace``
-fixture, a fresh namespace each, never deleted: without kube-controller-manager
-a deleted namespace would stay Terminating anyway.
+``control_plane`` starts once per test session (a start takes a few seconds, and
+the API server's informers warm up once) and is shared; tests isolate themselves
+with the ``namespace`` fixture, a fresh namespace each, never deleted: without
+kube-controller-manager a deleted namespace would stay Terminating anyway.
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ def epguard(
     chart installed with helm, the webhook and the controller as local processes, and
     the chart's ValidatingWebhookConfiguration pointed at the local webhook.
 
-    ``.webhook_url``, ``.run_dir`` (``webhook/{tls.crt,tls.key,ca.crt,rules.yaml}``,
-    ``logs/``), ``.extras`` (the processes), ``.stages`` (what each step did)."""
+    ``.webhook_url``; ``.webhook_tls`` (``.cert_file``, ``.key_file``, ``.bundle_file``);
+    ``.rotate_webhook_tls(control_plane)``; ``.run_dir`` (``webhook/rules.yaml``,
+    ``logs/{webhook,controller}.log``); ``.extras`` (the processes); ``.stages``."""
     stack = Stack(run_dir=tmp_path_factory.mktemp("epguard"), detached=False)
     try:
         ok = deploy_epguard(stack, control_plane)
