@@ -78,16 +78,23 @@ class TestWebhookDeployment:
         assert d["spec"]["replicas"] == 2
         assert d["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
 
-    def test_the_pod_is_hardened(self, variant: Rendered) -> None:
-        for d in variant.all("Deployment"):
-            pod = d["spec"]["template"]["spec"]
+    def test_every_pod_meets_the_restricted_pod_security_standard(self, variant: Rendered) -> None:
+        specs = [d["spec"]["template"]["spec"] for d in variant.all("Deployment")]
+        specs += [p["spec"] for p in variant.all("Pod")]  # the helm test pod too
+        allowed_volumes = {"configMap", "secret", "emptyDir", "projected", "downwardAPI"}
+        for pod in specs:
             assert pod["securityContext"]["runAsNonRoot"] is True
             assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
-            for c in pod["containers"]:
+            assert not any(pod.get(k) for k in ("hostNetwork", "hostPID", "hostIPC"))
+            for v in pod.get("volumes", []):
+                assert set(v) - {"name"} <= allowed_volumes, v
+            for c in pod["containers"] + pod.get("initContainers", []):
                 sc = c["securityContext"]
                 assert sc["allowPrivilegeEscalation"] is False
                 assert sc["readOnlyRootFilesystem"] is True
                 assert sc["capabilities"]["drop"] == ["ALL"]
+                assert not sc.get("capabilities", {}).get("add")
+                assert not sc.get("privileged")
 
     def test_the_default_uid_is_the_images_fixed_non_root_uid(self, defaults: Rendered) -> None:
         pod = defaults.one("Deployment", "epguard-webhook")["spec"]["template"]["spec"]

@@ -9,9 +9,12 @@ import base64
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
+import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -116,10 +119,14 @@ def wait_for(what: str, check: Any, attempts: int = 240) -> Any:
     raise AssertionError(f"gave up waiting for {what}")
 
 
+@dataclass
+class Controller:
+    proc: subprocess.Popen[str]
+    liveness: str
+
+
 @pytest.fixture(scope="module")
-def controller(
-    cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[subprocess.Popen[str]]:
+def controller(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Controller]:
     deploy = next(
         o
         for o in rendered()
@@ -129,7 +136,10 @@ def controller(
     env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
     env.update(
         EPGUARD_NAMESPACE=NS,  # the downward API's answer in the cluster
-        EPGUARD_LIVENESS="",  # no fixed port on a shared machine
+        # The chart's endpoint, on a free loopback port (a shared machine).
+        EPGUARD_LIVENESS=env["EPGUARD_LIVENESS"].replace(
+            "0.0.0.0:8080", f"127.0.0.1:{free_port()}"
+        ),
         EPGUARD_CERT_POLL_SECONDS="1",  # the drift test below waits on one pass
     )
     log = tmp_path_factory.mktemp("controller") / "controller.log"
@@ -142,7 +152,7 @@ def controller(
             text=True,
         )
     try:
-        yield proc
+        yield Controller(proc, env["EPGUARD_LIVENESS"])
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -151,6 +161,13 @@ def controller(
             except subprocess.TimeoutExpired:
                 proc.kill()
         print(log.read_text()[-4000:])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
 
 
 def bundles(cluster: Cluster) -> set[str]:
@@ -165,7 +182,7 @@ def secret(cluster: Cluster) -> dict[str, Any] | None:
 
 class TestSelfManagedTLS:
     def test_the_controller_creates_the_secret_and_injects_its_ca_everywhere(
-        self, cluster: Cluster, controller: subprocess.Popen[str]
+        self, cluster: Cluster, controller: Controller
     ) -> None:
         def injected() -> bool:
             s = secret(cluster)
@@ -181,9 +198,7 @@ class TestSelfManagedTLS:
         owner = s["metadata"]["ownerReferences"][0]
         assert (owner["kind"], owner["name"]) == ("ValidatingWebhookConfiguration", "epguard")
 
-    def test_a_reset_ca_bundle_is_restored(
-        self, cluster: Cluster, controller: subprocess.Popen[str]
-    ) -> None:
+    def test_a_reset_ca_bundle_is_restored(self, cluster: Cluster, controller: Controller) -> None:
         wait_for("the first injection", lambda: "" not in bundles(cluster))
         cluster.kubectl(
             "patch",
@@ -198,7 +213,7 @@ class TestSelfManagedTLS:
         assert s is not None and bundles(cluster) == {s["data"]["ca.crt"]}
 
     def test_reapplying_the_chart_keeps_the_injected_bundle(
-        self, cluster: Cluster, controller: subprocess.Popen[str]
+        self, cluster: Cluster, controller: Controller
     ) -> None:
         """helm 4 upgrades by server-side apply (field manager "helm"): caBundle, which
         the chart never sets, belongs to the controller and must survive it."""
@@ -224,14 +239,26 @@ class TestSelfManagedTLS:
         assert bundles(cluster) == before
 
     def test_the_controller_registers_for_kopf_peering(
-        self, cluster: Cluster, controller: subprocess.Popen[str]
+        self, cluster: Cluster, controller: Controller
     ) -> None:
         peering = wait_for(
             "the ClusterKopfPeering status",
             lambda: (p := cluster.get("clusterkopfpeering", "epguard")) and p.get("status") and p,
         )
         assert len(peering["status"]) == 1  # this one replica
-        assert controller.poll() is None
+        assert controller.proc.poll() is None
+
+    def test_the_liveness_endpoint_the_chart_probes_answers(self, controller: Controller) -> None:
+        url = controller.liveness
+
+        def alive() -> bool:
+            try:
+                with urllib.request.urlopen(url, timeout=5) as r:
+                    return bool(r.status == 200)
+            except OSError:
+                return False
+
+        wait_for("the liveness endpoint", alive)
 
 
 class TestRBAC:
