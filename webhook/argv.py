@@ -28,7 +28,7 @@ WANTED = "mooncake"
 SHELLS = frozenset({"sh", "bash", "dash", "ash", "zsh", "ksh", "busybox"})
 SHELL_OPERATORS = frozenset({";", "&&", "||", "|", "&", "\n", "(", ")", ";;"})
 MAX_SHELL_DEPTH = 4
-MAX_TOKENS = 20_000
+MAX_SHLEX_CHARS = 64 * 1024
 
 _VAR_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
 
@@ -133,6 +133,11 @@ def _split_script(script: str) -> list[str]:
     # Line continuations must go before shlex sees them, and newlines are command
     # separators, so turn them into ";".
     text = script.replace("\\\r\n", " ").replace("\\\n", " ").replace("\r\n", "\n")
+    if len(text) > MAX_SHLEX_CHARS:
+        # shlex costs about a microsecond per character; a huge script would stall the
+        # event loop past the API server's timeout. Whitespace splitting still finds
+        # the flag in any sane launch line.
+        return [t.strip("'\"") for t in text.replace("\n", " ; ").split()]
     lexer = shlex.shlex(text.replace("\n", " ; "), posix=True, punctuation_chars=";&|()")
     lexer.whitespace_split = True
     lexer.commenters = "#"
@@ -149,7 +154,7 @@ def flatten(argv: Sequence[str], depth: int = 0) -> list[str]:
     out: list[str] = []
     i = 0
     n = len(argv)
-    while i < n and len(out) < MAX_TOKENS:
+    while i < n:
         tok = argv[i]
         script_at = _shell_script_index(argv, i) if depth < MAX_SHELL_DEPTH else None
         if script_at is not None:
@@ -169,9 +174,24 @@ def _is_flag_prefix(name: str) -> bool:
     return len(name) >= len(MIN_PREFIX) and FLAG.startswith(name)
 
 
-@lru_cache(maxsize=2048)
+CACHE_ARGV_BYTES = 16 * 1024
+
+
 def analyse(argv: tuple[str, ...]) -> ArgvReport:
-    """Judge one (expanded) argv. Cached: the pods of one workload repeat the same argv."""
+    """Judge one (expanded) argv. Cached, because the pods of one workload repeat the
+    same argv; only argvs of reasonable size are cached, so a few huge ones cannot pin
+    megabytes of keys in memory."""
+    if sum(len(a) for a in argv) <= CACHE_ARGV_BYTES:
+        return _analyse_cached(argv)
+    return _analyse(argv)
+
+
+@lru_cache(maxsize=2048)
+def _analyse_cached(argv: tuple[str, ...]) -> ArgvReport:
+    return _analyse(argv)
+
+
+def _analyse(argv: tuple[str, ...]) -> ArgvReport:
     if not argv:
         return NOTHING
     # Cheap pre-filter: shlex is slow and nearly every container has nothing to see.

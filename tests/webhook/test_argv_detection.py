@@ -65,6 +65,15 @@ def test_does_not_detect_what_would_not_select_mooncake(argv: list[str]) -> None
     assert not requested(*argv)
 
 
+def test_huge_argv_and_scripts_are_still_judged() -> None:
+    filler = "x" * 200_000
+    many = ["--tp", "8"] * 50_000
+    assert requested("python3", *many, "--elastic-ep-backend", "mooncake")
+    assert requested("python3", filler, "--elastic-ep-backend", "mooncake")
+    assert requested("sh", "-c", f"echo {filler}; exec run --elastic-ep-backend 'mooncake'")
+    assert not requested("sh", "-c", f"echo {filler}; exec run --elastic-ep-backend none")
+
+
 def test_any_launch_line_in_a_script_counts_on_its_own() -> None:
     script = "x --elastic-ep-backend mooncake; y --elastic-ep-backend none"
     assert requested("sh", "-c", script)
