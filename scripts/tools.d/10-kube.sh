@@ -4,8 +4,8 @@
 # No release binaries can be downloaded here, but the proxy serves the sources.
 #
 # Each binary is rebuilt only when it is missing or when its pinned module
-# (devcluster/go/<name>/go.mod + go.sum) or this script changed: a stamp next to the binary
-# records the sha256 of those three files and the Go version that built it.
+# (devcluster/go/<name>/go.mod + go.sum) or the link flags changed: a stamp next to the
+# binary records the sha256 of go.mod + go.sum, the Go version and the link flags.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 cache="${EPGUARD_CACHE:-$HOME/.cache/epguard}"
@@ -29,15 +29,7 @@ for t in "${targets[@]}"; do
     read -r name pkg <<<"$t"
     moddir="$root/devcluster/go/$name"
     stamp="$bin/.$name.stamp"
-    want="$(cat "$moddir/go.mod" "$moddir/go.sum" "$0" | sha256sum | cut -d' ' -f1) $(go env GOVERSION)"
-    if [ -x "$bin/$name" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
-        echo "10-kube: $name up to date ($bin/$name)"
-        continue
-    fi
-    echo "10-kube: building $name from $pkg (first time per machine: several minutes)"
-    start=$(date +%s)
-    tmp="$bin/.$name.tmp.$$"
-    # -trimpath and -s -w keep the binaries smaller and reproducible.
+    # -s -w (no symbol table, no DWARF) keeps the binaries smaller.
     ldflags="-s -w"
     if [ "$name" = kube-apiserver ]; then
         # A plain `go build` reports v0.0.0-master: Kubernetes stamps its version at
@@ -48,6 +40,15 @@ for t in "${targets[@]}"; do
         v=k8s.io/component-base/version
         ldflags="$ldflags -X $v.gitVersion=$ver -X $v.gitMajor=1 -X $v.gitMinor=$minor -X $v.gitTreeState=archive"
     fi
+    want="$(cat "$moddir/go.mod" "$moddir/go.sum" | sha256sum | cut -d' ' -f1) $(go env GOVERSION) $ldflags"
+    if [ -x "$bin/$name" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+        echo "10-kube: $name up to date ($bin/$name)"
+        continue
+    fi
+    echo "10-kube: building $name from $pkg (first time per machine: several minutes)"
+    start=$(date +%s)
+    tmp="$bin/.$name.tmp.$$"
+    # -trimpath: no local paths in the binary, so it is the same on every machine.
     (cd "$moddir" && go build -trimpath -ldflags="$ldflags" -o "$tmp" "$pkg")
     mv -f "$tmp" "$bin/$name"
     printf '%s\n' "$want" >"$stamp"
