@@ -7,20 +7,25 @@ makes it exit 1 instead.
 """
 
 import argparse
+import importlib
 import json
 import os
 import sys
 import traceback
 
 try:
-    from . import diagnosis, engine, inventory, message, request, sandbox
+    from . import message, request, sandbox
 except ImportError:  # run as `python3 probe`: the directory itself is on sys.path
-    import diagnosis
-    import engine
-    import inventory
     import message
     import request
     import sandbox
+
+
+def _sibling(name):
+    # Imported after the child is started, so that their import overlaps torch's.
+    if __package__:
+        return importlib.import_module("." + name, __package__)
+    return importlib.import_module(name)
 
 DEFAULT_TERMINATION_LOG = "/dev/termination-log"
 
@@ -97,23 +102,27 @@ def _absorb(o, run):
 
 
 def _plan(req, level, timeout, modules):
-    alternates = [] if req.either else [m for m in engine.MODULES if m not in req.modules]
+    alternates = [] if req.either else [
+        m for m in _sibling("engine").MODULES if m not in req.modules]
     return {"modules": modules, "names": req.names, "first_success_only": req.either,
             "alternates": alternates, "level": level, "timeout": timeout}
 
 
 def check(opts, req_argv):
+    # Start the child first: it spends a second or more importing torch, while the
+    # inventory and SGLang's sources are read here.
+    child = sandbox.Child(opts.timeout)
+    diagnosis = _sibling("diagnosis")
+    engine = _sibling("engine")
+    inventory = _sibling("inventory")
     o = diagnosis.Outcome()
     o.request = req_argv
     o.level = opts.level
     o.timeout = opts.timeout
-    # Start the child first: it spends a second or more importing torch, while the
-    # inventory and SGLang's sources are read here.
-    child = sandbox.Child(opts.timeout)
     o.requirement = engine.requirement()
     o.dists = inventory.mooncake_distributions()
     o.package = inventory.mooncake_package()
-    o.torch_metadata = inventory.metadata_version("torch")
+    o.torch_metadata = inventory.dist_version("torch")
     req = o.requirement
     # With no mooncake at all there is nothing to import: only torch and CUDA facts.
     modules = list(req.modules) if (o.dists or o.package.found) else []
@@ -207,6 +216,7 @@ def _run(opts, worker):
         return 0
 
     o = check(opts, req_argv)
+    diagnosis = _sibling("diagnosis")
     v = diagnosis.diagnose(o)
     evidence = list(v.evidence)
     if v.classification == "crash" and o.output_tail:

@@ -13,6 +13,11 @@ import importlib.util
 import os
 import re
 
+try:
+    from . import inventory
+except ImportError:  # run as `python3 probe`: the directory itself is on sys.path
+    import inventory
+
 MODULES = ("mooncake.pg", "mooncake.ep")
 
 # Files that hold the elastic-EP mooncake imports in SGLang 0.5.9 .. 0.5.23.
@@ -34,17 +39,6 @@ class Requirement:
         self.either = either  # any one of ``modules`` is enough
 
 
-def _metadata_version(dist):
-    try:
-        from importlib import metadata
-    except ImportError:  # pragma: no cover - Python < 3.8
-        return None
-    try:
-        return metadata.version(dist)
-    except Exception:  # noqa: BLE001 - PackageNotFoundError or a broken dist-info
-        return None
-
-
 def _module_of(node_module, alias_name):
     """Module named by ``from <node_module> import <alias_name>`` if it is ep/pg."""
     if node_module in MODULES:
@@ -54,15 +48,40 @@ def _module_of(node_module, alias_name):
     return None
 
 
+# Import statements that can name mooncake.ep / mooncake.pg, at any indentation
+# (SGLang imports them lazily inside functions).
+_IMPORT_RE = re.compile(
+    r"^[ \t]*(?:from[ \t]+mooncake(?:\.(?:ep|pg))?[ \t]+import\b|import[ \t]+mooncake\.(?:ep|pg)\b)"
+    r"[^\n]*", re.M)
+
+
+def _statements(text):
+    """Each matching import statement, with parenthesised or continued lines joined."""
+    for m in _IMPORT_RE.finditer(text):
+        stmt, end = m.group(0).strip(), m.end()
+        while stmt.endswith("\\") or stmt.count("(") > stmt.count(")"):
+            nl = text.find("\n", end + 1)
+            if nl < 0:
+                break
+            stmt = stmt.rstrip("\\") + " " + text[end + 1:nl].strip()
+            end = nl
+        yield stmt
+
+
 def scan_source(text):
-    """{module: set(names)} of mooncake.ep / mooncake.pg use in one source file."""
+    """{module: set(names)} of mooncake.ep / mooncake.pg use in one source file.
+
+    Only the import statements are parsed (with ast), not the whole file: a full
+    parse of SGLang's parallel_state.py costs more than the rest of the probe's
+    own work, and that time competes with the torch import in the child.
+    """
     found = {}
-    try:
-        tree = ast.parse(text)
-    except (SyntaxError, ValueError):
-        return _scan_regex(text)
     aliases = {}  # local name -> module
-    for node in ast.walk(tree):
+    for stmt in _statements(text):
+        try:
+            node = ast.parse(stmt).body[0]
+        except (SyntaxError, ValueError, IndexError):
+            continue
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             for a in node.names:
                 if node.module in MODULES:
@@ -76,36 +95,16 @@ def scan_source(text):
             for a in node.names:
                 if a.name in MODULES:
                     found.setdefault(a.name, set())
-                    if a.asname:
-                        aliases[a.asname] = a.name
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.Attribute):
-            continue
-        value = node.value
-        if isinstance(value, ast.Name) and value.id in aliases:
-            found[aliases[value.id]].add(node.attr)
-        elif (isinstance(value, ast.Attribute) and isinstance(value.value, ast.Name)
-              and value.value.id == "mooncake" and "mooncake." + value.attr in found):
-            found["mooncake." + value.attr].add(node.attr)
-    return found
-
-
-def _scan_regex(text):
-    # For sources this interpreter cannot parse (newer syntax than it knows).
-    found = {}
-    for m in re.finditer(r"from\s+mooncake\.(ep|pg)\s+import\s+\(?([\w\s,]+)\)?", text):
-        names = {n.strip().split()[0] for n in m.group(2).split(",") if n.strip()}
-        found.setdefault("mooncake." + m.group(1), set()).update(names)
-    for m in re.finditer(r"from\s+mooncake\s+import\s+(ep|pg)(?:\s+as\s+(\w+))?", text):
-        mod = "mooncake." + m.group(1)
-        alias = m.group(2) or m.group(1)
-        names = set(re.findall(rf"\b{re.escape(alias)}\.(\w+)", text))
-        found.setdefault(mod, set()).update(names)
+                    aliases[a.asname or a.name] = a.name
+    # Names used through a module alias: `mooncake_ep.set_host_ip(...)`.
+    for alias, mod in aliases.items():
+        for name in re.findall(r"(?<![\w.])" + re.escape(alias) + r"\.(\w+)", text):
+            found[mod].add(name)
     return found
 
 
 def requirement():
-    version = _metadata_version("sglang")
+    version = inventory.dist_version("sglang")
     try:
         spec = importlib.util.find_spec("sglang")
     except (ImportError, ValueError):

@@ -134,15 +134,33 @@ def cuda_major(cuda_version):
     return int(m.group(1)) if m else None
 
 
-def metadata_version(dist):
-    try:
-        from importlib import metadata
-    except ImportError:  # pragma: no cover - Python < 3.8
-        return None
-    try:
-        return metadata.version(dist)
-    except Exception:  # noqa: BLE001
-        return None
+def dist_version(dist, path=None):
+    """Version of an installed distribution, from its dist-info, first on sys.path.
+
+    The same answer as importlib.metadata.version for ordinary installs, without
+    importing importlib.metadata (tens of ms, spent while torch loads in the child).
+    """
+    want = _canonical(dist)
+    for entry in path if path is not None else sys.path:
+        try:
+            names = os.listdir(entry or ".")
+        except OSError:
+            continue
+        for n in names:
+            if not n.endswith((".dist-info", ".egg-info")):
+                continue
+            stem = n.rsplit(".", 1)[0]
+            if _canonical(stem.split("-", 1)[0]) != want:
+                continue
+            meta = os.path.join(entry or ".", n)
+            if n.endswith(".dist-info"):
+                meta = os.path.join(meta, "METADATA")
+            elif os.path.isdir(meta):
+                meta = os.path.join(meta, "PKG-INFO")
+            name, version = _read_metadata(meta)
+            if name and _canonical(name) == want and version:
+                return version
+    return None
 
 
 def jit_prerequisites(cuda_available):

@@ -60,7 +60,7 @@ def test_other_mooncake_modules_are_not_the_elastic_ep_requirement():
     assert found == {}
 
 
-def test_falls_back_to_text_search_when_the_source_does_not_parse():
+def test_reads_imports_even_when_the_whole_file_does_not_parse():
     found = scan("""
         from mooncake.pg import set_transfer_engine, join_group
         def broken(:
