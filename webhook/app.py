@@ -51,8 +51,10 @@ def _problem(status: int, message: str) -> Response:
 
 def _explain(exc: ValidationError) -> BadReview:
     errors = exc.errors(include_url=False, include_input=False)
-    if any(e["type"] == "json_invalid" for e in errors):
-        return BadReview(400, "not_json", "request body is not valid JSON")
+    for e in errors:
+        if e["type"] == "json_invalid":
+            detail = str(e.get("ctx", {}).get("error", "")) or e["msg"]
+            return BadReview(400, "not_json", f"request body is not valid JSON ({detail})")
     if any(e["type"] == "model_type" and not e["loc"] for e in errors):
         return BadReview(
             400, "not_object", "request body must be a JSON object (an AdmissionReview)"
