@@ -417,6 +417,18 @@ class TestNetworkPolicy:
         assert monitoring in on
         assert {"ipBlock": {"cidr": "10.0.0.0/16"}} in on
 
+    def test_metrics_on_adds_scrape_annotations_for_https(
+        self, defaults: Rendered, ci_file: Callable[..., Rendered]
+    ) -> None:
+        def annotations(r: Rendered) -> dict[str, str]:
+            meta = r.one("Deployment", "epguard-webhook")["spec"]["template"]["metadata"]
+            return meta.get("annotations") or {}
+
+        assert "prometheus.io/scrape" not in annotations(defaults)
+        on = annotations(ci_file("metrics-values"))
+        assert on["prometheus.io/scrape"] == "true" and on["prometheus.io/scheme"] == "https"
+        assert on["prometheus.io/port"] == "8443" and on["prometheus.io/path"] == "/metrics"
+
     def test_the_controller_accepts_no_connections(self, defaults: Rendered) -> None:
         np = defaults.one("NetworkPolicy", "epguard-controller")
         assert np["spec"]["ingress"] == []
