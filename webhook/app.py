@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 
 from webhook.metrics import Metrics
 from webhook.policy import Decision, PolicyState, decide, describe_object
@@ -82,10 +83,14 @@ async def _read_body(request: Request, limit: int) -> bytes:
         if int(length) > limit:
             raise BadReview(413, "too_large", f"request body is larger than {limit} bytes")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise BadReview(413, "too_large", f"request body is larger than {limit} bytes")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise BadReview(413, "too_large", f"request body is larger than {limit} bytes")
+    except ClientDisconnect:
+        # Nobody is left to answer; say 400 rather than let it surface as a 500 in the log.
+        raise BadReview(400, "disconnected", "client disconnected before the body ended") from None
     return bytes(body)
 
 
