@@ -49,6 +49,9 @@ from devcluster.process import ManagedProcess, free_port
 SERVICE_CLUSTER_IP_RANGE = "10.0.0.0/24"
 ADMIN_USER = "epguard-admin"
 _PORT_ATTEMPTS = 3
+_WORK_PREFIX = "epguard-cp-"
+_DATA_PREFIX = "epguard-etcd-"
+_OWNER_FILE = ".owner.json"
 START_TIMEOUT = 180.0  # seconds; two shared cores make the first start slow
 # Already on by default in 1.35; named so that a change of defaults cannot
 # silently take away what epguard and its tests rely on.
@@ -91,7 +94,7 @@ class ControlPlane:
         extra_apiserver_args: Sequence[str] = (),
     ) -> None:
         self._own_workdir = workdir is None
-        self.workdir = Path(tempfile.mkdtemp(prefix="epguard-cp-")) if workdir is None else workdir
+        self.workdir = Path(tempfile.mkdtemp(prefix=_WORK_PREFIX)) if workdir is None else workdir
         self.detached = detached
         self.extra_apiserver_args = list(extra_apiserver_args)
         self.processes: list[ManagedProcess] = []
@@ -131,9 +134,10 @@ class ControlPlane:
     def start(self) -> None:
         etcd = binaries.find("etcd")
         apiserver = binaries.find("kube-apiserver")
+        _remove_orphaned_dirs()
         self.workdir.mkdir(parents=True, exist_ok=True)
         (self.workdir / "logs").mkdir(exist_ok=True)
-        self.data_dir = Path(tempfile.mkdtemp(prefix="epguard-etcd-"))
+        self.data_dir = Path(tempfile.mkdtemp(prefix=_DATA_PREFIX))
         if not self.detached:
             # Belt and braces with PDEATHSIG: a normal interpreter exit that skipped
             # stop() (an exception in a test session, a forgotten `with`) still cleans up.
@@ -285,6 +289,11 @@ class ControlPlane:
                 "--log-level=warn",
             ],
         )
+        # The temporary directories belong to this etcd: once it is gone (even if
+        # whoever started it was SIGKILLed and never cleaned up), they are garbage.
+        for d in (self.data_dir, self.workdir if self._own_workdir else None):
+            if d is not None:
+                (d / _OWNER_FILE).write_text(json.dumps(proc.to_dict()))
         self._wait(proc, lambda c: _etcd_healthy(c, ep.etcd_url), "etcd /health")
 
     def apiserver_args(self) -> list[str]:
@@ -352,6 +361,18 @@ class ControlPlane:
             client_cert=(self.pki_dir / "admin.crt").read_bytes(),
             client_key=(self.pki_dir / "admin.key").read_bytes(),
         )
+
+
+def _remove_orphaned_dirs() -> None:
+    """Delete temporary control-plane directories whose etcd no longer runs."""
+    tmp = Path(tempfile.gettempdir())
+    for d in [*tmp.glob(f"{_WORK_PREFIX}*"), *tmp.glob(f"{_DATA_PREFIX}*")]:
+        try:
+            owner = ManagedProcess.from_dict(json.loads((d / _OWNER_FILE).read_text()))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not ours to judge: being created right now, or not a devcluster dir
+        if not owner.alive():
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def _etcd_healthy(client: httpx.Client, url: str) -> bool:
