@@ -31,6 +31,10 @@ MAX_SHELL_DEPTH = 4
 MAX_SHLEX_CHARS = 64 * 1024
 
 _VAR_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
+# $NAME or ${NAME} inside a shell script; the shell takes them from the environment.
+_SHELL_REF = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
+
+ShellEnv = tuple[tuple[str, str], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +133,22 @@ def _shell_script_index(tokens: Sequence[str], i: int) -> int | None:
     return None
 
 
-def _split_script(script: str) -> list[str]:
+def _substitute(script: str, env: dict[str, str]) -> str:
+    """Expand $NAME / ${NAME} that the container's literal env defines (the shell would;
+    unquoted, its result is then word-split, which splitting the text afterwards mimics).
+    Unknown names stay as written, and are reported as unresolved if they hold the flag's
+    value."""
+
+    def sub(m: re.Match[str]) -> str:
+        name = m.group(1) or m.group(2)
+        return env.get(name, m.group(0))
+
+    return _SHELL_REF.sub(sub, script)
+
+
+def _split_script(script: str, env: dict[str, str]) -> list[str]:
+    if env and "$" in script:
+        script = _substitute(script, env)
     # Line continuations must go before shlex sees them, and newlines are command
     # separators, so turn them into ";".
     text = script.replace("\\\r\n", " ").replace("\\\n", " ").replace("\r\n", "\n")
@@ -149,7 +168,7 @@ def _split_script(script: str) -> list[str]:
         return [t.strip("'\"") for t in text.replace("\n", " ; ").split()]
 
 
-def flatten(argv: Sequence[str], depth: int = 0) -> list[str]:
+def flatten(argv: Sequence[str], depth: int = 0, env: dict[str, str] | None = None) -> list[str]:
     """argv with every ``sh -c SCRIPT`` replaced by the script's own tokens (nested too)."""
     out: list[str] = []
     i = 0
@@ -160,7 +179,7 @@ def flatten(argv: Sequence[str], depth: int = 0) -> list[str]:
         if script_at is not None:
             out.extend(argv[i:script_at])
             out.append(";")
-            out.extend(flatten(_split_script(argv[script_at]), depth + 1))
+            out.extend(flatten(_split_script(argv[script_at], env or {}), depth + 1, env))
             out.append(";")
             # Words after the script are $0 $1 … of the script, not commands.
             i = n
@@ -177,28 +196,33 @@ def _is_flag_prefix(name: str) -> bool:
 CACHE_ARGV_BYTES = 16 * 1024
 
 
-def analyse(argv: tuple[str, ...]) -> ArgvReport:
-    """Judge one (expanded) argv. Cached, because the pods of one workload repeat the
-    same argv; only argvs of reasonable size are cached, so a few huge ones cannot pin
+def analyse(argv: tuple[str, ...], shell_env: ShellEnv = ()) -> ArgvReport:
+    """Judge one (expanded) argv; ``shell_env`` holds the literal env values that shell
+    scripts in it reference. Cached, because the pods of one workload repeat the same
+    argv; only argvs of reasonable size are cached, so a few huge ones cannot pin
     megabytes of keys in memory."""
     if sum(len(a) for a in argv) <= CACHE_ARGV_BYTES:
-        return _analyse_cached(argv)
-    return _analyse(argv)
+        return _analyse_cached(argv, shell_env)
+    return _analyse(argv, shell_env)
 
 
 @lru_cache(maxsize=2048)
-def _analyse_cached(argv: tuple[str, ...]) -> ArgvReport:
-    return _analyse(argv)
+def _analyse_cached(argv: tuple[str, ...], shell_env: ShellEnv) -> ArgvReport:
+    return _analyse(argv, shell_env)
 
 
-def _analyse(argv: tuple[str, ...]) -> ArgvReport:
+def _analyse(argv: tuple[str, ...], shell_env: ShellEnv) -> ArgvReport:
     if not argv:
         return NOTHING
     # Cheap pre-filter: shlex is slow and nearly every container has nothing to see.
     joined = "\x00".join(argv)
-    if "--elastic" not in joined and "--config" not in joined:
+    # (The flag may also arrive through an env value a script expands.)
+    seen = ("--elastic" in joined or "--config" in joined) or any(
+        "--elastic" in v or "--config" in v for _, v in shell_env
+    )
+    if not seen:
         return NOTHING
-    tokens = flatten(argv)
+    tokens = flatten(argv, env=dict(shell_env))
     looks_like_sglang = "sglang" in joined
     values: list[str] = []
     requested = False
@@ -244,5 +268,40 @@ def _analyse(argv: tuple[str, ...]) -> ArgvReport:
     )
 
 
+@lru_cache(maxsize=2048)
+def _script_refs(argv: tuple[str, ...]) -> frozenset[str]:
+    """Names a shell script in argv references as $NAME / ${NAME} (none without a shell)."""
+    if not any("$" in a for a in argv) or not any(a.rsplit("/", 1)[-1] in SHELLS for a in argv):
+        return frozenset()
+    return frozenset(a or b for part in argv for a, b in _SHELL_REF.findall(part))
+
+
+def _shell_env(container: Mapping[str, Any], argv: tuple[str, ...]) -> ShellEnv:
+    """The literal env values that shell scripts in argv reference, if any (cheap when none)."""
+    names = (
+        _script_refs(argv)
+        if sum(len(a) for a in argv) <= CACHE_ARGV_BYTES
+        else (_script_refs.__wrapped__(argv))
+    )
+    env = container.get("env")
+    if not names or not isinstance(env, list):
+        return ()
+    # Only literal values can be known; a script that references only valueFrom
+    # variables (a pod index, a secret) costs no env expansion at all.
+    wanted = {
+        item.get("name")
+        for item in env
+        if isinstance(item, dict)
+        and item.get("name") in names
+        and item.get("value") is not None
+        and item.get("valueFrom") is None
+    }
+    if not wanted:
+        return ()
+    mapping = env_mapping(env)
+    return tuple(sorted((k, v) for k, v in mapping.items() if k in wanted))
+
+
 def analyse_container(container: Mapping[str, Any]) -> ArgvReport:
-    return analyse(container_argv(container))
+    argv = container_argv(container)
+    return analyse(argv, _shell_env(container, argv))

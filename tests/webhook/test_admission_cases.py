@@ -320,6 +320,59 @@ CASES: list[Case] = [
         warnings=["cannot be resolved"],
     ),
     Case(
+        "denies_flags_a_script_takes_from_a_literal_env_value",
+        review(
+            pod(
+                [
+                    container(
+                        command=["/bin/sh", "-c"],
+                        args=["exec python3 -m sglang.launch_server $SGLANG_ARGS"],
+                        env=[
+                            {"name": "SGLANG_ARGS", "value": "--tp 8 --elastic-ep-backend mooncake"}
+                        ],
+                    )
+                ]
+            )
+        ),
+        False,
+        [RULE],
+    ),
+    Case(
+        "denies_a_braced_shell_variable_holding_the_value",
+        review(
+            pod(
+                [
+                    container(
+                        command=["bash", "-c"],
+                        args=["run --elastic-ep-backend ${EP:-x} --elastic-ep-backend ${EP}"],
+                        env=[{"name": "EP", "value": "mooncake"}],
+                    )
+                ]
+            )
+        ),
+        False,
+        [RULE],
+    ),
+    Case(
+        "warns_when_a_shell_variable_comes_from_a_secret",
+        review(
+            pod(
+                [
+                    container(
+                        image="lmsysorg/sglang:v0.5.16-cu129",
+                        command=["bash", "-c"],
+                        args=["run --elastic-ep-backend $EP"],
+                        env=[
+                            {"name": "EP", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}
+                        ],
+                    )
+                ]
+            )
+        ),
+        True,
+        warnings=["passes --elastic-ep-backend $EP, whose value cannot be resolved"],
+    ),
+    Case(
         "denies_init_container",
         review(
             pod(
