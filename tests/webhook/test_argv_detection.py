@@ -144,9 +144,12 @@ words = st.sampled_from(
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(words | st.text(max_size=30), max_size=30))
-def test_never_crashes_on_any_argv(argv: list[str]) -> None:
-    report = analyse(tuple(argv))
+@given(
+    st.lists(words | st.text(max_size=30), max_size=30),
+    st.dictionaries(st.sampled_from(["X", "A_B", "EP"]), words | st.text(max_size=20), max_size=3),
+)
+def test_never_crashes_on_any_argv(argv: list[str], env: dict[str, str]) -> None:
+    report = analyse(tuple(argv), tuple(sorted(env.items())))
     assert isinstance(report.requests_mooncake, bool)
 
 
