@@ -17,6 +17,7 @@ import struct
 
 _DT_NEEDED = 1
 _DT_STRTAB = 5
+_DT_STRSZ = 10
 _DT_RPATH = 15
 _DT_RUNPATH = 29
 _PT_LOAD = 1
@@ -46,32 +47,46 @@ class Dynamic:
 
 
 def read_dynamic(path):
-    """Parse DT_NEEDED / DT_RPATH / DT_RUNPATH of ``path``; None if not a readable ELF."""
+    """Parse DT_NEEDED / DT_RPATH / DT_RUNPATH of ``path``; None if not a readable ELF.
+
+    Reads only the headers, the dynamic section and the strings it points at:
+    libmooncake_pg.so is 160 MB, and a cold node would read all of it otherwise.
+    """
     try:
         with open(path, "rb") as f:
-            data = f.read()
-    except OSError:
+            return _read_dynamic(f, path)
+    except (OSError, struct.error):
         return None
-    if len(data) < 64 or data[:4] != b"\x7fELF":
+
+
+def _read_at(f, offset, size):
+    f.seek(offset)
+    return f.read(size)
+
+
+def _read_dynamic(f, path):
+    ident = f.read(64)
+    if len(ident) < 52 or ident[:4] != b"\x7fELF":
         return None
-    elf_class = data[4]
-    end = "<" if data[5] == 1 else ">"
+    elf_class = ident[4]
+    end = "<" if ident[5] == 1 else ">"
     if elf_class == 2:
-        phoff, = struct.unpack_from(end + "Q", data, 32)
-        phentsize, phnum = struct.unpack_from(end + "HH", data, 54)
+        phoff, = struct.unpack_from(end + "Q", ident, 32)
+        phentsize, phnum = struct.unpack_from(end + "HH", ident, 54)
         ph_fmt, dyn_fmt = end + "IIQQQQQQ", end + "qQ"
     elif elf_class == 1:
-        phoff, = struct.unpack_from(end + "I", data, 28)
-        phentsize, phnum = struct.unpack_from(end + "HH", data, 42)
+        phoff, = struct.unpack_from(end + "I", ident, 28)
+        phentsize, phnum = struct.unpack_from(end + "HH", ident, 42)
         ph_fmt, dyn_fmt = end + "IIIIIIII", end + "iI"
     else:
         return None
+    table = _read_at(f, phoff, phentsize * phnum)
     loads, dynamic = [], None
     for i in range(phnum):
-        off = phoff + i * phentsize
-        if off + struct.calcsize(ph_fmt) > len(data):
+        off = i * phentsize
+        if off + struct.calcsize(ph_fmt) > len(table):
             break
-        fields = struct.unpack_from(ph_fmt, data, off)
+        fields = struct.unpack_from(ph_fmt, table, off)
         if elf_class == 2:
             p_type, p_offset, p_vaddr, p_filesz = fields[0], fields[2], fields[3], fields[5]
         else:
@@ -83,30 +98,33 @@ def read_dynamic(path):
     if dynamic is None:
         return Dynamic(path, [], [], [], elf_class)
 
+    raw = _read_at(f, dynamic[0], dynamic[1])
     entries = []
     size = struct.calcsize(dyn_fmt)
-    off, stop = dynamic[0], min(len(data), dynamic[0] + dynamic[1])
-    while off + size <= stop:
-        tag, val = struct.unpack_from(dyn_fmt, data, off)
+    off = 0
+    while off + size <= len(raw):
+        tag, val = struct.unpack_from(dyn_fmt, raw, off)
         if tag == 0:
             break
         entries.append((tag, val))
         off += size
 
-    strtab = None
+    strtab = strsz = None
     for tag, val in entries:
         if tag == _DT_STRTAB:
             # DT_STRTAB is a virtual address; map it back to a file offset.
             for vaddr, foff, fsz in loads:
                 if vaddr <= val < vaddr + fsz:
                     strtab = val - vaddr + foff
+        elif tag == _DT_STRSZ:
+            strsz = val
     if strtab is None:
         return Dynamic(path, [], [], [], elf_class)
+    strings = _read_at(f, strtab, strsz if strsz else 1 << 20)
 
     def string(at):
-        start = strtab + at
-        stop_ = data.find(b"\x00", start)
-        return data[start:stop_].decode("utf-8", "replace")
+        stop = strings.find(b"\x00", at)
+        return strings[at:stop if stop >= 0 else None].decode("utf-8", "replace")
 
     needed, rpath, runpath = [], [], []
     for tag, val in entries:
