@@ -287,15 +287,14 @@ def _shell_env(container: Mapping[str, Any], argv: tuple[str, ...]) -> ShellEnv:
     if not names or not isinstance(env, list):
         return ()
     # Only literal values can be known; a script that references only valueFrom
-    # variables (a pod index, a secret) costs no env expansion at all.
-    wanted = {
-        item.get("name")
-        for item in env
-        if isinstance(item, dict)
-        and item.get("name") in names
-        and item.get("value") is not None
-        and item.get("valueFrom") is None
-    }
+    # variables (a pod index, a secret) costs no env expansion at all. (A plain loop:
+    # this scans every env entry of every shell-launched container.)
+    wanted: set[str] = set()
+    for item in env:
+        if type(item) is dict:
+            name = item.get("name")
+            if name in names and item.get("value") is not None and item.get("valueFrom") is None:
+                wanted.add(name)
     if not wanted:
         return ()
     mapping = env_mapping(env)
