@@ -56,8 +56,12 @@ WRITE_ATTEMPTS = 5
 COMPONENT = "epguard-controller"
 
 
-def has_probe(spec: Any, **_: Any) -> bool:
-    """kopf filter: only pods that carry the probe init container are worth a look."""
+def has_probe(body: Any, **_: Any) -> bool:
+    """kopf filter: only pods that carry the probe init container are worth a look.
+
+    Reads ``body`` (whose items are the raw dicts), not kopf's ``spec`` kwarg: that is a
+    ``kopf.Spec`` view, not a dict, so ``as_map`` would see nothing in it."""
+    spec = body.get("spec") if isinstance(body, Mapping) else None
     return any(
         isinstance(c, Mapping) and isinstance(c.get("name"), str) and is_probe_container(c["name"])
         for c in as_list(as_map(spec).get("initContainers"))
