@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
@@ -145,7 +145,10 @@ def create_app(
     status: Callable[[], dict[str, Any]] = dict,
     max_body_bytes: int = MAX_BODY_BYTES,
     lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None = None,
+    routers: Sequence[APIRouter] = (),
 ) -> FastAPI:
+    """The ASGI app. ``routers`` add endpoints on the same TLS port (e.g. a ``/mutate``
+    for probe injection) without touching this module."""
     app = FastAPI(
         title="epguard admission webhook",
         lifespan=lifespan,
@@ -212,4 +215,6 @@ def create_app(
     async def metrics_endpoint() -> Response:
         return Response(content=metrics.render(), media_type=metrics.content_type)
 
+    for router in routers:
+        app.include_router(router)
     return app

@@ -13,11 +13,11 @@ import datetime as dt
 import gc
 import hashlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 
 from webhook.app import create_app
 from webhook.metrics import Metrics
@@ -52,7 +52,12 @@ def _file_digest(path: str) -> bytes | None:
 class Runtime:
     """Everything one webhook process holds. Raises RulesError / TLSReloadError on a bad start."""
 
-    def __init__(self, settings: Settings, sources: dict[str, Source] | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        sources: dict[str, Source] | None = None,
+        routers: Sequence[APIRouter] = (),
+    ) -> None:
         self.settings = settings
         self.metrics = Metrics()
         self.rules_path = settings.rules or default_rules_path()
@@ -97,6 +102,7 @@ class Runtime:
             ready=lambda: self.ready,
             status=self.status,
             lifespan=self.lifespan,
+            routers=routers,
         )
 
     def status(self) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import socket
 import ssl
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -236,3 +237,19 @@ def test_fuzzed_bytes_never_get_a_500(server: RunningServer, body: bytes) -> Non
     with server.client() as c:
         r = c.post("/validate", content=body)
     assert r.status_code in (200, 400)
+
+
+def test_extra_routers_share_the_tls_port(tmp_path: Path) -> None:
+    from fastapi import APIRouter
+    from webhook_factory import TEST_RULES
+    from webhook_server import running_server
+
+    router = APIRouter()
+
+    @router.post("/mutate")
+    async def mutate() -> dict[str, str]:
+        return {"hello": "injector"}
+
+    with running_server(tmp_path, TEST_RULES, routers=[router]) as s, s.client() as c:
+        assert c.post("/mutate").json() == {"hello": "injector"}
+        assert c.get("/healthz").status_code == 200

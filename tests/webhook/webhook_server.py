@@ -5,13 +5,14 @@ from __future__ import annotations
 import ssl
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
 import uvicorn
+from fastapi import APIRouter
 from webhook_pki import issue, make_ca, write_pair
 
 from webhook.server import Runtime
@@ -46,6 +47,7 @@ def running_server(
     rules_text: str,
     *,
     sources: dict[str, Source] | None = None,
+    routers: Sequence[APIRouter] = (),
     **overrides: object,
 ) -> Iterator[RunningServer]:
     ca = make_ca()
@@ -65,7 +67,7 @@ def running_server(
         reload_interval=0.1,
     )
     settings = replace(settings, **overrides)  # type: ignore[arg-type]
-    runtime = Runtime(settings, sources=sources)
+    runtime = Runtime(settings, sources=sources, routers=routers)
     server = uvicorn.Server(runtime.uvicorn_config())
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
