@@ -144,7 +144,7 @@ def _lib_meaning(lib, torch_cuda_major):
 
 _LIB_WORDS = {
     "no-driver": "NVIDIA driver not mounted in this container",
-    "rdma": "RDMA userspace (rdma-core) not in the image",
+    "rdma": "rdma-core userspace not in the image",
     "cuda-runtime": "CUDA runtime not found",
     "other": "not in the image",
 }
@@ -423,8 +423,6 @@ def diagnose(o):
             v.fix = "see the evidence lines"
         else:
             _classify_import_failure(o, mod, ev, v)
-        if v.missing_libraries:
-            evidence.append("missing libraries: " + " ".join(v.missing_libraries))
         if o.alternates:
             evidence.append("other module: " + ", ".join(
                 "{} {}".format(m, "imports" if ok else "fails") for m, ok in o.alternates.items()))
