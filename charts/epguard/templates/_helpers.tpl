@@ -123,3 +123,63 @@ false instead of an error -- an error would apply failurePolicy to an unrelated 
 {{- end -}}
 ({{ join " && " $guards }} && ({{ join " || " $lists }}))
 {{- end -}}
+
+{{/* CEL: a Pod (object.spec) mentions the needle. The pods webhook of the validating
+configuration and both webhooks of the mutating one use exactly this text. */}}
+{{- define "epguard.cel.pod" -}}
+{{ include "epguard.cel.podSpec" (dict "path" "object.spec") }}
+{{- end -}}
+
+{{/* CEL: the Pod carries the opt-in annotation epguard.io/inject: "enabled". Guarded, so a
+pod without annotations is false, never an error. */}}
+{{- define "epguard.cel.injectAnnotation" -}}
+has(object.metadata) && has(object.metadata.annotations) && 'epguard.io/inject' in object.metadata.annotations && object.metadata.annotations['epguard.io/inject'] == 'enabled'
+{{- end -}}
+
+{{/* Namespaces no webhook of epguard is ever called for: kube-system, the release namespace,
+webhook.excludeNamespaces, and any namespace labelled epguard.io/ignore=true. A list of
+LabelSelectorRequirements (matchExpressions). */}}
+{{- define "epguard.namespaceExclusions" -}}
+{{- $excluded := concat (list "kube-system" .Release.Namespace) .Values.webhook.excludeNamespaces | uniq -}}
+- key: kubernetes.io/metadata.name
+  operator: NotIn
+  values: {{ toJson $excluded }}
+- key: epguard.io/ignore
+  operator: NotIn
+  values: ["true"]
+{{- end -}}
+
+{{/* Annotations of both webhook configurations: webhook.annotations, plus cainjector's
+when cert-manager provides the TLS. */}}
+{{- define "epguard.webhookConfigAnnotations" -}}
+{{- $annotations := deepCopy .Values.webhook.annotations -}}
+{{- if .Values.tls.certManager.enabled -}}
+{{- $_ := set $annotations "cert-manager.io/inject-ca-from" (printf "%s/%s" .Release.Namespace (include "epguard.webhookName" .)) -}}
+{{- end -}}
+{{- with $annotations -}}
+{{ toYaml . }}
+{{- end -}}
+{{- end -}}
+
+{{/* The probe-copy image of injection: injection.image, else the chart's own image. */}}
+{{- define "epguard.injectImage" -}}
+{{- default (include "epguard.image" .) .Values.injection.image -}}
+{{- end -}}
+
+{{/* A container's env: .env (the chart's own, YAML text) followed by .extra (a values list).
+An extra variable that the chart already sets fails the render: a duplicate name would
+shadow or be shadowed depending on the tool (the kubelet takes the last, server-side
+apply refuses the duplicate key), so the value's own setting is the one place for it. */}}
+{{- define "epguard.envWithExtra" -}}
+{{- $env := fromYamlArray .env -}}
+{{- $names := list -}}
+{{- range $env -}}
+{{- $names = append $names .name -}}
+{{- end -}}
+{{- range .extra -}}
+{{- if has .name $names -}}
+{{- fail (printf "%s sets %s, which the chart already sets from its values: set the value instead (see values.yaml)" $.what .name) -}}
+{{- end -}}
+{{- end -}}
+{{- toYaml (concat $env .extra) -}}
+{{- end -}}
