@@ -110,6 +110,29 @@ def _condition(
     return cond
 
 
+def _completed(name: str, image: str, at: dt.datetime) -> dict[str, Any]:
+    """An init container that ran before the probe and exited 0 (e.g. epguard-copy-probe)."""
+    cid = "containerd://" + os.urandom(32).hex()
+    return {
+        "name": name,
+        "image": image,
+        "imageID": image.rsplit(":", 1)[0] + "@sha256:" + os.urandom(32).hex(),
+        "containerID": cid,
+        "ready": True,
+        "started": False,
+        "restartCount": 0,
+        "state": {
+            "terminated": {
+                "exitCode": 0,
+                "reason": "Completed",
+                "startedAt": _stamp(at),
+                "finishedAt": _stamp(at),
+                "containerID": cid,
+            }
+        },
+    }
+
+
 def probe_status_patch(
     run: ProbeRun,
     *,
@@ -118,18 +141,33 @@ def probe_status_patch(
     container: str = PROBE_CONTAINER,
     worker: str = "worker",
     restart_count: int = 0,
+    completed_before: Sequence[tuple[str, str]] = (),
 ) -> dict[str, Any]:
-    """A merge patch for ``pods/status``: what the kubelet writes once the probe exited."""
+    """A merge patch for ``pods/status``: what the kubelet writes once the probe exited.
+
+    ``completed_before``: (name, image) of init containers that ran (and succeeded)
+    before the probe, such as the injected ``epguard-copy-probe``."""
     message = run.message.encode()[:MAX_TERMINATION_MESSAGE].decode(errors="ignore")
+    container_id = "containerd://" + os.urandom(32).hex()
     terminated = {
         "exitCode": run.exit_code,
         "reason": "Completed" if run.exit_code == 0 else "Error",
         "message": message,
         "startedAt": _stamp(run.started),
         "finishedAt": _stamp(run.finished),
-        "containerID": "containerd://" + os.urandom(32).hex(),
+        "containerID": container_id,
     }
     failed = run.exit_code != 0
+    probe = {
+        "name": container,
+        "image": image,
+        "imageID": image_id,
+        "containerID": container_id,
+        "ready": not failed,
+        "started": False,
+        "restartCount": restart_count,
+        "state": {"terminated": terminated},
+    }
     return {
         "status": {
             "phase": "Pending",
@@ -154,15 +192,8 @@ def probe_status_patch(
                 _condition("PodScheduled", True, run.started),
             ],
             "initContainerStatuses": [
-                {
-                    "name": container,
-                    "image": image,
-                    "imageID": image_id,
-                    "ready": False,
-                    "started": False,
-                    "restartCount": restart_count,
-                    "state": {"terminated": terminated},
-                }
+                *(_completed(n, i, run.started) for n, i in completed_before),
+                probe,
             ],
             "containerStatuses": [
                 {
@@ -179,24 +210,54 @@ def probe_status_patch(
     }
 
 
+def _name_image(value: str) -> tuple[str, str]:
+    name, sep, image = value.partition("=")
+    if not sep or not name or not image:
+        raise argparse.ArgumentTypeError(f"expected NAME=IMAGE, got {value!r}")
+    return name, image
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m devcluster.kubelet",
-        description="Run the real epguard probe and print the pod status a kubelet would write.",
+        description="Run the real epguard probe and write the pod status a kubelet would.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("probe-status", help="run the probe; print exit code, message and patch")
+    p = sub.add_parser("probe-status", help="run the probe; write the pods/status merge patch")
     p.add_argument("--image", required=True, help="the image as written in the pod")
     p.add_argument("--image-id", required=True, help="what the runtime resolved: repo@sha256:…")
     p.add_argument("--container", default=PROBE_CONTAINER)
     p.add_argument("--worker", default="worker", help="the app container's name")
+    p.add_argument(
+        "--completed",
+        type=_name_image,
+        action="append",
+        default=[],
+        metavar="NAME=IMAGE",
+        help="an init container that ran and exited 0 before the probe (repeatable)",
+    )
+    p.add_argument(
+        "--patch-file",
+        type=Path,
+        help="write the patch here and print a one-line summary; else print JSON "
+        "{exitCode, python, message, patch}",
+    )
     p.add_argument("worker_argv", nargs="*", help="after --: the worker's command and args")
     args = parser.parse_args(argv)
     run = run_probe(args.worker_argv or WORKER_ARGV)
     patch = probe_status_patch(
-        run, image=args.image, image_id=args.image_id, container=args.container,
+        run,
+        image=args.image,
+        image_id=args.image_id,
+        container=args.container,
         worker=args.worker,
-    )  # fmt: skip
+        completed_before=args.completed,
+    )
+    if args.patch_file is not None:
+        args.patch_file.write_text(json.dumps(patch, indent=2) + "\n")
+        first = run.message.strip().splitlines()[0] if run.message.strip() else "(no message)"
+        print(f"probe exited {run.exit_code} in [{run.python}]: {first}")
+        return 0
     json.dump(
         {"exitCode": run.exit_code, "python": run.python, "message": run.message, "patch": patch},
         sys.stdout,

@@ -1,0 +1,292 @@
+#!/usr/bin/env bash
+# `make demo`: epguard end to end on a local control plane (real etcd + kube-apiserver,
+# real kubectl and helm; see docs/devcluster.md), as a terminal session:
+#
+#   1. a deny rule added the way an admin does (helm values, `rules.extra`);
+#   2. an elastic-EP pod on a known-bad image refused at `kubectl apply`, with the reason;
+#   3. an ordinary pod admitted;
+#   4. a Deployment on the bad image refused at apply;
+#   5. a pod whose epguard probe init container failed: the real probe runs (in a local
+#      Python env standing in for the image), its termination message is written into
+#      the pod's status as the kubelet would, and `kubectl describe pod` shows it;
+#   6. the loop: the controller turns that into an ImageVerdict (`kubectl get
+#      imageverdicts`), and the next pod on the same image is refused at apply with the
+#      learned reason.
+#
+# Every step checks that what it shows really happened; the script exits non-zero
+# otherwise. Everything it started is stopped on exit (also on failure or Ctrl-C).
+#
+# Environment: EPGUARD_CACHE (default ~/.cache/epguard; kubectl, helm, kube-apiserver,
+# etcd in its bin/), EPGUARD_DEMO_KEEP=1 (leave the stack running; stop it with
+# `.venv/bin/python -m devcluster --run-dir <dir> down`).
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PY="$REPO/.venv/bin/python"
+export EPGUARD_CACHE="${EPGUARD_CACHE:-$HOME/.cache/epguard}"
+export PATH="$EPGUARD_CACHE/bin:$PATH"
+# Our own run directory, so that a `make up` stack next to it is left alone.
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/epguard-demo.XXXXXX")"
+RUN_DIR="$WORK/run"
+STARTED=0
+
+if [[ -t 1 ]]; then
+  BOLD=$'\e[1m' DIM=$'\e[2m' RED=$'\e[31m' GREEN=$'\e[32m' OFF=$'\e[0m'
+else
+  BOLD='' DIM='' RED='' GREEN='' OFF=''
+fi
+
+cleanup() {
+  local rc=$?
+  trap - EXIT INT TERM
+  if [[ $STARTED == 1 && "${EPGUARD_DEMO_KEEP:-0}" == 1 ]]; then
+    echo "${DIM}# left running; stop with: $PY -m devcluster --run-dir $RUN_DIR down${OFF}"
+  elif [[ $STARTED == 1 ]]; then
+    echo
+    echo "${DIM}# cleaning up${OFF}"
+    (cd "$REPO" && "$PY" -m devcluster --run-dir "$RUN_DIR" down) || rc=1
+    rm -rf "$WORK"
+  else
+    rm -rf "$WORK"
+  fi
+  if [[ $rc == 0 ]]; then
+    echo "${GREEN}${BOLD}demo: every step behaved as shown${OFF}"
+  else
+    echo "${RED}${BOLD}demo FAILED (exit $rc)${OFF}" >&2
+  fi
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+say() { printf '\n%s# %s%s\n' "$BOLD" "$*" "$OFF"; }
+fail() { printf '%sdemo step failed: %s%s\n' "$RED" "$*" "$OFF" >&2; exit 1; }
+
+# run CMD...: echo it like a prompt, run it, print what it printed; OUT and RC hold the
+# combined output and exit status.
+OUT='' RC=0
+run() {
+  printf '%s$ %s%s\n' "$BOLD" "$*" "$OFF"
+  set +e
+  OUT="$("$@" 2>&1)"
+  RC=$?
+  set -e
+  [[ -z "$OUT" ]] || printf '%s\n' "$OUT"
+}
+expect_ok() { [[ $RC == 0 ]] || fail "expected success, got exit $RC"; }
+expect_refused() { [[ $RC != 0 ]] || fail "expected a refusal, but it was admitted"; }
+expect_text() { [[ "$OUT" == *"$1"* ]] || fail "expected the output to contain: $1"; }
+expect_re() { grep -Eq -- "$1" <<<"$OUT" || fail "expected the output to match: $1"; }
+expect_no_text() { [[ "$OUT" != *"$1"* ]] || fail "expected the output not to contain: $1"; }
+
+# Poll (quietly) until CMD succeeds; for things a controller or a watch does shortly.
+wait_for() {
+  local what="$1" tries="$2"
+  shift 2
+  for ((i = 0; i < tries; i++)); do
+    if "$@" >/dev/null 2>&1; then return 0; fi
+    sleep 0.5
+  done
+  fail "gave up waiting for $what"
+}
+
+cd "$WORK"
+BAD_IMAGE="registry.example.com/ml/sglang:0.5.22-mte0.3.13"
+PROBED_IMAGE="registry.example.com/ml/sglang:0.5.23-mte0.3.13"
+
+# --- 0. the control plane, with epguard and one admin rule ------------------------------
+cat >values.yaml <<'EOF'
+rules:
+  extra:
+    - id: ml-sglang-0522-mte-0313
+      image: "registry.example.com/ml/sglang:0.5.22-*"
+      reason: >-
+        torch 2.14.1 with mooncake-transfer-engine 0.3.13.post1, which ships no pg_2_14_1
+        extension ("Mooncake PG was not built against torch==2.14.1")
+      remedy: >-
+        rebuild on SGLang 0.5.18-0.5.21 (torch 2.13.0) with
+        mooncake-transfer-engine-cuda13==0.3.13.post1
+      action: deny
+EOF
+say "An admin's rule for images built in-house, added with helm values (rules.extra):"
+run cat values.yaml
+
+say "Bring up etcd + kube-apiserver, helm-install charts/epguard, run the webhook and the controller:"
+STARTED=1
+printf '%s$ python -m devcluster up --helm-arg=--values=values.yaml%s\n' "$BOLD" "$OFF"
+if ! UP="$(cd "$REPO" && "$PY" -m devcluster --run-dir "$RUN_DIR" up \
+  --helm-arg="--values=$WORK/values.yaml")"; then
+  fail "devcluster up failed (logs in $RUN_DIR/logs)"
+fi
+eval "${UP##*$'\n'}" # the last line: export KUBECONFIG=...
+[[ -n "${KUBECONFIG:-}" && -f "$KUBECONFIG" ]] || fail "devcluster up printed no kubeconfig"
+echo "${DIM}export KUBECONFIG=$KUBECONFIG${OFF}"
+
+run kubectl get validatingwebhookconfigurations
+expect_ok
+run kubectl create namespace ml
+expect_ok
+
+# --- 1. a known-bad image refused ---------------------------------------------------------
+cat >sglang-bad.yaml <<EOF
+apiVersion: v1
+kind: Pod
+metadata:
+  name: sglang-bad
+  namespace: ml
+spec:
+  containers:
+    - name: worker
+      image: $BAD_IMAGE
+      command: ["python3", "-m", "sglang.launch_server"]
+      args: ["--model-path", "/models/qwen3-30b-a3b", "--tp", "8", "--ep", "8",
+             "--elastic-ep-backend", "mooncake"]
+EOF
+say "An SGLang worker asking for mooncake elastic EP on an image the rule names:"
+run cat sglang-bad.yaml
+run kubectl apply -f sglang-bad.yaml
+expect_refused
+expect_text 'admission webhook "pods.epguard.io" denied the request'
+expect_text "Mooncake PG was not built against torch==2.14.1"
+expect_text "[epguard rule ml-sglang-0522-mte-0313]"
+run kubectl get pods -n ml
+expect_no_text "sglang-bad"
+
+# --- 2. an ordinary pod admitted ----------------------------------------------------------
+cat >web.yaml <<'EOF'
+apiVersion: v1
+kind: Pod
+metadata:
+  name: web
+  namespace: ml
+spec:
+  containers:
+    - name: web
+      image: nginx:1.27
+EOF
+say "An ordinary pod (it never even reaches epguard: the webhook's matchConditions skip it):"
+run kubectl apply -f web.yaml
+expect_ok
+expect_text "pod/web created"
+expect_no_text "epguard"
+
+# --- 3. a Deployment refused at apply -----------------------------------------------------
+cat >deployment.yaml <<EOF
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: sglang-decode
+  namespace: ml
+spec:
+  replicas: 4
+  selector:
+    matchLabels: {app: sglang-decode}
+  template:
+    metadata:
+      labels: {app: sglang-decode}
+    spec:
+      containers:
+        - name: worker
+          image: $BAD_IMAGE
+          command: ["python3", "-m", "sglang.launch_server"]
+          args: ["--model-path", "/models/qwen3-30b-a3b", "--elastic-ep-backend=mooncake"]
+          resources:
+            limits: {nvidia.com/gpu: 8}
+EOF
+say "The same image in a Deployment is refused at apply, not four crash-looping pods later:"
+run kubectl apply -f deployment.yaml
+expect_refused
+expect_text 'admission webhook "workloads.epguard.io" denied the request'
+expect_text 'container "worker" in spec.template'
+run kubectl get deployments -n ml
+expect_no_text "sglang-decode"
+
+# --- 4. a probe failure, as kubectl describe shows it ------------------------------------
+cat >sglang-0.yaml <<EOF
+apiVersion: v1
+kind: Pod
+metadata:
+  name: sglang-0
+  namespace: ml
+spec:
+  volumes:
+    - name: epguard-probe
+      emptyDir: {sizeLimit: 16Mi}
+  initContainers:
+    - name: epguard-copy-probe
+      image: ghcr.io/epguard/epguard:0.1.0
+      command: ["python3", "-c", "import shutil, sys; shutil.copytree(sys.argv[1], sys.argv[2], dirs_exist_ok=True)",
+                "/opt/epguard/probe", "/epguard/probe"]
+      volumeMounts: [{name: epguard-probe, mountPath: /epguard}]
+    - name: epguard-probe
+      image: $PROBED_IMAGE
+      command: ["python3", "/epguard/probe", "--termination-log", "/dev/termination-log", "--",
+                "python3", "-m", "sglang.launch_server", "--model-path", "/models/qwen3-30b-a3b",
+                "--elastic-ep-backend", "mooncake"]
+      terminationMessagePolicy: FallbackToLogsOnError
+      resources:
+        limits: {nvidia.com/gpu: 8}
+      volumeMounts: [{name: epguard-probe, mountPath: /epguard, readOnly: true}]
+  containers:
+    - name: worker
+      image: $PROBED_IMAGE
+      command: ["python3", "-m", "sglang.launch_server"]
+      args: ["--model-path", "/models/qwen3-30b-a3b", "--elastic-ep-backend", "mooncake"]
+      resources:
+        limits: {nvidia.com/gpu: 8}
+EOF
+say "A worker on an image no rule knows, with the epguard probe as its first init containers"
+say "(what the injecting webhook adds): admitted, the probe will find out."
+run kubectl apply -f sglang-0.yaml
+expect_ok
+expect_text "pod/sglang-0 created"
+
+DIGEST="sha256:$(printf '%s' "$PROBED_IMAGE" | sha256sum | cut -d' ' -f1)"
+say "No kubelet here, so play its part: run the real probe (probe/) in a Python env standing"
+say "in for the image, then write its exit code and termination message into the pod's status."
+printf '%s$ python -m devcluster.kubelet probe-status --image %s --image-id %s \\\n    --completed epguard-copy-probe=ghcr.io/epguard/epguard:0.1.0 --patch-file status.json \\\n    -- python3 -m sglang.launch_server --model-path /models/qwen3-30b-a3b --elastic-ep-backend mooncake%s\n' \
+  "$BOLD" "$PROBED_IMAGE" "${PROBED_IMAGE%:*}@$DIGEST" "$OFF"
+(cd "$REPO" && "$PY" -m devcluster.kubelet probe-status --image "$PROBED_IMAGE" \
+  --image-id "${PROBED_IMAGE%:*}@$DIGEST" \
+  --completed epguard-copy-probe=ghcr.io/epguard/epguard:0.1.0 --patch-file "$WORK/status.json" \
+  -- python3 -m sglang.launch_server --model-path /models/qwen3-30b-a3b \
+  --elastic-ep-backend mooncake) | tee probe.out
+grep -q "^probe exited 1 " probe.out || fail "the probe did not fail as expected"
+run kubectl patch pod sglang-0 -n ml --subresource=status --type=merge --patch-file status.json
+expect_ok
+expect_text "pod/sglang-0 patched"
+
+# The controller records the outcome (and posts the Event describe shows) within a second
+# or so; wait for it quietly so the describe below is complete.
+wait_for "the controller's ImageVerdict" 60 \
+  bash -c "kubectl get imageverdicts -o name | grep -q imageverdict"
+wait_for "the controller's Event on the pod" 60 \
+  bash -c "kubectl get events -n ml --field-selector involvedObject.name=sglang-0 -o name | grep -q ."
+
+run kubectl get pod sglang-0 -n ml
+expect_text "Init:Error"
+run kubectl describe pod sglang-0 -n ml
+expect_re "State: +Terminated"
+expect_re "Reason: +Error"
+expect_re "Message: +epguard: mooncake elastic EP is unusable in this image"
+expect_re "Exit Code: +1"
+expect_re "Warning +MooncakeProbeFailed"
+
+# --- 5. the loop: the learned verdict refuses the next pod -------------------------------
+say "The controller recorded what the probe found, cluster-wide:"
+run kubectl get imageverdicts
+expect_text "Unusable"
+expect_text "$PROBED_IMAGE"
+
+sed -e 's/name: sglang-0$/name: sglang-1/' sglang-0.yaml >sglang-1.yaml
+say "The next pod on that image is refused at apply, with what was learned and where:"
+# The webhook learns verdicts from a watch; give it a moment (dry runs create nothing).
+wait_for "the webhook to learn the verdict" 60 \
+  bash -c "! kubectl apply --dry-run=server -f sglang-1.yaml"
+run kubectl apply -f sglang-1.yaml
+expect_refused
+expect_text "seen failing in pod ml/sglang-0 at"
+expect_text "[epguard verdict "
+run kubectl get pods -n ml
+expect_no_text "sglang-1"
