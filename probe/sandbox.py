@@ -87,7 +87,7 @@ class Child:
         tail = b""
         deadline = time.monotonic() + self.timeout
         try:
-            while open_fds:
+            while open_fds and not run.finished:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     run.timed_out = True
@@ -117,10 +117,16 @@ class Child:
                         elif event.get("event") == "done":
                             run.finished = True
         finally:
+            if run.finished:
+                # Everything is reported. Interpreter shutdown (torch's teardown, or
+                # a daemon mooncake spawned holding our pipes) is not the worker's
+                # problem at start-up and must not delay the verdict.
+                self._kill()
             os.close(self._read_fd)
             self.proc.stdout.close()
             run.returncode = self.proc.wait()
-        if run.returncode is not None and run.returncode < 0 and not run.timed_out:
+        if run.returncode is not None and run.returncode < 0 and not (
+                run.timed_out or run.finished):
             try:
                 run.signal = signal.Signals(-run.returncode).name
             except ValueError:
