@@ -12,6 +12,18 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+from e2e_kube import (
+    BAD_IMAGE,
+    DENY_RULE,
+    DENY_RULE_ID,
+    apply,
+    eventually,
+    pod,
+    rules_text,
+    set_rules_text,
+    with_rule,
+    worker,
+)
 
 from devcluster import ControlPlane, MissingBinary
 from devcluster.stack import Stack, deploy_epguard
@@ -62,3 +74,69 @@ def namespace(control_plane: ControlPlane) -> str:
     control_plane.kubectl("create", "namespace", name, check=True)
     control_plane.kubectl("label", "namespace", name, f"epguard-e2e={name}", check=True)
     return name
+
+
+@pytest.fixture(scope="session")
+def deny_rule(control_plane: ControlPlane, epguard: Stack) -> Iterator[str]:
+    """The session's deny rule (``e2e_kube.DENY_RULE``, for ``BAD_IMAGE``) added to the
+    live rules ConfigMap, in force once the webhook denies a dry run; its id."""
+    original = rules_text(control_plane)
+    set_rules_text(control_plane, with_rule(original, DENY_RULE))
+    probe_ns = "e2e-deny-rule"
+    control_plane.kubectl("create", "namespace", probe_ns)
+    probe = pod("deny-rule-probe", probe_ns, worker(BAD_IMAGE))
+    eventually(
+        lambda: DENY_RULE_ID in apply(control_plane, probe, dry_run=True).stderr,
+        what="the webhook to load the e2e deny rule",
+    )
+    try:
+        yield DENY_RULE_ID
+    finally:
+        set_rules_text(control_plane, original)
+
+
+def _crd(group: str, kind: str, plural: str, versions: list[str]) -> dict[str, object]:
+    """A minimal CRD: any spec is stored (x-kubernetes-preserve-unknown-fields)."""
+    schema = {
+        "openAPIV3Schema": {
+            "type": "object",
+            "properties": {
+                "spec": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+            },
+        }
+    }
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.{group}"},
+        "spec": {
+            "group": group,
+            "scope": "Namespaced",
+            "names": {
+                "kind": kind,
+                "plural": plural,
+                "singular": kind.lower(),
+                "listKind": f"{kind}List",
+            },
+            "versions": [
+                {"name": v, "served": True, "storage": i == 0, "schema": schema}
+                for i, v in enumerate(versions)
+            ],
+        },
+    }
+
+
+@pytest.fixture(scope="session")
+def workload_crds(control_plane: ControlPlane) -> list[str]:
+    """LeaderWorkerSet and DynamoGraphDeployment CRDs (minimal), established."""
+    crds = [
+        _crd("leaderworkerset.x-k8s.io", "LeaderWorkerSet", "leaderworkersets", ["v1"]),
+        _crd(
+            "nvidia.com", "DynamoGraphDeployment", "dynamographdeployments", ["v1alpha1", "v1beta1"]
+        ),
+    ]
+    r = apply(control_plane, *crds)
+    assert r.returncode == 0, r.stderr
+    names = [f"crd/{c['metadata']['name']}" for c in crds]  # type: ignore[index]
+    control_plane.kubectl("wait", "--for=condition=Established", *names, check=True)
+    return names
