@@ -11,7 +11,7 @@ import datetime as dt
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from webhook.argv import FLAG, analyse_container, container_argv
+from webhook.argv import FLAG, NOTHING, analyse_container, container_argv
 from webhook.imageref import ImageRef, ImageRefError, parse
 from webhook.namespaces import Mode, NamespaceIndex
 from webhook.review import AdmissionRequest
@@ -163,6 +163,8 @@ def _template_findings(
         if _is_probe_name(c.name) or c.name == COPY_CONTAINER:
             continue  # the probe carries the worker's argv after "--"; it is not a worker
         report = analyse_container(c.raw)
+        if report is NOTHING:
+            continue  # the common case: nothing to see, no strings to build
         image_text = c.image if c.image is not None else "<none>"
         subject = _subject(c, t.where, image_text)
         if report.unresolved_value is not None:
