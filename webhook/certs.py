@@ -23,7 +23,9 @@ items), so the CA keys never reach the process that faces the network.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Mapping, Sequence
+import ipaddress
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from cryptography import x509
@@ -42,6 +44,10 @@ CA_NEXT_KEY = "ca-next.key"
 CLOCK_SKEW = dt.timedelta(minutes=5)
 
 PrivateKey = ec.EllipticCurvePrivateKey
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+# One DNS label (RFC 1123): letters, digits and inner hyphens, at most 63 characters.
+_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,9 @@ class TLSPolicy:
     cert_renew_before: dt.timedelta = dt.timedelta(days=30)
     overlap: dt.timedelta = dt.timedelta(hours=1)
     ca_common_name: str = "epguard-webhook-ca"
+    # IP SANs besides the DNS names, for a webhook reached by address (a local dev stack
+    # whose webhook configuration says https://127.0.0.1:PORT/...).
+    ip_addresses: tuple[IPAddress, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.dns_names:
@@ -202,7 +211,12 @@ def make_serving_cert(
         )
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
         .add_extension(
-            x509.SubjectAlternativeName([x509.DNSName(n) for n in policy.dns_names]),
+            x509.SubjectAlternativeName(
+                [
+                    *(x509.DNSName(n) for n in policy.dns_names),
+                    *(x509.IPAddress(ip) for ip in policy.ip_addresses),
+                ]
+            ),
             critical=False,
         )
         .add_extension(
@@ -211,6 +225,36 @@ def make_serving_cert(
         )
         .sign(ca_key, hashes.SHA256())
     )
+
+
+def parse_subject_alt_names(values: Iterable[str]) -> tuple[tuple[str, ...], tuple[IPAddress, ...]]:
+    """Split extra SANs as an admin writes them (``127.0.0.1``, ``::1``, ``localhost``,
+    ``webhook.example.com``; several in one string separated by commas or
+    whitespace) into DNS names and IP addresses, in
+    order and without repeats. Raises ValueError naming the first entry that is neither an
+    IP address nor a valid DNS name."""
+    dns: list[str] = []
+    ips: list[IPAddress] = []
+    for value in values:
+        for raw in re.split(r"[,\s]+", value):
+            item = raw.strip()
+            if not item:
+                continue
+            try:
+                ip = ipaddress.ip_address(item)
+            except ValueError:
+                pass
+            else:
+                if ip not in ips:
+                    ips.append(ip)
+                continue
+            name = item.lower().rstrip(".")
+            labels = name.split(".")
+            if len(name) > 253 or not all(_LABEL.match(label) for label in labels):
+                raise ValueError(f"not an IP address or a DNS name: {item!r}")
+            if name not in dns:
+                dns.append(name)
+    return tuple(dns), tuple(ips)
 
 
 def dns_names_for(service: str, namespace: str) -> tuple[str, ...]:
@@ -242,6 +286,18 @@ def san_dns_names(cert: x509.Certificate) -> tuple[str, ...]:
     return tuple(san.get_values_for_type(x509.DNSName))
 
 
+def san_ip_addresses(cert: x509.Certificate) -> tuple[IPAddress, ...]:
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return ()
+    return tuple(
+        ip
+        for ip in san.get_values_for_type(x509.IPAddress)
+        if isinstance(ip, ipaddress.IPv4Address | ipaddress.IPv6Address)
+    )
+
+
 # --- the decision -------------------------------------------------------------------------
 
 
@@ -266,7 +322,7 @@ def reconcile(data: Mapping[str, bytes] | None, policy: TLSPolicy, now: dt.datet
        expires, covering webhook pods that still serve the old cert for a minute);
     4. stage a new CA when the active one is within ``ca_renew_before`` of expiry;
     5. reissue the serving cert when it is missing, not from the active CA, has the wrong
-       names, or is within ``cert_renew_before`` of expiry.
+       DNS names or IP addresses, or is within ``cert_renew_before`` of expiry.
     """
     if now.tzinfo is None:
         raise ValueError("now must be timezone-aware")
@@ -336,6 +392,8 @@ def reconcile(data: Mapping[str, bytes] | None, policy: TLSPolicy, now: dt.datet
         why_leaf = "the serving certificate was not issued by the active CA"
     elif set(san_dns_names(leaf)) != set(policy.dns_names):
         why_leaf = "the serving certificate's DNS names changed"
+    elif set(san_ip_addresses(leaf)) != set(policy.ip_addresses):
+        why_leaf = "the serving certificate's IP addresses changed"
     elif leaf.not_valid_after_utc - now <= policy.cert_renew_before:
         why_leaf = "the serving certificate is due for renewal"
     if why_leaf is not None:

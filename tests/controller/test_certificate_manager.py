@@ -90,7 +90,10 @@ def config(**overrides: object) -> ControllerConfig:
 def api() -> FakeApi:
     fake = FakeApi()
     fake.add_config(VALIDATING, "epguard", ["pods.epguard.io", "workloads.epguard.io"])
-    fake.add_config(MUTATING, "epguard-inject", ["inject.epguard.io"])
+    # The chart's two injection webhooks (namespace label / pod annotation opt-in).
+    fake.add_config(
+        MUTATING, "epguard-inject", ["namespace.inject.epguard.io", "annotation.inject.epguard.io"]
+    )
     return fake
 
 
@@ -271,3 +274,53 @@ class TestConfig:
     def test_lifetimes_that_cannot_rotate_safely_are_refused(self) -> None:
         with pytest.raises(SystemExit):
             parse(["--ca-validity-hours", "10", "--ca-renew-before-hours", "20"], env={})
+
+
+class TestExtraSANOption:
+    def test_repeated_and_comma_separated_flags_add_addresses_and_names(self) -> None:
+        cfg = parse(["--extra-san", "127.0.0.1", "--extra-san", "localhost,::1"], env={})
+        assert cfg.policy is not None
+        assert [str(ip) for ip in cfg.policy.ip_addresses] == ["127.0.0.1", "::1"]
+        assert cfg.policy.dns_names == (
+            *certs.dns_names_for("epguard-webhook", "epguard-system"),
+            "localhost",
+        )
+
+    def test_the_environment_variable_takes_a_space_or_comma_separated_list(self) -> None:
+        cfg = parse([], env={"EPGUARD_EXTRA_SANS": "127.0.0.1, ::1 dev.local"})
+        assert cfg.policy is not None
+        assert [str(ip) for ip in cfg.policy.ip_addresses] == ["127.0.0.1", "::1"]
+        assert cfg.policy.dns_names[-1] == "dev.local"
+
+    def test_the_flag_replaces_the_environment_variable(self) -> None:
+        cfg = parse(["--extra-san", "10.1.2.3"], env={"EPGUARD_EXTRA_SANS": "127.0.0.1"})
+        assert cfg.policy is not None
+        assert [str(ip) for ip in cfg.policy.ip_addresses] == ["10.1.2.3"]
+
+    def test_a_service_name_given_again_is_not_repeated(self) -> None:
+        cfg = parse(["--extra-san", "epguard-webhook.epguard-system.svc"], env={})
+        assert cfg.policy is not None
+        assert cfg.policy.dns_names == certs.dns_names_for("epguard-webhook", "epguard-system")
+
+    def test_by_default_the_cert_names_only_the_service(self) -> None:
+        cfg = parse([], env={})
+        assert cfg.policy is not None and cfg.policy.ip_addresses == ()
+        assert cfg.policy.dns_names == certs.dns_names_for("epguard-webhook", "epguard-system")
+
+    def test_a_value_that_is_neither_address_nor_name_stops_the_start_and_says_which(
+        self, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        with pytest.raises(SystemExit) as exc:
+            parse(["--extra-san", "https://127.0.0.1:8443"], env={})
+        assert exc.value.code == 2
+        assert "https://127.0.0.1:8443" in capsys.readouterr().err
+
+    async def test_the_controller_issues_a_cert_a_client_dialling_127_0_0_1_accepts(
+        self, api: FakeApi
+    ) -> None:
+        cfg = parse(["--extra-san", "127.0.0.1"], env={})
+        await CertificateManager(api, cfg, clock=lambda: T0).reconcile_once()
+        stored = await api.read_secret(cfg.namespace, cfg.tls_secret)
+        assert stored is not None
+        leaf = certs.load_bundle(stored.data[certs.TLS_CRT])[0]
+        assert [str(ip) for ip in certs.san_ip_addresses(leaf)] == ["127.0.0.1"]

@@ -4,13 +4,15 @@ simulated years, checking at every step that the API server can verify the webho
 from __future__ import annotations
 
 import datetime as dt
+import ipaddress
+import re
 import ssl
 import tempfile
 from pathlib import Path
 
 import pytest
 from cryptography import x509
-from cryptography.x509.oid import ExtendedKeyUsageOID
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from webhook import certs
 
@@ -250,3 +252,68 @@ class TestPolicy:
     def test_a_naive_time_is_refused(self) -> None:
         with pytest.raises(ValueError):
             certs.reconcile(None, POLICY, dt.datetime(2026, 1, 1))
+
+
+LOOPBACK = (ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1"))
+LOCAL_POLICY = certs.TLSPolicy(dns_names=(*NAMES, "localhost"), ip_addresses=LOOPBACK)
+
+
+class TestExtraSubjectAlternativeNames:
+    """A webhook the API server reaches by address (devcluster's local stack calls
+    https://127.0.0.1:PORT/validate) needs IP SANs besides the Service's DNS names."""
+
+    def test_the_serving_cert_carries_the_extra_ip_addresses_and_names(self) -> None:
+        leaf = leaf_of(certs.reconcile(None, LOCAL_POLICY, T0).data)
+        assert set(certs.san_ip_addresses(leaf)) == set(LOOPBACK)
+        assert set(certs.san_dns_names(leaf)) == {*NAMES, "localhost"}
+
+    @pytest.mark.parametrize("address", ["127.0.0.1", "::1"])
+    def test_a_tls_client_dialling_the_address_accepts_the_cert(self, address: str) -> None:
+        d = certs.reconcile(None, LOCAL_POLICY, T0).data
+        handshake(d, d[certs.CA_CRT], address)
+
+    def test_without_the_extra_address_a_client_dialling_it_refuses_the_cert(self) -> None:
+        d = certs.reconcile(None, POLICY, T0).data
+        with pytest.raises(ssl.SSLCertVerificationError):
+            handshake(d, d[certs.CA_CRT], "127.0.0.1")
+
+    def test_adding_an_address_reissues_only_the_serving_cert_and_then_settles(self) -> None:
+        d0 = certs.reconcile(None, POLICY, T0).data
+        d1 = certs.reconcile(d0, LOCAL_POLICY, T0)
+        assert d1.changed and d1.data[certs.CA_CRT] == d0[certs.CA_CRT]
+        assert set(certs.san_ip_addresses(leaf_of(d1.data))) == set(LOOPBACK)
+        assert not certs.reconcile(d1.data, LOCAL_POLICY, T0).changed
+
+    def test_removing_an_address_reissues_the_serving_cert_without_it(self) -> None:
+        d0 = certs.reconcile(None, LOCAL_POLICY, T0).data
+        d1 = certs.reconcile(d0, certs.TLSPolicy(dns_names=LOCAL_POLICY.dns_names), T0)
+        assert any("IP addresses changed" in r for r in d1.reasons)
+        assert certs.san_ip_addresses(leaf_of(d1.data)) == ()
+
+    def test_the_service_name_stays_the_common_name(self) -> None:
+        leaf = leaf_of(certs.reconcile(None, LOCAL_POLICY, T0).data)
+        (cn,) = leaf.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+        assert cn.value == NAMES[0]
+
+
+class TestParseSubjectAlternativeNames:
+    def test_addresses_and_names_are_told_apart_in_order_without_repeats(self) -> None:
+        dns, ips = certs.parse_subject_alt_names(
+            ["127.0.0.1", "localhost,::1", " Webhook.Example.COM. ", "127.0.0.1 localhost"]
+        )
+        assert dns == ("localhost", "webhook.example.com")
+        assert ips == LOOPBACK
+
+    def test_nothing_is_nothing(self) -> None:
+        assert certs.parse_subject_alt_names(["", " , "]) == ((), ())
+
+    @pytest.mark.parametrize(
+        "bad", ["https://127.0.0.1", "[::1]", "under_score.local", "-x.example", "a..b", "*.x.io"]
+    )
+    def test_anything_else_is_refused_with_its_text(self, bad: str) -> None:
+        with pytest.raises(ValueError, match=re.escape(repr(bad))):
+            certs.parse_subject_alt_names([bad])
+
+    def test_a_name_longer_than_dns_allows_is_refused(self) -> None:
+        with pytest.raises(ValueError):
+            certs.parse_subject_alt_names([".".join(["a" * 63] * 5)])

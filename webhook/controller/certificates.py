@@ -354,11 +354,10 @@ async def start_certificate_manager(memo: kopf.Memo, **_: Any) -> None:
     stop = asyncio.Event()
     memo["tls_stop"] = stop
     memo["tls_task"] = asyncio.create_task(manager.run(stop), name="epguard-tls")
+    policy = config.policy
+    names = [*policy.dns_names, *map(str, policy.ip_addresses)] if policy else []
     log.info(
-        "managing TLS Secret %s/%s for %s",
-        config.namespace,
-        config.tls_secret,
-        ", ".join(config.policy.dns_names if config.policy else ()),
+        "managing TLS Secret %s/%s for %s", config.namespace, config.tls_secret, ", ".join(names)
     )
 
 

@@ -83,6 +83,17 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
         help="the webhook Service; the serving cert is issued for its DNS names (EPGUARD_SERVICE)",
     )
     p.add_argument(
+        "--extra-san",
+        action="append",
+        default=None,
+        metavar="NAME_OR_IP",
+        help="another subject alternative name for the serving cert besides the Service's DNS "
+        "names: an IP address (127.0.0.1, ::1) or a DNS name, for a webhook the API server "
+        "reaches by address, e.g. a local dev stack. Repeat it or separate with commas; "
+        "given on the command line it replaces EPGUARD_EXTRA_SANS (comma- or space-separated). "
+        "Only with --manage-certs",
+    )
+    p.add_argument(
         "--validating-webhook",
         default=default("EPGUARD_VALIDATING_WEBHOOK", "epguard"),
         help="ValidatingWebhookConfiguration whose caBundle is kept current "
@@ -141,13 +152,22 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
 def parse(
     argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 ) -> ControllerConfig:
+    env = os.environ if env is None else env
     parser = build_parser(env)
     ns = parser.parse_args(argv)
+    extra = ns.extra_san if ns.extra_san is not None else [env.get("EPGUARD_EXTRA_SANS", "")]
+    try:
+        extra_dns, extra_ips = certs.parse_subject_alt_names(extra)
+    except ValueError as exc:
+        parser.error(f"--extra-san/EPGUARD_EXTRA_SANS: {exc}")
     policy: certs.TLSPolicy | None = None
     if ns.manage_certs:
+        service_names = certs.dns_names_for(ns.service, ns.namespace)
         try:
             policy = certs.TLSPolicy(
-                dns_names=certs.dns_names_for(ns.service, ns.namespace),
+                # The Service's names first: the first one is also the certificate's CN.
+                dns_names=service_names + tuple(n for n in extra_dns if n not in service_names),
+                ip_addresses=extra_ips,
                 ca_validity=ns.ca_validity_hours,
                 ca_renew_before=ns.ca_renew_before_hours,
                 cert_validity=ns.cert_validity_hours,
