@@ -303,4 +303,11 @@ def _shell_env(container: Mapping[str, Any], argv: tuple[str, ...]) -> ShellEnv:
 
 def analyse_container(container: Mapping[str, Any]) -> ArgvReport:
     argv = container_argv(container)
-    return analyse(argv, _shell_env(container, argv))
+    report = analyse(argv)
+    if report.requests_mooncake and report.unresolved_value is None:
+        # Settled on the command line: skip scanning env (a worker may carry dozens of
+        # variables). Only a later "$VAR" that resets the flag to another value would be
+        # missed, and that errs towards judging the pod, never towards letting one through.
+        return report
+    shell_env = _shell_env(container, argv)
+    return analyse(argv, shell_env) if shell_env else report

@@ -173,3 +173,21 @@ def test_detects_the_flag_wherever_it_sits(
     argv = launch if shell is None else [shell, "-c", shlex.join(launch)]
     assert requested(*argv)
     assert "mooncake" in " ".join(flatten(argv))
+
+
+def test_a_script_variable_can_add_the_flag_but_is_not_needed_once_it_is_settled() -> None:
+    from webhook.argv import analyse_container
+
+    via_env = {
+        "command": ["sh", "-c"],
+        "args": ["run --elastic-ep-backend none $EXTRA"],
+        "env": [{"name": "EXTRA", "value": "--elastic-ep-backend mooncake"}],
+    }
+    assert analyse_container(via_env).requests_mooncake
+    # Settled on the command line: env is not consulted, which errs towards judging.
+    settled = {
+        "command": ["sh", "-c"],
+        "args": ["run --elastic-ep-backend mooncake $EXTRA"],
+        "env": [{"name": "EXTRA", "value": "--elastic-ep-backend none"}],
+    }
+    assert analyse_container(settled).requests_mooncake
