@@ -118,6 +118,27 @@ class TestDocumentation:
         block = VALUES_TEXT.split("failurePolicy: Ignore")[0].rsplit("# --", 1)[1]
         assert "matchConditions" in block and "probe" in block and "Fail" in block
 
+    def test_the_verdict_ttl_trade_off_is_explained_where_it_is_set(self) -> None:
+        block = prose(VALUES_TEXT.split("verdictTTLHours: 24")[0].rsplit("# --", 1)[1])
+        for point in (
+            "Tags move",  # why tag verdicts expire at all
+            "warns",  # what happens after the TTL
+            "digest",  # digest-pinned verdicts refuse while the ImageVerdict exists
+            "a newer probe outcome for the same image replaces the verdict",
+            "kubectl delete imageverdict",
+            "EPGUARD_VERDICT_TTL_HOURS",
+        ):
+            assert point in block, point
+
+    def test_injection_says_why_it_cannot_fail_closed(self) -> None:
+        block = prose(VALUES_TEXT.split("\ninjection:")[0].rsplit("\n\n", 1)[1])
+        assert "opt in" in block and "failurePolicy is always Ignore" in block
+
+
+def prose(comment_block: str) -> str:
+    """A `#` comment block as one line of text (wrapping removed)."""
+    return " ".join(line.strip().lstrip("#").strip() for line in comment_block.splitlines())
+
 
 class TestTyposFail:
     @pytest.mark.parametrize(
@@ -132,6 +153,13 @@ class TestTyposFail:
             ("controller.affinity.podAntiAfinity.x=1", "podAntiAfinity"),
             ("image.digest=latest", "digest"),
             ("webhook.mode=block", "mode"),
+            ("injection.enable=false", "enable"),
+            ("injection.probelevel=smoke", "probelevel"),
+            ("injection.probeLevel=full", "probeLevel"),
+            ("injection.timeoutSeconds=60", "timeoutSeconds"),
+            ("injection.image=a b", "image"),
+            ("webhook.verdictTTLHours=-1", "verdictTTLHours"),
+            ("webhook.verdictTtlHours=12", "verdictTtlHours"),
         ],
     )
     def test_helm_refuses_a_wrong_value(self, setting: str, complaint: str) -> None:
