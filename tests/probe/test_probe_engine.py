@@ -113,3 +113,18 @@ def test_no_sglang_accepts_either_module(tmp_path):
     r = requirement_in([tmp_path])
     assert r["version"] is None
     assert r["either"]
+
+
+def test_never_imports_sglang(tmp_path):
+    # SGLang's import is slow and may be the broken part: only its files are read.
+    marker = tmp_path / "sglang-was-imported"
+    pkg = tmp_path / "sglang"
+    (pkg / "srt" / "distributed").mkdir(parents=True)
+    (pkg / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    (pkg / "srt" / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    (pkg / "srt" / "distributed" / "parallel_state.py").write_text(
+        "def f():\n    from mooncake.pg import MooncakeBackendOptions\n")
+    r = requirement_in([tmp_path])
+    assert r["modules"] == ["mooncake.pg"]
+    assert r["names"] == {"mooncake.pg": ["MooncakeBackendOptions"]}
+    assert not marker.exists()
