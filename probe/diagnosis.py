@@ -318,7 +318,7 @@ def diagnose(o):
 
     torch_ok = bool(o.torch and o.torch.get("ok"))
     if o.torch is None:
-        tdetail = "not checked"
+        tdetail = "the check process ended without a report"
     elif torch_ok:
         tdetail = "{} (CUDA {})".format(o.torch.get("version"), o.torch.get("cuda") or "none")
     elif o.torch.get("crash"):
@@ -423,6 +423,11 @@ def diagnose(o):
             v.fix = "see the evidence lines"
         else:
             _classify_import_failure(o, mod, ev, v)
+        if pkg.jit and "mooncake.ep" in req.modules and not req.either and (
+                v.classification != "missing-names"):
+            # F10: whatever else is wrong, 0.3.14's mooncake.ep is only the MoE buffer.
+            v.fix += ("; also pin mooncake <= 0.3.13.post1: 0.3.14's mooncake.ep no longer "
+                      "carries the PG backend that SGLang <= 0.5.16 uses")
         if o.alternates:
             evidence.append("other module: " + ", ".join(
                 "{} {}".format(m, "imports" if ok else "fails") for m, ok in o.alternates.items()))

@@ -192,3 +192,12 @@ def test_records_torch_and_cuda_facts_beside_a_failed_import(tmp_path):
     assert checks["import mooncake.pg"]["ok"] is False
     assert "backends" not in checks  # never reached: nothing registered anything
     assert checks["cuda"]["detail"] == "available=no devices=0"
+
+
+def test_warns_that_0_3_14_no_longer_serves_sglang_that_imports_mooncake_ep(tmp_path):
+    # F10: 0.3.14's ep.py imports only the torch-independent _ep; SGLang <= 0.5.16
+    # would find no PG there even once the libraries are installed.
+    r = probe(tmp_path, MTE_JIT, SGLANG_EP[1])
+    assert_contract(r)
+    assert r.report["required_modules"] == ["mooncake.ep"]
+    assert "pin mooncake <= 0.3.13.post1" in r.lines[-1]
