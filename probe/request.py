@@ -64,11 +64,17 @@ def _shell_script(argv):
     """The script of ``sh -c SCRIPT`` / ``bash -lc SCRIPT`` argv, or None."""
     if not argv or os.path.basename(argv[0]) not in _SHELLS:
         return None
-    for i, tok in enumerate(argv[1:], 1):
+    i = 1
+    while i < len(argv):
+        tok = argv[i]
         if tok.startswith("-") and not tok.startswith("--") and "c" in tok[1:]:
             return argv[i + 1] if i + 1 < len(argv) else None
-        if not tok.startswith("-"):
+        if tok in ("-o", "+o", "-O", "+O"):  # `bash -o pipefail -c ...`
+            i += 2
+            continue
+        if not tok.startswith(("-", "+")):
             return None
+        i += 1
     return None
 
 

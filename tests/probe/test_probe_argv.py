@@ -67,6 +67,12 @@ def test_reads_combined_shell_options_and_nested_shells():
     assert req.dp_attention
 
 
+def test_reads_the_script_after_shell_options_that_take_a_value():
+    req = request.detect(["bash", "-o", "pipefail", "-c",
+                          "python3 -m sglang.launch_server --elastic-ep-backend mooncake | tee l"])
+    assert req.requested
+
+
 def test_a_commented_out_flag_in_a_script_is_not_a_request():
     script = "python3 -m sglang.launch_server --tp 2  # --elastic-ep-backend mooncake"
     assert not request.detect(["bash", "-c", script]).requested
