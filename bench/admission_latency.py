@@ -1,0 +1,342 @@
+#!/usr/bin/env python3
+"""Pod-create latency through a real kube-apiserver, side by side:
+
+* ``none``:    no admission policy for the pod (the API server's own cost: authn,
+               authz, defaulting, validation, the built-in admission plugins, etcd);
+* ``vap``:     the same rule as epguard's written as a ValidatingAdmissionPolicy (CEL,
+               evaluated inside the API server -- the floor for any admission check);
+* ``epguard``: epguard's chart installed with helm, its ValidatingWebhookConfiguration
+               pointed at the webhook running as a local process (TLS on loopback),
+               exactly as ``make up`` does it.
+
+Each scenario gets its own namespace in one control plane (devcluster: etcd +
+kube-apiserver). The pod is an SGLang worker that asks for ``--elastic-ep-backend
+mooncake`` on an image the rule does not name, so every check runs in full and admits
+(a denial would not measure a create). Creates are sequential POSTs over one keep-alive
+HTTPS connection with the admin client certificate (httpx; no kubectl process per
+request), interleaved in rounds so that noise from a shared machine falls on all three
+alike. Prints p50/p90/p99 per scenario and the ratios. A benchmark prints figures; it
+asserts nothing (the target, epguard p99 <= 1.5x the VAP's, is printed as met or not).
+
+    .venv/bin/python bench/admission_latency.py [--count 300] [--round 25] [--warmup 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from devcluster import ControlPlane  # noqa: E402
+from devcluster.stack import (  # noqa: E402
+    CHART_DIR,
+    Stack,
+    install_chart,
+    point_webhook_config,
+    start_webhook,
+)
+
+SCENARIOS = ("none", "vap", "epguard")
+BAD_PREFIX = "registry.example.com/bench/sglang:bad-"
+GOOD_IMAGE = "registry.example.com/bench/sglang:v0.5.18-cu130"
+RULE_ID = "bench-bad-image"
+TARGET = 1.5
+
+# The rule, as epguard reads it (added to the live rules ConfigMap) ...
+RULE = {
+    "id": RULE_ID,
+    "image": BAD_PREFIX + "*",
+    "reason": "benchmark rule",
+    "remedy": "use another image",
+    "action": "deny",
+}
+# ... and as CEL: deny a container on a matching image whose command + args ask for
+# --elastic-ep-backend mooncake (either form), in containers and init containers.
+_ARGV = "((has(c.command) ? c.command : []) + (has(c.args) ? c.args : []))"
+_CONTAINERS = (
+    "(object.spec.containers + (has(object.spec.initContainers) ? object.spec.initContainers : []))"
+)
+VAP_EXPRESSION = (
+    f"!{_CONTAINERS}.exists(c, c.image.startsWith('{BAD_PREFIX}') && "
+    f"({_ARGV}.exists(a, a == '--elastic-ep-backend=mooncake') || "
+    f"({_ARGV}.exists(a, a == '--elastic-ep-backend') && {_ARGV}.exists(a, a == 'mooncake'))))"
+)
+
+
+def vap_objects(namespace: str) -> list[dict[str, Any]]:
+    return [
+        {
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "ValidatingAdmissionPolicy",
+            "metadata": {"name": "bench-elastic-ep"},
+            "spec": {
+                "failurePolicy": "Fail",
+                "matchConstraints": {
+                    "resourceRules": [
+                        {
+                            "apiGroups": [""],
+                            "apiVersions": ["v1"],
+                            "operations": ["CREATE", "UPDATE"],
+                            "resources": ["pods"],
+                        }
+                    ]
+                },
+                "validations": [
+                    {
+                        "expression": VAP_EXPRESSION,
+                        "message": "image cannot serve --elastic-ep-backend mooncake",
+                    }
+                ],
+            },
+        },
+        {
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "ValidatingAdmissionPolicyBinding",
+            "metadata": {"name": "bench-elastic-ep"},
+            "spec": {
+                "policyName": "bench-elastic-ep",
+                "validationActions": ["Deny"],
+                "matchResources": {
+                    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}}
+                },
+            },
+        },
+    ]
+
+
+def worker_pod(name: str, image: str = GOOD_IMAGE) -> dict[str, Any]:
+    """A realistic elastic-EP decode worker (~2 KB)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": {"app": "sglang-decode", "role": "decode"}},
+        "spec": {
+            "restartPolicy": "Always",
+            "containers": [
+                {
+                    "name": "worker",
+                    "image": image,
+                    "command": ["python3", "-m", "sglang.launch_server"],
+                    "args": [
+                        "--model-path",
+                        "/models/deepseek-v3",
+                        "--tp",
+                        "8",
+                        "--ep",
+                        "8",
+                        "--enable-dp-attention",
+                        "--dp",
+                        "8",
+                        "--moe-a2a-backend",
+                        "deepep",
+                        "--elastic-ep-backend",
+                        "mooncake",
+                        "--mooncake-ib-device",
+                        "mlx5_0",
+                        "--host",
+                        "0.0.0.0",
+                        "--port",
+                        "30000",
+                    ],
+                    "env": [
+                        {"name": "NCCL_IB_HCA", "value": "mlx5"},
+                        {"name": "MC_TE_METRIC", "value": "true"},
+                        {"name": "CUDA_DEVICE_MAX_CONNECTIONS", "value": "1"},
+                    ],
+                    "resources": {
+                        "limits": {"nvidia.com/gpu": "8", "rdma/ib": "1", "memory": "1Ti"},
+                        "requests": {"cpu": "32", "memory": "512Gi"},
+                    },
+                    "volumeMounts": [
+                        {"name": "models", "mountPath": "/models"},
+                        {"name": "shm", "mountPath": "/dev/shm"},
+                    ],
+                },
+                {"name": "metrics", "image": "prom/node-exporter:v1.8.2"},
+            ],
+            "volumes": [
+                {"name": "models", "persistentVolumeClaim": {"claimName": "models"}},
+                {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Gi"}},
+            ],
+        },
+    }
+
+
+class Creator:
+    """Sequential pod creates over one keep-alive HTTPS connection, as the admin."""
+
+    def __init__(self, cp: ControlPlane) -> None:
+        self.client = httpx.Client(
+            base_url=cp.server, verify=cp.ssl_context(), trust_env=False, timeout=30.0
+        )
+        self.seq = 0
+
+    def create(self, namespace: str, image: str = GOOD_IMAGE) -> tuple[float, httpx.Response]:
+        self.seq += 1
+        body = json.dumps(worker_pod(f"w-{self.seq}", image)).encode()
+        t0 = time.perf_counter()
+        r = self.client.post(
+            f"/api/v1/namespaces/{namespace}/pods",
+            content=body,
+            headers={"Content-Type": "application/json"},
+        )
+        return time.perf_counter() - t0, r
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def until(check: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"gave up waiting for {what}")
+        time.sleep(0.2)
+
+
+def setup(cp: ControlPlane, run_dir: Path) -> tuple[Stack, dict[str, str]]:
+    """epguard as `make up` installs it (without the controller: it plays no part in
+    admission), the VAP, and one namespace per scenario."""
+    stack = Stack(run_dir=run_dir, detached=False)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    print("installing the chart, starting the webhook ...", file=sys.stderr)
+    install_chart(cp, CHART_DIR, [])
+    # The rule in the live rules ConfigMap, before the webhook starts (it starts on it).
+    cm = json.loads(
+        cp.kubectl(
+            "get", "configmap", "epguard-rules", "-n", "epguard-system", "-o", "json", check=True
+        ).stdout
+    )
+    rules = yaml.safe_load(cm["data"]["rules.yaml"]) or {}
+    rules["rules"] = [*(rules.get("rules") or []), RULE]
+    patch = json.dumps({"data": {"rules.yaml": yaml.safe_dump(rules)}})
+    cp.kubectl("patch", "configmap", "epguard-rules", "-n", "epguard-system", "--type=merge",
+               "-p", patch, check=True)  # fmt: skip
+    start_webhook(stack, cp)
+    point_webhook_config(stack, cp)
+
+    suffix = uuid.uuid4().hex[:6]
+    namespaces = {s: f"bench-{s}-{suffix}" for s in SCENARIOS}
+    for scenario, ns in namespaces.items():
+        cp.kubectl("create", "namespace", ns, check=True)
+        if scenario != "epguard":  # out of epguard's webhook configuration's reach
+            cp.kubectl("label", "namespace", ns, "epguard.io/ignore=true", check=True)
+    objs = vap_objects(namespaces["vap"])
+    cp.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List",
+               "items": objs}), check=True)  # fmt: skip
+    return stack, namespaces
+
+
+def check_policies(creator: Creator, namespaces: dict[str, str]) -> None:
+    """Each scenario does what it claims: the bad image is refused by the VAP and by
+    epguard, and admitted where no policy applies."""
+    _, r = creator.create(namespaces["none"], BAD_PREFIX + "1")
+    if r.status_code != 201:
+        raise SystemExit(f"none: expected 201, got {r.status_code}: {r.text}")
+
+    def refused(scenario: str, marker: str) -> bool:
+        _, r = creator.create(namespaces[scenario], BAD_PREFIX + "1")
+        return r.status_code in (403, 422) and marker in r.text
+
+    until(lambda: refused("vap", "ValidatingAdmissionPolicy"), "the VAP to take effect")
+    until(lambda: refused("epguard", f"[epguard rule {RULE_ID}]"), "epguard to judge")
+    for scenario, ns in namespaces.items():
+        _, r = creator.create(ns)
+        if r.status_code != 201:
+            raise SystemExit(f"{scenario}: the benchmark pod was not admitted: {r.text}")
+
+
+def percentile(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * p / 100
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--count", type=int, default=300, help="measured creates per scenario")
+    parser.add_argument("--round", type=int, default=25, help="creates per scenario per round")
+    parser.add_argument("--warmup", type=int, default=30, help="unmeasured creates per scenario")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="epguard-bench-") as tmp:
+        cp = ControlPlane(Path(tmp) / "cp")
+        print("starting etcd and kube-apiserver ...", file=sys.stderr)
+        cp.start()
+        stack: Stack | None = None
+        creator: Creator | None = None
+        try:
+            stack, namespaces = setup(cp, Path(tmp) / "run")
+            creator = Creator(cp)
+            check_policies(creator, namespaces)
+            for _ in range(args.warmup):
+                for ns in namespaces.values():
+                    creator.create(ns)
+            samples: dict[str, list[float]] = {s: [] for s in SCENARIOS}
+            print(f"measuring {args.count} creates per scenario ...", file=sys.stderr)
+            while any(len(v) < args.count for v in samples.values()):
+                for scenario in SCENARIOS:
+                    for _ in range(min(args.round, args.count - len(samples[scenario]))):
+                        took, r = creator.create(namespaces[scenario])
+                        if r.status_code != 201:
+                            raise SystemExit(f"{scenario}: create failed: {r.status_code} {r.text}")
+                        samples[scenario].append(took)
+            report(samples, args)
+        finally:
+            if creator is not None:
+                creator.close()
+            if stack is not None:
+                stack.stop()
+            cp.stop()
+    return 0
+
+
+def report(samples: dict[str, list[float]], args: argparse.Namespace) -> None:
+    ms = {s: [v * 1000 for v in vals] for s, vals in samples.items()}
+    stats = {
+        s: {
+            "p50": percentile(v, 50),
+            "p90": percentile(v, 90),
+            "p99": percentile(v, 99),
+            "mean": statistics.fmean(v),
+        }
+        for s, v in ms.items()
+    }
+    print(
+        f"\npod create through kube-apiserver, {args.count} creates per scenario, sequential, "
+        f"interleaved in rounds of {args.round} (after {args.warmup} warm-up each); "
+        f"{os.cpu_count()} CPUs"
+    )
+    print(f"{'scenario':<10}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}{'mean ms':>9}"
+          f"{'p50/vap':>9}{'p99/vap':>9}{'p99/none':>9}")  # fmt: skip
+    for s in SCENARIOS:
+        st = stats[s]
+        print(
+            f"{s:<10}{st['p50']:>9.2f}{st['p90']:>9.2f}{st['p99']:>9.2f}{st['mean']:>9.2f}"
+            f"{st['p50'] / stats['vap']['p50']:>9.2f}{st['p99'] / stats['vap']['p99']:>9.2f}"
+            f"{st['p99'] / stats['none']['p99']:>9.2f}"
+        )
+    ratio = stats["epguard"]["p99"] / stats["vap"]["p99"]
+    verdict = "met" if ratio <= TARGET else "NOT met"
+    print(f"\nepguard p99 / VAP p99 = {ratio:.2f} (target <= {TARGET}: {verdict})")
+    added = stats["epguard"]["p50"] - stats["none"]["p50"]
+    print(f"epguard adds {added:.2f} ms at p50 over no policy (a webhook round trip)")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
