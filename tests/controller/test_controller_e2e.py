@@ -171,9 +171,16 @@ def free_port() -> int:
 
 
 def bundles(cluster: Cluster) -> set[str]:
-    vwc = cluster.get("validatingwebhookconfiguration", "epguard")
-    assert vwc is not None
-    return {w["clientConfig"].get("caBundle", "") for w in vwc["webhooks"]}
+    """The caBundle of every webhook of both configurations (validating and injection)."""
+    found = set()
+    for kind, name in (
+        ("validatingwebhookconfiguration", "epguard"),
+        ("mutatingwebhookconfiguration", "epguard-inject"),
+    ):
+        config = cluster.get(kind, name)
+        assert config is not None, f"{kind}/{name} was not applied"
+        found |= {w["clientConfig"].get("caBundle", "") for w in config["webhooks"]}
+    return found
 
 
 def secret(cluster: Cluster) -> dict[str, Any] | None:
