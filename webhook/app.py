@@ -103,6 +103,25 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
+async def read_review(
+    request: Request, metrics: Metrics, max_body_bytes: int = MAX_BODY_BYTES
+) -> AdmissionReviewRequest | Response:
+    """The review in a request, or the 4xx answer to send back (counted and logged).
+
+    Shared by every admission endpoint, so /validate and /mutate refuse bad input alike.
+    """
+    try:
+        body = await _read_body(request, max_body_bytes)
+        try:
+            return AdmissionReviewRequest.model_validate_json(body)
+        except ValidationError as exc:
+            raise _explain(exc) from None
+    except BadReview as bad:
+        metrics.bad_requests.labels(bad.reason).inc()
+        log.warning("refused a malformed review (%s): %s", bad.reason, bad.message)
+        return _problem(bad.status, bad.message)
+
+
 def _response(review: AdmissionReviewRequest, decision: Decision) -> AdmissionReviewResponse:
     status = (
         None
@@ -169,16 +188,9 @@ def create_app(
     @app.post("/validate")
     async def validate(request: Request) -> Response:
         started = time.perf_counter()
-        try:
-            body = await _read_body(request, max_body_bytes)
-            try:
-                review = AdmissionReviewRequest.model_validate_json(body)
-            except ValidationError as exc:
-                raise _explain(exc) from None
-        except BadReview as bad:
-            metrics.bad_requests.labels(bad.reason).inc()
-            log.warning("refused a malformed review (%s): %s", bad.reason, bad.message)
-            return _problem(bad.status, bad.message)
+        review = await read_review(request, metrics, max_body_bytes)
+        if isinstance(review, Response):
+            return review
         try:
             decision = decide(review.request, state)
         except Exception:

@@ -90,6 +90,13 @@ class Metrics:
         }
 
         self._allowed_decision = self.decisions.labels("allowed", "none")
+        self.injections = Counter(
+            "epguard_probe_injections",
+            "POST /mutate answers: injected, unchanged (already there or nothing to probe), "
+            "not_opted_in, exempted, error",
+            ["result"],
+            registry=self.registry,
+        )
 
     def count_allowed_decision(self) -> None:
         self._allowed_decision.inc()

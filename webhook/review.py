@@ -63,6 +63,9 @@ class AdmissionResponse(_Wire):
     status: Status | None = None
     warnings: list[str] | None = None
     auditAnnotations: dict[str, str] | None = None
+    # Mutating webhooks only: a base64-encoded RFC 6902 JSON patch.
+    patch: str | None = None
+    patchType: Literal["JSONPatch"] | None = None
 
 
 class AdmissionReviewResponse(_Wire):

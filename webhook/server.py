@@ -21,6 +21,7 @@ from fastapi import APIRouter, FastAPI
 
 from webhook.app import create_app
 from webhook.metrics import Metrics
+from webhook.mutation import injection_settings, mutation_router
 from webhook.namespaces import NamespaceIndex
 from webhook.policy import PolicyConfig, PolicyState
 from webhook.rules import RulesError, RulesHolder, default_rules_path, load_rules_file
@@ -96,13 +97,19 @@ class Runtime:
         self._sources = sources
         self.watching = False
         self.ready = False
+        injection = mutation_router(
+            self.state,
+            self.metrics,
+            injection_settings(settings.inject_image, settings.probe_level),
+            settings.max_body_bytes,
+        )
         self.app: FastAPI = create_app(
             self.state,
             self.metrics,
             ready=lambda: self.ready,
             status=self.status,
             lifespan=self.lifespan,
-            routers=routers,
+            routers=[injection, *routers],
         )
 
     def status(self) -> dict[str, Any]:

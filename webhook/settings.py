@@ -17,6 +17,9 @@ TRUE = frozenset({"1", "true", "yes", "on"})
 FALSE = frozenset({"0", "false", "no", "off"})
 
 
+PROBE_LEVELS = ("import", "smoke")
+
+
 class SettingsError(ValueError):
     pass
 
@@ -40,6 +43,10 @@ class Settings:
     reload_interval: float = 2.0
     log_level: str = "info"
     max_body_bytes: int = 3 * 1024 * 1024
+    # Probe injection (POST /mutate): the image whose /opt/epguard/probe is copied into
+    # the pod, and how deep the probe checks (import | smoke).
+    inject_image: str = "epguard:dev"
+    probe_level: str = "import"
 
 
 def _bool(name: str, value: str) -> bool:
@@ -83,6 +90,15 @@ def parser() -> argparse.ArgumentParser:
         help="seconds between TLS/rules file checks [EPGUARD_RELOAD_INTERVAL] (default 2)",
     )
     p.add_argument("--log-level", help="[EPGUARD_LOG_LEVEL] (default info)")
+    p.add_argument(
+        "--inject-image",
+        help="image that carries the probe, for injected pods [EPGUARD_INJECT_IMAGE]",
+    )
+    p.add_argument(
+        "--probe-level",
+        choices=PROBE_LEVELS,
+        help="probe depth in injected pods [EPGUARD_PROBE_LEVEL] (default import)",
+    )
     return p
 
 
@@ -120,6 +136,11 @@ def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         except ValueError:
             raise SettingsError(f"{var} must be a number, not {text!r}") from None
 
+    probe_level = pick(ns.probe_level, "EPGUARD_PROBE_LEVEL") or defaults.probe_level
+    if probe_level not in PROBE_LEVELS:
+        raise SettingsError(
+            f"EPGUARD_PROBE_LEVEL must be one of {', '.join(PROBE_LEVELS)}, not {probe_level!r}"
+        )
     cert, key = pick(ns.tls_cert, "EPGUARD_TLS_CERT"), pick(ns.tls_key, "EPGUARD_TLS_KEY")
     if (cert is None) != (key is None):
         raise SettingsError("give both --tls-cert and --tls-key, or neither")
@@ -139,4 +160,6 @@ def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         verdict_ttl_hours=number(ns.verdict_ttl_hours, "EPGUARD_VERDICT_TTL_HOURS", 24.0),
         reload_interval=number(ns.reload_interval, "EPGUARD_RELOAD_INTERVAL", 2.0),
         log_level=(pick(ns.log_level, "EPGUARD_LOG_LEVEL") or defaults.log_level).lower(),
+        inject_image=pick(ns.inject_image, "EPGUARD_INJECT_IMAGE") or defaults.inject_image,
+        probe_level=probe_level,
     )

@@ -246,10 +246,10 @@ def test_extra_routers_share_the_tls_port(tmp_path: Path) -> None:
 
     router = APIRouter()
 
-    @router.post("/mutate")
-    async def mutate() -> dict[str, str]:
-        return {"hello": "injector"}
+    @router.post("/extra")
+    async def extra() -> dict[str, str]:
+        return {"hello": "extension"}
 
     with running_server(tmp_path, TEST_RULES, routers=[router]) as s, s.client() as c:
-        assert c.post("/mutate").json() == {"hello": "injector"}
+        assert c.post("/extra").json() == {"hello": "extension"}
         assert c.get("/healthz").status_code == 200
