@@ -21,6 +21,7 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from devcluster import pki
 from devcluster.controlplane import ControlPlane
@@ -82,12 +83,31 @@ class LocalWebhookTLS:
         sync_barrier(cp, timeout)
 
 
+WEBHOOK_CONFIG_KINDS = ("validatingwebhookconfiguration", "mutatingwebhookconfiguration")
+
+
 def epguard_webhook_configs(cp: ControlPlane) -> list[dict[str, Any]]:
-    r = cp.kubectl("get", "validatingwebhookconfigurations", "-l", RELEASE_LABEL, "-o", "json")
-    if r.returncode != 0:
-        raise WebhookTLSError(f"listing webhook configurations failed: {r.stderr}")
-    items: list[dict[str, Any]] = json.loads(r.stdout)["items"]
+    """epguard's validating and mutating configurations (each item keeps its kind)."""
+    items: list[dict[str, Any]] = []
+    for kind in WEBHOOK_CONFIG_KINDS:
+        r = cp.kubectl("get", kind + "s", "-l", RELEASE_LABEL, "-o", "json")
+        if r.returncode != 0:
+            raise WebhookTLSError(f"listing webhook configurations failed: {r.stderr}")
+        for item in json.loads(r.stdout)["items"]:
+            item["kind"] = kind  # list items may come without their kind
+            items.append(item)
     return items
+
+
+def _local_url(base: str, client_config: Any) -> str:
+    """The local webhook's URL for one webhook: its origin, and the path the chart gave
+    the in-cluster Service (/validate or /mutate), so each endpoint keeps its own."""
+    origin = urlsplit(base)
+    service = client_config.get("service") if isinstance(client_config, dict) else None
+    path = service.get("path") if isinstance(service, dict) else None
+    if not path and isinstance(client_config, dict) and client_config.get("url"):
+        path = urlsplit(client_config["url"]).path
+    return f"{origin.scheme}://{origin.netloc}{path or origin.path}"
 
 
 def set_client_config(cp: ControlPlane, *, bundle: bytes, url: str | None = None) -> list[str]:
@@ -98,17 +118,18 @@ def set_client_config(cp: ControlPlane, *, bundle: bytes, url: str | None = None
     for config in epguard_webhook_configs(cp):
         name = config["metadata"]["name"]
         patch: list[dict[str, Any]] = []
-        for i in range(len(config.get("webhooks", []))):
+        for i, hook in enumerate(config.get("webhooks", [])):
             # Without a url only the caBundle changes, whatever else clientConfig holds.
             path, value = (
                 (f"/webhooks/{i}/clientConfig/caBundle", ca_b64)
                 if url is None
-                else (f"/webhooks/{i}/clientConfig", {"url": url, "caBundle": ca_b64})
+                else (
+                    f"/webhooks/{i}/clientConfig",
+                    {"url": _local_url(url, hook.get("clientConfig")), "caBundle": ca_b64},
+                )
             )
             patch.append({"op": "replace", "path": path, "value": value})
-        p = cp.kubectl(
-            "patch", "validatingwebhookconfiguration", name, "--type=json", "-p", json.dumps(patch)
-        )
+        p = cp.kubectl("patch", config["kind"], name, "--type=json", "-p", json.dumps(patch))
         if p.returncode != 0:
             raise WebhookTLSError(f"patching {name} failed: {p.stderr}")
         names.append(name)
