@@ -1,0 +1,35 @@
+"""Run every benchmark in turn and print their figures (``make bench``).
+
+Each script is standalone and prints its own table; this only runs them with the
+repository's interpreter so one command gives the figures the issues ask for:
+
+* ``probe_bench.py``        probe time-to-verdict vs a bare ``import torch, mooncake.pg``
+* ``webhook_bench.py``      /validate throughput and p50/p99 vs a bare FastAPI floor, RSS
+* ``admission_latency.py``  pod-create latency: no policy vs ValidatingAdmissionPolicy vs epguard
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+SCRIPTS = ("probe_bench.py", "webhook_bench.py", "admission_latency.py")
+
+
+def main() -> int:
+    failed = []
+    for script in SCRIPTS:
+        print(f"\n===== {script} =====", flush=True)
+        rc = subprocess.call([sys.executable, str(BENCH / script)], cwd=BENCH.parent)
+        if rc != 0:
+            failed.append(f"{script} (exit {rc})")
+    if failed:
+        print("\nfailed: " + ", ".join(failed), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
