@@ -60,7 +60,12 @@ trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-say() { printf '\n%s# %s%s\n' "$BOLD" "$*" "$OFF"; }
+# say LINE...: a comment block, one "# LINE" per argument.
+say() {
+  echo
+  local line
+  for line in "$@"; do printf '%s# %s%s\n' "$BOLD" "$line" "$OFF"; done
+}
 fail() { printf '%sdemo step failed: %s%s\n' "$RED" "$*" "$OFF" >&2; exit 1; }
 
 # run CMD...: echo it like a prompt, run it, print what it printed; OUT and RC hold the
@@ -236,15 +241,15 @@ spec:
       resources:
         limits: {nvidia.com/gpu: 8}
 EOF
-say "A worker on an image no rule knows, with the epguard probe as its first init containers"
-say "(what the injecting webhook adds): admitted, the probe will find out."
+say "A worker on an image no rule knows, with the epguard probe as its first init containers" \
+  "(what the injecting webhook adds): admitted, the probe will find out."
 run kubectl apply -f sglang-0.yaml
 expect_ok
 expect_text "pod/sglang-0 created"
 
 DIGEST="sha256:$(printf '%s' "$PROBED_IMAGE" | sha256sum | cut -d' ' -f1)"
-say "No kubelet here, so play its part: run the real probe (probe/) in a Python env standing"
-say "in for the image, then write its exit code and termination message into the pod's status."
+say "No kubelet here, so play its part: run the real probe (probe/) in a Python env standing" \
+  "in for the image, then write its exit code and termination message into the pod's status."
 printf '%s$ python -m devcluster.kubelet probe-status --image %s --image-id %s \\\n    --completed epguard-copy-probe=ghcr.io/epguard/epguard:0.1.0 --patch-file status.json \\\n    -- python3 -m sglang.launch_server --model-path /models/qwen3-30b-a3b --elastic-ep-backend mooncake%s\n' \
   "$BOLD" "$PROBED_IMAGE" "${PROBED_IMAGE%:*}@$DIGEST" "$OFF"
 (cd "$REPO" && "$PY" -m devcluster.kubelet probe-status --image "$PROBED_IMAGE" \
