@@ -273,6 +273,16 @@ class TestWebhookEnvironment:
         env = env_of(container(ci_file("injection-values"), "webhook", "webhook"))
         assert (env["EPGUARD_INJECT_IMAGE"], env["EPGUARD_PROBE_LEVEL"]) == (MIRROR, "smoke")
 
+    def test_the_webhooks_settings_read_the_injection_environment(
+        self, ci_file: Callable[[str], Rendered]
+    ) -> None:
+        from webhook import settings
+
+        c = container(ci_file("injection-values"), "webhook", "webhook")
+        env = {k: v for k, v in env_of(c).items() if isinstance(v, str)}
+        loaded = settings.load([], env)
+        assert (loaded.inject_image, loaded.probe_level) == (MIRROR, "smoke")
+
     def test_the_probe_levels_offered_are_the_probes_own(self) -> None:
         # Asked from the probe's own command line, as the injected container runs it.
         out = subprocess.run(
