@@ -179,6 +179,15 @@ class ControlPlane:
         with contextlib.suppress(Exception):
             atexit.unregister(self.stop)
 
+    def restart_apiserver(self) -> None:
+        """Stop kube-apiserver and start it again on the same port, with etcd (and so
+        every object) kept: what clients see when a control plane is upgraded."""
+        apiserver = [p for p in self.processes if p.name == "kube-apiserver"]
+        for proc in apiserver:
+            proc.stop()
+            self.processes.remove(proc)
+        self._start_apiserver(binaries.find("kube-apiserver"))
+
     def alive(self) -> bool:
         return bool(self.processes) and all(p.alive() for p in self.processes)
 

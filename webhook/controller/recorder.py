@@ -194,16 +194,19 @@ def _message(outcome: ProbeOutcome, pod: str) -> str:
     )
 
 
-async def record_probe_outcomes(body: Mapping[str, Any], memo: kopf.Memo, **_: Any) -> list[str]:
-    """Record every new probe termination of one pod; returns the keys recorded."""
+async def record_probe_outcomes(body: Mapping[str, Any], memo: kopf.Memo, **_: Any) -> None:
+    """Record every new probe termination of one pod.
+
+    Returns nothing on purpose: kopf stores a handler's return value in the object's
+    status, and a pod's status belongs to the kubelet."""
     meta = as_map(body.get("metadata"))
     namespace, name = meta.get("namespace"), meta.get("name")
     if not isinstance(namespace, str) or not isinstance(name, str):
-        return []
+        return
     seen = remembered(as_map(meta.get("annotations")))
     fresh = [o for o in outcomes_of(body) if o.key not in seen]
     if not fresh:
-        return []
+        return
     recorder: Recorder | None = memo.get("recorder")
     if recorder is None:
         recorder = Recorder(AsyncClient(field_manager=COMPONENT))
@@ -222,7 +225,6 @@ async def record_probe_outcomes(body: Mapping[str, Any], memo: kopf.Memo, **_: A
         log.info("recorded %s for %s from pod %s", outcome.verdict, outcome.image, pod)
     keys = (seen + [o.key for o in fresh])[-MAX_REMEMBERED:]
     await recorder.remember(namespace, name, keys)
-    return [o.key for o in fresh]
 
 
 # Event handlers put no finalizer on pods (unlike create/update handlers), so a

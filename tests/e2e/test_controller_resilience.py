@@ -1,0 +1,161 @@
+"""The controller in HA and across an API server restart, through a real kube-apiserver.
+
+Two controller replicas run with kopf peering, as the chart runs them: one handles
+pod events, the other pauses, so a probe outcome is recorded once (count 1, one
+Event). Then kube-apiserver is restarted (etcd and every object kept) and the
+controller, without a restart of its own, records the next outcome.
+
+This test owns its control plane: restarting the session's API server would disturb
+every other e2e test.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from e2e_kube import as_yaml, eventually
+
+from devcluster import ControlPlane
+from devcluster.process import ManagedProcess
+from devcluster.stack import CHART_DIR, NAMESPACE, REPO_ROOT, _child_env, install_chart
+from tests.loop.conftest import pod_with_probe_status, run_real_probe
+from webhook.outcome import verdict_name
+
+pytestmark = pytest.mark.e2e
+
+PEERING = "epguard-e2e-ha"
+RESUMED = "Resuming operations after the pause"
+RECORDED = "recorded Unusable for"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    with ControlPlane() as cp:
+        install_chart(cp, CHART_DIR, [])
+        yield cp
+
+
+@pytest.fixture(scope="module")
+def controllers(
+    cluster: ControlPlane, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[ManagedProcess]]:
+    logs = tmp_path_factory.mktemp("controllers")
+    argv = [
+        sys.executable, "-m", "webhook.controller",
+        "--namespace", NAMESPACE,
+        "--manage-certs", "false",
+        "--peering", PEERING,
+        "--liveness", "",
+    ]  # fmt: skip
+    procs = [
+        ManagedProcess.spawn(
+            f"controller-{i}",
+            argv,
+            logs / f"controller-{i}.log",
+            env=_child_env(cluster),
+            cwd=REPO_ROOT,
+        )
+        for i in range(2)
+    ]
+    try:
+        # kopf starts every replica paused when peering is mandatory; the one with the
+        # highest priority resumes, the other stays paused and says nothing more.
+        eventually(
+            lambda: any(RESUMED in p.log_tail(200) for p in procs),
+            within=90,
+            what="one replica to resume after the peering pause",
+        )
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def digest_for(image: str) -> str:
+    """A distinct digest per image, so each test's verdict is its own object."""
+    return "sha256:" + hashlib.sha256(image.encode()).hexdigest()
+
+
+def probe_pod(name: str, namespace: str, image: str) -> dict[str, Any]:
+    pod = pod_with_probe_status("", 1, image=image)
+    pod["metadata"] = {"name": name, "namespace": namespace}
+    pod.pop("status")
+    return pod
+
+
+def fail_probe(cp: ControlPlane, name: str, namespace: str, image: str, message: str) -> None:
+    """Create the pod and write its probe's termination as the kubelet would."""
+    r = cp.kubectl("create", "-f", "-", input=as_yaml(probe_pod(name, namespace, image)))
+    assert r.returncode == 0, r.stderr
+    image_id = f"{image.rsplit(':', 1)[0]}@{digest_for(image)}"
+    status = pod_with_probe_status(message, 1, image=image, image_id=image_id)["status"]
+    r = cp.kubectl(
+        "patch", "pod", name, "-n", namespace, "--subresource=status", "--type=merge",
+        "-p", json.dumps({"status": status}),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+
+
+def verdict_count(cp: ControlPlane, name: str) -> int:
+    r = cp.kubectl("get", "imageverdict", name, "-o", "json")
+    return int(json.loads(r.stdout)["spec"]["count"]) if r.returncode == 0 else 0
+
+
+def probe_events(cp: ControlPlane, namespace: str, pod: str) -> int:
+    r = cp.kubectl(
+        "get", "events", "-n", namespace, "-o", "json",
+        "--field-selector", f"involvedObject.name={pod},reason=MooncakeProbeFailed",
+    )  # fmt: skip
+    return len(json.loads(r.stdout)["items"])
+
+
+def test_two_replicas_record_a_probe_outcome_once(
+    cluster: ControlPlane, controllers: list[ManagedProcess], tmp_path: Path
+) -> None:
+    cluster.kubectl("create", "namespace", "ha", check=True)
+    _, message = run_real_probe(tmp_path)
+    image = "registry.example.com/e2e/sglang:ha-1"
+    fail_probe(cluster, "worker-ha", "ha", image, message)
+    name = verdict_name(image, digest_for(image))
+    eventually(lambda: verdict_count(cluster, name) >= 1, within=60, what="the ImageVerdict")
+    eventually(lambda: probe_events(cluster, "ha", "worker-ha") >= 1, what="the pod's Event")
+    # A later pod event (any status change) re-delivers the termination to whichever
+    # replica is active; it must not be counted again.
+    cluster.kubectl("label", "pod", "worker-ha", "-n", "ha", "touched=yes", check=True)
+    cluster.kubectl("annotate", "pod", "worker-ha", "-n", "ha", "touched=again", check=True)
+    eventually(
+        lambda: (
+            "touched" in cluster.kubectl("get", "pod", "worker-ha", "-n", "ha", "-o", "json").stdout
+        ),
+        what="the pod update",
+    )
+    assert verdict_count(cluster, name) == 1
+    assert probe_events(cluster, "ha", "worker-ha") == 1
+    assert all(p.alive() for p in controllers)
+    handled = [p.name for p in controllers if RECORDED in p.log_tail(500)]
+    assert len(handled) == 1, f"replicas that recorded the outcome: {handled}"
+    resumed = [p.name for p in controllers if RESUMED in p.log_tail(500)]
+    assert handled == resumed
+
+
+def test_the_controller_records_again_after_the_api_server_restarts(
+    cluster: ControlPlane, controllers: list[ManagedProcess], tmp_path: Path
+) -> None:
+    cluster.kubectl("create", "namespace", "restart", check=True)
+    cluster.restart_apiserver()
+    _, message = run_real_probe(tmp_path)
+    image = "registry.example.com/e2e/sglang:restart-1"
+    fail_probe(cluster, "worker-after-restart", "restart", image, message)
+    name = verdict_name(image, digest_for(image))
+    eventually(
+        lambda: verdict_count(cluster, name) == 1,
+        within=120,
+        what="the ImageVerdict recorded by a controller that lived through the restart",
+    )
+    assert all(p.alive() for p in controllers)
