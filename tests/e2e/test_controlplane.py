@@ -47,9 +47,7 @@ def test_a_namespace_created_with_kubectl_is_listed(control_plane: ControlPlane)
 def test_a_plain_pod_applied_with_kubectl_is_stored_and_read_back(
     control_plane: ControlPlane, namespace: str
 ) -> None:
-    applied = control_plane.kubectl(
-        "apply", "-f", "-", input=_pod("web", namespace, "nginx:1.27")
-    )
+    applied = control_plane.kubectl("apply", "-f", "-", input=_pod("web", namespace, "nginx:1.27"))
     assert applied.returncode == 0, applied.stderr
     assert "pod/web created" in applied.stdout
 
@@ -245,9 +243,7 @@ def test_rotating_the_webhook_certificate_while_pods_are_judged_fails_no_admissi
     def judge_pods() -> None:
         pod = _elastic_pod("worker", namespace)
         while not stop.is_set():
-            results.append(
-                control_plane.kubectl("apply", "--dry-run=server", "-f", "-", input=pod)
-            )
+            results.append(control_plane.kubectl("apply", "--dry-run=server", "-f", "-", input=pod))
 
     worker = threading.Thread(target=judge_pods)
     worker.start()
