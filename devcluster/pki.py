@@ -20,6 +20,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from webhook.certs import key_usage
+
 # Long enough for any dev session, short enough that a leaked file is harmless.
 _VALIDITY = datetime.timedelta(days=7)
 # Clock skew between certificate creation and first use on the same machine is
@@ -82,17 +84,7 @@ class CertificateAuthority:
             .not_valid_after(now + _VALIDITY)
             .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
             .add_extension(
-                x509.KeyUsage(
-                    digital_signature=True,
-                    content_commitment=False,
-                    key_encipherment=False,
-                    data_encipherment=False,
-                    key_agreement=False,
-                    key_cert_sign=True,
-                    crl_sign=True,
-                    encipher_only=False,
-                    decipher_only=False,
-                ),
+                key_usage(ca=True),
                 critical=True,
             )
             .add_extension(
@@ -127,17 +119,7 @@ class CertificateAuthority:
             .not_valid_after(now + _VALIDITY)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(
-                x509.KeyUsage(
-                    digital_signature=True,
-                    content_commitment=False,
-                    key_encipherment=False,
-                    data_encipherment=False,
-                    key_agreement=False,
-                    key_cert_sign=False,
-                    crl_sign=False,
-                    encipher_only=False,
-                    decipher_only=False,
-                ),
+                key_usage(ca=False),
                 critical=True,
             )
             .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
@@ -151,9 +133,7 @@ class CertificateAuthority:
         cert = builder.sign(self._key, hashes.SHA256())
         return KeyPair(cert=cert_pem(cert), key=key_pem(key))
 
-    def issue_serving(
-        self, common_name: str, dns_names: list[str], ips: list[str]
-    ) -> KeyPair:
+    def issue_serving(self, common_name: str, dns_names: list[str], ips: list[str]) -> KeyPair:
         """A TLS server certificate; clients verify it by the SANs, never the CN."""
         sans: list[x509.GeneralName] = [x509.DNSName(d) for d in dns_names]
         sans += [x509.IPAddress(ipaddress.ip_address(i)) for i in ips]

@@ -93,6 +93,21 @@ class Decision:
 # --- primitives ---------------------------------------------------------------------------
 
 
+def key_usage(*, ca: bool) -> x509.KeyUsage:
+    """Key usage of a CA (signs certificates and CRLs) or of a leaf (signs handshakes)."""
+    return x509.KeyUsage(
+        digital_signature=True,
+        content_commitment=False,
+        key_encipherment=False,
+        data_encipherment=False,
+        key_agreement=False,
+        key_cert_sign=ca,
+        crl_sign=ca,
+        encipher_only=False,
+        decipher_only=False,
+    )
+
+
 def new_key() -> PrivateKey:
     # P-256: small, fast handshakes, accepted by every Kubernetes API server.
     return ec.generate_private_key(ec.SECP256R1())
@@ -157,17 +172,7 @@ def make_ca(key: PrivateKey, policy: TLSPolicy, now: dt.datetime) -> x509.Certif
         .not_valid_after(now + policy.ca_validity)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
+            key_usage(ca=True),
             critical=True,
         )
         .add_extension(ski, critical=False)
@@ -196,17 +201,7 @@ def make_serving_cert(
         .not_valid_after(not_after)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=False,
-                crl_sign=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
+            key_usage(ca=False),
             critical=True,
         )
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)

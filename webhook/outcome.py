@@ -111,6 +111,13 @@ def classify(message: str, exit_code: int) -> VerdictName | None:
     return None
 
 
+def _cause(first_line: str) -> str:
+    """The probe's first line without its verdict prefix: the webhook and the Events put
+    their own words in front ("… which this image cannot serve: <cause>")."""
+    prefix = UNUSABLE_PREFIX + " in this image: "
+    return first_line[len(prefix) :] if first_line.startswith(prefix) else first_line
+
+
 def _terminations(status: Mapping[str, Any]) -> Iterator[tuple[Mapping[str, Any], int]]:
     # The current state is the newest; lastState holds the previous run while the
     # container restarts (Init:CrashLoopBackOff shows "waiting" with lastState terminated).
@@ -154,7 +161,7 @@ def outcomes_of(pod: Mapping[str, Any]) -> list[ProbeOutcome]:
                     image=image,
                     digest=digest_of(status.get("imageID")),
                     verdict=verdict,
-                    reason=lines[0][:MAX_REASON],
+                    reason=_cause(lines[0])[:MAX_REASON],
                     report=message.strip()[:4096],
                     versions=parse_versions(message),
                     finished_at=str(terminated.get("finishedAt") or ""),

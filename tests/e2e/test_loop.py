@@ -209,7 +209,7 @@ class TestProbeOutcomeRecorded:
         assert spec["image"] == image.tag_ref
         assert spec["digest"] == image.digest
         assert spec["verdict"] == "Unusable"
-        assert spec["reason"] == probe_run.message.splitlines()[0]
+        assert probe_run.message.splitlines()[0].endswith(": " + spec["reason"])
         assert spec["pod"] == f"{recorded['namespace']}/{recorded['pod']}"
         assert spec["count"] == 1
 
@@ -284,7 +284,7 @@ class TestProbeOutcomeRecorded:
         assert denied_by_epguard(r), output(r)
         seen = recorded["verdict"]["spec"]["lastSeen"]
         assert (
-            f"which this image cannot serve: {probe_run.message.splitlines()[0]} "
+            f"which this image cannot serve: {recorded['verdict']['spec']['reason']} "
             f"(seen failing in pod {recorded['namespace']}/{recorded['pod']} at {seen})"
         ) in r.stderr
         assert f"[epguard verdict {image.verdict_name}]" in r.stderr

@@ -30,8 +30,10 @@ def test_real_probe_failure_is_an_unusable_outcome(real_probe_failure: tuple[int
     assert code == 1
     [outcome] = outcomes_of(pod_with_probe_status(message, code))
     assert outcome.verdict == "Unusable"
-    assert outcome.reason == message.splitlines()[0]
-    assert outcome.reason.startswith("epguard: mooncake elastic EP is unusable")
+    first = message.splitlines()[0]
+    assert first.startswith("epguard: mooncake elastic EP is unusable in this image: ")
+    assert first.endswith(": " + outcome.reason)
+    assert outcome.reason and not outcome.reason.startswith("epguard:")
     assert outcome.digest == "sha256:" + "ab" * 32
     assert outcome.image == "docker.io/lmsysorg/sglang:v0.5.18-cu130"
     assert outcome.versions.mooncake == "none"

@@ -188,9 +188,12 @@ class Recorder:
 
 
 def _message(outcome: ProbeOutcome, pod: str) -> str:
+    # The probe's own first line (verdict and cause), where the ImageVerdict keeps only
+    # the cause: an Event is read alone, in `kubectl describe`.
+    first_line = outcome.report.splitlines()[0] if outcome.report else outcome.reason
     return (
         f"epguard probe in pod {pod} (container {outcome.container}, image {outcome.image}): "
-        f"{outcome.reason}"
+        f"{first_line}"
     )
 
 
