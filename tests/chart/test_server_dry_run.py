@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from devcluster import ControlPlane, MissingBinary
 from tests.chart.chartlib import CACHE, NAMESPACE, Rendered
+from tests.cluster import running_control_plane
 
 pytestmark = pytest.mark.e2e
 
@@ -25,12 +25,7 @@ KUBECTL = CACHE / "bin" / "kubectl"
 
 @pytest.fixture(scope="module")
 def kubeconfig() -> Iterator[Path]:
-    cp = ControlPlane()
-    try:
-        cp.start()
-    except MissingBinary as e:
-        pytest.fail(f"{e} (run scripts/tools.sh)", pytrace=False)
-    try:
+    with running_control_plane() as cp:
         subprocess.run(
             [str(KUBECTL), "create", "namespace", NAMESPACE],
             env={**os.environ, "KUBECONFIG": str(cp.kubeconfig)},
@@ -38,8 +33,6 @@ def kubeconfig() -> Iterator[Path]:
             capture_output=True,
         )
         yield cp.kubeconfig
-    finally:
-        cp.stop()
 
 
 def test_the_api_server_accepts_every_rendered_object(variant: Rendered, kubeconfig: Path) -> None:

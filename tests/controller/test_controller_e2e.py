@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 import yaml
 
-from devcluster import ControlPlane, MissingBinary
+from devcluster import ControlPlane
+from tests.cluster import running_control_plane
 from webhook import certs
 
 pytestmark = pytest.mark.e2e
@@ -87,12 +88,7 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    cp = ControlPlane()
-    try:
-        cp.start()
-    except MissingBinary as e:
-        pytest.fail(f"{e} (run scripts/tools.sh)", pytrace=False)
-    try:
+    with running_control_plane() as cp:
         c = Cluster(cp)
         c.kubectl("create", "namespace", NS)
         # Everything the chart renders except the helm-test Pod (no kubelet runs it).
@@ -105,8 +101,6 @@ def cluster() -> Iterator[Cluster]:
             stdin="\n---\n".join(yaml.safe_dump(o) for o in objs),
         )
         yield c
-    finally:
-        cp.stop()
 
 
 def wait_for(what: str, check: Any, attempts: int = 240) -> Any:

@@ -25,24 +25,16 @@ from e2e_kube import (
     worker,
 )
 
-from devcluster import ControlPlane, MissingBinary
+from devcluster import ControlPlane
 from devcluster.stack import Stack, deploy_epguard
+from tests.cluster import running_control_plane
 
 
 @pytest.fixture(scope="session")
 def control_plane() -> Iterator[ControlPlane]:
     """A running control plane: ``.kubeconfig`` (Path), ``.kubectl(*args)`` -> CompletedProcess."""
-    cp = ControlPlane()
-    try:
-        cp.start()
-    except MissingBinary as e:
-        # A failure, not a skip: `make test` builds the binaries first, so a
-        # missing one means the setup is broken, and a skip would hide that.
-        pytest.fail(str(e), pytrace=False)
-    try:
+    with running_control_plane() as cp:
         yield cp
-    finally:
-        cp.stop()
 
 
 @pytest.fixture(scope="session")

@@ -51,17 +51,10 @@ CRD = {
 
 @pytest.fixture(scope="module")
 def control_plane() -> Iterator[Any]:
-    from devcluster import ControlPlane, MissingBinary
+    from tests.cluster import running_control_plane
 
-    cp = ControlPlane()
-    try:
-        cp.start()
-    except MissingBinary as e:
-        pytest.fail(f"{e} (run `make tools`)", pytrace=False)
-    try:
+    with running_control_plane() as cp:
         yield cp
-    finally:
-        cp.stop()
 
 
 @pytest.fixture(scope="module")
