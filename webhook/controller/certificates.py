@@ -24,11 +24,17 @@ import datetime as dt
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import kopf
 
 from webhook import certs
+
+if TYPE_CHECKING:
+    from lightkube.resources.admissionregistration_v1 import (
+        MutatingWebhookConfiguration,
+        ValidatingWebhookConfiguration,
+    )
 from webhook.controller.config import ControllerConfig
 
 log = logging.getLogger("epguard.controller.certificates")
@@ -204,6 +210,19 @@ def _b64(raw: bytes) -> str:
     return base64.b64encode(raw).decode("ascii")
 
 
+def _webhook_resource(
+    ref: WebhookConfigRef,
+) -> type[ValidatingWebhookConfiguration] | type[MutatingWebhookConfiguration]:
+    from lightkube.resources.admissionregistration_v1 import (
+        MutatingWebhookConfiguration,
+        ValidatingWebhookConfiguration,
+    )
+
+    return (
+        ValidatingWebhookConfiguration if ref.kind == VALIDATING else MutatingWebhookConfiguration
+    )
+
+
 class LightkubeTLSApi:
     def __init__(self, client: Any) -> None:
         # lightkube.AsyncClient; typed Any because lightkube's models are loosely typed.
@@ -273,16 +292,8 @@ class LightkubeTLSApi:
 
     async def read_webhook_config(self, ref: WebhookConfigRef) -> StoredWebhookConfig | None:
         from lightkube import ApiError
-        from lightkube.resources.admissionregistration_v1 import (
-            MutatingWebhookConfiguration,
-            ValidatingWebhookConfiguration,
-        )
 
-        res = (
-            ValidatingWebhookConfiguration
-            if ref.kind == VALIDATING
-            else MutatingWebhookConfiguration
-        )
+        res = _webhook_resource(ref)
         try:
             obj = await self.client.get(res, name=ref.name)
         except ApiError as exc:
@@ -298,17 +309,9 @@ class LightkubeTLSApi:
         self, ref: WebhookConfigRef, webhooks: list[tuple[int, str]], bundle: bytes
     ) -> None:
         from lightkube import ApiError
-        from lightkube.resources.admissionregistration_v1 import (
-            MutatingWebhookConfiguration,
-            ValidatingWebhookConfiguration,
-        )
         from lightkube.types import PatchType
 
-        res = (
-            ValidatingWebhookConfiguration
-            if ref.kind == VALIDATING
-            else MutatingWebhookConfiguration
-        )
+        res = _webhook_resource(ref)
         # A JSON patch with a `test` per webhook: if `helm upgrade` reordered or renamed
         # the webhooks since the read, the patch fails as a whole instead of writing a
         # bundle into the wrong entry.
