@@ -215,24 +215,6 @@ metadata:
   name: sglang-0
   namespace: ml
 spec:
-  volumes:
-    - name: epguard-probe
-      emptyDir: {sizeLimit: 16Mi}
-  initContainers:
-    - name: epguard-copy-probe
-      image: ghcr.io/epguard/epguard:0.1.0
-      command: ["python3", "-c", "import shutil, sys; shutil.copytree(sys.argv[1], sys.argv[2], dirs_exist_ok=True)",
-                "/opt/epguard/probe", "/epguard/probe"]
-      volumeMounts: [{name: epguard-probe, mountPath: /epguard}]
-    - name: epguard-probe
-      image: $PROBED_IMAGE
-      command: ["python3", "/epguard/probe", "--termination-log", "/dev/termination-log", "--",
-                "python3", "-m", "sglang.launch_server", "--model-path", "/models/qwen3-30b-a3b",
-                "--elastic-ep-backend", "mooncake"]
-      terminationMessagePolicy: FallbackToLogsOnError
-      resources:
-        limits: {nvidia.com/gpu: 8}
-      volumeMounts: [{name: epguard-probe, mountPath: /epguard, readOnly: true}]
   containers:
     - name: worker
       image: $PROBED_IMAGE
@@ -241,20 +223,31 @@ spec:
       resources:
         limits: {nvidia.com/gpu: 8}
 EOF
-say "A worker on an image no rule knows, with the epguard probe as its first init containers" \
-  "(what the injecting webhook adds): admitted, the probe will find out."
+say "Opt the namespace in to probe injection (the mutating webhook adds the probe to worker pods):"
+run kubectl label namespace ml epguard.io/inject=enabled
+expect_ok
+# The webhook reads namespace labels from a watch; wait until a dry run shows the probe.
+wait_for "the webhook to see the namespace label" 60 \
+  bash -c "kubectl create --dry-run=server -f sglang-0.yaml -o jsonpath='{.spec.initContainers[*].name}' | grep -q epguard-probe"
+
+say "A worker on an image no rule knows: admitted, with the epguard probe injected first," \
+  "running the worker's own image with the worker's GPUs. The probe will find out."
 run kubectl apply -f sglang-0.yaml
 expect_ok
 expect_text "pod/sglang-0 created"
+run kubectl get pod sglang-0 -n ml -o \
+  "jsonpath={range .spec.initContainers[*]}{.name}{'  '}{.image}{'  '}{.resources.limits}{'\n'}{end}"
+expect_text "epguard-copy-probe  epguard:dev"
+expect_text "epguard-probe  $PROBED_IMAGE  {\"memory\":\"4Gi\",\"nvidia.com/gpu\":\"8\"}"
 
 DIGEST="sha256:$(printf '%s' "$PROBED_IMAGE" | sha256sum | cut -d' ' -f1)"
 say "No kubelet here, so play its part: run the real probe (probe/) in a Python env standing" \
   "in for the image, then write its exit code and termination message into the pod's status."
-printf '%s$ python -m devcluster.kubelet probe-status --image %s --image-id %s \\\n    --completed epguard-copy-probe=ghcr.io/epguard/epguard:0.1.0 --patch-file status.json \\\n    -- python3 -m sglang.launch_server --model-path /models/qwen3-30b-a3b --elastic-ep-backend mooncake%s\n' \
+printf '%s$ python -m devcluster.kubelet probe-status --image %s --image-id %s \\\n    --completed epguard-copy-probe=epguard:dev --patch-file status.json \\\n    -- python3 -m sglang.launch_server --model-path /models/qwen3-30b-a3b --elastic-ep-backend mooncake%s\n' \
   "$BOLD" "$PROBED_IMAGE" "${PROBED_IMAGE%:*}@$DIGEST" "$OFF"
 (cd "$REPO" && "$PY" -m devcluster.kubelet probe-status --image "$PROBED_IMAGE" \
   --image-id "${PROBED_IMAGE%:*}@$DIGEST" \
-  --completed epguard-copy-probe=ghcr.io/epguard/epguard:0.1.0 --patch-file "$WORK/status.json" \
+  --completed epguard-copy-probe=epguard:dev --patch-file "$WORK/status.json" \
   -- python3 -m sglang.launch_server --model-path /models/qwen3-30b-a3b \
   --elastic-ep-backend mooncake) | tee probe.out
 grep -q "^probe exited 1 " probe.out || fail "the probe did not fail as expected"
