@@ -265,7 +265,8 @@ def point_webhook_config(stack: Stack, cp: ControlPlane) -> str:
         raise StageError(str(e)) from e
     if not names:
         return "skipped: the chart installed no ValidatingWebhookConfiguration"
-    return f"{', '.join(names)} -> {stack.webhook_url}"
+    origin = stack.webhook_url.removesuffix(WEBHOOK_PATH)
+    return f"{', '.join(names)} -> {origin} (each webhook keeps its path: /validate, /mutate)"
 
 
 def deploy_epguard(
