@@ -78,9 +78,25 @@ class Rule(BaseModel):
         return self
 
     def matches(self, ref: ImageRef) -> bool:
-        if self.digest is not None and (ref.digest or "").lower() != self.digest:
-            return False
+        if self.digest is not None:
+            # The digest decides ("matches the pinned digest instead"); an image glob
+            # given beside it only has to name the repository, since the commonest
+            # pinned form, name@sha256:…, carries no tag.
+            if (ref.digest or "").lower() != self.digest:
+                return False
+            return (
+                self.image is None
+                or fnmatch.fnmatchcase(ref.name_tag, self.image)
+                or fnmatch.fnmatchcase(ref.name, _repository_glob(self.image))
+            )
         return self.image is None or fnmatch.fnmatchcase(ref.name_tag, self.image)
+
+
+def _repository_glob(pattern: str) -> str:
+    """``r.io:5000/x:v1*`` → ``r.io:5000/x``: the glob without its tag part, if it has one
+    (a colon after the last slash; an earlier one is a registry port)."""
+    head, sep, tail = pattern.rpartition(":")
+    return head if sep and "/" not in tail else pattern
 
 
 @dataclass(frozen=True)

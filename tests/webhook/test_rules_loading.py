@@ -85,8 +85,10 @@ def test_matches_digest_rules_on_the_pinned_digest_only() -> None:
         f"  - {{id: both, image: 'r.io/x:*', digest: '{upper}', reason: r, remedy: m}}",
         "t",
     )
-    assert [r.id for r in rs.match(parse(f"r.io/x@{digest}"))] == ["d"]
+    # With a digest, an image glob only has to name the repository: name@sha256 has no tag.
+    assert [r.id for r in rs.match(parse(f"r.io/x@{digest}"))] == ["d", "both"]
     assert [r.id for r in rs.match(parse(f"r.io/x:v1@{digest}"))] == ["d", "both"]
+    assert [r.id for r in rs.match(parse(f"r.io/other@{digest}"))] == ["d"]
     assert rs.match(parse("r.io/x:v1")) == ()
 
 
@@ -134,3 +136,13 @@ def test_default_rules_catch_sglang_0523_images() -> None:
     ids = [r.id for r in rules.match(parse("lmsysorg/sglang:v0.5.23-cu130-runtime"))]
     assert ids == ["sglang-0523-torch-2141-no-prebuilt-pg"]
     assert not rules.match(parse("lmsysorg/sglang:v0.5.21-cu130"))
+
+
+def test_a_digest_rule_with_a_registry_port_names_the_repository_not_the_port() -> None:
+    digest = "sha256:" + "ef" * 32
+    rs = load_rules_text(
+        f"rules:\n  - {{id: p, image: 'r.io:5000/x:v*', digest: '{digest}', reason: r, remedy: m}}",
+        "t",
+    )
+    assert [r.id for r in rs.match(parse(f"r.io:5000/x@{digest}"))] == ["p"]
+    assert rs.match(parse(f"r.io:5000/y@{digest}")) == ()
