@@ -22,7 +22,6 @@ from webhook.workloads import ContainerView, PodTemplateView, annotations_of, po
 SKIP_ANNOTATION = "epguard.io/skip"
 INJECT_ANNOTATION = "epguard.io/inject"
 PROBE_CONTAINER = "epguard-probe"
-COPY_CONTAINER = "epguard-copy-probe"
 JUDGED_OPERATIONS = frozenset({"CREATE", "UPDATE"})
 # Subresources that carry a pod spec worth judging; /status, /scale … do not.
 JUDGED_SUBRESOURCES = frozenset({"", "ephemeralcontainers"})
@@ -90,6 +89,22 @@ def _strip_period(text: str) -> str:
 def _is_probe_name(name: str) -> bool:
     # The injector names one probe per worker: epguard-probe, epguard-probe-<worker>.
     return name == PROBE_CONTAINER or name.startswith(PROBE_CONTAINER + "-")
+
+
+def _runs_the_probe(c: ContainerView) -> bool:
+    """An init container whose argv is the probe call, ``python3 …/probe [opts] -- ARGV``.
+
+    Only such a container is left unjudged: the worker argv it carries after ``--`` is
+    what the probe checks, not what it runs. A container merely *named* like the probe
+    is judged like any other, or naming a worker ``epguard-probe`` would bypass epguard.
+    """
+    if c.kind != "initContainer":
+        return False
+    argv = container_argv(c.raw)
+    if "--" not in argv:
+        return False
+    head = argv[: argv.index("--")]
+    return any(a.rstrip("/").endswith("/probe") or a == "probe" for a in head)
 
 
 def _is_probe(c: ContainerView) -> bool:
@@ -160,7 +175,7 @@ def _template_findings(
     )
     rules = state.rules.current
     for c in t.containers:
-        if _is_probe_name(c.name) or c.name == COPY_CONTAINER:
+        if _runs_the_probe(c):
             continue  # the probe carries the worker's argv after "--"; it is not a worker
         report = analyse_container(c.raw)
         if report is NOTHING:

@@ -464,6 +464,23 @@ CASES: list[Case] = [
         True,
         no_warnings=True,
     ),
+    Case(
+        "denies_a_worker_merely_named_like_the_probe",
+        review(pod([container(name="epguard-probe")])),
+        False,
+        [RULE],
+    ),
+    Case(
+        "denies_an_init_container_named_like_the_probe_that_runs_the_worker_itself",
+        review(
+            pod(
+                [container(image=GOOD_IMAGE, args=["--tp", "1"])],
+                init=[container(name="epguard-probe")],
+            )
+        ),
+        False,
+        [RULE],
+    ),
     *[
         Case(
             f"denies_{kind.lower()}_template",
