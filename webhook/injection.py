@@ -35,6 +35,7 @@ from webhook.outcome import PROBE_CONTAINER, is_probe_container
 from webhook.workloads import as_list, as_map
 
 COPY_CONTAINER = "epguard-copy-probe"
+COPY_UID = 65532  # the epguard image's user (Dockerfile)
 VOLUME = "epguard-probe"
 MAX_NAME = 63
 INJECT_LABEL = "epguard.io/inject"
@@ -140,7 +141,11 @@ def _copy_container(settings: InjectionSettings) -> dict[str, Any]:
             "limits": {"memory": "64Mi"},
         },
         "volumeMounts": [{"name": VOLUME, "mountPath": settings.mount_path}],
+        # Its own user, always: a worker pod often runs as root (pod-level runAsUser: 0),
+        # which runAsNonRoot alone would refuse to start.
         "securityContext": {
+            "runAsUser": COPY_UID,
+            "runAsGroup": COPY_UID,
             "runAsNonRoot": True,
             "allowPrivilegeEscalation": False,
             "readOnlyRootFilesystem": True,

@@ -117,3 +117,18 @@ def test_opt_in_is_the_namespace_label_or_the_pod_annotation() -> None:
     assert wants_injection({}, {"epguard.io/inject": "enabled"})
     assert not wants_injection({"epguard.io/inject": "disabled"}, {})
     assert not wants_injection({}, {})
+
+
+def test_copy_container_runs_as_the_epguard_user_even_in_a_root_pod() -> None:
+    spec = {"securityContext": {"runAsUser": 0}, "containers": [worker()]}
+    copy_container = apply(spec, plan(spec, SETTINGS).patch)["initContainers"][0]
+    context = copy_container["securityContext"]
+    assert context["runAsUser"] == 65532 and context["runAsNonRoot"] is True
+
+
+def test_probe_keeps_the_worker_user_so_the_image_runs_as_it_was_built() -> None:
+    root_worker = worker(securityContext={"runAsUser": 0})
+    probe = apply(
+        {"containers": [root_worker]}, plan({"containers": [root_worker]}, SETTINGS).patch
+    )["initContainers"][1]
+    assert probe["securityContext"] == {"runAsUser": 0}
