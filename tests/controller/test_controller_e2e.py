@@ -279,6 +279,9 @@ class TestRBAC:
             ("watch", "pods", ["-A"]),
             ("create", "imageverdicts.epguard.io", []),
             ("create", "events", ["-n", "default"]),
+            ("patch", "pods", ["-n", "default"]),
+            ("create", "imageverdicts.epguard.io", []),
+            ("update", "imageverdicts.epguard.io", []),
         ],
     )
     def test_the_controller_may(
