@@ -179,6 +179,22 @@ class ControlPlane:
         with contextlib.suppress(Exception):
             atexit.unregister(self.stop)
 
+    def service_account_kubeconfig(self, namespace: str, name: str, path: Path) -> Path:
+        """A kubeconfig that acts as ServiceAccount ``namespace/name`` (a TokenRequest
+        token), so a local process runs with exactly the RBAC the chart gives it in a
+        cluster rather than as cluster-admin."""
+        r = self.kubectl("create", "token", name, "-n", namespace, "--duration=24h")
+        if r.returncode != 0:
+            raise ControlPlaneError(f"no token for {namespace}/{name}: {r.stderr.strip()}")
+        write_kubeconfig(
+            path,
+            server=self.server,
+            ca=self.ca_file.read_bytes(),
+            user=f"system:serviceaccount:{namespace}:{name}",
+            credentials={"token": r.stdout.strip()},
+        )
+        return path
+
     def restart_apiserver(self) -> None:
         """Stop kube-apiserver and start it again on the same port, with etcd (and so
         every object) kept: what clients see when a control plane is upgraded."""
@@ -270,7 +286,10 @@ class ControlPlane:
 
     def _spawn(self, name: str, argv: list[str]) -> ManagedProcess:
         proc = ManagedProcess.spawn(
-            name, argv, self.workdir / "logs" / f"{name}.log", env=_server_env(),
+            name,
+            argv,
+            self.workdir / "logs" / f"{name}.log",
+            env=_server_env(),
             detached=self.detached,
         )
         self.processes.append(proc)
@@ -396,12 +415,26 @@ def _apiserver_ready(client: httpx.Client, server: str, ctx: ssl.SSLContext) -> 
 
 
 def write_kubeconfig(
-    path: Path, *, server: str, ca: bytes, client_cert: bytes, client_key: bytes
+    path: Path,
+    *,
+    server: str,
+    ca: bytes,
+    user: str = "",
+    credentials: Mapping[str, str] | None = None,
+    client_cert: bytes = b"",
+    client_key: bytes = b"",
 ) -> None:
-    """A self-contained kubeconfig (credentials embedded), readable by its owner only."""
+    """A self-contained kubeconfig (credentials embedded), readable by its owner only:
+    a client certificate, or other ``credentials`` such as ``{"token": ...}``."""
 
     def b64(data: bytes) -> str:
         return base64.b64encode(data).decode()
+
+    user = user or ADMIN_USER
+    creds = dict(credentials or {}) or {
+        "client-certificate-data": b64(client_cert),
+        "client-key-data": b64(client_key),
+    }
 
     config = {
         "apiVersion": "v1",
@@ -412,18 +445,8 @@ def write_kubeconfig(
                 "cluster": {"server": server, "certificate-authority-data": b64(ca)},
             }
         ],
-        "users": [
-            {
-                "name": ADMIN_USER,
-                "user": {
-                    "client-certificate-data": b64(client_cert),
-                    "client-key-data": b64(client_key),
-                },
-            }
-        ],
-        "contexts": [
-            {"name": "epguard-dev", "context": {"cluster": "epguard-dev", "user": ADMIN_USER}}
-        ],
+        "users": [{"name": user, "user": creds}],
+        "contexts": [{"name": "epguard-dev", "context": {"cluster": "epguard-dev", "user": user}}],
         "current-context": "epguard-dev",
     }
     pki.write_private(path, yaml.safe_dump(config, sort_keys=False).encode())

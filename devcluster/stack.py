@@ -162,12 +162,22 @@ def _rules_file(cp: ControlPlane, webhook_dir: Path) -> Path:
     return dest
 
 
-def _child_env(cp: ControlPlane) -> dict[str, str]:
+def _child_env(cp: ControlPlane, kubeconfig: Path | None = None) -> dict[str, str]:
     env = dict(os.environ)
     # Cluster credentials: the webhook then also watches the live rules ConfigMap.
-    env["KUBECONFIG"] = str(cp.kubeconfig)
+    env["KUBECONFIG"] = str(kubeconfig or cp.kubeconfig)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     return env
+
+
+def _credentials(stack: Stack, cp: ControlPlane, service_account: str) -> Path:
+    """The chart's ServiceAccount's credentials when the chart made it, so the local
+    process runs with exactly the RBAC it has in a cluster (a missing permission fails
+    here as it would there); the admin's otherwise."""
+    if cp.kubectl("get", "serviceaccount", service_account, "-n", NAMESPACE).returncode != 0:
+        return cp.kubeconfig
+    path = stack.run_dir / f"{service_account}.kubeconfig"
+    return cp.service_account_kubeconfig(NAMESPACE, service_account, path)
 
 
 def _wait_https(
@@ -200,18 +210,31 @@ def start_webhook(stack: Stack, cp: ControlPlane) -> str:
     tls = stack.webhook_tls
     tls.issue()
     rules = _rules_file(cp, webhook_dir)
+    credentials = _credentials(stack, cp, "epguard-webhook")
     port = free_port()
     proc = ManagedProcess.spawn(
         "webhook",
         [
-            sys.executable, "-m", "webhook",
-            "--rules", str(rules),
-            "--tls-cert", str(tls.cert_file), "--tls-key", str(tls.key_file),
-            "--host", "127.0.0.1", "--port", str(port),
-            "--kubeconfig", str(cp.kubeconfig), "--namespace", NAMESPACE,
+            sys.executable,
+            "-m",
+            "webhook",
+            "--rules",
+            str(rules),
+            "--tls-cert",
+            str(tls.cert_file),
+            "--tls-key",
+            str(tls.key_file),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--kubeconfig",
+            str(credentials),
+            "--namespace",
+            NAMESPACE,
         ],
         stack.run_dir / "logs" / "webhook.log",
-        env=_child_env(cp),
+        env=_child_env(cp, credentials),
         cwd=REPO_ROOT,
         detached=stack.detached,
     )
@@ -229,17 +252,23 @@ def start_controller(stack: Stack, cp: ControlPlane) -> str:
     proc = ManagedProcess.spawn(
         "controller",
         [
-            sys.executable, "-m", "webhook.controller",
-            "--namespace", NAMESPACE,
+            sys.executable,
+            "-m",
+            "webhook.controller",
+            "--namespace",
+            NAMESPACE,
             # See the module docstring: the local webhook's certificate is ours.
-            "--manage-certs", "false",
+            "--manage-certs",
+            "false",
             # One local replica: no peering object, and no fixed liveness port to
             # collide with anything else on the machine.
-            "--peering", "",
-            "--liveness", "",
+            "--peering",
+            "",
+            "--liveness",
+            "",
         ],
         stack.run_dir / "logs" / "controller.log",
-        env=_child_env(cp),
+        env=_child_env(cp, _credentials(stack, cp, "epguard-controller")),
         cwd=REPO_ROOT,
         detached=stack.detached,
     )
@@ -375,4 +404,3 @@ def status(run_dir: Path = DEFAULT_RUN_DIR) -> int:
     if stack.control_plane is not None:
         print(f"export KUBECONFIG={stack.control_plane.kubeconfig}")
     return 0 if procs and all(p.alive() for p in procs) else 1
-
