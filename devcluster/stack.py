@@ -49,6 +49,9 @@ RELEASE = "epguard"
 NAMESPACE = "epguard-system"
 RULES_CONFIGMAP = "epguard-rules"
 WEBHOOK_PATH = "/validate"
+# The image the local webhook injects to copy the probe, and the one the local controller
+# trusts probe outcomes from (no image is pulled here: no kubelet runs it).
+PROBE_IMAGE = "epguard:dev"
 WEBHOOK_START_TIMEOUT = 60.0
 
 
@@ -232,6 +235,8 @@ def start_webhook(stack: Stack, cp: ControlPlane) -> str:
             str(credentials),
             "--namespace",
             NAMESPACE,
+            "--inject-image",
+            PROBE_IMAGE,
         ],
         stack.run_dir / "logs" / "webhook.log",
         env=_child_env(cp, credentials),
@@ -266,6 +271,8 @@ def start_controller(stack: Stack, cp: ControlPlane) -> str:
             "",
             "--liveness",
             "",
+            "--probe-image",
+            PROBE_IMAGE,
         ],
         stack.run_dir / "logs" / "controller.log",
         env=_child_env(cp, _credentials(stack, cp, "epguard-controller")),

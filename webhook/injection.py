@@ -31,10 +31,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from webhook.argv import analyse_container
-from webhook.outcome import PROBE_CONTAINER, is_probe_container
+from webhook.outcome import COPY_CONTAINER, PROBE_CONTAINER, is_probe_container
 from webhook.workloads import as_list, as_map
 
-COPY_CONTAINER = "epguard-copy-probe"
 COPY_UID = 65532  # the epguard image's user (Dockerfile)
 VOLUME = "epguard-probe"
 MAX_NAME = 63

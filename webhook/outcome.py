@@ -21,10 +21,12 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from webhook.argv import container_argv
 from webhook.imageref import ImageRefError, parse
 from webhook.workloads import as_list, as_map
 
 PROBE_CONTAINER = "epguard-probe"
+COPY_CONTAINER = "epguard-copy-probe"
 USABLE_PREFIX = "epguard: mooncake elastic EP is usable"
 UNUSABLE_PREFIX = "epguard: mooncake elastic EP is unusable"
 NOTHING_PREFIX = "epguard: nothing to check"
@@ -65,6 +67,32 @@ class ProbeOutcome:
 
 def is_probe_container(name: str) -> bool:
     return name == PROBE_CONTAINER or name.startswith(PROBE_CONTAINER + "-")
+
+
+def runs_the_probe(container: Mapping[str, Any]) -> bool:
+    """The container's argv is the probe call, ``python3 …/probe [opts] -- WORKER_ARGV``.
+
+    A name is not enough: anyone who can create a pod can name a container
+    ``epguard-probe``. The worker argv after ``--`` is what the probe checks, not what
+    the container runs.
+    """
+    argv = container_argv(container)
+    if "--" not in argv:
+        return False
+    head = argv[: argv.index("--")]
+    return any(a.rstrip("/").endswith("/probe") or a == "probe" for a in head)
+
+
+def _trusted(spec: Mapping[str, Any], probe_image: str | None) -> bool:
+    """Whether a pod's probe came from epguard: when the controller knows the image that
+    carries the real probe, the pod's copy container must run that image, so a pod
+    cannot bring its own "probe" that prints a verdict of its choosing."""
+    if not probe_image:
+        return True
+    return any(
+        isinstance(c, Mapping) and c.get("name") == COPY_CONTAINER and c.get("image") == probe_image
+        for c in as_list(spec.get("initContainers"))
+    )
 
 
 def digest_of(image_id: Any) -> str | None:
@@ -128,19 +156,26 @@ def _terminations(status: Mapping[str, Any]) -> Iterator[tuple[Mapping[str, Any]
             return
 
 
-def outcomes_of(pod: Mapping[str, Any]) -> list[ProbeOutcome]:
-    """Every probe termination a pod's status holds that is evidence about its image."""
+def outcomes_of(pod: Mapping[str, Any], probe_image: str | None = None) -> list[ProbeOutcome]:
+    """Every probe termination a pod's status holds that is evidence about its image.
+
+    Only containers that run the probe call count, and, given ``probe_image`` (the image
+    epguard injects to copy the probe), only in pods whose copy container runs it.
+    """
+    spec = as_map(pod.get("spec"))
+    if not _trusted(spec, probe_image):
+        return []
     spec_images = {
         c.get("name"): c.get("image")
-        for c in as_list(as_map(pod.get("spec")).get("initContainers"))
-        if isinstance(c, Mapping)
+        for c in as_list(spec.get("initContainers"))
+        if isinstance(c, Mapping) and runs_the_probe(c)
     }
     found: list[ProbeOutcome] = []
     for status in as_list(as_map(pod.get("status")).get("initContainerStatuses")):
         if not isinstance(status, Mapping):
             continue
         name = status.get("name")
-        if not isinstance(name, str) or not is_probe_container(name):
+        if not isinstance(name, str) or not is_probe_container(name) or name not in spec_images:
             continue
         for terminated, restarts in _terminations(status):
             message = terminated.get("message")
@@ -151,7 +186,7 @@ def outcomes_of(pod: Mapping[str, Any]) -> list[ProbeOutcome]:
             verdict = classify(message, code)
             if verdict is None:
                 continue
-            image = spec_images.get(name) or status.get("image")
+            image = spec_images[name] or status.get("image")
             if not isinstance(image, str) or not image:
                 continue
             lines = message.strip().splitlines()

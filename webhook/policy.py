@@ -14,6 +14,7 @@ from typing import Any, Literal
 from webhook.argv import FLAG, NOTHING, analyse_container, container_argv
 from webhook.imageref import ImageRef, ImageRefError, parse
 from webhook.namespaces import Mode, NamespaceIndex
+from webhook.outcome import runs_the_probe
 from webhook.review import AdmissionRequest
 from webhook.rules import Rule, RuleSet, RulesHolder
 from webhook.verdicts import NoVerdicts, VerdictHit, VerdictLookup
@@ -98,13 +99,7 @@ def _runs_the_probe(c: ContainerView) -> bool:
     what the probe checks, not what it runs. A container merely *named* like the probe
     is judged like any other, or naming a worker ``epguard-probe`` would bypass epguard.
     """
-    if c.kind != "initContainer":
-        return False
-    argv = container_argv(c.raw)
-    if "--" not in argv:
-        return False
-    head = argv[: argv.index("--")]
-    return any(a.rstrip("/").endswith("/probe") or a == "probe" for a in head)
+    return c.kind == "initContainer" and runs_the_probe(c.raw)
 
 
 def _is_probe(c: ContainerView) -> bool:

@@ -22,7 +22,7 @@ from e2e_kube import apply, denied_by_epguard, eventually, output, pod, worker
 
 from devcluster import ControlPlane
 from devcluster.kubelet import ProbeRun, probe_status_patch, run_probe
-from devcluster.stack import Stack
+from devcluster.stack import PROBE_IMAGE, Stack
 
 pytestmark = pytest.mark.e2e
 
@@ -84,7 +84,8 @@ def probed_pod(
                     *worker(image)["command"], *worker(image)["args"]],
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }  # fmt: skip
-    obj = pod(name, namespace, worker(image), initContainers=[probe])
+    copy_probe = {"name": "epguard-copy-probe", "image": PROBE_IMAGE}
+    obj = pod(name, namespace, worker(image), initContainers=[copy_probe, probe])
     if owner is not None:
         obj["metadata"]["ownerReferences"] = [owner]
     return obj

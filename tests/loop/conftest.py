@@ -67,7 +67,18 @@ def pod_with_probe_status(
         "spec": {
             "initContainers": [
                 {"name": "epguard-copy-probe", "image": "epguard:dev"},
-                {"name": "epguard-probe", "image": image},
+                {
+                    "name": "epguard-probe",
+                    "image": image,
+                    "command": [
+                        "python3",
+                        "/epguard/probe",
+                        "--termination-log",
+                        "/dev/termination-log",
+                        "--",
+                        *WORKER_ARGV,
+                    ],
+                },
             ],
             "containers": [{"name": "worker", "image": image}],
         },

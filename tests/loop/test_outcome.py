@@ -110,3 +110,24 @@ def test_verdict_spec_counts_runs_and_keeps_first_seen() -> None:
 def test_versions_line_missing_gives_empty_versions() -> None:
     versions = parse_versions("epguard: mooncake elastic EP is unusable in this image: x")
     assert versions.torch == "" and versions.mooncake == ""
+
+
+def test_a_container_merely_named_epguard_probe_is_no_evidence(
+    real_probe_failure: tuple[int, str],
+) -> None:
+    code, message = real_probe_failure
+    pod = pod_with_probe_status(message, code)
+    pod["spec"]["initContainers"][1]["command"] = ["sh", "-c", "echo whatever"]
+    assert outcomes_of(pod) == []
+
+
+def test_with_a_known_probe_image_only_pods_whose_copy_container_runs_it_count(
+    real_probe_failure: tuple[int, str],
+) -> None:
+    code, message = real_probe_failure
+    pod = pod_with_probe_status(message, code)
+    assert len(outcomes_of(pod, probe_image="epguard:dev")) == 1
+    # A pod that brings its own "probe" (another copy image) cannot write verdicts.
+    assert outcomes_of(pod, probe_image="ghcr.io/epguard/epguard:0.1.0") == []
+    pod["spec"]["initContainers"].pop(0)
+    assert outcomes_of(pod, probe_image="epguard:dev") == []

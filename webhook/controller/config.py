@@ -20,6 +20,7 @@ class ControllerConfig:
     service: str
     validating_webhook: str
     mutating_webhook: str
+    probe_image: str
     peering: str
     liveness: str
     poll_interval: float
@@ -106,6 +107,13 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
         "(EPGUARD_MUTATING_WEBHOOK)",
     )
     p.add_argument(
+        "--probe-image",
+        default=default("EPGUARD_INJECT_IMAGE", ""),
+        help="the image epguard injects to copy the probe into pods; only pods whose "
+        "epguard-copy-probe runs it are trusted to report probe outcomes, so a pod cannot "
+        "bring a look-alike probe. Empty trusts any probe call (EPGUARD_INJECT_IMAGE)",
+    )
+    p.add_argument(
         "--peering",
         default=default("EPGUARD_PEERING", "epguard"),
         help="kopf ClusterKopfPeering name for HA (one active replica); empty runs "
@@ -185,6 +193,7 @@ def parse(
         service=ns.service,
         validating_webhook=ns.validating_webhook,
         mutating_webhook=ns.mutating_webhook,
+        probe_image=ns.probe_image,
         peering=ns.peering,
         liveness=ns.liveness,
         poll_interval=ns.poll_interval,

@@ -36,10 +36,12 @@ from lightkube.models.core_v1 import EventSource, ObjectReference
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Event, Pod
 
+from webhook.controller.config import ControllerConfig
 from webhook.outcome import (
     ProbeOutcome,
     is_probe_container,
     outcomes_of,
+    runs_the_probe,
     verdict_name,
     verdict_spec,
 )
@@ -63,7 +65,10 @@ def has_probe(body: Any, **_: Any) -> bool:
     ``kopf.Spec`` view, not a dict, so ``as_map`` would see nothing in it."""
     spec = body.get("spec") if isinstance(body, Mapping) else None
     return any(
-        isinstance(c, Mapping) and isinstance(c.get("name"), str) and is_probe_container(c["name"])
+        isinstance(c, Mapping)
+        and isinstance(c.get("name"), str)
+        and is_probe_container(c["name"])
+        and runs_the_probe(c)
         for c in as_list(as_map(spec).get("initContainers"))
     )
 
@@ -207,7 +212,9 @@ async def record_probe_outcomes(body: Mapping[str, Any], memo: kopf.Memo, **_: A
     if not isinstance(namespace, str) or not isinstance(name, str):
         return
     seen = remembered(as_map(meta.get("annotations")))
-    fresh = [o for o in outcomes_of(body) if o.key not in seen]
+    config: ControllerConfig | None = memo.get("config")
+    probe_image = config.probe_image if config is not None else None
+    fresh = [o for o in outcomes_of(body, probe_image) if o.key not in seen]
     if not fresh:
         return
     recorder: Recorder | None = memo.get("recorder")
