@@ -601,6 +601,11 @@ class TestNotes:
         assert "allowSkip" not in text
         assert "failurePolicy is Ignore" in text  # the fail-open default is still spelled out
 
+    def test_an_open_api_server_cidr_is_a_warning_until_narrowed(self) -> None:
+        assert "apiServerCIDRs admits any address" in self.notes()
+        narrowed = self.notes("--set", "networkPolicy.apiServerCIDRs={10.0.0.0/16}")
+        assert "apiServerCIDRs" not in narrowed
+
     def test_notes_say_how_to_see_refusals(self) -> None:
         text = self.notes()
         assert "kubectl get imageverdicts" in text
