@@ -312,8 +312,12 @@ def decide(
             else f
             for f in findings
         ]
-    exemption = judgement.exemption
-    if exemption is None and not any(f.severity == "deny" for f in findings):
+    # An exemption counts only where it let a denial through: an annotated object that
+    # would have been admitted anyway is plain "allowed", so the exempted count (and the
+    # log line) measure what the annotation actually did.
+    denied = any(f.severity == "deny" for f in findings)
+    exemption = judgement.exemption if denied else None
+    if not denied:
         exemption = judgement.template_exemption  # the only denials were exempted ones
     return _conclude(findings, mode, exemption)
 

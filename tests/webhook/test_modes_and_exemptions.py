@@ -98,3 +98,11 @@ def test_rules_swap_takes_effect_on_the_next_review(state: PolicyState) -> None:
     state.rules.set_live(load_rules_text("rules: []", "cm"))
     assert decide(request(pod([container(image=GOOD_IMAGE, args=["--tp", "1"])])), state).allowed
     assert decide(request(pod()), state).allowed
+
+
+def test_skip_annotation_on_an_object_that_would_pass_anyway_is_not_counted_as_exempted(
+    state: PolicyState,
+) -> None:
+    good = pod([container(image=GOOD_IMAGE)], annotations={"epguard.io/skip": "habit"})
+    d = decide(request(good), state)
+    assert d.allowed and d.result == "allowed" and d.exemption is None
