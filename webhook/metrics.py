@@ -44,7 +44,8 @@ class Metrics:
         )
         self.bad_requests = Counter(
             "epguard_bad_requests",
-            "Requests to /validate refused as malformed, by reason.",
+            "Requests to /validate or /mutate refused as malformed (or failed inside epguard: "
+            "internal_error), by reason.",
             ["reason"],
             registry=r,
         )
