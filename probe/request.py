@@ -57,7 +57,14 @@ def resolve_flag(name):
     if len(name) < 3:
         return None
     hits = [f for f in _KNOWN if f.startswith(name)]
-    return hits[0] if len(hits) == 1 else None
+    if len(hits) == 1:
+        return hits[0]
+    # Ambiguous only among the --elastic-ep-* options: SGLang 0.5.9/0.5.10 had just the
+    # backend flag and accept it; later releases refuse to start. Either way, checking
+    # is the safe side (and it is what the admission webhook assumes too).
+    if hits and BACKEND in hits and all(h in ELASTIC_FLAGS for h in hits):
+        return BACKEND
+    return None
 
 
 def _shell_script(argv):

@@ -27,8 +27,15 @@ def test_detects_mooncake_in_every_spelling_argparse_accepts(flag):
 
 
 @pytest.mark.parametrize("prefix", ["--elastic-ep-", "--elastic", "--el"])
-def test_ignores_a_prefix_that_argparse_would_reject_as_ambiguous(prefix):
-    # --elastic-ep- also starts --elastic-ep-rejoin, -join-mode, -initial-size, ...
+def test_checks_a_prefix_ambiguous_only_among_the_elastic_ep_options(prefix):
+    # SGLang 0.5.9/0.5.10 had only --elastic-ep-backend and accept these; later releases,
+    # with --elastic-ep-rejoin, -join-mode, ..., refuse to start. Checking is the safe side.
+    assert request.detect([*LAUNCH, prefix, "mooncake"]).requested
+
+
+@pytest.mark.parametrize("prefix", ["--e", "--en"])
+def test_ignores_a_prefix_that_also_names_other_options(prefix):
+    # --e and --en also start --enable-dp-attention: argparse would reject them.
     assert not request.detect([*LAUNCH, prefix, "mooncake"]).requested
 
 
