@@ -39,6 +39,8 @@ overlays=(
     "sglang-0.5.16=sglang==0.5.16"
     "sglang-0.5.18=sglang==0.5.18"
     "sglang-0.5.23=sglang==0.5.23"
+    "sglang-0.5.13=sglang==0.5.13"
+    "sglang-0.5.20=sglang==0.5.20"
 )
 for entry in "${overlays[@]}"; do
     name="${entry%%=*}"

@@ -28,8 +28,10 @@ MTE_CUDA13 = "mte-cuda13-0.3.13.post1"
 MTE_CUDA13_OLD = "mte-cuda13-0.3.10"
 MTE_NON_CUDA = "mte-non-cuda-0.3.13.post1"
 MTE_JIT = "mte-cuda13-0.3.14"
-SGLANG_EP = ("sglang-0.5.10.post1", "sglang-0.5.16")  # import mooncake.ep
-SGLANG_PG = ("sglang-0.5.18", "sglang-0.5.23")  # import mooncake.pg
+# Three real releases on each side of 0.5.17, where SGLang moved from mooncake.ep to
+# mooncake.pg. Tests that need one pick [0] or [1]; the third only widens the matrix.
+SGLANG_EP = ("sglang-0.5.10.post1", "sglang-0.5.16", "sglang-0.5.13")  # import mooncake.ep
+SGLANG_PG = ("sglang-0.5.18", "sglang-0.5.23", "sglang-0.5.20")  # import mooncake.pg
 
 WORKER = ["python3", "-m", "sglang.launch_server", "--model-path", "m",
           "--elastic-ep-backend", "mooncake"]
