@@ -17,32 +17,16 @@ from pathlib import Path
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from webhook.certs import key_usage
+from webhook.certs import cert_pem, key_pem, key_usage
+from webhook.certs import new_key as _new_key
 
 # Long enough for any dev session, short enough that a leaked file is harmless.
 _VALIDITY = datetime.timedelta(days=7)
 # Clock skew between certificate creation and first use on the same machine is
 # nil, but a few minutes of back-dating costs nothing.
 _BACKDATE = datetime.timedelta(minutes=5)
-
-
-def _new_key() -> ec.EllipticCurvePrivateKey:
-    return ec.generate_private_key(ec.SECP256R1())
-
-
-def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption(),
-    )
-
-
-def cert_pem(cert: x509.Certificate) -> bytes:
-    return cert.public_bytes(serialization.Encoding.PEM)
 
 
 @dataclass(frozen=True)
