@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from webhook.argv import analyse_container
-from webhook.outcome import COPY_CONTAINER, PROBE_CONTAINER, is_probe_container
+from webhook.outcome import COPY_CONTAINER, PROBE_CONTAINER, PROBED_LABEL, is_probe_container
 from webhook.workloads import as_list, as_map
 
 COPY_UID = 65532  # the epguard image's user (Dockerfile)
@@ -191,3 +191,17 @@ def plan(pod_spec: Any, settings: InjectionSettings, path: str = "/spec") -> Inj
             }
         )
     return Injection(patch=patch, probes=tuple(p["name"] for p in probes))
+
+
+def label_patch(metadata: Any) -> dict[str, Any]:
+    """The op that labels the pod ``epguard.io/probed=true``, so the controller can watch
+    probed pods alone. JSON patch cannot add to a map that is absent, hence two shapes."""
+    labels = as_map(as_map(metadata).get("labels"))
+    if not labels:
+        return {"op": "add", "path": "/metadata/labels", "value": {PROBED_LABEL: "true"}}
+    # RFC 6901: "/" inside a key is written "~1".
+    return {
+        "op": "add",
+        "path": "/metadata/labels/" + PROBED_LABEL.replace("/", "~1"),
+        "value": "true",
+    }

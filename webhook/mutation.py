@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from webhook.app import JSON, MAX_BODY_BYTES, read_review
-from webhook.injection import InjectionSettings, plan
+from webhook.injection import InjectionSettings, label_patch, plan
 from webhook.metrics import Metrics
 from webhook.namespaces import INJECT_ON
 from webhook.policy import SKIP_ANNOTATION, PolicyState
@@ -49,10 +49,11 @@ def injection_for(
         return "not_opted_in", []
     if state.config.allow_skip and SKIP_ANNOTATION in annotations_of(req.object):
         return "exempted", []
-    injection = plan(as_map(req.object).get("spec"), settings)
+    obj = as_map(req.object)
+    injection = plan(obj.get("spec"), settings)
     if not injection.changed:
         return "unchanged", []
-    return "injected", injection.patch
+    return "injected", [*injection.patch, label_patch(obj.get("metadata"))]
 
 
 def mutation_router(

@@ -27,6 +27,9 @@ from webhook.workloads import as_list, as_map
 
 PROBE_CONTAINER = "epguard-probe"
 COPY_CONTAINER = "epguard-copy-probe"
+# Set on every pod the probe is injected into: the controller watches only pods with it
+# (a server-side label selector), not every pod in the cluster.
+PROBED_LABEL = "epguard.io/probed"
 USABLE_PREFIX = "epguard: mooncake elastic EP is usable"
 UNUSABLE_PREFIX = "epguard: mooncake elastic EP is unusable"
 NOTHING_PREFIX = "epguard: nothing to check"

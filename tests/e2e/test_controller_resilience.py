@@ -25,7 +25,7 @@ from devcluster import ControlPlane
 from devcluster.process import ManagedProcess
 from devcluster.stack import CHART_DIR, NAMESPACE, REPO_ROOT, _child_env, install_chart
 from tests.loop.conftest import pod_with_probe_status, run_real_probe
-from webhook.outcome import verdict_name
+from webhook.outcome import PROBED_LABEL, verdict_name
 
 pytestmark = pytest.mark.e2e
 
@@ -83,16 +83,20 @@ def digest_for(image: str) -> str:
     return "sha256:" + hashlib.sha256(image.encode()).hexdigest()
 
 
-def probe_pod(name: str, namespace: str, image: str) -> dict[str, Any]:
+def probe_pod(name: str, namespace: str, image: str, labelled: bool = True) -> dict[str, Any]:
     pod = pod_with_probe_status("", 1, image=image)
-    pod["metadata"] = {"name": name, "namespace": namespace}
+    labels = {PROBED_LABEL: "true"} if labelled else {}
+    pod["metadata"] = {"name": name, "namespace": namespace, "labels": labels}
     pod.pop("status")
     return pod
 
 
-def fail_probe(cp: ControlPlane, name: str, namespace: str, image: str, message: str) -> None:
+def fail_probe(
+    cp: ControlPlane, name: str, namespace: str, image: str, message: str, labelled: bool = True
+) -> None:
     """Create the pod and write its probe's termination as the kubelet would."""
-    r = cp.kubectl("create", "-f", "-", input=as_yaml(probe_pod(name, namespace, image)))
+    obj = probe_pod(name, namespace, image, labelled)
+    r = cp.kubectl("create", "-f", "-", input=as_yaml(obj))
     assert r.returncode == 0, r.stderr
     image_id = f"{image.rsplit(':', 1)[0]}@{digest_for(image)}"
     status = pod_with_probe_status(message, 1, image=image, image_id=image_id)["status"]
@@ -165,3 +169,22 @@ def test_the_controller_records_again_after_the_api_server_restarts(
         what="the ImageVerdict recorded by a controller that lived through the restart",
     )
     assert all(p.alive() for p in controllers)
+
+
+def test_the_controller_watches_only_pods_labelled_by_injection(
+    cluster: ControlPlane, controllers: list[ManagedProcess], tmp_path: Path
+) -> None:
+    cluster.kubectl("create", "namespace", "selector", check=True)
+    _, message = run_real_probe(tmp_path)
+    unlabelled = "registry.example.com/e2e/sglang:unlabelled-1"
+    labelled = "registry.example.com/e2e/sglang:labelled-1"
+    fail_probe(cluster, "hand-written", "selector", unlabelled, message, labelled=False)
+    fail_probe(cluster, "injected", "selector", labelled, message)
+    # The watch delivers events in order: once the later, labelled pod is recorded, the
+    # earlier one would have been too, had the controller been watching it.
+    eventually(
+        lambda: verdict_count(cluster, verdict_name(labelled, digest_for(labelled))) == 1,
+        within=60,
+        what="the labelled pod's ImageVerdict",
+    )
+    assert verdict_count(cluster, verdict_name(unlabelled, digest_for(unlabelled))) == 0

@@ -111,6 +111,10 @@ def test_pods_of_every_workload_shape_get_the_probe_first_with_the_worker_gpus(
     argv = probe["command"][probe["command"].index("--") + 1 :]
     assert argv == worker_container.get("command", []) + worker_container.get("args", [])
     assert any(v["name"] == "epguard-probe" for v in stored["spec"]["volumes"])
+    # The label the controller's pod watch selects on, beside the template's own labels.
+    assert stored["metadata"]["labels"]["epguard.io/probed"] == "true"
+    for key, value in (template.get("metadata") or {}).get("labels", {}).items():
+        assert stored["metadata"]["labels"][key] == value
 
 
 def test_a_pod_annotation_opts_in_where_the_namespace_did_not(

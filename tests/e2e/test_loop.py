@@ -23,6 +23,7 @@ from e2e_kube import apply, denied_by_epguard, eventually, output, pod, worker
 from devcluster import ControlPlane
 from devcluster.kubelet import ProbeRun, probe_status_patch, run_probe
 from devcluster.stack import PROBE_IMAGE, Stack
+from webhook.outcome import PROBED_LABEL
 
 pytestmark = pytest.mark.e2e
 
@@ -86,6 +87,7 @@ def probed_pod(
     }  # fmt: skip
     copy_probe = {"name": "epguard-copy-probe", "image": PROBE_IMAGE}
     obj = pod(name, namespace, worker(image), initContainers=[copy_probe, probe])
+    obj["metadata"]["labels"] = {PROBED_LABEL: "true"}  # what injection sets
     if owner is not None:
         obj["metadata"]["ownerReferences"] = [owner]
     return obj

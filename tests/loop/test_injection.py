@@ -7,7 +7,13 @@ from typing import Any
 
 import pytest
 
-from webhook.injection import COPY_CONTAINER, InjectionSettings, plan, wants_injection
+from webhook.injection import (
+    COPY_CONTAINER,
+    InjectionSettings,
+    label_patch,
+    plan,
+    wants_injection,
+)
 
 SETTINGS = InjectionSettings(epguard_image="ghcr.io/epguard/epguard:0.1.0")
 IMAGE = "docker.io/lmsysorg/sglang:v0.5.18-cu130"
@@ -132,3 +138,16 @@ def test_probe_keeps_the_worker_user_so_the_image_runs_as_it_was_built() -> None
         {"containers": [root_worker]}, plan({"containers": [root_worker]}, SETTINGS).patch
     )["initContainers"][1]
     assert probe["securityContext"] == {"runAsUser": 0}
+
+
+def test_label_patch_adds_the_map_when_the_pod_has_no_labels() -> None:
+    assert label_patch({"name": "x"}) == {
+        "op": "add",
+        "path": "/metadata/labels",
+        "value": {"epguard.io/probed": "true"},
+    }
+
+
+def test_label_patch_escapes_the_slash_when_adding_beside_other_labels() -> None:
+    op = label_patch({"labels": {"app": "sglang"}})
+    assert op == {"op": "add", "path": "/metadata/labels/epguard.io~1probed", "value": "true"}

@@ -38,6 +38,7 @@ from lightkube.resources.core_v1 import Event, Pod
 
 from webhook.controller.config import ControllerConfig
 from webhook.outcome import (
+    PROBED_LABEL,
     ProbeOutcome,
     is_probe_container,
     outcomes_of,
@@ -237,6 +238,21 @@ async def record_probe_outcomes(body: Mapping[str, Any], memo: kopf.Memo, **_: A
     await recorder.remember(namespace, name, keys)
 
 
+def watch_probed_pods_only(settings: kopf.OperatorSettings, **_: Any) -> None:
+    """Server-side label selector on the pod watch: in a cluster of thousands of pods the
+    controller lists and watches only those the probe was injected into."""
+    settings.watching.label_selectors["v1", "pods"] = f"{PROBED_LABEL}=true"
+
+
+kopf.on.startup(id="epguard-probed-pods-selector")(watch_probed_pods_only)
+
 # Event handlers put no finalizer on pods (unlike create/update handlers), so a
 # missing controller never blocks a pod's deletion.
-kopf.on.event("", "v1", "pods", when=has_probe, id="epguard-probe-outcomes")(record_probe_outcomes)
+kopf.on.event(
+    "",
+    "v1",
+    "pods",
+    labels={PROBED_LABEL: "true"},
+    when=has_probe,
+    id="epguard-probe-outcomes",
+)(record_probe_outcomes)
