@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from webhook.outcome import PROBE_CONTAINER
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROBE_DIR = REPO_ROOT / "probe"
 CACHE = Path(os.environ.get("EPGUARD_CACHE", Path.home() / ".cache" / "epguard"))
@@ -40,7 +42,6 @@ REALPKGS = CACHE / "realpkgs"
 TORCH_ENV = REALPKGS / "torch-2.13.0"
 # CUDA 12 mooncake wheel + an SGLang that imports mooncake.pg, over CUDA 13 torch.
 OVERLAYS = ("mte-0.3.13.post1", "sglang-0.5.23")
-PROBE_CONTAINER = "epguard-probe"
 WORKER_ARGV = ("python3", "-m", "sglang.launch_server", "--model-path", "/models/m",
                "--elastic-ep-backend", "mooncake")  # fmt: skip
 MAX_TERMINATION_MESSAGE = 4096  # what the kubelet keeps of one container's message

@@ -37,9 +37,6 @@ from webhook.workloads import as_list, as_map
 COPY_UID = 65532  # the epguard image's user (Dockerfile)
 VOLUME = "epguard-probe"
 MAX_NAME = 63
-INJECT_LABEL = "epguard.io/inject"
-INJECT_ANNOTATION = "epguard.io/inject"
-ENABLED = "enabled"
 
 # Copies the probe directory with the interpreter the epguard image surely has; a
 # shell or coreutils may not be there in a distroless build.
@@ -66,16 +63,6 @@ class Injection:
 
 
 NO_CHANGE = Injection(patch=[], probes=())
-
-
-def wants_injection(
-    namespace_labels: Mapping[str, str], pod_annotations: Mapping[str, str]
-) -> bool:
-    """Opt-in: the namespace label or the pod annotation ``epguard.io/inject=enabled``."""
-    return (
-        namespace_labels.get(INJECT_LABEL) == ENABLED
-        or pod_annotations.get(INJECT_ANNOTATION) == ENABLED
-    )
 
 
 def _extended(resources: Any) -> dict[str, dict[str, Any]]:

@@ -22,21 +22,18 @@ from fastapi.responses import Response
 from webhook.app import JSON, MAX_BODY_BYTES, read_review
 from webhook.injection import InjectionSettings, label_patch, plan
 from webhook.metrics import Metrics
-from webhook.namespaces import INJECT_ON
+from webhook.namespaces import INJECT_KEY, opts_in
 from webhook.policy import SKIP_ANNOTATION, PolicyState
 from webhook.review import AdmissionRequest, AdmissionResponse, AdmissionReviewResponse
 from webhook.workloads import annotations_of, as_map
 
 log = logging.getLogger("epguard.injection")
 
-INJECT_ANNOTATION = "epguard.io/inject"
-
 
 def _opted_in(req: AdmissionRequest, state: PolicyState) -> bool:
-    if state.namespaces.get(req.namespace).inject:
-        return True
-    value = annotations_of(req.object).get(INJECT_ANNOTATION)
-    return value is not None and value.strip().lower() in INJECT_ON
+    return state.namespaces.get(req.namespace).inject or opts_in(
+        annotations_of(req.object).get(INJECT_KEY)
+    )
 
 
 def injection_for(

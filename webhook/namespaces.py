@@ -16,8 +16,14 @@ from typing import Any, Literal, cast
 Mode = Literal["enforce", "warn", "audit"]
 MODES: tuple[Mode, ...] = ("enforce", "warn", "audit")
 MODE_LABEL = "epguard.io/mode"
-INJECT_LABEL = "epguard.io/inject"
+# The injection opt-in: a label on a Namespace, or an annotation on a pod (template).
+INJECT_KEY = "epguard.io/inject"
 INJECT_ON = frozenset({"enabled", "true"})
+
+
+def opts_in(value: Any) -> bool:
+    """Whether a label or annotation value under ``INJECT_KEY`` turns injection on."""
+    return isinstance(value, str) and value.strip().lower() in INJECT_ON
 
 
 def parse_mode(value: Any) -> Mode | None:
@@ -39,10 +45,9 @@ def settings_from_labels(labels: Any) -> NamespaceSettings:
         return NamespaceSettings()
     raw_mode = labels.get(MODE_LABEL)
     mode = parse_mode(raw_mode)
-    inject = labels.get(INJECT_LABEL)
     return NamespaceSettings(
         mode=mode,
-        inject=isinstance(inject, str) and inject.strip().lower() in INJECT_ON,
+        inject=opts_in(labels.get(INJECT_KEY)),
         bad_mode=raw_mode if isinstance(raw_mode, str) and mode is None else None,
     )
 

@@ -17,10 +17,11 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from probe.message import UNUSABLE, USABLE
 from webhook.argv import container_argv
 from webhook.imageref import ImageRefError, parse
 from webhook.workloads import as_list, as_map
@@ -30,9 +31,6 @@ COPY_CONTAINER = "epguard-copy-probe"
 # Set on every pod the probe is injected into: the controller watches only pods with it
 # (a server-side label selector), not every pod in the cluster.
 PROBED_LABEL = "epguard.io/probed"
-USABLE_PREFIX = "epguard: mooncake elastic EP is usable"
-UNUSABLE_PREFIX = "epguard: mooncake elastic EP is unusable"
-NOTHING_PREFIX = "epguard: nothing to check"
 MAX_REASON = 1024
 
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
@@ -114,30 +112,25 @@ def parse_versions(message: str) -> Versions:
             token.split("=", 1) for token in line[len("versions:") :].split() if "=" in token
         )
         mooncake = " ".join(
-            f"{name} {value}" if value != "none" else ""
+            f"{name} {value}"
             for name, value in pairs.items()
-            if name.startswith("mooncake")
-        ).strip()
+            if name.startswith("mooncake") and value != "none"
+        )
         return Versions(
-            torch=_known(pairs.get("torch")),
-            sglang=_known(pairs.get("sglang")),
+            torch=pairs.get("torch", ""),
+            sglang=pairs.get("sglang", ""),
             mooncake=mooncake or "none",
         )
     return Versions()
 
 
-def _known(value: str | None) -> str:
-    return "" if value is None else value
-
-
 def classify(message: str, exit_code: int) -> VerdictName | None:
-    """The verdict a termination stands for, or None when it is no evidence."""
+    """The verdict a termination stands for, or None when it is no evidence (including
+    "nothing to check", which carries neither verdict line)."""
     first = message.strip().splitlines()[0] if message.strip() else ""
-    if first.startswith(NOTHING_PREFIX):
-        return None
-    if exit_code == 0 and first.startswith(USABLE_PREFIX):
+    if exit_code == 0 and first.startswith(USABLE):
         return "Usable"
-    if exit_code == 1 and first.startswith(UNUSABLE_PREFIX):
+    if exit_code == 1 and first.startswith(UNUSABLE):
         return "Unusable"
     return None
 
@@ -145,18 +138,20 @@ def classify(message: str, exit_code: int) -> VerdictName | None:
 def _cause(first_line: str) -> str:
     """The probe's first line without its verdict prefix: the webhook and the Events put
     their own words in front ("… which this image cannot serve: <cause>")."""
-    prefix = UNUSABLE_PREFIX + " in this image: "
-    return first_line[len(prefix) :] if first_line.startswith(prefix) else first_line
+    return first_line.removeprefix(UNUSABLE)
 
 
-def _terminations(status: Mapping[str, Any]) -> Iterator[tuple[Mapping[str, Any], int]]:
-    # The current state is the newest; lastState holds the previous run while the
-    # container restarts (Init:CrashLoopBackOff shows "waiting" with lastState terminated).
+def _termination(status: Mapping[str, Any]) -> tuple[Mapping[str, Any], int] | None:
+    """The newest termination and the run it ended (its restart count), if any.
+
+    The current state is the newest; lastState holds the previous run while the
+    container restarts (Init:CrashLoopBackOff shows "waiting" with lastState terminated).
+    """
     for section in ("state", "lastState"):
         terminated = as_map(as_map(status.get(section)).get("terminated"))
         if terminated:
-            yield terminated, int(status.get("restartCount") or 0) - (section == "lastState")
-            return
+            return terminated, int(status.get("restartCount") or 0) - (section == "lastState")
+    return None
 
 
 def outcomes_of(pod: Mapping[str, Any], probe_image: str | None = None) -> list[ProbeOutcome]:
@@ -173,41 +168,45 @@ def outcomes_of(pod: Mapping[str, Any], probe_image: str | None = None) -> list[
         for c in as_list(spec.get("initContainers"))
         if isinstance(c, Mapping) and runs_the_probe(c)
     }
-    found: list[ProbeOutcome] = []
-    for status in as_list(as_map(pod.get("status")).get("initContainerStatuses")):
-        if not isinstance(status, Mapping):
-            continue
-        name = status.get("name")
-        if not isinstance(name, str) or not is_probe_container(name) or name not in spec_images:
-            continue
-        for terminated, restarts in _terminations(status):
-            message = terminated.get("message")
-            message = message if isinstance(message, str) else ""
-            code = terminated.get("exitCode")
-            if not isinstance(code, int):
-                continue
-            verdict = classify(message, code)
-            if verdict is None:
-                continue
-            image = spec_images[name] or status.get("image")
-            if not isinstance(image, str) or not image:
-                continue
-            lines = message.strip().splitlines()
-            found.append(
-                ProbeOutcome(
-                    container=name,
-                    image=image,
-                    digest=digest_of(status.get("imageID")),
-                    verdict=verdict,
-                    reason=_cause(lines[0])[:MAX_REASON],
-                    report=message.strip()[:4096],
-                    versions=parse_versions(message),
-                    finished_at=str(terminated.get("finishedAt") or ""),
-                    exit_code=code,
-                    restart_count=max(restarts, 0),
-                )
-            )
-    return found
+    found = (
+        _outcome(status, spec_images)
+        for status in as_list(as_map(pod.get("status")).get("initContainerStatuses"))
+        if isinstance(status, Mapping)
+    )
+    return [o for o in found if o is not None]
+
+
+def _outcome(status: Mapping[str, Any], spec_images: Mapping[Any, Any]) -> ProbeOutcome | None:
+    """One init container's status → its probe outcome, if it is a trusted probe whose
+    last termination is evidence."""
+    name = status.get("name")
+    if not isinstance(name, str) or not is_probe_container(name) or name not in spec_images:
+        return None
+    termination = _termination(status)
+    if termination is None:
+        return None
+    terminated, restarts = termination
+    message = terminated.get("message")
+    message = message if isinstance(message, str) else ""
+    code = terminated.get("exitCode")
+    if not isinstance(code, int):
+        return None
+    verdict = classify(message, code)
+    image = spec_images[name] or status.get("image")
+    if verdict is None or not isinstance(image, str) or not image:
+        return None
+    return ProbeOutcome(
+        container=name,
+        image=image,
+        digest=digest_of(status.get("imageID")),
+        verdict=verdict,
+        reason=_cause(message.strip().splitlines()[0])[:MAX_REASON],
+        report=message.strip()[:4096],
+        versions=parse_versions(message),
+        finished_at=str(terminated.get("finishedAt") or ""),
+        exit_code=code,
+        restart_count=max(restarts, 0),
+    )
 
 
 def verdict_name(image: str, digest: str | None) -> str:

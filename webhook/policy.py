@@ -13,16 +13,20 @@ from typing import Any, Literal
 
 from webhook.argv import FLAG, NOTHING, analyse_container, container_argv
 from webhook.imageref import ImageRef, ImageRefError, parse
-from webhook.namespaces import Mode, NamespaceIndex
-from webhook.outcome import runs_the_probe
+from webhook.namespaces import INJECT_KEY, Mode, NamespaceIndex, opts_in
+from webhook.outcome import is_probe_container, runs_the_probe
 from webhook.review import AdmissionRequest
 from webhook.rules import Rule, RuleSet, RulesHolder
 from webhook.verdicts import NoVerdicts, VerdictHit, VerdictLookup
-from webhook.workloads import ContainerView, PodTemplateView, annotations_of, pod_templates
+from webhook.workloads import (
+    ContainerView,
+    PodTemplateView,
+    annotations_of,
+    as_map,
+    pod_templates,
+)
 
 SKIP_ANNOTATION = "epguard.io/skip"
-INJECT_ANNOTATION = "epguard.io/inject"
-PROBE_CONTAINER = "epguard-probe"
 JUDGED_OPERATIONS = frozenset({"CREATE", "UPDATE"})
 # Subresources that carry a pod spec worth judging; /status, /scale … do not.
 JUDGED_SUBRESOURCES = frozenset({"", "ephemeralcontainers"})
@@ -87,11 +91,6 @@ def _strip_period(text: str) -> str:
     return text.strip().rstrip(".").strip()
 
 
-def _is_probe_name(name: str) -> bool:
-    # The injector names one probe per worker: epguard-probe, epguard-probe-<worker>.
-    return name == PROBE_CONTAINER or name.startswith(PROBE_CONTAINER + "-")
-
-
 def _runs_the_probe(c: ContainerView) -> bool:
     """An init container whose argv is the probe call, ``python3 …/probe [opts] -- ARGV``.
 
@@ -103,7 +102,7 @@ def _runs_the_probe(c: ContainerView) -> bool:
 
 
 def _is_probe(c: ContainerView) -> bool:
-    if _is_probe_name(c.name):
+    if is_probe_container(c.name):
         return True
     argv = container_argv(c.raw) if c.kind == "initContainer" else ()
     return any("epguard" in a and "probe" in a for a in argv)
@@ -165,7 +164,7 @@ def _template_findings(
     findings: list[Finding] = []
     probe_present = (
         namespace_injects
-        or t.annotations.get(INJECT_ANNOTATION, "").strip().lower() in ("enabled", "true")
+        or opts_in(t.annotations.get(INJECT_KEY))
         or any(_is_probe(c) for c in t.containers if c.kind == "initContainer")
     )
     rules = state.rules.current
@@ -221,7 +220,7 @@ def _template_findings(
                     "warn",
                     f"{subject} requests {FLAG} mooncake and epguard knows nothing about this "
                     "image: add the epguard probe or enable injection "
-                    f"(label the namespace {INJECT_ANNOTATION}=enabled)",
+                    f"(label the namespace {INJECT_KEY}=enabled)",
                 )
             )
     return findings
@@ -315,11 +314,11 @@ def decide(
     # An exemption counts only where it let a denial through: an annotated object that
     # would have been admitted anyway is plain "allowed", so the exempted count (and the
     # log line) measure what the annotation actually did.
+    # (Without any denial left, a template exemption is what dropped them, if anything.)
     denied = any(f.severity == "deny" for f in findings)
-    exemption = judgement.exemption if denied else None
-    if not denied:
-        exemption = judgement.template_exemption  # the only denials were exempted ones
-    return _conclude(findings, mode, exemption)
+    return _conclude(
+        findings, mode, judgement.exemption if denied else judgement.template_exemption
+    )
 
 
 def _conclude(findings: list[Finding], mode: Mode, exemption: str | None) -> Decision:
@@ -382,8 +381,6 @@ def _conclude(findings: list[Finding], mode: Mode, exemption: str | None) -> Dec
 
 def describe_object(obj: Any) -> str:
     """``Kind ns/name`` for logs."""
-    from webhook.workloads import as_map
-
     o = as_map(obj)
     meta = as_map(o.get("metadata"))
     kind = o.get("kind") if isinstance(o.get("kind"), str) else "object"

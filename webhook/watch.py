@@ -22,14 +22,9 @@ from typing import Any, Protocol
 from webhook.metrics import Metrics
 from webhook.namespaces import MODE_LABEL, NamespaceIndex
 from webhook.rules import RulesError, RulesHolder, load_rules_text
-from webhook.verdicts import VerdictStore, verdict_from_object
+from webhook.verdicts import VerdictStore, image_verdict_resource, verdict_from_object
 
 log = logging.getLogger("epguard.watch")
-
-VERDICT_GROUP = "epguard.io"
-VERDICT_VERSION = "v1alpha1"
-VERDICT_KIND = "ImageVerdict"
-VERDICT_PLURAL = "imageverdicts"
 
 
 def _meta_name(obj: Any) -> str | None:
@@ -244,13 +239,10 @@ def kube_config(explicit: str | None) -> Any | None:
 def lightkube_sources(config: Any, namespace: str, configmap: str) -> dict[str, Source]:
     """The three sources, over one lightkube AsyncClient."""
     from lightkube import AsyncClient
-    from lightkube.generic_resource import create_global_resource
     from lightkube.resources.core_v1 import ConfigMap, Namespace
 
     client = AsyncClient(config=config, field_manager="epguard-webhook")
-    ImageVerdict = create_global_resource(
-        VERDICT_GROUP, VERDICT_VERSION, VERDICT_KIND, VERDICT_PLURAL
-    )
+    ImageVerdict = image_verdict_resource()
     cm_fields = {"metadata.name": configmap}
 
     def listing(res: Any, **kw: Any) -> Callable[[], AsyncIterator[Mapping[str, Any]]]:

@@ -12,8 +12,8 @@ from webhook.injection import (
     InjectionSettings,
     label_patch,
     plan,
-    wants_injection,
 )
+from webhook.namespaces import INJECT_KEY, opts_in, settings_from_labels
 
 SETTINGS = InjectionSettings(epguard_image="ghcr.io/epguard/epguard:0.1.0")
 IMAGE = "docker.io/lmsysorg/sglang:v0.5.18-cu130"
@@ -119,10 +119,10 @@ def test_malformed_specs_are_left_alone(spec: Any) -> None:
 
 
 def test_opt_in_is_the_namespace_label_or_the_pod_annotation() -> None:
-    assert wants_injection({"epguard.io/inject": "enabled"}, {})
-    assert wants_injection({}, {"epguard.io/inject": "enabled"})
-    assert not wants_injection({"epguard.io/inject": "disabled"}, {})
-    assert not wants_injection({}, {})
+    assert settings_from_labels({"epguard.io/inject": "enabled"}).inject
+    assert opts_in({"epguard.io/inject": "enabled"}.get(INJECT_KEY))
+    assert not settings_from_labels({"epguard.io/inject": "disabled"}).inject
+    assert not opts_in({}.get(INJECT_KEY))
 
 
 def test_copy_container_runs_as_the_epguard_user_even_in_a_root_pod() -> None:

@@ -29,7 +29,6 @@ from lightkube.core.exceptions import ApiError
 from lightkube.generic_resource import (
     GenericGlobalResource,
     GenericNamespacedResource,
-    create_global_resource,
     create_namespaced_resource,
 )
 from lightkube.models.core_v1 import EventSource, ObjectReference
@@ -46,11 +45,12 @@ from webhook.outcome import (
     verdict_name,
     verdict_spec,
 )
+from webhook.verdicts import image_verdict_resource
 from webhook.workloads import as_list, as_map
 
 log = logging.getLogger("epguard.controller.recorder")
 
-ImageVerdict = create_global_resource("epguard.io", "v1alpha1", "ImageVerdict", "imageverdicts")
+ImageVerdict = image_verdict_resource()
 RECORDED_ANNOTATION = "epguard.io/probe-recorded"
 MAX_REMEMBERED = 20
 MAX_OWNER_DEPTH = 5
