@@ -16,7 +16,6 @@ tools: venv
 
 lint: venv
 	$(PY) -m ruff check webhook probe tests bench devcluster
-	cd probe && ../$(PY) -m ruff check .
 	$(PY) -m mypy
 
 test: tools lint

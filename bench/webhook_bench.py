@@ -39,6 +39,8 @@ from fastapi.responses import Response
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from devcluster.process import free_port  # noqa: E402
+
 BENCH_RULES = """
 rules:
   - id: bench-deny-0516-cu129
@@ -323,11 +325,6 @@ def _wait_port(port: int, proc: subprocess.Popen[bytes], what: str) -> None:
     raise SystemExit(f"{what} did not start")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def _cpu_seconds(pid: int) -> float:
     """User + system CPU the process has used (from /proc), to compare cost per request
@@ -378,7 +375,7 @@ def main() -> int:
             for k, v in os.environ.items()
             if not k.startswith("EPGUARD_") and k != "KUBECONFIG"
         }
-        wh_port, floor_port = _free_port(), _free_port()
+        wh_port, floor_port = free_port(), free_port()
         webhook = subprocess.Popen(
             [
                 sys.executable,

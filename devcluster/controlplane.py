@@ -34,7 +34,7 @@ import ssl
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,16 +91,13 @@ class ControlPlane:
         workdir: Path | None = None,
         *,
         detached: bool = False,
-        extra_apiserver_args: Sequence[str] = (),
     ) -> None:
         self._own_workdir = workdir is None
         self.workdir = Path(tempfile.mkdtemp(prefix=_WORK_PREFIX)) if workdir is None else workdir
         self.detached = detached
-        self.extra_apiserver_args = list(extra_apiserver_args)
         self.processes: list[ManagedProcess] = []
         self.endpoints: Endpoints | None = None
         self.data_dir: Path | None = None
-        self.ca: pki.CertificateAuthority | None = None
 
     # --- paths -----------------------------------------------------------------
 
@@ -261,7 +258,6 @@ class ControlPlane:
     def _write_pki(self) -> None:
         self.pki_dir.mkdir(parents=True, exist_ok=True)
         ca = pki.CertificateAuthority()
-        self.ca = ca
         self.ca_file.write_bytes(ca.cert_pem)
         pki.write_private(self.pki_dir / "ca.key", ca.pair.key)
         # 10.0.0.1 and the kubernetes.default names: what in-cluster clients would
@@ -346,7 +342,6 @@ class ControlPlane:
             f"--service-account-signing-key-file={d / 'sa.key'}",
             "--allow-privileged=true",
             "--profiling=false",
-            *self.extra_apiserver_args,
         ]
 
     def _start_apiserver(self, apiserver: Path) -> None:

@@ -33,12 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from devcluster.binaries import cache_dir
 from webhook.outcome import PROBE_CONTAINER
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROBE_DIR = REPO_ROOT / "probe"
-CACHE = Path(os.environ.get("EPGUARD_CACHE", Path.home() / ".cache" / "epguard"))
-REALPKGS = CACHE / "realpkgs"
+REALPKGS = cache_dir() / "realpkgs"
 TORCH_ENV = REALPKGS / "torch-2.13.0"
 # CUDA 12 mooncake wheel + an SGLang that imports mooncake.pg, over CUDA 13 torch.
 OVERLAYS = ("mte-0.3.13.post1", "sglang-0.5.23")

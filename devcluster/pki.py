@@ -19,14 +19,11 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from webhook.certs import cert_pem, key_pem, key_usage
+from webhook.certs import CLOCK_SKEW, cert_pem, key_pem, key_usage
 from webhook.certs import new_key as _new_key
 
 # Long enough for any dev session, short enough that a leaked file is harmless.
 _VALIDITY = datetime.timedelta(days=7)
-# Clock skew between certificate creation and first use on the same machine is
-# nil, but a few minutes of back-dating costs nothing.
-_BACKDATE = datetime.timedelta(minutes=5)
 
 
 @dataclass(frozen=True)
@@ -64,7 +61,7 @@ class CertificateAuthority:
             .issuer_name(name)
             .public_key(self._key.public_key())
             .serial_number(x509.random_serial_number())
-            .not_valid_before(now - _BACKDATE)
+            .not_valid_before(now - CLOCK_SKEW)
             .not_valid_after(now + _VALIDITY)
             .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
             .add_extension(
@@ -99,7 +96,7 @@ class CertificateAuthority:
             .issuer_name(self._cert.subject)
             .public_key(key.public_key())
             .serial_number(x509.random_serial_number())
-            .not_valid_before(now - _BACKDATE)
+            .not_valid_before(now - CLOCK_SKEW)
             .not_valid_after(now + _VALIDITY)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(

@@ -41,6 +41,7 @@ from devcluster import binaries
 from devcluster.controlplane import ControlPlane, ControlPlaneError
 from devcluster.process import ManagedProcess, free_port
 from devcluster.webhooktls import LocalWebhookTLS, WebhookTLSError, set_client_config
+from webhook.rules import default_rules_path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_RUN_DIR = REPO_ROOT / ".run"
@@ -149,8 +150,8 @@ def install_chart(cp: ControlPlane, chart: Path, helm_args: list[str]) -> str:
 
 def _rules_file(cp: ControlPlane, webhook_dir: Path) -> Path:
     """The rules the webhook starts with: the chart's ConfigMap if installed, else the
-    webhook's shipped defaults, else an empty rule set. (In the cluster the webhook
-    also watches the ConfigMap, so later edits apply either way.)"""
+    webhook's shipped defaults. (In the cluster the webhook also watches the ConfigMap,
+    so later edits apply either way.)"""
     dest = webhook_dir / "rules.yaml"
     r = cp.kubectl("get", "configmap", RULES_CONFIGMAP, "-n", NAMESPACE, "-o", "json")
     if r.returncode == 0:
@@ -158,10 +159,7 @@ def _rules_file(cp: ControlPlane, webhook_dir: Path) -> Path:
         if text:
             dest.write_text(text)
             return dest
-    for candidate in sorted((REPO_ROOT / "webhook").glob("**/*rules*.yaml")):
-        shutil.copyfile(candidate, dest)
-        return dest
-    dest.write_text("rules: []\n")
+    shutil.copyfile(default_rules_path(), dest)
     return dest
 
 

@@ -7,7 +7,6 @@ verdict itself always comes from what is installed and what the import does.
 
 CUDA12 = "mooncake-transfer-engine"
 CUDA13 = "mooncake-transfer-engine-cuda13"
-NON_CUDA = "mooncake-transfer-engine-non-cuda"
 
 _T9 = ("2.9.0", "2.9.1", "2.10.0")
 _T11 = ("2.9.1", "2.10.0", "2.11.0", "2.12.0")
@@ -58,10 +57,3 @@ def wheel_for(torch_version, cuda_major, need_set_transfer_engine=False):
             continue
         best = v
     return f"{dist}=={best}" if best else None
-
-
-def torch_versions_for(dist, version):
-    for d, v, torches in WHEELS:
-        if d == dist and v == version:
-            return list(torches)
-    return None

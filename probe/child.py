@@ -173,7 +173,8 @@ def main():
             ok = False
         emit(event="alternate", module=mod, ok=ok)
 
-    emit(event="backends", **backends())
+    registered = backends()
+    emit(event="backends", **registered)
 
     emit(event="step", step="cuda")
     try:
@@ -184,7 +185,7 @@ def main():
         available = False
         emit(event="cuda", available=False, devices=0, error=describe(exc))
 
-    caps = (backends().get("capability") or {})
+    caps = registered.get("capability") or {}
     if plan.get("level") == "smoke" and passed is not None and "mooncake-cpu" in caps:
         try:
             smoke(passed, available, plan.get("timeout", 60))

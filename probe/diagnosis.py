@@ -8,7 +8,6 @@ classification here uses the error together with the wheel's contents, the ELF
 dependencies of the extension and torch's CUDA version.
 """
 
-import os
 import re
 
 try:
@@ -124,10 +123,8 @@ def _ext_roots(o, module):
             roots.append(pkg.files.get("ep_" + key))
         roots.append(pkg.files.get("pg_" + key))
     roots = [r for r in roots if r]
-    for d in pkg.dirs:
-        for n in sorted(os.listdir(d)) if os.path.isdir(d) else []:
-            if module == "mooncake.ep" and n.startswith("_ep.") and n.endswith(".so"):
-                roots.append(os.path.join(d, n))
+    if module == "mooncake.ep":
+        roots += pkg.ep_core
     return roots + list(pkg.libs)
 
 

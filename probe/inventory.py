@@ -71,9 +71,8 @@ class Package:
         self.extensions = {"pg": [], "ep": []}  # torch versions, e.g. "2.13.0"
         self.other_abi = {"pg": [], "ep": []}  # built for another Python
         self.files = {}  # "pg_2_13_0" -> path
-        self.loaders = []  # "pg.py", "ep.py"
         self.jit = False  # 0.3.14: mooncake/_pg_jit sources, no pg_* modules
-        self.has_ep_core = False  # 0.3.13+: torch-independent mooncake._ep
+        self.ep_core = []  # 0.3.13+: paths of the torch-independent mooncake._ep
         self.libs = []  # libmooncake_pg.so and friends
 
     @property
@@ -109,12 +108,10 @@ def mooncake_package():
                     bucket[kind].append(ver)
                 if m.group(3) in suffixes:
                     pkg.files.setdefault(f"{kind}_{m.group(2)}", os.path.join(d, n))
-            elif n in ("pg.py", "ep.py"):
-                pkg.loaders.append(n)
             elif n == "_pg_jit" and os.path.isdir(os.path.join(d, n)):
                 pkg.jit = True
             elif n.startswith("_ep.") and n.endswith(".so"):
-                pkg.has_ep_core = True
+                pkg.ep_core.append(os.path.join(d, n))
             elif n.startswith("libmooncake") and n.endswith(".so"):
                 pkg.libs.append(os.path.join(d, n))
     for kind in ("pg", "ep"):

@@ -39,32 +39,22 @@ class Run:
         self.output_tail = ""
         self.finished = False  # the child reported "done"
 
-    def first(self, kind, **match):
-        for e in self.events:
-            if e.get("event") == kind and all(e.get(k) == v for k, v in match.items()):
-                return e
-        return None
-
-    def all(self, kind):
-        return [e for e in self.events if e.get("event") == kind]
-
 
 class Child:
     """A started child; ``send_plan`` then ``collect``."""
 
-    def __init__(self, timeout, python=None, cwd=None):
+    def __init__(self, timeout):
         self.timeout = timeout
         read_fd, write_fd = os.pipe()
         self._read_fd = read_fd
         try:
             self.proc = subprocess.Popen(
-                [python or sys.executable, "-c", _child_source(), str(write_fd)],
+                [sys.executable, "-c", _child_source(), str(write_fd)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 pass_fds=(write_fd,),
                 start_new_session=True,
-                cwd=cwd,
             )
         finally:
             os.close(write_fd)

@@ -7,13 +7,9 @@ they are skipped on machines without one and run where one exists.
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 
 import pytest
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-CACHE_DIR = Path(os.environ.get("EPGUARD_CACHE", Path.home() / ".cache" / "epguard"))
 
 
 def _has_gpu() -> bool:

@@ -4,6 +4,7 @@ per test session."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 from dataclasses import dataclass
@@ -78,6 +79,15 @@ def render(*extra: str, name: str = "") -> Rendered:
     if key not in _cache:
         _cache[key] = Rendered(name or " ".join(extra) or "defaults", template(*extra))
     return _cache[key]
+
+
+@functools.cache
+def notes(*extra: str) -> str:
+    """What `helm install` prints after NOTES: (a client-side dry run; cached)."""
+    out = run_helm(
+        "install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client", *extra
+    ).stdout
+    return out.split("NOTES:", 1)[1]
 
 
 def variant_args(path: Path | None) -> tuple[str, ...]:

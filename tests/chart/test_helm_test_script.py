@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import datetime as dt
 import os
-import socket
 import ssl
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from devcluster.process import free_port
 from tests.chart.chartlib import CHART, REPO, render
 from webhook import certs
 
@@ -29,12 +29,6 @@ class Server:
     url: str
     ca: Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def helm_test_pod_env(*values: str) -> tuple[dict[str, str], str, dict[str, str]]:

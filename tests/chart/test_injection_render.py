@@ -20,6 +20,7 @@ from tests.chart.chartlib import (
     VARIANT_IDS,
     VARIANTS,
     Rendered,
+    notes,
     render,
     run_helm,
     variant_args,
@@ -356,10 +357,7 @@ class TestWebhookEnvironment:
 
 class TestNotes:
     def notes(self, *extra: str) -> str:
-        out = run_helm(
-            "install", "epguard", str(CHART), "--namespace", NAMESPACE, "--dry-run=client", *extra
-        ).stdout
-        return out.split("NOTES:", 1)[1]
+        return notes(*extra)
 
     def test_notes_say_how_to_opt_in_to_injection(self) -> None:
         text = self.notes()

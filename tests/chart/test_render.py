@@ -14,6 +14,7 @@ from tests.chart.chartlib import (
     NAMESPACE,
     REPO,
     Rendered,
+    notes,
     run_helm,
     variant_args,
 )
@@ -581,10 +582,7 @@ class TestHelmTest:
 
 class TestNotes:
     def notes(self, *extra: str) -> str:
-        out = run_helm(
-            "install", "epguard", str(CHART), "--namespace", NAMESPACE, "--dry-run=client", *extra
-        ).stdout
-        return out.split("NOTES:", 1)[1]
+        return notes(*extra)
 
     def test_risky_settings_come_first(self) -> None:
         text = self.notes("-f", str(CHART / "ci" / "one-replica-fail-values.yaml"))

@@ -9,42 +9,32 @@ import base64
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
 from devcluster import ControlPlane
+from devcluster.process import free_port
+from devcluster.stack import NAMESPACE, REPO_ROOT
+from tests.chart.chartlib import render
 from tests.cluster import running_control_plane
 from webhook import certs
 
 pytestmark = pytest.mark.e2e
 
-REPO = Path(__file__).resolve().parents[2]
-CHART = REPO / "charts" / "epguard"
-NS = "epguard-system"
-CACHE = Path(os.environ.get("EPGUARD_CACHE", Path.home() / ".cache" / "epguard"))
-HELM, KUBECTL = CACHE / "bin" / "helm", CACHE / "bin" / "kubectl"
+NS = NAMESPACE
 CONTROLLER_SA = f"system:serviceaccount:{NS}:epguard-controller"
 WEBHOOK_SA = f"system:serviceaccount:{NS}:epguard-webhook"
 
 
 def rendered(*extra: str) -> list[dict[str, Any]]:
-    out = subprocess.run(
-        [str(HELM), "template", "epguard", str(CHART), "-n", NS, *extra],
-        check=True,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "KUBECONFIG": "/dev/null"},
-    ).stdout
-    return [d for d in yaml.safe_load_all(out) if d]
+    return render(*extra).objects
 
 
 class Cluster:
@@ -53,36 +43,17 @@ class Cluster:
         self.env = {**os.environ, "KUBECONFIG": str(cp.kubeconfig)}
 
     def kubectl(self, *args: str, stdin: str | None = None, check: bool = True) -> str:
-        proc = subprocess.run(
-            [str(KUBECTL), *args],
-            input=stdin,
-            capture_output=True,
-            text=True,
-            env=self.env,
-            timeout=120,
-        )
+        proc = self.cp.kubectl(*args, input=stdin)
         if check and proc.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)}: {proc.stderr}")
         return proc.stdout
 
     def get(self, *args: str) -> dict[str, Any] | None:
-        proc = subprocess.run(
-            [str(KUBECTL), "get", *args, "-o", "json"],
-            capture_output=True,
-            text=True,
-            env=self.env,
-            timeout=120,
-        )
+        proc = self.cp.kubectl("get", *args, "-o", "json")
         return json.loads(proc.stdout) if proc.returncode == 0 else None
 
     def can(self, who: str, verb: str, resource: str, *extra: str) -> bool:
-        proc = subprocess.run(
-            [str(KUBECTL), "auth", "can-i", verb, resource, f"--as={who}", *extra],
-            capture_output=True,
-            text=True,
-            env=self.env,
-            timeout=60,
-        )
+        proc = self.cp.kubectl("auth", "can-i", verb, resource, f"--as={who}", *extra)
         return proc.stdout.strip() == "yes"
 
 
@@ -139,7 +110,7 @@ def controller(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> It
     log = tmp_path_factory.mktemp("controller") / "controller.log"
     with log.open("w") as out:
         proc = subprocess.Popen(
-            [str(REPO / ".venv" / "bin" / container["command"][0])],
+            [str(REPO_ROOT / ".venv" / "bin" / container["command"][0])],
             env={**cluster.env, **env},
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -156,12 +127,6 @@ def controller(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> It
                 proc.kill()
         print(log.read_text()[-4000:])
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def bundles(cluster: Cluster) -> set[str]:

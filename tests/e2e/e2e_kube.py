@@ -12,13 +12,11 @@ from typing import Any
 import yaml
 
 from devcluster import ControlPlane
-
-RELEASE_NAMESPACE = "epguard-system"
-RULES_CONFIGMAP = "epguard-rules"
+from devcluster.stack import NAMESPACE as RELEASE_NAMESPACE
+from devcluster.stack import RULES_CONFIGMAP
 
 # The image the session's deny rule names (added by the `deny_rule` fixture).
 BAD_IMAGE = "registry.example.com/e2e/sglang:bad-1"
-BAD_IMAGE_NORMALIZED = BAD_IMAGE  # already fully qualified
 DENY_RULE_ID = "e2e-bad-image"
 DENY_RULE = {
     "id": DENY_RULE_ID,

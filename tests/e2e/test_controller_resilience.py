@@ -24,7 +24,8 @@ from e2e_kube import as_yaml, eventually
 from devcluster import ControlPlane
 from devcluster.process import ManagedProcess
 from devcluster.stack import CHART_DIR, NAMESPACE, REPO_ROOT, _child_env, install_chart
-from tests.loop.conftest import pod_with_probe_status, run_real_probe
+from tests.cluster import running_control_plane
+from tests.loop.probe_pods import pod_with_probe_status, run_real_probe
 from webhook.outcome import PROBED_LABEL, verdict_name
 
 pytestmark = pytest.mark.e2e
@@ -37,7 +38,7 @@ RECORDED = "recorded Unusable for"
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
-    with ControlPlane() as cp:
+    with running_control_plane() as cp:
         install_chart(cp, CHART_DIR, [])
         yield cp
 

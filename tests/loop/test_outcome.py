@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 from pathlib import Path
 
-from tests.loop.conftest import pod_with_probe_status, run_real_probe
+from tests.loop.probe_pods import pod_with_probe_status, run_real_probe
 from webhook.outcome import (
     classify,
     digest_of,

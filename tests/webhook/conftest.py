@@ -10,23 +10,15 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from webhook_factory import TEST_RULES
+from webhook_factory import TEST_RULES, make_state
 from webhook_server import RunningServer, running_server
 
-from webhook.policy import PolicyConfig, PolicyState
-from webhook.rules import load_rules_text
+from webhook.policy import PolicyState
 
 
 @pytest.fixture
 def state() -> PolicyState:
-    return PolicyState.from_rules(load_rules_text(TEST_RULES, "test-rules"))
-
-
-def make_state(**config: object) -> PolicyState:
-    return PolicyState.from_rules(
-        load_rules_text(TEST_RULES, "test-rules"),
-        PolicyConfig(**config),  # type: ignore[arg-type]
-    )
+    return make_state()
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import pytest
 from webhook_factory import TEST_RULES
 from webhook_pki import issue, make_ca, write_pair
 
+from devcluster.process import free_port
 from webhook.settings import SettingsError, load
 
 REPO = Path(__file__).resolve().parents[2]
@@ -82,11 +82,6 @@ def test_rejects_bad_settings(env: dict[str, str], complaint: str) -> None:
         load([], env)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def test_runs_as_a_process_and_stops_on_sigterm(tmp_path: Path) -> None:
     issued = issue(make_ca())
@@ -95,7 +90,7 @@ def test_runs_as_a_process_and_stops_on_sigterm(tmp_path: Path) -> None:
     (tmp_path / "ca.crt").write_bytes(issued.ca_pem)
     rules = tmp_path / "rules.yaml"
     rules.write_text(TEST_RULES)
-    port = _free_port()
+    port = free_port()
     env = {
         k: v for k, v in os.environ.items() if not k.startswith("EPGUARD_") and k != "KUBECONFIG"
     }

@@ -5,8 +5,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from conftest import make_state
-from webhook_factory import container, pod, request
+from webhook_factory import container, make_state, pod, request
 
 from webhook.policy import decide
 from webhook.verdicts import VerdictStore, verdict_from_object

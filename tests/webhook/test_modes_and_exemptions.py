@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
-from conftest import make_state
-from webhook_factory import GOOD_IMAGE, container, pod, pod_spec, request, template, workload
+from webhook_factory import (
+    GOOD_IMAGE,
+    container,
+    make_state,
+    pod,
+    pod_spec,
+    request,
+    template,
+    workload,
+)
 
 from webhook.policy import PolicyState, decide
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+from webhook.policy import PolicyConfig, PolicyState
 from webhook.review import AdmissionRequest
+from webhook.rules import load_rules_text
 
 _uid = itertools.count(1)
 
@@ -155,3 +157,12 @@ def review(
 
 def request(obj: Any, **kw: Any) -> AdmissionRequest:
     return AdmissionRequest.model_validate(review(obj, **kw)["request"])
+
+
+def make_state(**config: object) -> PolicyState:
+    """Policy state holding TEST_RULES. (Here, not in conftest: several conftest modules
+    share that import name, so `from conftest import` depends on collection order.)"""
+    return PolicyState.from_rules(
+        load_rules_text(TEST_RULES, "test-rules"),
+        PolicyConfig(**config),  # type: ignore[arg-type]
+    )

@@ -1,0 +1,80 @@
+"""Probe runs and kubelet-style pod status for the probe → verdict → admission loop tests
+(shared with the e2e tests; kept out of conftest so importing it is plain)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+WORKER_ARGV = ["python3", "-m", "sglang.launch_server", "--elastic-ep-backend", "mooncake"]
+
+
+def run_real_probe(tmp_path: Path, argv: list[str] = WORKER_ARGV) -> tuple[int, str]:
+    """Run the real probe in this interpreter (no torch, no mooncake here) and return
+    its exit code and the termination message it wrote, as the kubelet would read it."""
+    log = tmp_path / "termination-log"
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "probe"), "--termination-log", str(log), "--", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    return proc.returncode, log.read_text() if log.exists() else ""
+
+
+def pod_with_probe_status(
+    message: str,
+    exit_code: int,
+    *,
+    image: str = "docker.io/lmsysorg/sglang:v0.5.18-cu130",
+    image_id: str = "docker.io/lmsysorg/sglang@sha256:" + "ab" * 32,
+    section: str = "state",
+    restart_count: int = 0,
+) -> dict[str, Any]:
+    """A pod as the API returns it after the kubelet wrote the probe's termination."""
+    terminated = {
+        "exitCode": exit_code,
+        "reason": "Error" if exit_code else "Completed",
+        "message": message,
+        "startedAt": "2026-11-30T20:00:00Z",
+        "finishedAt": "2026-11-30T20:00:07Z",
+    }
+    status: dict[str, Any] = {
+        "name": "epguard-probe",
+        "image": image,
+        "imageID": image_id,
+        "ready": False,
+        "restartCount": restart_count,
+        "state": {"terminated": terminated},
+    }
+    if section == "lastState":
+        status["state"] = {"waiting": {"reason": "CrashLoopBackOff"}}
+        status["lastState"] = {"terminated": terminated}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "worker-0", "namespace": "llm", "uid": "u-1"},
+        "spec": {
+            "initContainers": [
+                {"name": "epguard-copy-probe", "image": "epguard:dev"},
+                {
+                    "name": "epguard-probe",
+                    "image": image,
+                    "command": [
+                        "python3",
+                        "/epguard/probe",
+                        "--termination-log",
+                        "/dev/termination-log",
+                        "--",
+                        *WORKER_ARGV,
+                    ],
+                },
+            ],
+            "containers": [{"name": "worker", "image": image}],
+        },
+        "status": {"phase": "Pending", "initContainerStatuses": [status]},
+    }
