@@ -10,14 +10,15 @@ import argparse
 import importlib
 import json
 import os
+import stat
 import sys
 import traceback
 
 try:
-    from . import message, request, sandbox
+    from . import cmdline, message, sandbox
 except ImportError:  # run as `python3 probe`: the directory itself is on sys.path
+    import cmdline
     import message
-    import request
     import sandbox
 
 
@@ -28,6 +29,36 @@ def _sibling(name):
     return importlib.import_module(name)
 
 DEFAULT_TERMINATION_LOG = "/dev/termination-log"
+# SGLang's --config is a tenant's file: read only a regular file of reasonable size.
+MAX_CONFIG_BYTES = 256 * 1024
+
+
+def read_config(path):
+    """The text of a worker's ``--config`` file, or None if it cannot be read safely."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_CONFIG_BYTES:
+            return None
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_CONFIG_BYTES:
+        return None
+    return data.decode("utf-8", "replace")
+
+
+def read_request(worker):
+    """The one reader (cmdline.py), with the option table of the SGLang in this image."""
+    version = _sibling("inventory").dist_version("sglang")
+    return cmdline.read(worker, env=os.environ, release=version or None,
+                        read_config=read_config)
 
 
 def _parser():
@@ -198,7 +229,7 @@ def main(argv=None):
 
 
 def _run(opts, worker):
-    req_argv = request.detect(worker)
+    req_argv = read_request(worker)
     if not req_argv.requested and not opts.always:
         why = ("the worker argv does not request --elastic-ep-backend mooncake"
                if worker else "no worker argv given (expected: -- WORKER_ARGV...)")

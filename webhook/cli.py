@@ -21,7 +21,7 @@ from webhook.namespaces import MODES, Mode, NamespaceIndex
 from webhook.policy import Decision, PolicyConfig, PolicyState, decide
 from webhook.review import AdmissionRequest, GroupVersionKind
 from webhook.rules import RulesError, RulesHolder, default_rules_path, load_rules_file
-from webhook.workloads import KNOWN_KINDS, as_map, group_of
+from webhook.workloads import KindError, KindRegistry, as_map, group_of, parse_kinds
 
 EXIT_OK, EXIT_DENIED, EXIT_ERROR = 0, 1, 2
 
@@ -63,7 +63,7 @@ def check_object(obj: Any, state: PolicyState, namespace: str | None) -> Decisio
     if not isinstance(kind, str):
         return None
     group = group_of(o.get("apiVersion"))
-    if (group, kind) not in KNOWN_KINDS:
+    if not state.config.kinds.knows(group, kind):
         return None
     api_version = o.get("apiVersion")
     version = api_version.rsplit("/", 1)[-1] if isinstance(api_version, str) else ""
@@ -117,12 +117,20 @@ def cmd_check(args: argparse.Namespace) -> int:
     except RulesError as exc:
         print(f"epguard: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    kinds = KindRegistry()
+    if args.kinds:
+        try:
+            with open(args.kinds, encoding="utf-8") as fh:
+                kinds = KindRegistry(parse_kinds(fh.read(), args.kinds))
+        except (OSError, UnicodeDecodeError, KindError) as exc:
+            print(f"epguard: {exc}", file=sys.stderr)
+            return EXIT_ERROR
     mode: Mode = args.mode
     namespaces = NamespaceIndex()
     state = PolicyState(
         rules=RulesHolder(rules),
         namespaces=namespaces,
-        config=PolicyConfig(default_mode=mode, allow_skip=not args.no_skip),
+        config=PolicyConfig(default_mode=mode, allow_skip=not args.no_skip, kinds=kinds),
     )
     results: list[Checked] = []
     checked = skipped = 0
@@ -192,6 +200,11 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--mode", choices=MODES, default="enforce", help="default enforce")
     c.add_argument("--namespace", help="namespace for objects that name none")
     c.add_argument("--no-skip", action="store_true", help="ignore the epguard.io/skip annotation")
+    c.add_argument(
+        "--kinds",
+        metavar="FILE",
+        help="YAML list of extra workload kinds (the chart value webhook.extraKinds)",
+    )
     c.add_argument("-o", "--output", choices=("text", "json"), default="text")
     c.set_defaults(func=cmd_check)
     r = sub.add_parser("rules", help="validate rules files")

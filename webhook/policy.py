@@ -19,11 +19,12 @@ from webhook.review import AdmissionRequest
 from webhook.rules import Rule, RuleSet, RulesHolder
 from webhook.verdicts import NoVerdicts, VerdictHit, VerdictLookup
 from webhook.workloads import (
+    BUILTIN,
     ContainerView,
+    KindRegistry,
     PodTemplateView,
     annotations_of,
     as_map,
-    pod_templates,
 )
 
 SKIP_ANNOTATION = "epguard.io/skip"
@@ -49,6 +50,7 @@ class Finding:
 class PolicyConfig:
     default_mode: Mode = "enforce"
     allow_skip: bool = True
+    kinds: KindRegistry = BUILTIN
 
 
 @dataclass
@@ -281,7 +283,8 @@ def decide(
         return ALLOW_IGNORED
     if (request.subResource or "") not in JUDGED_SUBRESOURCES:
         return ALLOW_IGNORED
-    templates = pod_templates(request.kind.group, request.kind.kind, request.object)
+    kinds = state.config.kinds
+    templates = kinds.pod_templates(request.kind.group, request.kind.kind, request.object)
     if templates is None:
         return ALLOW_IGNORED  # a kind epguard does not judge: never in the way
     now = now or dt.datetime.now(dt.UTC)
@@ -294,7 +297,9 @@ def decide(
     if request.operation == "UPDATE" and request.oldObject is not None:
         # Do not block an update (a scale-down, a finalizer removal, a label) of an
         # object whose problem was already there: only what the update introduces.
-        old_templates = pod_templates(request.kind.group, request.kind.kind, request.oldObject)
+        old_templates = kinds.pod_templates(
+            request.kind.group, request.kind.kind, request.oldObject
+        )
         old_keys = {
             f.key
             for f in _judge(old_templates or [], {}, state, now, ns.inject).findings

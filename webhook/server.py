@@ -38,6 +38,7 @@ from webhook.watch import (
     lightkube_sources,
     run_watch,
 )
+from webhook.workloads import KindRegistry
 
 log = logging.getLogger("epguard.server")
 
@@ -71,7 +72,11 @@ class Runtime:
             rules=RulesHolder(file_rules),
             namespaces=NamespaceIndex(),
             verdicts=self.verdicts,
-            config=PolicyConfig(default_mode=settings.mode, allow_skip=settings.allow_skip),
+            config=PolicyConfig(
+                default_mode=settings.mode,
+                allow_skip=settings.allow_skip,
+                kinds=KindRegistry(settings.extra_kinds),
+            ),
         )
         self.tls: ReloadingTLS | None = None
         if settings.tls_cert and settings.tls_key:

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from webhook.namespaces import MODES, Mode, parse_mode
+from webhook.workloads import KindError, KindSpec, parse_kinds
 
 TRUE = frozenset({"1", "true", "yes", "on"})
 FALSE = frozenset({"0", "false", "no", "off"})
@@ -47,6 +48,8 @@ class Settings:
     # the pod, and how deep the probe checks (import | smoke).
     inject_image: str = "epguard:dev"
     probe_level: str = "import"
+    # Workload kinds an admin added (chart value webhook.extraKinds).
+    extra_kinds: tuple[KindSpec, ...] = ()
 
 
 def _bool(name: str, value: str) -> bool:
@@ -99,6 +102,11 @@ def parser() -> argparse.ArgumentParser:
         choices=PROBE_LEVELS,
         help="probe depth in injected pods [EPGUARD_PROBE_LEVEL] (default import)",
     )
+    p.add_argument(
+        "--extra-kinds",
+        help="JSON list of workload kinds to judge besides the built-in ones, as the chart "
+        "value webhook.extraKinds [EPGUARD_EXTRA_KINDS]",
+    )
     return p
 
 
@@ -144,6 +152,11 @@ def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     cert, key = pick(ns.tls_cert, "EPGUARD_TLS_CERT"), pick(ns.tls_key, "EPGUARD_TLS_KEY")
     if (cert is None) != (key is None):
         raise SettingsError("give both --tls-cert and --tls-key, or neither")
+    kinds_text = pick(ns.extra_kinds, "EPGUARD_EXTRA_KINDS")
+    try:
+        extra_kinds = parse_kinds(kinds_text, "EPGUARD_EXTRA_KINDS") if kinds_text else ()
+    except KindError as exc:
+        raise SettingsError(str(exc)) from None
     return Settings(
         rules=pick(ns.rules, "EPGUARD_RULES"),
         tls_cert=cert,
@@ -162,4 +175,5 @@ def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         log_level=(pick(ns.log_level, "EPGUARD_LOG_LEVEL") or defaults.log_level).lower(),
         inject_image=pick(ns.inject_image, "EPGUARD_INJECT_IMAGE") or defaults.inject_image,
         probe_level=probe_level,
+        extra_kinds=extra_kinds,
     )

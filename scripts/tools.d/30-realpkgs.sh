@@ -55,4 +55,30 @@ for entry in "${overlays[@]}"; do
         --no-deps --target "$dest" "$req"
     touch "$dest/.done"
 done
+
+# SGLang's own parser (scripts/sglang_options.py, tests/probe/test_sglang_parser.py): its
+# import chain needs numpy, transformers, pydantic … beside torch. One overlay for those
+# (exact pins, --no-deps: torch must not be pulled in a second time), and per release the
+# transformers version that release pins.
+deps="$cache/overlays/sglang-parser-deps"
+reqs="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/sglang-parser-requirements.txt"
+stamp="$(sha256sum "$reqs" | cut -c1-16)"
+if [ "$(cat "$deps/.done" 2>/dev/null)" != "$stamp" ]; then
+    echo "realpkgs: SGLang parser dependencies -> overlays/sglang-parser-deps"
+    rm -rf "$deps"
+    "$venv/bin/python" -m pip install --quiet --no-cache-dir --progress-bar off \
+        --no-deps --target "$deps" -r "$reqs"
+    echo "$stamp" > "$deps/.done"
+fi
+for sgl in "$cache"/overlays/sglang-[0-9]*/; do
+    pin="$(grep -h '^Requires-Dist: transformers==' "$sgl"/sglang-*.dist-info/METADATA | head -1 | cut -d= -f3)"
+    [ -n "$pin" ] || continue
+    dest="$cache/overlays/transformers-$pin"
+    [ -f "$dest/.done" ] && continue
+    echo "realpkgs: transformers==$pin -> overlays/transformers-$pin"
+    rm -rf "$dest"
+    "$venv/bin/python" -m pip install --quiet --no-cache-dir --progress-bar off \
+        --no-deps --target "$dest" "transformers==$pin"
+    touch "$dest/.done"
+done
 echo "realpkgs: ready under $cache"

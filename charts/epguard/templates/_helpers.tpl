@@ -90,18 +90,28 @@ podAntiAffinity:
 {{/*
 CEL for matchConditions.
 
-The needle is the shortest spelling of --elastic-ep-backend that argparse can accept
-(webhook/argv.py MIN_PREFIX); tests/chart asserts the two agree. Any container or init
-container whose command, args or literal env values contain it is sent to epguard, which
-covers `--elastic-ep-backend mooncake`, `--elastic-ep-backend=mooncake`, prefixes,
-`sh -c "..."` scripts and `$(VAR)` references to env values.
+The needle matches every spelling of --elastic-ep-backend that argparse accepts in some
+SGLang release (its prefixes down to the shortest one a release leaves unambiguous, as a
+whole word, alone or before "=") and nothing else: `--elasticsearch-url` does not match.
+tests/chart derives the same pattern from SGLang's option table (probe/cmdline.py) and
+asserts the two agree. Any container or init container whose command, args or literal
+env values hold it is sent to epguard, which covers `--elastic-ep-backend mooncake`, the
+`=` form, prefixes, `sh -c "..."` scripts and `$(VAR)` references to env values. The
+cheap `contains` runs first, so the regular expression only sees candidates.
 */}}
-{{- define "epguard.cel.needle" -}}--elastic{{- end -}}
+{{- define "epguard.cel.needle" -}}--el{{- end -}}
+{{- define "epguard.cel.needlePattern" -}}
+(^|[\\s\'"=;&|(])--el(a(s(t(i(c(-(e(p(-(b(a(c(k(e(n(d)?)?)?)?)?)?)?)?)?)?)?)?)?)?)?)?([\\s\'"=;&|)]|$)
+{{- end -}}
 
-{{/* CEL: container variable c mentions the needle. */}}
+{{/* CEL: string variable s holds a spelling of the flag. */}}
+{{- define "epguard.cel.holds" -}}
+{{ .s }}.contains('{{ include "epguard.cel.needle" . }}') && {{ .s }}.matches('{{ include "epguard.cel.needlePattern" . }}')
+{{- end -}}
+
+{{/* CEL: container variable c mentions the flag. */}}
 {{- define "epguard.cel.container" -}}
-{{- $n := include "epguard.cel.needle" . -}}
-(has({{ .c }}.command) && {{ .c }}.command.exists(s, s.contains('{{ $n }}'))) || (has({{ .c }}.args) && {{ .c }}.args.exists(s, s.contains('{{ $n }}'))) || (has({{ .c }}.env) && {{ .c }}.env.exists(e, has(e.value) && e.value.contains('{{ $n }}')))
+(has({{ .c }}.command) && {{ .c }}.command.exists(s, {{ include "epguard.cel.holds" (dict "s" "s") }})) || (has({{ .c }}.args) && {{ .c }}.args.exists(s, {{ include "epguard.cel.holds" (dict "s" "s") }})) || (has({{ .c }}.env) && {{ .c }}.env.exists(e, has(e.value) && {{ include "epguard.cel.holds" (dict "s" "e.value") }}))
 {{- end -}}
 
 {{/*
@@ -121,7 +131,50 @@ false instead of an error -- an error would apply failurePolicy to an unrelated 
 {{- range list "containers" "initContainers" -}}
 {{- $lists = append $lists (printf "(has(%s.%s) && %s.%s.exists(c, %s))" $acc . $acc . (include "epguard.cel.container" (dict "c" "c"))) -}}
 {{- end -}}
-({{ join " && " $guards }} && ({{ join " || " $lists }}))
+({{ if $guards }}{{ join " && " $guards }} && {{ end }}({{ join " || " $lists }}))
+{{- end -}}
+
+{{/*
+CEL: some value reached by a template path (webhook/workloads.py TemplatePath: dotted
+fields, `name[]` for every item of a list, `*` for every value of a map) mentions the
+needle. .var is the CEL expression walked so far, .segs the segments left, .shape what
+the path ends on (template, podSpec or container), .depth names the loop variables.
+Every step is guarded by has(), as above.
+*/}}
+{{- define "epguard.cel.walk" -}}
+{{- if not .segs -}}
+{{- if eq .shape "template" -}}
+{{ include "epguard.cel.podSpec" (dict "path" (printf "%s.spec" .var)) }}
+{{- else if eq .shape "podSpec" -}}
+{{ include "epguard.cel.podSpec" (dict "path" .var) }}
+{{- else -}}
+({{ include "epguard.cel.container" (dict "c" .var) }})
+{{- end -}}
+{{- else -}}
+{{- $seg := first .segs -}}
+{{- $next := dict "segs" (rest .segs) "shape" .shape "depth" (add1 .depth) -}}
+{{- $v := printf "x%d" .depth -}}
+{{- if eq $seg "*" -}}
+{{ .var }}.map(k{{ .depth }}, {{ .var }}[k{{ .depth }}]).exists({{ $v }}, {{ include "epguard.cel.walk" (set $next "var" $v) }})
+{{- else if hasSuffix "[]" $seg -}}
+{{- $f := trimSuffix "[]" $seg -}}
+(has({{ .var }}.{{ $f }}) && {{ .var }}.{{ $f }}.exists({{ $v }}, {{ include "epguard.cel.walk" (set $next "var" $v) }}))
+{{- else -}}
+(has({{ .var }}.{{ $seg }}) && {{ include "epguard.cel.walk" (set $next "var" (printf "%s.%s" .var $seg)) }})
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* CEL: an object of a kind described by template paths (.kind: templates, podSpecs,
+containers lists) mentions the needle in any of them. */}}
+{{- define "epguard.cel.kind" -}}
+{{- $any := list -}}
+{{- range $shape := list "template" "podSpec" "container" -}}
+{{- range (get $.kind (printf "%ss" $shape) | default list) -}}
+{{- $any = append $any (include "epguard.cel.walk" (dict "var" "object" "segs" (splitList "." .) "shape" $shape "depth" 0)) -}}
+{{- end -}}
+{{- end -}}
+{{ join " || " $any }}
 {{- end -}}
 
 {{/* CEL: a Pod (object.spec) mentions the needle. The pods webhook of the validating
@@ -130,10 +183,14 @@ configuration and both webhooks of the mutating one use exactly this text. */}}
 {{ include "epguard.cel.podSpec" (dict "path" "object.spec") }}
 {{- end -}}
 
-{{/* CEL: the Pod carries the opt-in annotation epguard.io/inject: "enabled". Guarded, so a
-pod without annotations is false, never an error. */}}
+{{/* The values of epguard.io/inject that opt in, on a namespace label or a pod annotation
+(webhook/namespaces.py INJECT_ON; tests/chart asserts they agree). */}}
+{{- define "epguard.injectValues" -}}["enabled", "true"]{{- end -}}
+
+{{/* CEL: the Pod carries the opt-in annotation epguard.io/inject (see injectValues).
+Guarded, so a pod without annotations is false, never an error. */}}
 {{- define "epguard.cel.injectAnnotation" -}}
-has(object.metadata) && has(object.metadata.annotations) && 'epguard.io/inject' in object.metadata.annotations && object.metadata.annotations['epguard.io/inject'] == 'enabled'
+has(object.metadata) && has(object.metadata.annotations) && 'epguard.io/inject' in object.metadata.annotations && object.metadata.annotations['epguard.io/inject'] in {{ include "epguard.injectValues" . }}
 {{- end -}}
 
 {{/* Namespaces no webhook of epguard is ever called for: kube-system, the release namespace,

@@ -1,0 +1,409 @@
+"""Does a worker's command line ask for ``--elastic-ep-backend mooncake``? The one reader.
+
+The admission webhook, ``epguard check`` and the in-pod probe all ask this question, and
+they must never disagree, so all three call ``read()`` here. Its truth is SGLang's own
+option table, extracted from real releases (scripts/sglang_options.py writes
+sglang_options.json beside this file) and interpreted by the standard library's
+argparse, exactly as SGLang does: prefixes and their ambiguity, ``--opt=value``, options
+that take no value (``--enable-dp-lm-head`` does not swallow the next word), ``--``, and
+the last occurrence wins. Nothing here is a hand-kept list of flags.
+
+- In the probe, the table of the SGLang release installed in the image is used (a
+  release newer than the table falls back to the newest table, and says so).
+- In the webhook, which cannot see the image, every release in the table is tried and
+  the answer is "requested" when any of them would run with mooncake.
+- Where SGLang itself would refuse to start (an ambiguous prefix, a missing value), the
+  answer comes from a lenient scan: the last spelling of the flag followed by mooncake.
+  Refusing to start is no harm; reading such a line as "requested" is the safe side.
+
+Shell scripts, wrappers and launchers are opened up by shell.py. Work is bounded: a
+command line larger than shell.BUDGET is judged "requested" if it mentions the flag at
+all, never parsed at any cost.
+
+Standard library only, Python >= 3.8.
+"""
+
+import argparse
+import json
+import os
+import re
+from typing import Callable, Mapping, Optional, Sequence
+
+try:
+    from . import shell
+except ImportError:  # run as `python3 probe`: this directory is on sys.path
+    import shell
+
+BACKEND = "--elastic-ep-backend"
+WANTED = "mooncake"
+CONFIG = "--config"
+TABLE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_options.json")
+
+# Launchers: how SGLang's server arguments start in a simple command.
+SGLANG_MODULES = ("sglang.launch_server", "sglang")
+DYNAMO_MODULE = "dynamo.sglang"
+_PYTHON = re.compile(r"python(?:[0-9](?:\.[0-9]+)?)?$")
+# Interpreter options that take the next word (python -X dev -W error -m …).
+_PYTHON_OPTS_WITH_ARG = frozenset(("-X", "-W", "--check-hash-based-pycs"))
+
+
+# --- SGLang's option table ----------------------------------------------------------------
+
+class OptionTable:
+    """Every option one SGLang release defines: names and how many values each takes."""
+
+    def __init__(self, release, options, backend_choices):
+        self.release = release
+        self.options = options  # [(nargs, (name, alias, ...)), ...]
+        self.backend_choices = tuple(backend_choices)
+        self._parser = None
+        self.backend_dest = None
+        self.dests = {}  # option name -> dest, for the few options the probe reports
+
+    def parser(self):
+        if self._parser is None:
+            self._parser = self._build()
+        return self._parser
+
+    def _build(self):
+        p = _Parser(prog="sglang", add_help=False, allow_abbrev=True)
+        for i, (nargs, names) in enumerate(self.options):
+            dest = "o" + str(i)
+            kwargs = {"dest": dest, "default": None}
+            if nargs == 0:
+                kwargs.update(action="store_const", const=True)
+            elif nargs is not None:
+                kwargs["nargs"] = nargs
+            p.add_argument(*names, **kwargs)
+            for name in names:
+                self.dests[name] = dest
+        self.backend_dest = self.dests.get(BACKEND)
+        return p
+
+
+class _Refused(Exception):
+    """SGLang's argparse would print this and exit 2: the worker would not start."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise _Refused(message)
+
+
+def _version_key(version):
+    return tuple(int(x) for x in re.findall(r"[0-9]+", version.split("+", 1)[0]))
+
+
+_TABLES = None
+
+
+def tables():
+    """Every release's OptionTable, oldest first (read once)."""
+    global _TABLES
+    if _TABLES is None:
+        with open(TABLE_FILE) as f:
+            doc = json.load(f)
+        out = []
+        for release, entry in doc["releases"].items():
+            options = [(o[0], tuple(o[1:])) for o in entry["options"]]
+            out.append(OptionTable(release, options, entry.get("backend_choices", ())))
+        out.sort(key=lambda t: _version_key(t.release))
+        _TABLES = tuple(out)
+    return _TABLES
+
+
+def table_for(version):
+    """(table, note) for an installed SGLang version; note is None on an exact match."""
+    all_ = tables()
+    if not version:
+        newest = all_[-1].release
+        return all_[-1], f"SGLang's version is unknown here; read with the table of {newest}"
+    for t in all_:
+        if t.release == version:
+            return t, None
+    key = _version_key(version)
+    older = [t for t in all_ if _version_key(t.release) <= key]
+    if not older:
+        oldest = all_[0].release
+        return all_[0], f"SGLang {version} is older than epguard's tables; read with {oldest}"
+    t = older[-1]
+    if t is all_[-1]:
+        return t, f"SGLang {version} is newer than epguard's option tables; read with {t.release}"
+    return t, f"SGLang {version} has no option table of its own; read with {t.release}"
+
+
+# --- the reading ----------------------------------------------------------------------------
+
+class Reading:
+    """What a command line asks of SGLang's elastic EP."""
+
+    def __init__(self):
+        self.requested = False
+        self.backend = None  # the value in force where it was decided, as written
+        self.where = None  # "argv", "sh -c script", "config <path>"
+        self.launcher = None  # "sglang.launch_server", "sglang serve", "dynamo.sglang", …
+        self.releases = ()  # releases under which the line runs with mooncake
+        self.refusals = []  # (release, argparse's message) where SGLang would not start
+        self.values = []  # every value given to the flag, in order
+        self.unresolved = None  # a value still holding $NAME: unknown until launch
+        self.config_file = None  # `--config FILE`: settings may hide in that file
+        self.over_budget = False
+        self.dp_attention = False
+        self.attn_dp_size = None
+        self.notes = []
+
+    def describe(self):
+        out = "{} {} ({})".format(BACKEND, (self.backend or "").strip(), self.where)
+        if self.over_budget:
+            out += "; command line too large to read exactly"
+        if self.dp_attention:
+            out += "; DP attention on"
+            if self.attn_dp_size:
+                out += f" (--attn-dp-size {self.attn_dp_size})"
+        return out
+
+
+def _is_mooncake(value):
+    return value is not None and str(value).strip().lower() == WANTED
+
+
+def min_prefix():
+    """The shortest spelling of the flag that some release accepts on its own."""
+    best = len(BACKEND)
+    for t in tables():
+        names = [n for _, ns in t.options for n in ns if n.startswith("--")]
+        for k in range(3, len(BACKEND) + 1):
+            if [n for n in names if n.startswith(BACKEND[:k])] == [BACKEND]:
+                best = min(best, k)
+                break
+    return BACKEND[:best]
+
+
+def _flag_spelling(word, shortest):
+    """Is ``word`` (or its ``--x=`` head) a prefix of the flag that a release accepts?"""
+    head = word.split("=", 1)[0]
+    return len(head) >= len(shortest) and BACKEND.startswith(head)
+
+
+def mentions(text: str) -> bool:
+    """Cheap test: can anything in ``text`` be read as the flag or a config file?"""
+    return _shortest() in text or CONFIG in text
+
+
+_SHORTEST = None
+
+
+def _shortest():
+    global _SHORTEST
+    if _SHORTEST is None:
+        _SHORTEST = min_prefix()
+    return _SHORTEST
+
+
+def server_args(words):
+    """(launcher, the words SGLang's parser reads) for one simple command."""
+    if not words:
+        return None, []
+    prog = os.path.basename(words[0])
+    if prog == "sglang" and len(words) > 1 and words[1] == "serve":
+        return "sglang serve", words[2:]
+    if _PYTHON.match(prog):
+        i = 1
+        while i < len(words):
+            w = words[i]
+            if w == "-m" and i + 1 < len(words):
+                module = words[i + 1]
+                if module in SGLANG_MODULES:
+                    name = "sglang serve" if module == "sglang" else module
+                    rest = words[i + 2:]
+                    if module == "sglang" and rest[:1] == ["serve"]:
+                        rest = rest[1:]
+                    return name, rest
+                if module == DYNAMO_MODULE or module.startswith(DYNAMO_MODULE + "."):
+                    return module, words[i + 2:]
+                return "python -m " + module, words[i + 2:]
+            if w.startswith("-m") and len(w) > 2:
+                return server_args([words[0], "-m", w[2:]] + words[i + 1:])
+            if w in _PYTHON_OPTS_WITH_ARG:
+                i += 2
+            elif w.startswith("-") and w != "-":
+                i += 1
+            else:
+                return "python " + os.path.basename(w), words[i + 1:]
+        return "python", []
+    return prog, words[1:]
+
+
+def _lenient(args, shortest):
+    """The last value given to any spelling of the flag, argparse or not."""
+    value = None
+    for i, w in enumerate(args):
+        if w == "--":
+            break
+        if not w.startswith("--") or not _flag_spelling(w, shortest):
+            continue
+        if "=" in w:
+            value = w.split("=", 1)[1]
+        elif i + 1 < len(args) and not args[i + 1].startswith("-"):
+            value = args[i + 1]
+    return value
+
+
+def _parse(table, args):
+    """argparse's namespace for ``args`` under one release, or raises _Refused."""
+    ns, _unknown = table.parser().parse_known_args(args)
+    return ns
+
+
+def _config_settings(path, read_config):
+    """Top-level settings of a SGLang --config file as (key, value) pairs, or None."""
+    text = read_config(path) if read_config is not None else None
+    return None if text is None else list(parse_simple_yaml(text).items())
+
+
+_YAML_TRUE = frozenset(("true", "yes", "on"))
+_YAML_FALSE = frozenset(("false", "no", "off"))
+
+
+def parse_simple_yaml(text):
+    """Top-level ``key: value`` pairs: all SGLang's --config needs for these flags."""
+    out = {}
+    for raw in text.splitlines():
+        if not raw or raw[0] in " \t#-" or ":" not in raw:
+            continue
+        key, _, value = raw.partition(":")
+        value = value.strip()
+        if " #" in value:
+            value = value.split(" #", 1)[0].strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        out[key.strip().replace("_", "-")] = value
+    return out
+
+
+def read(
+    argv: Sequence[str],
+    env: Optional[Mapping[str, str]] = None,
+    release: Optional[str] = None,
+    read_config: Optional[Callable[[str], Optional[str]]] = None,
+    budget: Optional["shell.Budget"] = None,
+) -> "Reading":
+    """Read ``argv`` (the container's command + args, ``$(VAR)`` already expanded).
+
+    ``env``: values for ``$NAME`` in shell scripts. ``release``: the installed SGLang
+    version (None: every release in the table). ``read_config(path)``: the text of a
+    ``--config`` file, or None when it cannot be read here.
+    """
+    r = Reading()
+    argv = [a if isinstance(a, str) else str(a) for a in argv]
+    shortest = _shortest()
+    if not any(shortest in a or CONFIG in a for a in argv) and not (
+            env and any(isinstance(v, str) and shortest in v for v in env.values())):
+        return r  # nothing can be read as the flag: skip the work
+    if release is not None:
+        table, note = table_for(release)
+        chosen = (table,)
+        if note:
+            r.notes.append(note)
+    else:
+        chosen = tables()
+    try:
+        cmds = shell.commands(argv, env or {}, budget)
+    except shell.OverBudget:
+        r.over_budget = True
+        r.requested = True
+        r.where = "argv"
+        r.backend = WANTED
+        r.notes.append(f"the command line is larger than epguard reads ({shell.BUDGET} "
+                       "characters of scripts); judged as requesting mooncake")
+        return r
+    for cmd in cmds:
+        _read_command(r, cmd, chosen, shortest, read_config)
+    return r
+
+
+def _read_command(r, cmd, chosen, shortest, read_config):
+    launcher, args = server_args(cmd.words)
+    in_argv = any(w.startswith("--") and _flag_spelling(w, shortest) for w in args)
+    where = cmd.where
+    if CONFIG in args:
+        # SGLang merges the file only for this exact token (prepare_server_args).
+        i = args.index(CONFIG)
+        path = args[i + 1] if i + 1 < len(args) else None
+        r.config_file = path
+        settings = None
+        if path and not path.lower().endswith((".yaml", ".yml")):
+            r.notes.append(f"config {path} is not YAML: SGLang refuses it")
+        elif path:
+            settings = _config_settings(path, read_config)
+            if settings is None:
+                r.notes.append(f"config {path} not readable here")
+        if settings is not None:
+            # The file's settings go before the command line, which then wins.
+            front = []
+            for key, value in settings:
+                truth = value.strip().lower()
+                if truth in _YAML_FALSE:
+                    continue  # SGLang adds a boolean setting only when it is true
+                front += ["--" + key] if truth in _YAML_TRUE else ["--" + key, value]
+            if not in_argv and any(_flag_spelling("--" + k, shortest) for k, _ in settings):
+                where = "config " + path
+            args = front + args[:i] + args[i + 2:]
+    elif not in_argv:
+        return
+    _values(r, args, shortest)
+    releases = []
+    decided = None
+    accepted = 0
+    for table in chosen:
+        try:
+            ns = _parse(table, args)
+        except _Refused as exc:
+            r.refusals.append((table.release, str(exc)))
+            continue
+        accepted += 1
+        value = getattr(ns, table.backend_dest) if table.backend_dest else None
+        if _is_mooncake(value):
+            releases.append(table.release)
+            decided = value
+            _dp(r, table, ns)
+        elif decided is None and value is not None:
+            decided = value
+    if not accepted:
+        # SGLang would not start with this line: read it leniently (the safe side).
+        decided = _lenient(args, shortest)
+        if _is_mooncake(decided):
+            releases.append("lenient")
+    if decided is None or (r.requested and not releases):
+        return
+    r.backend, r.where, r.launcher = decided, where, launcher
+    if releases:
+        r.requested = True
+        r.releases = tuple(sorted(set(r.releases) | set(releases), key=_version_key))
+
+
+def _values(r, args, shortest):
+    for i, w in enumerate(args):
+        if not (w.startswith("--") and _flag_spelling(w, shortest)):
+            continue
+        value = w.split("=", 1)[1] if "=" in w else (args[i + 1] if i + 1 < len(args) else None)
+        if value is not None:
+            r.values.append(value)
+            if "$" in value:
+                r.unresolved = value
+
+
+def _dp(r, table, ns):
+    dest = table.dests.get("--enable-dp-attention")
+    if dest and getattr(ns, dest):
+        r.dp_attention = True
+    dest = table.dests.get("--attn-dp-size")
+    size = getattr(ns, dest) if dest else None
+    try:
+        size = int(str(size).strip()) if size is not None else None
+    except ValueError:
+        size = None
+    if size:
+        r.attn_dp_size = size
+        if size > 1:
+            r.dp_attention = True

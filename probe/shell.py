@@ -1,0 +1,358 @@
+"""Split a container's command line into the simple commands a shell would run.
+
+Worker manifests hide the launch line inside ``sh -c SCRIPT`` (``bash -o pipefail -c``,
+``busybox sh -c``, ``/bin/bash -lc``), behind ``exec``, ``env``, ``nohup``, ``timeout``,
+``numactl``, ``taskset`` and variable assignments, in scripts with several commands
+(``;``, ``&&``, ``|``, newlines), and sometimes a script runs ``sh -c '…'`` in turn.
+This module turns all of that into a flat list of simple commands, each a list of words,
+so that the reader (cmdline.py) can hand each one to SGLang's own option table.
+
+It is a reader, not a shell: no globbing, no command substitution, no here-documents.
+What matters is that words come out as the shell would make them (quotes, escapes,
+line continuations, ``$NAME`` from the environment, comments) and that the work is
+linear in the input: one regular-expression pass per script, and a budget on the total
+number of characters read, nested scripts included. Over budget, the caller is told so
+and judges on the safe side instead of reading on.
+
+Standard library only, Python >= 3.8 (the probe runs in images we do not build).
+"""
+
+import os
+import re
+
+# Total characters of script text one command line may make us read (nested scripts and
+# $NAME expansions included). A real launch script is a few KB; 64 KiB is generous and
+# keeps a hostile 48-container pod at a few milliseconds per container.
+BUDGET = 64 * 1024
+MAX_DEPTH = 8
+
+SHELLS = frozenset(("sh", "bash", "dash", "ash", "zsh", "ksh", "mksh"))
+# Shell options that take the next word as their argument.
+_SHELL_OPTS_WITH_ARG = frozenset(("-o", "+o", "-O", "+O", "--rcfile", "--init-file"))
+# Words that start a compound command or stand between commands, never a program.
+_KEYWORDS = frozenset(("if", "then", "else", "elif", "fi", "do", "done", "while", "until",
+                       "for", "case", "esac", "{", "}", "!", "time", "in"))
+
+_TOKEN = re.compile(r"""
+    (?P<ws>[ \t]+)
+  | (?P<nl>\r?\n)
+  | (?P<cont>\\\r?\n)
+  | (?P<redir>(?:&>>?|[0-9]*(?:>>|>&|<&|>\||<>|<<<|>|<)(?:&?[0-9]+-?|&-)?))
+  | (?P<op>&&|\|\||;;|[;&|()])
+  | (?P<sq>'[^']*(?:'|$))
+  | (?P<dq>"(?:[^"\\]|\\.)*(?:"|$))
+  | (?P<esc>\\.)
+  | (?P<cmdsub>\$\((?:[^()]|\([^()]*\))*\)|`[^`]*`)
+  | (?P<dollar>\$(?:\{[^}]*\}|[A-Za-z_][A-Za-z0-9_]*))
+  | (?P<lit>[^ \t\r\n;&|()'"\\<>$]+|\$)
+""", re.X | re.S)
+_DQ_ESCAPE = re.compile(r"\\([\\\"$`])|\\\r?\n")
+_DQ_DOLLAR = re.compile(r"\$(?:\{[^}]*\}|[A-Za-z_][A-Za-z0-9_]*)")
+_BRACED = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-=+?])(.*))?\}$", re.S)
+_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\[[^]]*\])?\+?=")
+
+
+class OverBudget(Exception):
+    """The command line is larger than we agree to read."""
+
+
+class Budget:
+    def __init__(self, chars=BUDGET):
+        self.left = chars
+
+    def spend(self, n):
+        self.left -= n
+        if self.left < 0:
+            raise OverBudget()
+
+
+class Command:
+    """One simple command: its words, and where it was found ("argv" or "sh -c script")."""
+
+    __slots__ = ("words", "where")
+
+    def __init__(self, words, where):
+        self.words = words
+        self.where = where
+
+    def __repr__(self):
+        return f"Command({self.words!r}, {self.where!r})"
+
+
+def _expand(ref, env):
+    """The value of ``$NAME`` / ``${NAME}`` / ``${NAME:-default}``, or None if unknown."""
+    if not ref.startswith("${"):
+        return env.get(ref[1:])
+    m = _BRACED.match(ref)
+    if m is None:
+        return None
+    name, op, word = m.group(1), m.group(2), m.group(3)
+    value = env.get(name)
+    if op is None:
+        return value
+    unset = value is None or (op.startswith(":") and value == "")
+    if op.endswith(("-", "=")):
+        return word if unset else value
+    if op.endswith("+"):
+        return "" if unset else word
+    return value
+
+
+def words(script, env, budget):
+    """The words and operators of ``script``: a list of str, with operators as the
+    one-element tuples ``(";",)``, ``("&&",)``, … so that a quoted ";" stays a word."""
+    budget.spend(len(script))
+    out = []
+    cur = []  # pieces of the word being built
+    started = False  # a quoted empty string still makes a word
+    pos = 0
+    n = len(script)
+    skip_next_word = False
+
+    def flush():
+        nonlocal cur, started, skip_next_word
+        if started:
+            word = "".join(cur)
+            if skip_next_word:
+                skip_next_word = False
+            else:
+                out.append(word)
+        cur = []
+        started = False
+
+    while pos < n:
+        m = _TOKEN.match(script, pos)
+        if m is None:  # cannot happen: every character matches some branch
+            cur.append(script[pos])
+            started = True
+            pos += 1
+            continue
+        kind = m.lastgroup
+        text = m.group()
+        pos = m.end()
+        if kind == "ws":
+            flush()
+        elif kind == "cont":
+            continue
+        elif kind == "nl" or kind == "op":
+            flush()
+            out.append((";" if kind == "nl" else text,))
+        elif kind == "redir":
+            if started and "".join(cur).isdigit():
+                cur, started = [], False  # the "2" of "2>&1" is a file descriptor
+            flush()
+            # "2>&1" names its target; "> file" takes the next word, which is not an argument.
+            if not re.search(r"[&0-9-]$", text) or text.endswith((">", "<")):
+                skip_next_word = True
+        elif kind == "sq":
+            cur.append(text[1:-1] if text.endswith("'") and len(text) > 1 else text[1:])
+            started = True
+        elif kind == "dq":
+            body = text[1:-1] if text.endswith('"') and len(text) > 1 else text[1:]
+            body = _DQ_ESCAPE.sub(lambda e: e.group(1) or "", body)
+            if "$" in body and env:
+                body = _DQ_DOLLAR.sub(lambda d: _sub(d.group(), env, budget), body)
+            cur.append(body)
+            started = True
+        elif kind == "cmdsub":
+            cur.append(text)  # $(…) and `…` run at launch time: kept as written
+            started = True
+        elif kind == "esc":
+            cur.append(text[1])
+            started = True
+        elif kind == "dollar":
+            value = _expand(text, env) if env else None
+            if value is None:
+                cur.append(text)  # unknown here: kept as written, so it is visible
+                started = True
+                continue
+            budget.spend(len(value))
+            # Unquoted: the result is split into words.
+            parts = value.split()
+            if not parts:
+                continue
+            if value[:1].isspace():
+                flush()
+            for i, part in enumerate(parts):
+                if i:
+                    flush()
+                cur.append(part)
+                started = True
+            if value[-1:].isspace():
+                flush()
+        elif kind == "lit":
+            if text.startswith("#") and not started:
+                end = script.find("\n", pos)
+                pos = n if end < 0 else end
+                continue
+            cur.append(text)
+            started = True
+    flush()
+    return out
+
+
+def _sub(ref, env, budget):
+    value = _expand(ref, env)
+    if value is None:
+        return ref
+    budget.spend(len(value))
+    return value
+
+
+def _split_commands(items):
+    """Simple commands (lists of words) from a list of words and operator tuples."""
+    commands = []
+    cur = []
+    for item in items:
+        if isinstance(item, tuple):
+            if cur:
+                commands.append(cur)
+            cur = []
+        elif not cur and item in _KEYWORDS:
+            continue
+        else:
+            cur.append(item)
+    if cur:
+        commands.append(cur)
+    return commands
+
+
+def shell_script(words_):
+    """If ``words_`` runs a shell with ``-c``, the index of its SCRIPT word, else None."""
+    if not words_:
+        return None
+    i = 0
+    base = os.path.basename(words_[0])
+    if base == "busybox":
+        i = 1
+        if i >= len(words_) or os.path.basename(words_[i]) not in SHELLS:
+            return None
+        base = os.path.basename(words_[i])
+    if base not in SHELLS:
+        return None
+    i += 1
+    has_c = False
+    while i < len(words_):
+        w = words_[i]
+        if w in _SHELL_OPTS_WITH_ARG:
+            i += 2
+            continue
+        if w == "--":
+            i += 1
+            break
+        if w.startswith("--") or (w[:1] in "-+" and len(w) > 1):
+            # clustered short options: -c, -ec, -lc, -euxc, +x
+            if not w.startswith("--") and "c" in w[1:]:
+                has_c = True
+            i += 1
+            continue
+        break
+    if has_c and i < len(words_):
+        return i
+    return None
+
+
+def commands(argv, env=None, budget=None):
+    """Every simple command in ``argv``, with shell scripts (nested too) opened up.
+
+    ``env`` gives the values of ``$NAME`` references in scripts (unknown names stay as
+    written). Raises OverBudget when the scripts are larger than the budget.
+    """
+    budget = budget if budget is not None else Budget()
+    env = env or {}
+    out = []
+    _collect(list(argv), "argv", env, budget, 0, out)
+    return out
+
+
+def _collect(words_, where, env, budget, depth, out):
+    words_ = unwrap(words_)
+    at = shell_script(words_)
+    if at is None:
+        out.append(Command(words_, where))
+        return
+    if depth >= MAX_DEPTH:
+        raise OverBudget()
+    for cmd in _split_commands(words(words_[at], env, budget)):
+        _collect(cmd, "sh -c script", env, budget, depth + 1, out)
+
+
+# --- wrappers: programs that run the rest of their argv as a command -------------------
+
+def _after_env(w):
+    i = 1
+    while i < len(w):
+        t = w[i]
+        if t in ("-u", "--unset", "-C", "--chdir", "-S", "--split-string"):
+            i += 2
+        elif t == "--":
+            return i + 1
+        elif t.startswith("-") or _ASSIGNMENT.match(t):
+            i += 1
+        else:
+            break
+    return i
+
+
+def _after_options(w, with_arg, positional=0):
+    """Skip options (``with_arg`` ones take the next word), then ``positional`` words."""
+    i = 1
+    while i < len(w):
+        t = w[i]
+        if t == "--":
+            i += 1
+            break
+        if t in with_arg:
+            i += 2
+        elif t.startswith("-") and len(t) > 1:
+            i += 1
+        else:
+            break
+    return i + positional
+
+
+_WRAPPERS = {
+    "exec": lambda w: _after_options(w, ("-a",)),
+    "command": lambda w: _after_options(w, ()),
+    "nohup": lambda w: 1,
+    "setsid": lambda w: _after_options(w, ()),
+    "env": _after_env,
+    "timeout": lambda w: _after_options(w, ("-s", "--signal", "-k", "--kill-after"), 1),
+    "nice": lambda w: _after_options(w, ("-n", "--adjustment")),
+    "ionice": lambda w: _after_options(w, ("-c", "-n", "-p", "--class", "--classdata")),
+    "stdbuf": lambda w: _after_options(w, ("-i", "-o", "-e", "--input", "--output",
+                                           "--error")),
+    "numactl": lambda w: _after_options(
+        w, ("-C", "-N", "-m", "-i", "-p", "-P", "--physcpubind", "--cpunodebind",
+            "--membind", "--interleave", "--preferred", "--weighted-interleave")),
+    "tini": lambda w: _after_options(w, ("-e", "-p")),
+    "dumb-init": lambda w: _after_options(w, ()),
+}
+
+
+def unwrap(w):
+    """``w`` without variable assignments and wrapper programs in front of the command."""
+    while w:
+        if _ASSIGNMENT.match(w[0]):
+            w = w[1:]
+            continue
+        base = os.path.basename(w[0])
+        if base == "taskset":
+            i = _after_taskset_words(w)
+        elif base in _WRAPPERS:
+            i = _WRAPPERS[base](w)
+        else:
+            return w
+        w = w[i:]
+    return w
+
+
+def _after_taskset_words(w):
+    # `taskset [-a] MASK cmd`, `taskset -c LIST cmd`: options, then one word (the mask or
+    # the list), then the command.
+    i = 1
+    while i < len(w) and w[i].startswith("-") and w[i] != "--":
+        i += 1
+    if i < len(w) and w[i] == "--":
+        i += 1
+    return i + 1

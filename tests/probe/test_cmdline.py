@@ -1,0 +1,245 @@
+"""The one reader of a worker's command line (probe/cmdline.py + probe/shell.py).
+
+Everything here reads real SGLang option tables (probe/sglang_options.json, extracted from
+real releases by scripts/sglang_options.py); tests/probe/test_sglang_parser.py checks the
+reader against SGLang's own parser.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import pytest
+
+from probe import cmdline, shell
+
+LAUNCH = ["python3", "-m", "sglang.launch_server", "--model-path", "m"]
+NEWEST = cmdline.tables()[-1].release
+OLDEST = cmdline.tables()[0].release
+
+
+def read(argv: list[str], **kw: object) -> cmdline.Reading:
+    return cmdline.read(argv, **kw)  # type: ignore[arg-type]
+
+
+# --- what SGLang's parser decides ------------------------------------------------------------
+
+@pytest.mark.parametrize("flag", [
+    ["--elastic-ep-backend", "mooncake"],
+    ["--elastic-ep-backend=mooncake"],
+    ["--elastic-ep-b", "mooncake"],
+    ["--elastic-ep-ba=mooncake"],
+])
+def test_reads_every_spelling_argparse_accepts(flag: list[str]) -> None:
+    r = read([*LAUNCH, *flag], release=NEWEST)
+    assert r.requested
+    assert r.where == "argv"
+    assert r.launcher == "sglang.launch_server"
+
+
+def test_a_flag_without_a_value_does_not_swallow_the_backend() -> None:
+    # The bug this reader replaces: --enable-dp-lm-head was taken to need a value.
+    argv = [*LAUNCH, "--enable-dp-attention", "--dp", "4", "--enable-dp-lm-head",
+            "--elastic-ep-backend", "mooncake", "--moe-dense-tp-size", "1"]
+    for table in cmdline.tables():
+        assert read(argv, release=table.release).requested, table.release
+
+
+def test_an_option_missing_its_value_makes_sglang_refuse_and_is_read_leniently() -> None:
+    # argparse: "--chunked-prefill-size: expected one argument"; SGLang would not start.
+    argv = [*LAUNCH, "--chunked-prefill-size", "--elastic-ep-backend", "mooncake"]
+    r = read(argv, release=NEWEST)
+    assert r.refusals and "expected one argument" in r.refusals[0][1]
+    assert r.requested and r.releases == ("lenient",)
+
+
+def test_last_occurrence_wins_like_argparse() -> None:
+    assert not read([*LAUNCH, "--elastic-ep-backend", "mooncake",
+                     "--elastic-ep-backend", "none"]).requested
+    assert read([*LAUNCH, "--elastic-ep-backend", "nixl",
+                 "--elastic-ep-backend=mooncake"]).requested
+
+
+def test_double_dash_ends_the_options() -> None:
+    assert not read([*LAUNCH, "--", "--elastic-ep-backend", "mooncake"]).requested
+
+
+@pytest.mark.parametrize("value", ["none", "nixl", "mooncake-cpu", ""])
+def test_other_backends_are_not_a_request(value: str) -> None:
+    r = read([*LAUNCH, "--elastic-ep-backend", value])
+    assert not r.requested
+    assert r.values == [value]
+
+
+def test_a_prefix_counts_where_one_release_accepts_it() -> None:
+    # Only --elastic-ep-backend starts with "--el" in the oldest table, so that release
+    # reads "--el mooncake" as the flag; newer releases refuse it as ambiguous.
+    assert cmdline.min_prefix() == "--el"
+    r = read([*LAUNCH, "--el", "mooncake"])
+    assert r.requested and OLDEST in r.releases
+    assert any(release == NEWEST for release, _ in r.refusals)
+    # In the probe, the installed release decides: the newest refuses to start.
+    exact = read([*LAUNCH, "--el", "mooncake"], release=NEWEST)
+    assert exact.refusals and exact.refusals[0][0] == NEWEST
+
+
+@pytest.mark.parametrize("word", ["--e", "--en", "--elasticsearch-url", "-elastic-ep-backend",
+                                  "--elastic-ep-backendx"])
+def test_words_no_release_reads_as_the_flag(word: str) -> None:
+    assert not read([*LAUNCH, word, "mooncake"]).requested
+
+
+def test_where_every_release_refuses_the_line_it_is_read_leniently() -> None:
+    # "--pp=1" is ambiguous in every table: SGLang would not start; the safe side.
+    r = read([*LAUNCH, "--pp=1", "--elastic-ep-backend=mooncake"])
+    assert r.requested and r.releases == ("lenient",)
+    assert len(r.refusals) == len(cmdline.tables())
+
+
+def test_a_release_without_a_table_uses_the_nearest_older_one_and_says_so() -> None:
+    table, note = cmdline.table_for("9.9.9")
+    assert table.release == NEWEST and note is not None and "newer" in note
+    table, note = cmdline.table_for("0.5.19")
+    assert table.release == "0.5.18" and note is not None
+    assert cmdline.table_for(NEWEST) == (cmdline.tables()[-1], None)
+    r = read([*LAUNCH, "--elastic-ep-backend", "mooncake"], release="9.9.9")
+    assert r.requested and any("newer" in n for n in r.notes)
+
+
+# --- launchers and wrappers -------------------------------------------------------------------
+
+FLAG = "--elastic-ep-backend mooncake"
+
+
+@pytest.mark.parametrize("line", [
+    f"python -m sglang.launch_server --tp 8 {FLAG}",
+    f"/app/venv/bin/python3.11 -u -X dev -m sglang.launch_server {FLAG}",
+    f"sglang serve --model-path m {FLAG}",
+    f"/usr/local/bin/sglang serve {FLAG}",
+    f"python3 -m dynamo.sglang {FLAG}",
+    f"python3 -m dynamo.sglang.elastic_ep_bootstrap {FLAG}",
+    f"exec python3 -m sglang.launch_server {FLAG}",
+    f"env -u HOME A=1 B=2 python3 -m sglang.launch_server {FLAG}",
+    f"CUDA_VISIBLE_DEVICES=0,1 nohup sglang serve {FLAG} > /tmp/log 2>&1 &",
+    f"timeout -s KILL 3600 python3 -m sglang.launch_server {FLAG}",
+    f"numactl --cpunodebind=0 -m 0 python3 -m sglang.launch_server {FLAG}",
+    f"taskset -c 0-31 python3 -m sglang.launch_server {FLAG}",
+    f"exec env X=1 nohup numactl -N 0 taskset 0xff python3 -m sglang.launch_server {FLAG}",
+])
+def test_reads_every_launcher_and_wrapper(line: str) -> None:
+    assert read(shlex.split(line.split(" > ")[0])).requested
+    assert read(["sh", "-c", line]).requested
+
+
+@pytest.mark.parametrize("shell_argv", [
+    ["sh", "-c"], ["/bin/bash", "-c"], ["bash", "-lc"], ["bash", "-euxc"], ["dash", "-c"],
+    ["bash", "-o", "pipefail", "-c"], ["busybox", "sh", "-c"], ["/bin/busybox", "ash", "-c"],
+    ["bash", "--login", "-c"], ["sh", "-e", "-c"],
+])
+def test_reads_the_script_of_every_shell_form(shell_argv: list[str]) -> None:
+    script = f"python3 -m sglang.launch_server {FLAG} 2>&1 | tee /tmp/log"
+    r = read([*shell_argv, script])
+    assert r.requested
+    assert r.where == "sh -c script"
+
+
+def test_any_launch_line_of_a_script_counts() -> None:
+    script = (f"python3 -m sglang.launch_server --elastic-ep-backend none &\n"
+              f"sleep 1 && python3 -m sglang.launch_server {FLAG}\n")
+    assert read(["bash", "-c", script]).requested
+
+
+def test_nested_scripts_before_and_after_the_launch_line() -> None:
+    inner = f"python3 -m dynamo.sglang --elastic-ep-backend=mooncake --enable-dp-attention"
+    r = read(["sh", "-ec", f"sh -c 'echo start'; exec bash -lc '{inner}'"])
+    assert r.requested and r.dp_attention
+    r = read(["sh", "-c", f"bash -c \"{inner}\"; sh -c 'echo done'"])
+    assert r.requested
+
+
+def test_script_words_are_made_as_the_shell_makes_them() -> None:
+    script = ("cd /w && exec python3 -m sglang.launch_server --tp 16 \\\n"
+              "  --node-rank $POD_INDEX --elastic-ep-\"backend\" 'moon'cake  # trailing\n")
+    assert read(["/bin/bash", "-c", script]).requested
+    assert not read(["bash", "-c", f"python3 -m sglang.launch_server --tp 2  # {FLAG}"]).requested
+    assert not read(["echo", FLAG]).requested  # one word with a space is not the flag
+    # Words after the script are $0 $1 … of the script, not commands.
+    assert not read(["sh", "-c", "run", "--elastic-ep-backend", "mooncake"]).requested
+
+
+def test_script_variables_come_from_the_environment() -> None:
+    script = "python3 -m sglang.launch_server --elastic-ep-backend ${BACKEND:-none} $EXTRA"
+    assert not read(["sh", "-c", script]).requested
+    assert read(["sh", "-c", script], env={"BACKEND": "mooncake"}).requested
+    assert read(["sh", "-c", script], env={"EXTRA": FLAG}).requested
+    r = read(["sh", "-c", "python3 -m sglang.launch_server --elastic-ep-backend $B"])
+    assert r.unresolved == "$B" and not r.requested
+
+
+def test_args_without_a_command_are_read_as_the_entrypoints_arguments() -> None:
+    assert read(["--model-path", "m", "--elastic-ep-backend", "mooncake"]).requested
+
+
+# --- --config YAML -------------------------------------------------------------------------
+
+def _file_reader(path: str) -> str | None:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return None
+
+
+def test_reads_the_backend_from_a_config_yaml(tmp_path: Path) -> None:
+    cfg = tmp_path / "sglang.yaml"
+    cfg.write_text("model-path: m\nelastic_ep_backend: \"mooncake\"  # EP\n"
+                   "enable-dp-attention: true\n")
+    r = read([*LAUNCH, "--config", str(cfg)], read_config=_file_reader)
+    assert r.requested and r.where == f"config {cfg}" and r.dp_attention
+    assert r.config_file == str(cfg)
+
+
+def test_the_command_line_overrides_the_config_file(tmp_path: Path) -> None:
+    cfg = tmp_path / "sglang.yml"
+    cfg.write_text("elastic-ep-backend: mooncake\nenable-dp-attention: false\n")
+    r = read([*LAUNCH, "--config", str(cfg), "--elastic-ep-backend", "none"],
+             read_config=_file_reader)
+    assert not r.requested
+    r = read([*LAUNCH, "--config", str(cfg)], read_config=_file_reader)
+    assert r.requested and not r.dp_attention  # a false boolean is not passed on
+
+
+def test_an_unreadable_or_non_yaml_config_is_noted_not_fatal(tmp_path: Path) -> None:
+    r = read([*LAUNCH, "--config", str(tmp_path / "absent.yaml")], read_config=_file_reader)
+    assert not r.requested and any("not readable" in n for n in r.notes)
+    cfg = tmp_path / "sglang.json"
+    cfg.write_text("elastic-ep-backend: mooncake\n")
+    r = read([*LAUNCH, "--config", str(cfg)], read_config=_file_reader)
+    assert not r.requested and any("not YAML" in n for n in r.notes)
+
+
+def test_nested_yaml_keys_are_not_top_level_settings() -> None:
+    cfg = cmdline.parse_simple_yaml("server:\n  elastic-ep-backend: mooncake\nport: 1\n")
+    assert "elastic-ep-backend" not in cfg and cfg["port"] == "1"
+
+
+# --- bounded work ------------------------------------------------------------------------
+
+def test_a_script_over_the_budget_is_judged_requested_without_reading_it() -> None:
+    script = "echo " + "x " * shell.BUDGET + f"; run {FLAG}"
+    r = read(["sh", "-c", script])
+    assert r.requested and r.over_budget
+    assert "too large" in r.describe()
+
+
+def test_nested_scripts_deeper_than_the_limit_are_over_budget() -> None:
+    script = f"python3 -m sglang.launch_server {FLAG}"
+    for _ in range(shell.MAX_DEPTH + 1):
+        script = "sh -c " + shlex.quote(script)
+    r = read(["sh", "-c", script])
+    assert r.requested and r.over_budget
+
+
+def test_a_line_that_never_mentions_the_flag_costs_nothing() -> None:
+    huge = ["x" * 1_000_000] * 10
+    assert not read(["sh", "-c", *huge]).requested
