@@ -349,8 +349,13 @@ def _read_command(r, cmd, chosen, shortest, read_config):
             if not in_argv and any(_flag_spelling("--" + k, shortest) for k, _ in settings):
                 where = "config " + path
             args = front + args[:i] + args[i + 2:]
-    elif not in_argv:
-        return
+    else:
+        # "--config=FILE" is parsed but never merged by SGLang; still worth a mention.
+        given = [w.split("=", 1)[1] for w in args if w.startswith(CONFIG + "=")]
+        if given:
+            r.config_file = given[-1]
+        if not in_argv:
+            return
     _values(r, args, shortest)
     releases = []
     decided = None

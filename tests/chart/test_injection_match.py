@@ -116,7 +116,13 @@ ROUTES: list[tuple[str, Obj, dict[str, str], list[str]]] = [
     ("worker that did not opt in", worker_pod(), PLAIN, []),
     ("worker with unrelated annotations", worker_pod(annotations={"a": "b"}), PLAIN, []),
     ("annotation disabled", worker_pod(annotations={"epguard.io/inject": "disabled"}), PLAIN, []),
-    ("annotation true", worker_pod(annotations={"epguard.io/inject": "true"}), PLAIN, []),
+    # "true" opts in as "enabled" does (webhook/namespaces.py INJECT_ON, the chart agrees).
+    (
+        "annotation true",
+        worker_pod(annotations={"epguard.io/inject": "true"}),
+        PLAIN,
+        [BY_ANNOTATION],
+    ),
     ("annotation Enabled", worker_pod(annotations={"epguard.io/inject": "Enabled"}), PLAIN, []),
     ("label on the pod, not an annotation", worker_pod(labels=ON), PLAIN, []),
     ("opted-in namespace, no flag", worker_pod(PLAIN_ARGS), OPTED_IN, []),

@@ -25,6 +25,7 @@ from tests.chart.chartlib import (
     run_helm,
     variant_args,
 )
+from webhook.namespaces import INJECT_ON
 
 Obj = dict[str, Any]
 MUTATING = "MutatingWebhookConfiguration"
@@ -158,12 +159,12 @@ class TestMutatingWebhookConfiguration:
         assert selector(h["namespace.inject.epguard.io"])["epguard.io/inject"] == {
             "key": "epguard.io/inject",
             "operator": "In",
-            "values": ["enabled"],
+            "values": sorted(INJECT_ON, key=["enabled", "true"].index),
         }
         assert selector(h["annotation.inject.epguard.io"])["epguard.io/inject"] == {
             "key": "epguard.io/inject",
             "operator": "NotIn",
-            "values": ["enabled"],
+            "values": sorted(INJECT_ON, key=["enabled", "true"].index),
         }
 
     def test_the_elastic_ep_condition_is_the_validating_pods_condition_verbatim(

@@ -10,6 +10,7 @@ from typing import Any
 import celpy
 import pytest
 
+from tests import realmanifests
 from tests.chart.chartlib import render
 
 Obj = dict[str, Any]
@@ -279,6 +280,10 @@ def test_there_is_one_expression_per_shape() -> None:
         "cronjobs",
         "leaderworkersets",
         "dynamographdeployments",
+        "rolebasedgroups",
+        "disaggregatedsets",
+        "servingruntimes",
+        "clusterservingruntimes",
     }
 
 
@@ -291,11 +296,78 @@ def test_the_api_server_sends_exactly_the_objects_that_mention_the_flag(
     assert evaluate(expressions()[hook], obj) is expected
 
 
-@pytest.mark.parametrize(
-    "hook", ["pods", "workloads", "cronjobs", "leaderworkersets", "dynamographdeployments"]
-)
+@pytest.mark.parametrize("hook", sorted(expressions()))
 def test_no_expression_errors_on_any_shape(hook: str) -> None:
     # Each expression meets objects of other shapes only if rules and CEL disagree, but
     # it must still answer false (or true), never fail.
     for _, _, obj, _ in CASES:
         evaluate(expressions()[hook], obj)
+
+
+# --- the needle: every spelling SGLang accepts, nothing else ------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--elastic-ep-backend", "mooncake"], True),
+        (["--elastic-ep-backend=mooncake"], True),
+        (["--el", "mooncake"], True),
+        (["--elastic-ep-b=mooncake"], True),
+        (["sh", "-c", "exec python3 -m sglang.launch_server --elastic-ep-backend mooncake"], True),
+        (["bash", "-c", "run \\\n  --elastic-ep-backend=\"mooncake\""], True),
+        (["bash", "-c", "x;--elastic-ep-backend mooncake"], True),
+        (["filebeat", "--elasticsearch-url", "http://es:9200"], False),
+        (["--elasticsearch.hosts=es:9200"], False),
+        (["--elastic-ep-backendx", "mooncake"], False),
+        (["--e", "mooncake"], False),
+        (["--enable-elastic-ep"], False),
+        (["python3", "-m", "sglang.launch_server", "--tp", "8"], False),
+    ],
+)
+def test_the_needle_matches_flag_spellings_and_not_other_words(
+    args: list[str], expected: bool
+) -> None:
+    assert evaluate(expressions()["pods"], pod(pod_spec(c(args)))) is expected
+
+
+def test_env_values_that_carry_the_flag_are_sent() -> None:
+    env = [{"name": "EXTRA", "value": "--elastic-ep-backend mooncake"}]
+    assert evaluate(expressions()["pods"], pod(pod_spec(c(["$(EXTRA)"], env=env))))
+    plain = [{"name": "ES", "value": "--elasticsearch-url=http://es"}]
+    assert not evaluate(expressions()["pods"], pod(pod_spec(c(["$(ES)"], env=plain))))
+
+
+def _hook_for(doc: Obj) -> str | None:
+    group = doc["apiVersion"].split("/")[0] if "/" in doc["apiVersion"] else ""
+    for name, (groups, resources) in HOOK_RULES.items():
+        if group in groups and doc["kind"].lower() + "s" in resources:
+            return name
+    return None
+
+
+def _rules() -> dict[str, tuple[set[str], set[str]]]:
+    vwc = next(o for o in render().objects if o["kind"] == "ValidatingWebhookConfiguration")
+    return {
+        w["name"].split(".")[0]: (
+            {g for r in w["rules"] for g in r["apiGroups"]},
+            {res for r in w["rules"] for res in r["resources"]},
+        )
+        for w in vwc["webhooks"]
+    }
+
+
+HOOK_RULES = _rules()
+REAL = [m for m in realmanifests.manifests() if m.requests_mooncake]
+
+
+@pytest.mark.parametrize("manifest", REAL, ids=[m.file for m in REAL])
+def test_every_real_manifest_that_asks_for_mooncake_is_sent(
+    manifest: realmanifests.Manifest,
+) -> None:
+    sent = []
+    for doc in manifest.documents:
+        hook = _hook_for(doc)
+        if hook is not None and evaluate(expressions()[hook], doc):
+            sent.append(doc["kind"])
+    assert sent, f"{manifest.file}: no document would reach epguard"

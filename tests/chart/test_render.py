@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import yaml
 
+from probe import cmdline
 from tests.chart.chartlib import (
     CHART,
     CI_VALUES,
@@ -18,6 +19,7 @@ from tests.chart.chartlib import (
     run_helm,
     variant_args,
 )
+from webhook.workloads import PATH_KINDS
 
 Obj = dict[str, Any]
 
@@ -31,6 +33,10 @@ WORKLOAD_RESOURCES = {
     ("batch", "cronjobs"),
     ("leaderworkerset.x-k8s.io", "leaderworkersets"),
     ("nvidia.com", "dynamographdeployments"),
+    ("workloads.x-k8s.io", "rolebasedgroups"),
+    ("disaggregatedset.x-k8s.io", "disaggregatedsets"),
+    ("ome.io", "servingruntimes"),
+    ("ome.io", "clusterservingruntimes"),
 }
 
 
@@ -276,10 +282,32 @@ class TestValidatingWebhookConfiguration:
             ref = w["clientConfig"]["service"]
             assert ref["name"] in svc_names and ref["namespace"] == NAMESPACE and ref["port"] == 443
 
-    def test_the_cel_needle_is_the_webhooks_shortest_flag_prefix(self, defaults: Rendered) -> None:
-        argv = pytest.importorskip("webhook.argv")
+    def test_the_cel_needle_is_every_prefix_some_sglang_release_accepts(
+        self, defaults: Rendered
+    ) -> None:
+        # The pattern, derived here from SGLang's option table: the shortest spelling a
+        # release leaves unambiguous, each longer prefix, as a whole word.
+        shortest = cmdline.min_prefix()
+        tail = cmdline.BACKEND[len(shortest) :]
+        nested = "".join(f"({ch}" for ch in tail) + ")?" * len(tail)
+        pattern = shortest + nested
         for w in defaults.one("ValidatingWebhookConfiguration")["webhooks"]:
-            assert f"'{argv.MIN_PREFIX}'" in w["matchConditions"][0]["expression"]
+            expression = w["matchConditions"][0]["expression"]
+            assert f"contains('{shortest}')" in expression
+            assert pattern in expression
+
+    def test_every_path_kind_the_engine_knows_is_sent_by_the_chart(
+        self, defaults: Rendered
+    ) -> None:
+        sent = {
+            (g, r)
+            for w in defaults.one("ValidatingWebhookConfiguration")["webhooks"]
+            for rule in w["rules"]
+            for g in rule["apiGroups"]
+            for r in rule["resources"]
+        }
+        assert {(k.group, k.resource) for k in PATH_KINDS} <= sent
+        assert ("workloads.x-k8s.io", "rolebasedgroups") in sent
 
 
 class TestTLS:

@@ -8,75 +8,29 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from webhook.argv import analyse, container_argv, env_mapping, expand, flatten
+from webhook.argv import (
+    MAX_EXPANSION,
+    analyse,
+    analyse_container,
+    container_argv,
+    env_mapping,
+    expand,
+)
 
 
 def requested(*argv: str) -> bool:
     return analyse(tuple(argv)).requests_mooncake
 
 
-@pytest.mark.parametrize(
-    "argv",
-    [
-        ["python3", "-m", "sglang.launch_server", "--elastic-ep-backend", "mooncake"],
-        ["--elastic-ep-backend=mooncake"],
-        ["--elastic-ep-backend=MOONCAKE"],
-        ["--elastic-ep-backend", "\tmooncake\n"],
-        ["--elastic-ep-b", "mooncake"],
-        ["--elastic-ep-back=mooncake"],
-        ["--elastic", "mooncake"],
-        ["sglang", "serve", "m", "--elastic-ep-backend", "mooncake"],
-        ["python3", "-m", "dynamo.sglang", "--elastic-ep-backend", "mooncake"],
-        ["bash", "-c", "python3 -m sglang.launch_server --elastic-ep-backend mooncake"],
-        ["/bin/sh", "-ec", "set -x; exec python3 -m x --elastic-ep-backend=mooncake"],
-        ["bash", "--login", "-c", "run --elastic-ep-backend mooncake"],
-        ["busybox", "sh", "-c", "run --elastic-ep-backend mooncake"],
-        ["sh", "-c", "a \\\n --elastic-ep-backend \\\n mooncake"],
-        ["sh", "-c", "sh -c 'bash -c \"x --elastic-ep-backend mooncake\"'"],
-        ["sh", "-c", "echo hi; x --elastic-ep-backend mooncake && y"],
-        ["sh", "-c", "x --elastic-ep-backend 'mooncake"],  # unbalanced quote: still seen
-    ],
-)
-def test_detects_the_flag_in_every_form_argparse_accepts(argv: list[str]) -> None:
-    assert requested(*argv)
+# How the shell and SGLang read a line is tested once, on the reader itself
+# (tests/probe/test_cmdline.py); here only what Kubernetes adds.
 
 
-@pytest.mark.parametrize(
-    "argv",
-    [
-        [],
-        ["python3", "-m", "sglang.launch_server", "--tp", "8"],
-        ["--elastic-ep-backend", "none"],
-        ["--elastic-ep-backend", "nixl"],
-        ["--elastic-ep-backend"],
-        ["--elastic-ep-backend", "--tp", "mooncake"],
-        ["--elastic-ep-backendx", "mooncake"],
-        ["--elast", "mooncake"],
-        ["--elastic-ep-rejoin", "mooncake"],
-        ["--moe-a2a-backend", "mooncake"],
-        ["-elastic-ep-backend", "mooncake"],
-        ["--elastic-ep-backend", "mooncake", "--elastic-ep-backend", "none"],
-        ["sh", "-c", "# --elastic-ep-backend mooncake"],
-        ["sh", "-c", "run", "--elastic-ep-backend", "mooncake"],  # $0 $1 of the script
-        ["echo", "--elastic-ep-backend mooncake"],
-    ],
-)
-def test_does_not_detect_what_would_not_select_mooncake(argv: list[str]) -> None:
-    assert not requested(*argv)
-
-
-def test_huge_argv_and_scripts_are_still_judged() -> None:
-    filler = "x" * 200_000
-    many = ["--tp", "8"] * 50_000
-    assert requested("python3", *many, "--elastic-ep-backend", "mooncake")
-    assert requested("python3", filler, "--elastic-ep-backend", "mooncake")
-    assert requested("sh", "-c", f"echo {filler}; exec run --elastic-ep-backend 'mooncake'")
-    assert not requested("sh", "-c", f"echo {filler}; exec run --elastic-ep-backend none")
-
-
-def test_any_launch_line_in_a_script_counts_on_its_own() -> None:
-    script = "x --elastic-ep-backend mooncake; y --elastic-ep-backend none"
-    assert requested("sh", "-c", script)
+def test_the_webhook_answers_with_the_reader_the_probe_uses() -> None:
+    line = "python3 -m sglang.launch_server --enable-dp-lm-head --elastic-ep-backend mooncake"
+    assert requested("bash", "-o", "pipefail", "-c", line + " 2>&1 | tee /tmp/log")
+    assert requested("busybox", "sh", "-c", line)
+    assert not requested("filebeat", "--elasticsearch-url", "http://es:9200")
 
 
 def test_reports_config_file_and_unresolved_values() -> None:
@@ -153,31 +107,7 @@ def test_never_crashes_on_any_argv(argv: list[str], env: dict[str, str]) -> None
     assert isinstance(report.requests_mooncake, bool)
 
 
-@settings(max_examples=200, deadline=None)
-@given(
-    before=st.lists(
-        st.sampled_from(["--tp", "8", "--model-path", "/m", "--trust-remote-code"]), max_size=6
-    ),
-    after=st.lists(
-        st.sampled_from(["--tp", "8", "--host", "0.0.0.0", "--enable-dp-attention"]), max_size=6
-    ),
-    spelling=st.sampled_from(["--elastic-ep-backend", "--elastic-ep-backe", "--elastic-ep-b"]),
-    equals=st.booleans(),
-    shell=st.sampled_from([None, "sh", "/bin/bash"]),
-)
-def test_detects_the_flag_wherever_it_sits(
-    before: list[str], after: list[str], spelling: str, equals: bool, shell: str | None
-) -> None:
-    flag = [f"{spelling}=mooncake"] if equals else [spelling, "mooncake"]
-    launch = ["python3", "-m", "sglang.launch_server", *before, *flag, *after]
-    argv = launch if shell is None else [shell, "-c", shlex.join(launch)]
-    assert requested(*argv)
-    assert "mooncake" in " ".join(flatten(argv))
-
-
 def test_a_script_variable_can_add_the_flag_but_is_not_needed_once_it_is_settled() -> None:
-    from webhook.argv import analyse_container
-
     via_env = {
         "command": ["sh", "-c"],
         "args": ["run --elastic-ep-backend none $EXTRA"],
@@ -191,3 +121,17 @@ def test_a_script_variable_can_add_the_flag_but_is_not_needed_once_it_is_settled
         "env": [{"name": "EXTRA", "value": "--elastic-ep-backend none"}],
     }
     assert analyse_container(settled).requests_mooncake
+
+
+def test_a_doubling_env_chain_stops_at_the_budget_and_is_judged_requested() -> None:
+    # 1.5 KB of review that would expand to gigabytes: each variable doubles the last.
+    env = [{"name": "V0", "value": "--elastic-ep-backend mooncake "}]
+    env += [{"name": f"V{i}", "value": f"$(V{i - 1})$(V{i - 1})"} for i in range(1, 40)]
+    container = {"command": ["python3", "-m", "sglang.launch_server"], "args": ["$(V39)"],
+                 "env": env}
+    report = analyse_container(container)
+    assert report.requests_mooncake and report.over_budget
+    # Without the flag anywhere, the same chain is simply nothing to see.
+    env[0]["value"] = "x"
+    assert not analyse_container(container).requests_mooncake
+    assert MAX_EXPANSION <= 1024 * 1024
