@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from webhook.argv import analyse_container
-from webhook.outcome import COPY_CONTAINER, PROBE_CONTAINER, PROBED_LABEL, is_probe_container
+from webhook.outcome import COPY_CONTAINER, PROBE_CONTAINER, PROBED_LABEL, is_probe
 from webhook.workloads import as_list, as_map
 
 COPY_UID = 65532  # the epguard image's user (Dockerfile)
@@ -148,9 +148,7 @@ def plan(pod_spec: Any, settings: InjectionSettings, path: str = "/spec") -> Inj
     """
     spec = as_map(pod_spec)
     inits = [c for c in as_list(spec.get("initContainers")) if isinstance(c, Mapping)]
-    if any(
-        is_probe_container(str(c.get("name"))) or c.get("name") == COPY_CONTAINER for c in inits
-    ):
+    if any(is_probe(c) for c in inits):
         return NO_CHANGE
     workers = [
         c

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from probe.message import UNUSABLE, USABLE
-from webhook.argv import container_argv
+from webhook.argv import ExpansionTooLarge, container_argv
 from webhook.imageref import ImageRefError, parse
 from webhook.workloads import as_list, as_map
 
@@ -66,22 +66,33 @@ class ProbeOutcome:
         return f"{self.container}/{self.restart_count}/{self.finished_at}"
 
 
-def is_probe_container(name: str) -> bool:
-    return name == PROBE_CONTAINER or name.startswith(PROBE_CONTAINER + "-")
+def _named_like_probe(name: object) -> bool:
+    return isinstance(name, str) and (
+        name == PROBE_CONTAINER or name.startswith(PROBE_CONTAINER + "-")
+    )
 
 
-def runs_the_probe(container: Mapping[str, Any]) -> bool:
-    """The container's argv is the probe call, ``python3 …/probe [opts] -- WORKER_ARGV``.
-
-    A name is not enough: anyone who can create a pod can name a container
-    ``epguard-probe``. The worker argv after ``--`` is what the probe checks, not what
-    the container runs.
-    """
-    argv = container_argv(container)
+def _runs_the_probe_call(container: Mapping[str, Any]) -> bool:
+    try:
+        argv = container_argv(container)
+    except ExpansionTooLarge:
+        return False
     if "--" not in argv:
         return False
     head = argv[: argv.index("--")]
     return any(a.rstrip("/").endswith("/probe") or a == "probe" for a in head)
+
+
+def is_probe(container: Mapping[str, Any]) -> bool:
+    """Is this (init) container the probe epguard injects? The one answer used by
+    injection, policy, outcome parsing and the recorder.
+
+    It must carry the probe's name (``epguard-probe`` or ``epguard-probe-<worker>``) and
+    run the probe call, ``python3 …/probe [opts] -- WORKER_ARGV``. A name alone is not
+    enough (anyone who can create a pod can name a worker ``epguard-probe``), and the
+    worker argv after ``--`` is what the probe checks, not what the container runs.
+    """
+    return _named_like_probe(container.get("name")) and _runs_the_probe_call(container)
 
 
 def _trusted(spec: Mapping[str, Any], probe_image: str | None) -> bool:
@@ -166,7 +177,7 @@ def outcomes_of(pod: Mapping[str, Any], probe_image: str | None = None) -> list[
     spec_images = {
         c.get("name"): c.get("image")
         for c in as_list(spec.get("initContainers"))
-        if isinstance(c, Mapping) and runs_the_probe(c)
+        if isinstance(c, Mapping) and is_probe(c)
     }
     found = (
         _outcome(status, spec_images)
@@ -180,7 +191,7 @@ def _outcome(status: Mapping[str, Any], spec_images: Mapping[Any, Any]) -> Probe
     """One init container's status → its probe outcome, if it is a trusted probe whose
     last termination is evidence."""
     name = status.get("name")
-    if not isinstance(name, str) or not is_probe_container(name) or name not in spec_images:
+    if not isinstance(name, str) or name not in spec_images:
         return None
     termination = _termination(status)
     if termination is None:

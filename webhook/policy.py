@@ -11,10 +11,10 @@ import datetime as dt
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from webhook.argv import FLAG, NOTHING, analyse_container, container_argv
+from webhook.argv import FLAG, NOTHING, analyse_container
 from webhook.imageref import ImageRef, ImageRefError, parse
 from webhook.namespaces import INJECT_KEY, Mode, NamespaceIndex, opts_in
-from webhook.outcome import is_probe_container, runs_the_probe
+from webhook.outcome import is_probe
 from webhook.review import AdmissionRequest
 from webhook.rules import Rule, RuleSet, RulesHolder
 from webhook.verdicts import NoVerdicts, VerdictHit, VerdictLookup
@@ -93,21 +93,11 @@ def _strip_period(text: str) -> str:
     return text.strip().rstrip(".").strip()
 
 
-def _runs_the_probe(c: ContainerView) -> bool:
-    """An init container whose argv is the probe call, ``python3 …/probe [opts] -- ARGV``.
-
-    Only such a container is left unjudged: the worker argv it carries after ``--`` is
-    what the probe checks, not what it runs. A container merely *named* like the probe
-    is judged like any other, or naming a worker ``epguard-probe`` would bypass epguard.
-    """
-    return c.kind == "initContainer" and runs_the_probe(c.raw)
-
-
 def _is_probe(c: ContainerView) -> bool:
-    if is_probe_container(c.name):
-        return True
-    argv = container_argv(c.raw) if c.kind == "initContainer" else ()
-    return any("epguard" in a and "probe" in a for a in argv)
+    """The probe epguard injects (outcome.is_probe), as an init container. It is left
+    unjudged: the worker argv it carries after ``--`` is what it checks, not what it
+    runs. Anything else, even named like the probe, is judged like any container."""
+    return c.kind == "initContainer" and is_probe(c.raw)
 
 
 def _subject(c: ContainerView, where: str, image: str) -> str:
@@ -167,11 +157,11 @@ def _template_findings(
     probe_present = (
         namespace_injects
         or opts_in(t.annotations.get(INJECT_KEY))
-        or any(_is_probe(c) for c in t.containers if c.kind == "initContainer")
+        or any(_is_probe(c) for c in t.containers)
     )
     rules = state.rules.current
     for c in t.containers:
-        if _runs_the_probe(c):
+        if _is_probe(c):
             continue  # the probe carries the worker's argv after "--"; it is not a worker
         report = analyse_container(c.raw)
         if report is NOTHING:

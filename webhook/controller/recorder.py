@@ -39,9 +39,8 @@ from webhook.controller.config import ControllerConfig
 from webhook.outcome import (
     PROBED_LABEL,
     ProbeOutcome,
-    is_probe_container,
+    is_probe,
     outcomes_of,
-    runs_the_probe,
     verdict_name,
     verdict_spec,
 )
@@ -66,11 +65,7 @@ def has_probe(body: Any, **_: Any) -> bool:
     ``kopf.Spec`` view, not a dict, so ``as_map`` would see nothing in it."""
     spec = body.get("spec") if isinstance(body, Mapping) else None
     return any(
-        isinstance(c, Mapping)
-        and isinstance(c.get("name"), str)
-        and is_probe_container(c["name"])
-        and runs_the_probe(c)
-        for c in as_list(as_map(spec).get("initContainers"))
+        isinstance(c, Mapping) and is_probe(c) for c in as_list(as_map(spec).get("initContainers"))
     )
 
 
