@@ -33,13 +33,16 @@ CACHE = Path(os.environ.get("EPGUARD_CACHE", Path.home() / ".cache" / "epguard")
 TORCH_PYTHON = CACHE / "torch-2.13.0" / "bin" / "python"
 DEPS = CACHE / "overlays" / "sglang-parser-deps"
 
-# Runs inside the real-package environment, one release at a time.
-DUMP = r"""
+# Runs inside the real-package environment, one release at a time: SGLang's parser,
+# built as prepare_server_args builds it.
+BUILD = r"""
 import argparse, importlib.metadata, json, logging, sys
 logging.disable(logging.CRITICAL)
 from sglang.srt.server_args import ServerArgs
-parser = argparse.ArgumentParser()
+parser = argparse.ArgumentParser(prog="sglang serve")
 ServerArgs.add_cli_args(parser)
+"""
+DUMP = BUILD + r"""
 options, choices = [], []
 for action in parser._actions:
     if not action.option_strings:
@@ -49,6 +52,25 @@ for action in parser._actions:
         choices = [str(c) for c in (action.choices or [])]
 json.dump({"version": importlib.metadata.version("sglang"), "options": options,
            "backend_choices": choices}, sys.stdout)
+"""
+# One JSON argv per input line -> {"ok": true, "backend": ...} or {"ok": false, "error":
+# ...}: SGLang's own verdict on a command line, for tests/probe/test_sglang_parser.py.
+SERVE = BUILD + r"""
+class Refused(Exception):
+    pass
+def error(message):
+    raise Refused(message)
+parser.error = error
+answers = sys.stdout
+sys.stdout = sys.stderr  # SGLang's actions may print (deprecations): keep the pipe clean
+print(json.dumps({"ready": importlib.metadata.version("sglang")}), file=answers, flush=True)
+for line in sys.stdin:
+    try:
+        ns = parser.parse_args(json.loads(line))
+        out = {"ok": True, "backend": ns.elastic_ep_backend}
+    except (Refused, SystemExit, ValueError, TypeError) as exc:
+        out = {"ok": False, "error": str(exc)}
+    print(json.dumps(out), file=answers, flush=True)
 """
 
 
@@ -70,11 +92,15 @@ def parser_path(overlay: Path) -> list[Path]:
     return [overlay, *extra, DEPS]
 
 
-def dump(overlay: Path) -> dict[str, object]:
+def parser_env(overlay: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
     env["PYTHONPATH"] = os.pathsep.join(str(p) for p in parser_path(overlay))
-    proc = subprocess.run([str(TORCH_PYTHON), "-c", DUMP], env=env, capture_output=True,
-                          text=True, timeout=600, check=False)
+    return env
+
+
+def dump(overlay: Path) -> dict[str, object]:
+    proc = subprocess.run([str(TORCH_PYTHON), "-c", DUMP], env=parser_env(overlay),
+                          capture_output=True, text=True, timeout=600, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"sglang_options: {overlay.name}: SGLang's parser did not load:\n"
                          f"{proc.stderr[-3000:]}")
