@@ -14,9 +14,9 @@ side ("requested", when it mentions the flag at all).
 from __future__ import annotations
 
 import re
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 from probe import cmdline, shell
@@ -132,28 +132,37 @@ def container_argv(container: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(expand(p, env, spend) for p in parts)
 
 
-def analyse(argv: tuple[str, ...], shell_env: ShellEnv = ()) -> ArgvReport:
+CACHE_SIZE = 2048
+_cache: OrderedDict[tuple[tuple[str, ...], ShellEnv], ArgvReport] = OrderedDict()
+
+
+def analyse(
+    argv: tuple[str, ...], shell_env: ShellEnv = (), budget: shell.Budget | None = None
+) -> ArgvReport:
     """Judge one (expanded) argv; ``shell_env`` holds the literal env values that shell
-    scripts in it reference. Cached, because the pods of one workload repeat the same
-    argv; only argvs of reasonable size are cached, so a few huge ones cannot pin
-    megabytes of keys in memory."""
-    if sum(len(a) for a in argv) <= shell.BUDGET:
-        return _analyse_cached(argv, shell_env)
-    return _analyse(argv, shell_env)
+    scripts in it reference; ``budget`` is shared by everything one review reads, so a
+    pod of many huge containers costs no more than one.
+
+    Cached, because the pods of one workload repeat the same argv: only argvs of
+    reasonable size (a few huge ones cannot pin megabytes of keys in memory), and never
+    an over-budget answer (it says nothing about the argv, only about the review)."""
+    small = sum(len(a) for a in argv) <= shell.BUDGET
+    key = (argv, shell_env)
+    if small and key in _cache:
+        _cache.move_to_end(key)
+        return _cache[key]
+    report = _analyse(argv, shell_env, budget or shell.Budget())
+    if small and not report.over_budget:
+        _cache[key] = report
+        if len(_cache) > CACHE_SIZE:
+            _cache.popitem(last=False)
+    return report
 
 
-@lru_cache(maxsize=2048)
-def _analyse_cached(argv: tuple[str, ...], shell_env: ShellEnv) -> ArgvReport:
-    return _analyse(argv, shell_env)
-
-
-def _analyse(argv: tuple[str, ...], shell_env: ShellEnv) -> ArgvReport:
-    env = dict(shell_env)
-    if not argv or not (
-        any(cmdline.mentions(a) for a in argv) or any(cmdline.mentions(v) for v in env.values())
-    ):
-        return NOTHING  # the common case: nothing to read, no strings to build
-    reading = cmdline.read(argv, env=env)
+def _analyse(argv: tuple[str, ...], shell_env: ShellEnv, budget: shell.Budget) -> ArgvReport:
+    reading = cmdline.read(argv, env=dict(shell_env), budget=budget)
+    if reading.launcher is None and reading.config_file is None and not reading.over_budget:
+        return NOTHING  # the common case (read() saw nothing at all): no strings to build
     return ArgvReport(
         requests_mooncake=reading.requested,
         values=tuple(reading.values),
@@ -199,10 +208,14 @@ def _mentions_anywhere(container: Mapping[str, Any]) -> bool:
     return any(cmdline.mentions(t) for t in texts)
 
 
-def analyse_container(container: Mapping[str, Any]) -> ArgvReport:
+def analyse_container(
+    container: Mapping[str, Any], budget: shell.Budget | None = None
+) -> ArgvReport:
+    """Judge one container. Pass one ``budget`` for every container of a review."""
+    budget = budget or shell.Budget()
     try:
         argv = container_argv(container)
-        report = analyse(argv)
+        report = analyse(argv, (), budget)
         if report.requests_mooncake and report.unresolved_value is None:
             # Settled on the command line: skip scanning env (a worker may carry dozens
             # of variables). Only a later "$VAR" that resets the flag to another value
@@ -210,6 +223,6 @@ def analyse_container(container: Mapping[str, Any]) -> ArgvReport:
             # letting one through.
             return report
         shell_env = _shell_env(container, argv)
-        return analyse(argv, shell_env) if shell_env else report
+        return analyse(argv, shell_env, budget) if shell_env else report
     except ExpansionTooLarge:
         return OVER_BUDGET if _mentions_anywhere(container) else NOTHING

@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from probe import shell
 from webhook.argv import analyse_container
 from webhook.outcome import COPY_CONTAINER, PROBE_CONTAINER, PROBED_LABEL, is_probe
 from webhook.workloads import as_list, as_map
@@ -150,10 +151,13 @@ def plan(pod_spec: Any, settings: InjectionSettings, path: str = "/spec") -> Inj
     inits = [c for c in as_list(spec.get("initContainers")) if isinstance(c, Mapping)]
     if any(is_probe(c) for c in inits):
         return NO_CHANGE
+    budget = shell.Budget()
     workers = [
         c
         for c in as_list(spec.get("containers"))
-        if isinstance(c, Mapping) and analyse_container(c).requests_mooncake and c.get("image")
+        if isinstance(c, Mapping)
+        and analyse_container(c, budget).requests_mooncake
+        and c.get("image")
     ]
     if not workers:
         return NO_CHANGE

@@ -11,6 +11,7 @@ import datetime as dt
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from probe import shell
 from webhook.argv import FLAG, NOTHING, analyse_container
 from webhook.imageref import ImageRef, ImageRefError, parse
 from webhook.namespaces import INJECT_KEY, Mode, NamespaceIndex, opts_in
@@ -152,6 +153,7 @@ def _template_findings(
     state: PolicyState,
     now: dt.datetime,
     namespace_injects: bool,
+    budget: shell.Budget,
 ) -> list[Finding]:
     findings: list[Finding] = []
     probe_present = (
@@ -163,7 +165,7 @@ def _template_findings(
     for c in t.containers:
         if _is_probe(c):
             continue  # the probe carries the worker's argv after "--"; it is not a worker
-        report = analyse_container(c.raw)
+        report = analyse_container(c.raw, budget)
         if report is NOTHING:
             continue  # the common case: nothing to see, no strings to build
         image_text = c.image if c.image is not None else "<none>"
@@ -239,8 +241,10 @@ def _judge(
     obj_skip = obj_annotations.get(SKIP_ANNOTATION)
     exemption = obj_skip if allow_skip else None
     template_exemption: str | None = None
+    # One reading budget for the whole object: many huge containers cost what one does.
+    budget = shell.Budget()
     for t in templates:
-        tf = _template_findings(t, state, now, namespace_injects)
+        tf = _template_findings(t, state, now, namespace_injects, budget)
         t_skip = t.annotations.get(SKIP_ANNOTATION)
         # (When the object itself is exempt, keep the denials: the log shows what was skipped.)
         if (

@@ -151,7 +151,7 @@ def test_any_launch_line_of_a_script_counts() -> None:
 
 
 def test_nested_scripts_before_and_after_the_launch_line() -> None:
-    inner = f"python3 -m dynamo.sglang --elastic-ep-backend=mooncake --enable-dp-attention"
+    inner = "python3 -m dynamo.sglang --elastic-ep-backend=mooncake --enable-dp-attention"
     r = read(["sh", "-ec", f"sh -c 'echo start'; exec bash -lc '{inner}'"])
     assert r.requested and r.dp_attention
     r = read(["sh", "-c", f"bash -c \"{inner}\"; sh -c 'echo done'"])

@@ -1,0 +1,50 @@
+"""Hostile admission inputs, shared by the bounded-work test and bench/argv_bench.py.
+
+* ``nested_script_pod``: 48 containers, each a ~64 KB ``sh -c`` script that nests
+  ``bash -c '…'`` inside itself and asks for mooncake at the bottom; every container
+  differs, so no cache helps.
+* ``doubling_env_pod``: a ~1.5 KB pod whose ``$(VAR)`` chain doubles at each step (the
+  last variable would be 2**40 times the first).
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import Any
+
+CONTAINERS = 48
+SCRIPT_BYTES = 64 * 1024
+# Refused by the test rules (tests/webhook/webhook_factory.py TEST_RULES).
+IMAGE = "docker.io/lmsysorg/sglang:v0.5.16-cu129"
+
+
+def _nested_script(i: int, size: int = SCRIPT_BYTES) -> str:
+    launch = f"python3 -m sglang.launch_server --port {8000 + i} --elastic-ep-backend mooncake"
+    filler = " ".join(f"echo step-{i}-{n};" for n in range(60))
+    script = launch
+    while True:
+        wrapped = f"{filler} bash -c {shlex.quote(script)}"
+        if len(wrapped) > size:
+            # Pad to the size asked for: more plain commands in front.
+            pad = size - len(script) - 1
+            return ("true; " * (pad // 6 + 1))[:pad] + "\n" + script
+        script = wrapped
+
+
+def nested_script_pod(size: int = SCRIPT_BYTES) -> dict[str, Any]:
+    containers = [
+        {"name": f"w{i}", "image": IMAGE, "command": ["sh", "-c", _nested_script(i, size)]}
+        for i in range(CONTAINERS)
+    ]
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "nested", "namespace": "ml"}, "spec": {"containers": containers}}
+
+
+def doubling_env_pod(steps: int = 40) -> dict[str, Any]:
+    env = [{"name": "V0", "value": "--elastic-ep-backend mooncake "}]
+    env += [{"name": f"V{n}", "value": f"$(V{n - 1})$(V{n - 1})"} for n in range(1, steps)]
+    container = {"name": "worker", "image": IMAGE,
+                 "command": ["python3", "-m", "sglang.launch_server"],
+                 "args": [f"$(V{steps - 1})"], "env": env}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "doubling", "namespace": "ml"},
+            "spec": {"containers": [container]}}
