@@ -122,3 +122,27 @@ def test_validates_rules_files(
     dup.write_text(TEST_RULES + "  - {id: pinned-digest-test, image: x, reason: r, remedy: m}\n")
     assert main(["rules", str(dup)]) == 2
     assert "duplicate rule id 'pinned-digest-test'" in capsys.readouterr().err
+
+
+def test_check_judges_an_extra_kind_given_with_kinds(
+    tmp_path: Path, rules: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    kinds = tmp_path / "kinds.yaml"
+    kinds.write_text(
+        "- group: serving.example.com\n  versions: [v1]\n  kind: InferencePool\n"
+        "  resource: inferencepools\n  templates: ['spec.workers[].template']\n"
+    )
+    obj = {
+        "apiVersion": "serving.example.com/v1",
+        "kind": "InferencePool",
+        "metadata": {"name": "p", "namespace": "ml"},
+        "spec": {"workers": [{"name": "w", "template": template()}]},
+    }
+    path = write(tmp_path, obj)
+    assert main(["check", "--rules", rules, path]) == 0  # an unknown kind is skipped
+    assert main(["check", "--rules", rules, "--kinds", str(kinds), path]) == 1
+    out, _ = capsys.readouterr()
+    assert 'container "worker" in spec.workers[w].template' in out
+    kinds.write_text("- kind: Broken\n")
+    assert main(["check", "--rules", rules, "--kinds", str(kinds), path]) == 2
+    assert "group" in capsys.readouterr().err
