@@ -27,7 +27,8 @@ import argparse
 import json
 import os
 import re
-from typing import Callable, Mapping, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
 try:
     from . import shell
@@ -134,23 +135,24 @@ def table_for(version):
 
 # --- the reading ----------------------------------------------------------------------------
 
+@dataclass
 class Reading:
     """What a command line asks of SGLang's elastic EP."""
 
-    def __init__(self):
-        self.requested = False
-        self.backend = None  # the value in force where it was decided, as written
-        self.where = None  # "argv", "sh -c script", "config <path>"
-        self.launcher = None  # "sglang.launch_server", "sglang serve", "dynamo.sglang", …
-        self.releases = ()  # releases under which the line runs with mooncake
-        self.refusals = []  # (release, argparse's message) where SGLang would not start
-        self.values = []  # every value given to the flag, in order
-        self.unresolved = None  # a value still holding $NAME: unknown until launch
-        self.config_file = None  # `--config FILE`: settings may hide in that file
-        self.over_budget = False
-        self.dp_attention = False
-        self.attn_dp_size = None
-        self.notes = []
+    requested: bool = False
+    backend: Optional[str] = None  # the value in force where it was decided, as written
+    where: Optional[str] = None  # "argv", "sh -c script", "config <path>"
+    launcher: Optional[str] = None  # "sglang.launch_server", "sglang serve", …
+    releases: Tuple[str, ...] = ()  # releases under which the line runs with mooncake
+    # (release, argparse's message) where SGLang would refuse to start
+    refusals: List[Tuple[str, str]] = field(default_factory=list)
+    values: List[str] = field(default_factory=list)  # every value given to the flag
+    unresolved: Optional[str] = None  # a value still holding $NAME: unknown until launch
+    config_file: Optional[str] = None  # `--config FILE`: settings may hide in that file
+    over_budget: bool = False
+    dp_attention: bool = False
+    attn_dp_size: Optional[int] = None
+    notes: List[str] = field(default_factory=list)
 
     def describe(self):
         out = "{} {} ({})".format(BACKEND, (self.backend or "").strip(), self.where)

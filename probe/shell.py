@@ -19,6 +19,8 @@ Standard library only, Python >= 3.8 (the probe runs in images we do not build).
 
 import os
 import re
+from dataclasses import dataclass
+from typing import List
 
 # Total characters of script text one reading may make us read (nested scripts and $NAME
 # expansions included); the webhook shares one budget among all containers of a review.
@@ -68,17 +70,12 @@ class Budget:
             raise OverBudget()
 
 
+@dataclass
 class Command:
     """One simple command: its words, and where it was found ("argv" or "sh -c script")."""
 
-    __slots__ = ("words", "where")
-
-    def __init__(self, words, where):
-        self.words = words
-        self.where = where
-
-    def __repr__(self):
-        return f"Command({self.words!r}, {self.where!r})"
+    words: List[str]
+    where: str
 
 
 def _expand(ref, env):
