@@ -42,43 +42,32 @@ overlays=(
     "sglang-0.5.13=sglang==0.5.13"
     "sglang-0.5.20=sglang==0.5.20"
 )
-for entry in "${overlays[@]}"; do
-    name="${entry%%=*}"
-    req="${entry#*=}"
-    dest="$cache/overlays/$name"
-    [ -f "$dest/.done" ] && continue
-    echo "realpkgs: $req -> overlays/$name"
+# overlay NAME STAMP PIP_ARGS...: `pip install --no-deps --target overlays/NAME`, unless
+# the overlay's .done already holds STAMP (a changed STAMP rebuilds it).
+# --no-deps: SGLang would otherwise pull its own torch pin and half of PyPI, and torch
+# must never be installed a second time; the probe only reads metadata and sources.
+overlay() {
+    local name="$1" stamp="$2" dest="$cache/overlays/$1"
+    shift 2
+    [ -f "$dest/.done" ] && [ "$(cat "$dest/.done")" = "$stamp" ] && return 0
+    echo "realpkgs: $* -> overlays/$name"
     rm -rf "$dest"
-    # --no-deps: SGLang would otherwise pull its own torch pin and half of PyPI;
-    # the probe only reads its metadata and .py sources.
     "$venv/bin/python" -m pip install --quiet --no-cache-dir --progress-bar off \
-        --no-deps --target "$dest" "$req"
-    touch "$dest/.done"
+        --no-deps --target "$dest" "$@"
+    echo "$stamp" > "$dest/.done"
+}
+
+for entry in "${overlays[@]}"; do
+    overlay "${entry%%=*}" "" "${entry#*=}"
 done
 
 # SGLang's own parser (scripts/sglang_options.py, tests/probe/test_sglang_parser.py): its
 # import chain needs numpy, transformers, pydantic … beside torch. One overlay for those
-# (exact pins, --no-deps: torch must not be pulled in a second time), and per release the
-# transformers version that release pins.
-deps="$cache/overlays/sglang-parser-deps"
+# (exact pins), and per release the transformers version that release pins.
 reqs="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/sglang-parser-requirements.txt"
-stamp="$(sha256sum "$reqs" | cut -c1-16)"
-if [ "$(cat "$deps/.done" 2>/dev/null)" != "$stamp" ]; then
-    echo "realpkgs: SGLang parser dependencies -> overlays/sglang-parser-deps"
-    rm -rf "$deps"
-    "$venv/bin/python" -m pip install --quiet --no-cache-dir --progress-bar off \
-        --no-deps --target "$deps" -r "$reqs"
-    echo "$stamp" > "$deps/.done"
-fi
+overlay sglang-parser-deps "$(sha256sum "$reqs" | cut -c1-16)" -r "$reqs"
 for sgl in "$cache"/overlays/sglang-[0-9]*/; do
     pin="$(grep -h '^Requires-Dist: transformers==' "$sgl"/sglang-*.dist-info/METADATA | head -1 | cut -d= -f3)"
-    [ -n "$pin" ] || continue
-    dest="$cache/overlays/transformers-$pin"
-    [ -f "$dest/.done" ] && continue
-    echo "realpkgs: transformers==$pin -> overlays/transformers-$pin"
-    rm -rf "$dest"
-    "$venv/bin/python" -m pip install --quiet --no-cache-dir --progress-bar off \
-        --no-deps --target "$dest" "transformers==$pin"
-    touch "$dest/.done"
+    if [ -n "$pin" ]; then overlay "transformers-$pin" "" "transformers==$pin"; fi
 done
 echo "realpkgs: ready under $cache"

@@ -9,24 +9,17 @@ from pathlib import Path
 
 import pytest
 import yaml
+from webhook_factory import DENY_ALL_RULES
 
 from probe import cmdline
 from tests import realmanifests
 from webhook.cli import main
 
-DENY_ALL = """
-rules:
-  - id: deny-everything
-    image: "*"
-    reason: "test: every image is refused"
-    remedy: "none"
-"""
-
 
 @pytest.fixture
 def deny_all(tmp_path: Path) -> str:
     path = tmp_path / "rules.yaml"
-    path.write_text(DENY_ALL)
+    path.write_text(DENY_ALL_RULES)
     return str(path)
 
 

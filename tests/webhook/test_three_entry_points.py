@@ -14,20 +14,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from webhook_factory import container, pod, review
+from webhook_factory import DENY_ALL_RULES, container, pod, review
 from webhook_server import RunningServer, running_server
 
 from tests import realmanifests
 from tests.probe.probe_harness import PROBE_DIR, clean_env
 from webhook.cli import main
 
-DENY_ALL = """
-rules:
-  - id: deny-everything
-    image: "*"
-    reason: "test: every image is refused"
-    remedy: "none"
-"""
 FLAG = ["--elastic-ep-backend", "mooncake"]
 LAUNCH = ["python3", "-m", "sglang.launch_server", "--model-path", "m"]
 
@@ -65,7 +58,7 @@ CASES = _cases()
 
 @pytest.fixture(scope="module")
 def deny_all_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    with running_server(tmp_path_factory.mktemp("server"), DENY_ALL) as s:
+    with running_server(tmp_path_factory.mktemp("server"), DENY_ALL_RULES) as s:
         yield s
 
 
@@ -109,7 +102,7 @@ def test_webhook_check_and_probe_give_the_same_answer(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     rules = tmp_path / "rules.yaml"
-    rules.write_text(DENY_ALL)
+    rules.write_text(DENY_ALL_RULES)
     answers = {
         "webhook": webhook_says(deny_all_server, argv),
         "check": check_says(tmp_path, rules, argv),

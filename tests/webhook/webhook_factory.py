@@ -34,6 +34,16 @@ rules:
     remedy: "rebuild with rdma-core"
 """
 
+# Refuses every image: which objects are refused then shows exactly which ones epguard
+# reads as requesting mooncake.
+DENY_ALL_RULES = """
+rules:
+  - id: deny-everything
+    image: "*"
+    reason: "test: every image is refused"
+    remedy: "none"
+"""
+
 MOONCAKE_ARGS = [
     "--model-path",
     "deepseek-ai/DeepSeek-V3",
