@@ -17,6 +17,7 @@ tools: venv
 lint: venv
 	$(PY) -m ruff check webhook probe tests bench devcluster
 	$(PY) -m mypy
+	.venv/bin/lint-imports  # .importlinter: the layers, from probe up to devcluster
 
 test: tools lint
 	$(PY) -m pytest
