@@ -83,6 +83,11 @@ class Metrics:
         self.verdicts_loaded = Gauge(
             "epguard_verdicts_loaded", "ImageVerdicts held in memory.", registry=r
         )
+        self.verdicts_dropped = Gauge(
+            "epguard_verdicts_dropped",
+            "ImageVerdicts not held because the store is full (verdicts.MAX_VERDICTS).",
+            registry=r,
+        )
         # Pre-create the label children used on every request: .labels() costs a lock
         # and a dict lookup, which shows in the admission hot path.
         self._review_children = {

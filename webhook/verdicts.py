@@ -126,59 +126,109 @@ def verdict_from_object(obj: Any) -> Verdict | None:
     )
 
 
+# At most this many ImageVerdicts are held (a few hundred bytes each). A cluster learns
+# one per image digest its workers ran; far more than that is a controller gone wrong or
+# someone creating ImageVerdicts by the million, and the webhook must not grow with it.
+MAX_VERDICTS = 50_000
+_EPOCH = dt.datetime.min.replace(tzinfo=dt.UTC)
+
+
+def _newest(members: Iterable[Verdict]) -> Verdict:
+    # Newest first wins ("a newer probe outcome replaces it"); the name breaks ties, so
+    # the answer never depends on the order events arrived in.
+    return max(members, key=lambda v: (v.last_seen or _EPOCH, v.object_name))
+
+
 class VerdictStore:
     """ImageVerdicts by object name, indexed by digest and by normalized name:tag.
 
-    Written by the watch task, read by admissions; a lock keeps the two indexes
-    consistent with each other even if a writer runs in another thread.
+    The indexes are kept incrementally: an event touches only the keys of the verdict it
+    changes (the few verdicts sharing a digest or a tag), never the whole store. Written
+    by the watch task, read by admissions; a lock keeps the indexes consistent with each
+    other even if a writer runs in another thread. Past MAX_VERDICTS, new names are
+    refused (counted in ``dropped``) rather than held.
     """
 
-    def __init__(self, tag_ttl: dt.timedelta = DEFAULT_TAG_TTL) -> None:
+    def __init__(self, tag_ttl: dt.timedelta = DEFAULT_TAG_TTL, cap: int = MAX_VERDICTS) -> None:
         self.tag_ttl = tag_ttl
+        self.cap = cap
+        self.dropped = 0
         self._lock = threading.Lock()
         self._by_name: dict[str, Verdict] = {}
-        self._by_digest: dict[str, Verdict] = {}
-        self._by_tag: dict[str, Verdict] = {}
+        # key -> names of the verdicts under it, and the newest of them (the answer).
+        self._members: dict[tuple[str, str], set[str]] = {}
+        self._winner: dict[tuple[str, str], Verdict] = {}
 
     def __len__(self) -> int:
         return len(self._by_name)
 
-    def _reindex(self) -> None:
-        by_digest: dict[str, Verdict] = {}
-        by_tag: dict[str, Verdict] = {}
-        epoch = dt.datetime.min.replace(tzinfo=dt.UTC)
-        # Newest first wins: "a newer probe outcome replaces it".
-        ordered = sorted(self._by_name.values(), key=lambda v: v.last_seen or epoch)
-        for v in ordered:
-            if v.digest:
-                by_digest[v.digest] = v
-            if v.ref is not None and v.ref.tag is not None:
-                by_tag[v.ref.name_tag] = v
-        self._by_digest, self._by_tag = by_digest, by_tag
+    @staticmethod
+    def _keys(v: Verdict) -> list[tuple[str, str]]:
+        keys = [("digest", v.digest)] if v.digest else []
+        if v.ref is not None and v.ref.tag is not None:
+            keys.append(("tag", v.ref.name_tag))
+        return keys
 
-    def upsert(self, verdict: Verdict) -> None:
+    def _refresh(self, key: tuple[str, str]) -> None:
+        names = self._members.get(key)
+        if not names:
+            self._members.pop(key, None)
+            self._winner.pop(key, None)
+            return
+        self._winner[key] = _newest(self._by_name[n] for n in names)
+
+    def _remove(self, name: str) -> list[tuple[str, str]]:
+        old = self._by_name.pop(name, None)
+        if old is None:
+            return []
+        keys = self._keys(old)
+        for key in keys:
+            self._members.get(key, set()).discard(name)
+        return keys
+
+    def _add(self, v: Verdict) -> list[tuple[str, str]]:
+        self._by_name[v.object_name] = v
+        keys = self._keys(v)
+        for key in keys:
+            self._members.setdefault(key, set()).add(v.object_name)
+        return keys
+
+    def upsert(self, verdict: Verdict) -> bool:
+        """Hold ``verdict`` (replacing one of the same name); False if the cap refused it."""
         with self._lock:
-            self._by_name[verdict.object_name] = verdict
-            self._reindex()
+            if verdict.object_name not in self._by_name and len(self._by_name) >= self.cap:
+                self.dropped += 1
+                return False
+            touched = self._remove(verdict.object_name) + self._add(verdict)
+            for key in set(touched):
+                self._refresh(key)
+            return True
 
     def delete(self, object_name: str) -> None:
         with self._lock:
-            if self._by_name.pop(object_name, None) is not None:
-                self._reindex()
+            for key in set(self._remove(object_name)):
+                self._refresh(key)
 
     def replace(self, verdicts: Iterable[Verdict]) -> None:
         with self._lock:
-            self._by_name = {v.object_name: v for v in verdicts}
-            self._reindex()
+            self._by_name, self._members, self._winner = {}, {}, {}
+            for v in verdicts:
+                if v.object_name not in self._by_name and len(self._by_name) >= self.cap:
+                    self.dropped += 1
+                    continue
+                self._remove(v.object_name)
+                self._add(v)
+            for key in list(self._members):
+                self._refresh(key)
 
     def lookup(self, ref: ImageRef, now: dt.datetime) -> VerdictHit | None:
         if ref.digest:
-            v = self._by_digest.get(ref.digest.lower())
+            v = self._winner.get(("digest", ref.digest.lower()))
             if v is not None:
                 return VerdictHit(v, "usable" if v.usable else "deny", by_digest=True)
         if ref.tag is None:
             return None
-        v = self._by_tag.get(ref.name_tag)
+        v = self._winner.get(("tag", ref.name_tag))
         if v is None:
             return None
         if ref.digest and v.digest and v.digest != ref.digest.lower():

@@ -158,7 +158,7 @@ class VerdictSync:
 
     def replace(self, objects: Iterable[Mapping[str, Any]]) -> None:
         self.store.replace(v for o in objects if (v := verdict_from_object(o)) is not None)
-        self.metrics.verdicts_loaded.set(len(self.store))
+        self._count()
 
     def event(self, kind: str, obj: Mapping[str, Any]) -> None:
         name = _meta_name(obj)
@@ -167,9 +167,17 @@ class VerdictSync:
         verdict = None if kind == "DELETED" else verdict_from_object(obj)
         if verdict is None:
             self.store.delete(name)
-        else:
-            self.store.upsert(verdict)
+        elif not self.store.upsert(verdict):
+            log.warning(
+                "ImageVerdict %s not held: the store is full (%d); see epguard_verdicts_dropped",
+                name,
+                self.store.cap,
+            )
+        self._count()
+
+    def _count(self) -> None:
         self.metrics.verdicts_loaded.set(len(self.store))
+        self.metrics.verdicts_dropped.set(self.store.dropped)
 
 
 @dataclass

@@ -7,6 +7,7 @@ from typing import Any
 
 from webhook_factory import container, make_state, pod, request
 
+from webhook.imageref import parse
 from webhook.policy import decide
 from webhook.verdicts import VerdictStore, verdict_from_object
 
@@ -124,3 +125,35 @@ def test_a_tag_verdict_without_a_time_is_treated_as_stale() -> None:
     del obj["spec"]["lastSeen"]
     d = judge(IMAGE, store_with(obj))
     assert d.allowed and any("older than the TTL" in w for w in d.warnings)
+
+
+def test_the_index_follows_every_change_without_a_full_rebuild() -> None:
+    older = imageverdict("iv-old", verdict="Unusable", last_seen=NOW - dt.timedelta(hours=3))
+    newer = imageverdict("iv-new", verdict="Usable", last_seen=NOW - dt.timedelta(hours=1))
+    store = store_with(older, newer)
+    ref = parse(f"{IMAGE}@{DIGEST}")
+    hit = store.lookup(ref, NOW)
+    assert hit is not None and hit.verdict.object_name == "iv-new"
+    # Deleting the winner hands the key back to the next newest.
+    store.delete("iv-new")
+    hit = store.lookup(ref, NOW)
+    assert hit is not None and hit.verdict.object_name == "iv-old" and hit.trust == "deny"
+    # Moving a verdict to another digest leaves its old key.
+    moved = verdict_from_object(imageverdict("iv-old", digest=OTHER_DIGEST))
+    assert moved is not None and store.upsert(moved)
+    # The tag now names other bytes than the digest pinned here: no answer for it.
+    assert store.lookup(ref, NOW) is None
+    assert store.lookup(parse(f"other.example.com/x@{DIGEST}"), NOW) is None
+    assert store.lookup(parse(f"other.example.com/x@{OTHER_DIGEST}"), NOW) is not None
+
+
+def test_a_full_store_refuses_new_names_and_counts_them() -> None:
+    store = VerdictStore(cap=2)
+    for n in range(4):
+        v = verdict_from_object(imageverdict(f"iv-{n}", digest="sha256:" + f"{n:02x}" * 32))
+        assert v is not None
+        assert store.upsert(v) is (n < 2)
+    assert len(store) == 2 and store.dropped == 2
+    # An update of a verdict already held is never refused.
+    again = verdict_from_object(imageverdict("iv-0", verdict="Usable"))
+    assert again is not None and store.upsert(again)
