@@ -1,0 +1,32 @@
+"""The dependency floors in pyproject.toml hold the features the code uses: the lowest
+version each floor allows must have them (checked here on what is installed, and by
+the floor itself: kopf 1.44.6, the last release below the floor, has no
+``watching.label_selectors``)."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import kopf
+import uvicorn
+
+PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
+
+
+def _floor(package: str) -> tuple[int, ...]:
+    deps = tomllib.loads(PYPROJECT.read_text())["project"]["dependencies"]
+    spec = next(d for d in deps if d.split("[")[0].split(">")[0].strip() == package)
+    return tuple(int(x) for x in spec.split(">=")[1].split(",")[0].split(".")[:2])
+
+
+def test_kopf_floor_has_the_label_selectors_the_recorder_sets() -> None:
+    # webhook/controller/recorder.py: settings.watching.label_selectors["v1", "pods"]
+    assert _floor("kopf") >= (1, 45)
+    assert hasattr(kopf.OperatorSettings().watching, "label_selectors")
+
+
+def test_uvicorn_floor_has_the_tls_context_factory() -> None:
+    # webhook/server.py reloads TLS through Config(ssl_context_factory=...)
+    assert _floor("uvicorn") >= (0, 47)
+    assert "ssl_context_factory" in uvicorn.Config.__init__.__code__.co_varnames
