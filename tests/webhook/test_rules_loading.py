@@ -146,3 +146,17 @@ def test_a_digest_rule_with_a_registry_port_names_the_repository_not_the_port() 
     )
     assert [r.id for r in rs.match(parse(f"r.io:5000/x@{digest}"))] == ["p"]
     assert rs.match(parse(f"r.io:5000/y@{digest}")) == ()
+
+
+def test_every_shipped_rule_cites_rows_of_the_compatibility_evidence_in_the_repo() -> None:
+    import re
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "compatibility.md").read_text()
+    rows = set(re.findall(r"^\| ([SMLD][0-9]+) \|", doc, flags=re.M))
+    assert {"S7", "M10", "M12", "L1", "D3"} <= rows
+    rules = yaml.safe_load(Path(default_rules_path()).read_text())["rules"]
+    assert rules
+    for rule in rules:
+        cited = set(re.findall(r"\b([SMLD][0-9]+)\b", rule["evidence"]))
+        assert cited, f"{rule['id']} cites no row of docs/compatibility.md"
+        assert cited <= rows, f"{rule['id']} cites rows that do not exist: {cited - rows}"
