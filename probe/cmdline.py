@@ -143,7 +143,9 @@ class Reading:
     backend: Optional[str] = None  # the value in force where it was decided, as written
     where: Optional[str] = None  # "argv", "sh -c script", "config <path>"
     launcher: Optional[str] = None  # "sglang.launch_server", "sglang serve", …
-    releases: Tuple[str, ...] = ()  # releases under which the line runs with mooncake
+    # a release under which the line runs with mooncake (the newest such; the search
+    # stops there), or "lenient" when no release would start with it at all
+    releases: Tuple[str, ...] = ()
     # (release, argparse's message) where SGLang would refuse to start
     refusals: List[Tuple[str, str]] = field(default_factory=list)
     values: List[str] = field(default_factory=list)  # every value given to the flag
@@ -308,7 +310,9 @@ def read(
         if note:
             r.notes.append(note)
     else:
-        chosen = tables()
+        # Newest first: the release a new workload most likely runs, and the first one
+        # that runs the line with mooncake settles the answer (the rest need not parse).
+        chosen = tables()[::-1]
     try:
         cmds = shell.commands(argv, env or {}, budget)
     except shell.OverBudget:
@@ -358,7 +362,14 @@ def _read_command(r, cmd, chosen, shortest, read_config):
             r.config_file = given[-1]
         if not in_argv:
             return
-    _values(r, args, shortest)
+    values = _values(r, args, shortest)
+    if not any(_is_mooncake(v) for v in values):
+        # argparse can only give the flag a word that follows one of its spellings (or
+        # its "=" part): with no "mooncake" among those, no release runs this line with
+        # mooncake, so no parser need run (a line saying "none" costs no argparse at all).
+        if values and not r.requested:
+            r.backend, r.where, r.launcher = values[-1], where, launcher
+        return
     releases = []
     decided = None
     accepted = 0
@@ -374,7 +385,8 @@ def _read_command(r, cmd, chosen, shortest, read_config):
             releases.append(table.release)
             decided = value
             _dp(r, table, ns)
-        elif decided is None and value is not None:
+            break
+        if decided is None and value is not None:
             decided = value
     if not accepted:
         # SGLang would not start with this line: read it leniently (the safe side).
@@ -390,14 +402,18 @@ def _read_command(r, cmd, chosen, shortest, read_config):
 
 
 def _values(r, args, shortest):
+    """Every word that could become the flag's value in ``args`` (also noted on ``r``)."""
+    found = []
     for i, w in enumerate(args):
         if not (w.startswith("--") and _flag_spelling(w, shortest)):
             continue
         value = w.split("=", 1)[1] if "=" in w else (args[i + 1] if i + 1 < len(args) else None)
         if value is not None:
-            r.values.append(value)
+            found.append(value)
             if "$" in value:
                 r.unresolved = value
+    r.values.extend(found)
+    return found
 
 
 def _dp(r, table, ns):
