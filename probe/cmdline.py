@@ -189,9 +189,9 @@ def _flag_spelling(word, shortest):
     return len(head) >= len(shortest) and BACKEND.startswith(head)
 
 
-def mentions(text: str) -> bool:
-    """Cheap test: can anything in ``text`` be read as the flag or a config file?"""
-    return _shortest() in text or CONFIG in text
+def mentions_flag(text: str) -> bool:
+    """Cheap test: can anything in ``text`` be read as the flag (in some release)?"""
+    return _shortest() in text
 
 
 _SHORTEST = None
@@ -300,10 +300,13 @@ def read(
     """
     r = Reading()
     argv = [a if isinstance(a, str) else str(a) for a in argv]
+    env = {str(k): v if isinstance(v, str) else str(v) for k, v in (env or {}).items()}
     shortest = _shortest()
-    if not any(shortest in a or CONFIG in a for a in argv) and not (
-            env and any(isinstance(v, str) and shortest in v for v in env.values())):
+    flagged = any(shortest in a for a in argv) or any(shortest in v for v in env.values())
+    if not flagged and not any(CONFIG in a for a in argv):
         return r  # nothing can be read as the flag: skip the work
+    budget = budget if budget is not None else shell.Budget()
+    guessed = len(budget.guesses)
     if release is not None:
         table, note = table_for(release)
         chosen = (table,)
@@ -314,21 +317,27 @@ def read(
         # that runs the line with mooncake settles the answer (the rest need not parse).
         chosen = tables()[::-1]
     try:
-        cmds = shell.commands(argv, env or {}, budget)
+        cmds = shell.commands(argv, env, budget)
     except shell.OverBudget:
         r.over_budget = True
-        r.requested = True
-        r.where = "argv"
-        r.backend = WANTED
+        if flagged:  # only a line that mentions the flag is judged on the safe side
+            r.requested = True
+            r.where = "argv"
+            r.backend = WANTED
         r.notes.append(f"the command line is larger than epguard reads ({shell.BUDGET} "
-                       "characters of scripts); judged as requesting mooncake")
+                       "characters of scripts)" + ("; judged as requesting mooncake"
+                                                   if flagged else ""))
         return r
     for cmd in cmds:
-        _read_command(r, cmd, chosen, shortest, read_config)
+        _read_command(r, cmd, chosen, shortest, read_config, budget)
+    guesses = budget.guesses[guessed:]
+    if guesses and r.values and r.unresolved is None and not r.requested:
+        # The answer rests on a default assumed for a variable this reading cannot see.
+        r.unresolved = guesses[-1]
     return r
 
 
-def _read_command(r, cmd, chosen, shortest, read_config):
+def _read_command(r, cmd, chosen, shortest, read_config, budget):
     launcher, args = server_args(cmd.words)
     in_argv = any(w.startswith("--") and _flag_spelling(w, shortest) for w in args)
     where = cmd.where
@@ -374,6 +383,9 @@ def _read_command(r, cmd, chosen, shortest, read_config):
     decided = None
     accepted = 0
     for table in chosen:
+        if not budget.parse(len(args)):
+            r.notes.append("too many words to parse exactly; read leniently")
+            break
         try:
             ns = _parse(table, args)
         except _Refused as exc:

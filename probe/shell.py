@@ -41,17 +41,26 @@ _TOKEN = re.compile(r"""
     (?P<ws>[ \t]+)
   | (?P<nl>\r?\n)
   | (?P<cont>\\\r?\n)
+  | (?P<heredoc><<-?[ \t]*(?P<q1>['"]?)(?P<delim>[A-Za-z_][A-Za-z0-9_]*)(?P=q1))
   | (?P<redir>(?:&>>?|[0-9]*(?:>>|>&|<&|>\||<>|<<<|>|<)(?:&?[0-9]+-?|&-)?))
   | (?P<op>&&|\|\||;;|[;&|()])
   | (?P<sq>'[^']*(?:'|$))
   | (?P<dq>"(?:[^"\\]|\\.)*(?:"|$))
   | (?P<esc>\\.)
   | (?P<cmdsub>\$\((?:[^()]|\([^()]*\))*\)|`[^`]*`)
+  | (?P<pos>\$(?:[@*0-9]|\{[@*0-9]\}))
   | (?P<dollar>\$(?:\{[^}]*\}|[A-Za-z_][A-Za-z0-9_]*))
   | (?P<lit>[^ \t\r\n;&|()'"\\<>$]+|\$)
 """, re.X | re.S)
 _DQ_ESCAPE = re.compile(r"\\([\\\"$`])|\\\r?\n")
-_DQ_DOLLAR = re.compile(r"\$(?:\{[^}]*\}|[A-Za-z_][A-Za-z0-9_]*)")
+_DQ_DOLLAR = re.compile(r"\$(?:\{[^}]*\}|[A-Za-z_][A-Za-z0-9_]*|[@*0-9]|\{[@*0-9]\})")
+_POSITIONAL = re.compile(r"\$\{?([@*0-9])\}?$")
+# NAME=value at the start of a command (or after `export`/`local`/`readonly`), to learn
+# the variables a script sets for itself before it uses them.
+_SCRIPT_ASSIGNMENT = re.compile(
+    r"(?:^|[;&|\n(]|\bexport|\blocal|\breadonly|\bdeclare)[ \t]*"
+    r"([A-Za-z_][A-Za-z0-9_]*)=(\"[^\"]*\"|'[^']*'|[^\s;&|()]*)"
+)
 _BRACED = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-=+?])(.*))?\}$", re.S)
 _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\[[^]]*\])?\+?=")
 
@@ -60,14 +69,32 @@ class OverBudget(Exception):
     """The command line is larger than we agree to read."""
 
 
+# Words of server arguments argparse may read per review (every table counted): argparse
+# costs about 0.03 ms a word, so this keeps parsing under about 70 ms; past it, lines are
+# read leniently (linear). A real launch line has well under 100 words.
+PARSE_WORDS = 2048
+
+
 class Budget:
+    """What one review may still spend, shared by all its containers."""
+
     def __init__(self, chars: int = BUDGET) -> None:
         self.left = chars
+        self.parse_words = PARSE_WORDS
+        # ${NAME:-default} for a NAME this reading cannot know: the default was assumed.
+        self.guesses = []
 
     def spend(self, n):
         self.left -= n
         if self.left < 0:
             raise OverBudget()
+
+    def parse(self, n):
+        """May argparse read ``n`` more words? (spends them if so)"""
+        if n > self.parse_words:
+            return False
+        self.parse_words -= n
+        return True
 
 
 @dataclass
@@ -78,8 +105,20 @@ class Command:
     where: str
 
 
-def _expand(ref, env):
-    """The value of ``$NAME`` / ``${NAME}`` / ``${NAME:-default}``, or None if unknown."""
+def _expand(ref, env, budget, positional=()):
+    """The value of ``$NAME`` / ``${NAME}`` / ``${NAME:-default}`` / ``$1`` / ``$@``, or
+    None when it cannot be known here (then the text is kept as written).
+
+    A name the environment does not hold is unknown (it may come from the image or an
+    envFrom), not unset; its default (``:-``) or alternative (``:+``) is assumed, the
+    side on which more of the line is seen, and noted in ``budget.guesses``."""
+    m = _POSITIONAL.match(ref)
+    if m is not None:
+        which = m.group(1)
+        if which in "@*":
+            return " ".join(positional[1:]) if positional else None
+        n = int(which)
+        return positional[n] if n < len(positional) else None
     if not ref.startswith("${"):
         return env.get(ref[1:])
     m = _BRACED.match(ref)
@@ -89,7 +128,12 @@ def _expand(ref, env):
     value = env.get(name)
     if op is None:
         return value
-    unset = value is None or (op.startswith(":") and value == "")
+    if value is None:
+        if op.endswith(("-", "=", "+")):
+            budget.guesses.append(ref)
+            return word
+        return None
+    unset = op.startswith(":") and value == ""
     if op.endswith(("-", "=")):
         return word if unset else value
     if op.endswith("+"):
@@ -97,10 +141,24 @@ def _expand(ref, env):
     return value
 
 
-def words(script, env, budget):
+def script_env(script, env):
+    """``env`` plus the plain values a script assigns to itself (``FLAGS="…"; run $FLAGS``),
+    last assignment winning: one linear pass, not an interpreter."""
+    local = dict(env)
+    for m in _SCRIPT_ASSIGNMENT.finditer(script):
+        value = m.group(2)
+        if value[:1] in ("'", '"'):
+            value = value[1:-1]
+        local[m.group(1)] = value
+    return local
+
+
+def words(script, env, budget, positional=()):
     """The words and operators of ``script``: a list of str, with operators as the
-    one-element tuples ``(";",)``, ``("&&",)``, … so that a quoted ";" stays a word."""
+    one-element tuples ``(";",)``, ``("&&",)``, … so that a quoted ";" stays a word.
+    ``positional`` is ``$0 $1 …`` (the words after ``sh -c SCRIPT``)."""
     budget.spend(len(script))
+    heredocs = []  # (delimiter, strip leading tabs) waiting for the end of the line
     out = []
     cur = []  # pieces of the word being built
     started = False  # a quoted empty string still makes a word
@@ -119,6 +177,21 @@ def words(script, env, budget):
         cur = []
         started = False
 
+    def _splice(parts, space_before=True, space_after=True):
+        # An unquoted expansion (or "$@"): its words join the line as separate words.
+        nonlocal cur, started
+        if not parts:
+            return
+        if space_before:
+            flush()
+        for i, part in enumerate(parts):
+            if i:
+                flush()
+            cur.append(part)
+            started = True
+        if space_after:
+            flush()
+
     while pos < n:
         m = _TOKEN.match(script, pos)
         if m is None:  # cannot happen: every character matches some branch
@@ -136,6 +209,12 @@ def words(script, env, budget):
         elif kind == "nl" or kind == "op":
             flush()
             out.append((";" if kind == "nl" else text,))
+            if kind == "nl" and heredocs:
+                pos = _skip_heredocs(script, pos, heredocs)
+                heredocs = []
+        elif kind == "heredoc":
+            flush()
+            heredocs.append((m.group("delim"), text.startswith("<<-")))
         elif kind == "redir":
             if started and "".join(cur).isdigit():
                 cur, started = [], False  # the "2" of "2>&1" is a file descriptor
@@ -149,8 +228,11 @@ def words(script, env, budget):
         elif kind == "dq":
             body = text[1:-1] if text.endswith('"') and len(text) > 1 else text[1:]
             body = _DQ_ESCAPE.sub(lambda e: e.group(1) or "", body)
-            if "$" in body and env:
-                body = _DQ_DOLLAR.sub(lambda d: _sub(d.group(), env, budget), body)
+            if body in ("$@", "${@}") and positional:
+                _splice(positional[1:])  # "$@": each argument its own word
+                continue
+            if "$" in body:
+                body = _DQ_DOLLAR.sub(lambda d: _sub(d.group(), env, budget, positional), body)
             cur.append(body)
             started = True
         elif kind == "cmdsub":
@@ -159,26 +241,14 @@ def words(script, env, budget):
         elif kind == "esc":
             cur.append(text[1])
             started = True
-        elif kind == "dollar":
-            value = _expand(text, env) if env else None
+        elif kind == "dollar" or kind == "pos":
+            value = _expand(text, env, budget, positional)
             if value is None:
                 cur.append(text)  # unknown here: kept as written, so it is visible
                 started = True
                 continue
             budget.spend(len(value))
-            # Unquoted: the result is split into words.
-            parts = value.split()
-            if not parts:
-                continue
-            if value[:1].isspace():
-                flush()
-            for i, part in enumerate(parts):
-                if i:
-                    flush()
-                cur.append(part)
-                started = True
-            if value[-1:].isspace():
-                flush()
+            _splice(value.split(), value[:1].isspace(), value[-1:].isspace())
         elif kind == "lit":
             if text.startswith("#") and not started:
                 end = script.find("\n", pos)
@@ -190,8 +260,21 @@ def words(script, env, budget):
     return out
 
 
-def _sub(ref, env, budget):
-    value = _expand(ref, env)
+def _skip_heredocs(script, pos, heredocs):
+    """Past the bodies of the here-documents opened on the line that just ended."""
+    for delim, strip_tabs in heredocs:
+        while pos < len(script):
+            end = script.find("\n", pos)
+            end = len(script) if end < 0 else end
+            line = script[pos:end].rstrip("\r")
+            pos = end + 1
+            if (line.lstrip("\t") if strip_tabs else line) == delim:
+                break
+    return pos
+
+
+def _sub(ref, env, budget, positional=()):
+    value = _expand(ref, env, budget, positional)
     if value is None:
         return ref
     budget.spend(len(value))
@@ -227,6 +310,12 @@ def shell_script(words_):
         if i >= len(words_) or os.path.basename(words_[i]) not in SHELLS:
             return None
         base = os.path.basename(words_[i])
+    if base in ("su", "runuser"):
+        # su [options] [user] -c COMMAND: the option may come anywhere.
+        for j in range(1, len(words_) - 1):
+            if words_[j] in ("-c", "--command"):
+                return j + 1
+        return None
     if base not in SHELLS:
         return None
     i += 1
@@ -265,15 +354,32 @@ def commands(argv, env=None, budget=None):
 
 
 def _collect(words_, where, env, budget, depth, out):
+    if depth >= MAX_DEPTH:
+        raise OverBudget()
     words_ = unwrap(words_)
     at = shell_script(words_)
     if at is None:
         out.append(Command(words_, where))
+        # A program we do not know may run the rest of its argv (gosu, su-exec, sudo,
+        # chroot, uv run, mpirun, …): every shell -c or launcher behind it is read too.
+        for i in range(1, len(words_)):
+            if _starts_command(words_[i:]):
+                _collect(words_[i:], where, env, budget, depth + 1, out)
+                break
         return
-    if depth >= MAX_DEPTH:
-        raise OverBudget()
-    for cmd in _split_commands(words(words_[at], env, budget)):
-        _collect(cmd, "sh -c script", env, budget, depth + 1, out)
+    script = words_[at]
+    local = script_env(script, env)
+    positional = tuple(words_[at + 1:])  # $0 $1 … of the script
+    for cmd in _split_commands(words(script, local, budget, positional)):
+        _collect(cmd, "sh -c script", local, budget, depth + 1, out)
+
+
+_LAUNCH = re.compile(r"^(?:.*/)?(?:python(?:[0-9](?:\.[0-9]+)?)?|sglang)$")
+
+
+def _starts_command(w):
+    """Does ``w`` start with a shell -c or an interpreter/SGLang launcher?"""
+    return shell_script(w) is not None or bool(_LAUNCH.match(w[0]))
 
 
 # --- wrappers: programs that run the rest of their argv as a command -------------------

@@ -161,7 +161,8 @@ def analyse(
 
 def _analyse(argv: tuple[str, ...], shell_env: ShellEnv, budget: shell.Budget) -> ArgvReport:
     reading = cmdline.read(argv, env=dict(shell_env), budget=budget)
-    if reading.launcher is None and reading.config_file is None and not reading.over_budget:
+    if reading.launcher is None and reading.config_file is None and not reading.over_budget \
+            and reading.unresolved is None:
         return NOTHING  # the common case (read() saw nothing at all): no strings to build
     return ArgvReport(
         requests_mooncake=reading.requested,
@@ -192,7 +193,12 @@ def _shell_env(container: Mapping[str, Any], argv: tuple[str, ...]) -> ShellEnv:
     for item in env:
         if type(item) is dict:
             name = item.get("name")
-            if name in names and item.get("value") is not None and item.get("valueFrom") is None:
+            if (
+                isinstance(name, str)
+                and name in names
+                and item.get("value") is not None
+                and item.get("valueFrom") is None
+            ):
                 wanted.add(name)
     if not wanted:
         return ()
@@ -200,12 +206,12 @@ def _shell_env(container: Mapping[str, Any], argv: tuple[str, ...]) -> ShellEnv:
     return tuple(sorted((k, v) for k, v in mapping.items() if k in wanted))
 
 
-def _mentions_anywhere(container: Mapping[str, Any]) -> bool:
+def _mentions_the_flag(container: Mapping[str, Any]) -> bool:
     texts = _as_str_list(container.get("command")) + _as_str_list(container.get("args"))
     env = container.get("env")
     if isinstance(env, list):
         texts += [str(e.get("value")) for e in env if isinstance(e, dict) and e.get("value")]
-    return any(cmdline.mentions(t) for t in texts)
+    return any(cmdline.mentions_flag(t) for t in texts)
 
 
 def analyse_container(
@@ -225,4 +231,4 @@ def analyse_container(
         shell_env = _shell_env(container, argv)
         return analyse(argv, shell_env, budget) if shell_env else report
     except ExpansionTooLarge:
-        return OVER_BUDGET if _mentions_anywhere(container) else NOTHING
+        return OVER_BUDGET if _mentions_the_flag(container) else NOTHING

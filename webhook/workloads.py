@@ -326,10 +326,11 @@ def _rbg_templates(spec: Mapping[str, Any]) -> Iterator[PodTemplateView | None]:
     ``template`` or a ``templateRef`` to ``roleTemplates[]`` plus a ``patch``, and
     leader/worker patches on top. The image often sits in the role template and the
     command in the patch, so they are merged before judging."""
-    shared = {
-        as_map(t).get("name"): as_map(t).get("template")
-        for t in as_list(spec.get("roleTemplates"))
-    }
+    shared: dict[str, Any] = {}
+    for t in as_list(spec.get("roleTemplates")):
+        name = as_map(t).get("name")
+        if isinstance(name, str):
+            shared[name] = as_map(t).get("template")
     for i, role in enumerate(as_list(spec.get("roles"))):
         r = as_map(role)
         label = r.get("name") if isinstance(r.get("name"), str) else str(i)
@@ -346,7 +347,9 @@ def _rbg_templates(spec: Mapping[str, Any]) -> Iterator[PodTemplateView | None]:
             base: Any = pat.get("template")
             ref = as_map(pat.get("templateRef"))
             if ref:
-                base = _patched(shared.get(ref.get("name")), ref.get("patch"))
+                ref_name = ref.get("name")
+                template = shared.get(ref_name) if isinstance(ref_name, str) else None
+                base = _patched(template, ref.get("patch"))
             yield _template(f"{where}.{pattern}", base)
             for side in ("leaderTemplatePatch", "workerTemplatePatch"):
                 if side in pat:

@@ -91,8 +91,10 @@ podAntiAffinity:
 CEL for matchConditions.
 
 The needle matches every spelling of --elastic-ep-backend that argparse accepts in some
-SGLang release (its prefixes down to the shortest one a release leaves unambiguous, as a
-whole word, alone or before "=") and nothing else: `--elasticsearch-url` does not match.
+SGLang release (its prefixes down to the shortest one a release leaves unambiguous, not
+part of a longer option name: no letter, digit, "_" or "-" on either side) and nothing
+else: `--elasticsearch-url` does not match. A flag assembled from variables at run time
+(`--ela$REST`) cannot be seen here; the injected probe reads it in the pod.
 tests/chart derives the same pattern from SGLang's option table (probe/cmdline.py) and
 asserts the two agree. Any container or init container whose command, args or literal
 env values hold it is sent to epguard, which covers `--elastic-ep-backend mooncake`, the
@@ -101,7 +103,7 @@ cheap `contains` runs first, so the regular expression only sees candidates.
 */}}
 {{- define "epguard.cel.needle" -}}--el{{- end -}}
 {{- define "epguard.cel.needlePattern" -}}
-(^|[\\s\'"=;&|(])--el(a(s(t(i(c(-(e(p(-(b(a(c(k(e(n(d)?)?)?)?)?)?)?)?)?)?)?)?)?)?)?)?([\\s\'"=;&|)]|$)
+(^|[^A-Za-z0-9_-])--el(a(s(t(i(c(-(e(p(-(b(a(c(k(e(n(d)?)?)?)?)?)?)?)?)?)?)?)?)?)?)?)?([^A-Za-z0-9_-]|$)
 {{- end -}}
 
 {{/* CEL: string variable s holds a spelling of the flag. */}}
