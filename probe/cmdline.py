@@ -269,19 +269,47 @@ _YAML_TRUE = frozenset(("true", "yes", "on"))
 _YAML_FALSE = frozenset(("false", "no", "off"))
 
 
+def _scalar(value):
+    """A YAML scalar as written: comments, anchors (&a), tags (!!str) and quotes removed."""
+    value = value.strip()
+    if " #" in value:
+        value = value.split(" #", 1)[0].strip()
+    while value[:1] in ("&", "!") and " " in value:
+        value = value.split(" ", 1)[1].strip()
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+        value = value[1:-1]
+    return value
+
+
 def parse_simple_yaml(text):
-    """Top-level ``key: value`` pairs: all SGLang's --config needs for these flags."""
+    """Top-level ``key: value`` pairs of a SGLang --config file: block mappings (a value
+    on the next, indented line too), quoted keys, anchors and tags, and a one-line flow
+    mapping ``{key: value, …}``. Nested mappings are not server arguments."""
     out = {}
-    for raw in text.splitlines():
-        if not raw or raw[0] in " \t#-" or ":" not in raw:
+    stripped = text.strip()
+    if stripped.startswith("{") and stripped.endswith("}"):
+        lines = [part for part in stripped[1:-1].split(",")]
+    else:
+        lines = text.splitlines()
+    pending = None  # a key whose value is on the next line
+    for raw in lines:
+        if pending is not None and raw[:1] in (" ", "\t") and raw.strip():
+            body = raw.strip()
+            if ": " not in body and not body.endswith(":") and body[:1] != "-":
+                out[pending] = _scalar(body)  # a scalar on the next line, not a mapping
+            pending = None
             continue
-        key, _, value = raw.partition(":")
-        value = value.strip()
-        if " #" in value:
-            value = value.split(" #", 1)[0].strip()
-        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
-            value = value[1:-1]
-        out[key.strip().replace("_", "-")] = value
+        pending = None
+        line = raw.strip() if raw[:1] not in (" ", "\t") or stripped.startswith("{") else ""
+        if not line or line[0] in "#-" or ":" not in line:
+            continue
+        key, _, value = line.partition(":")
+        key = _scalar(key).replace("_", "-")
+        value = _scalar(value)
+        if value:
+            out[key] = value
+        else:
+            pending = key
     return out
 
 

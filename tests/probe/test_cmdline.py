@@ -243,3 +243,91 @@ def test_nested_scripts_deeper_than_the_limit_are_over_budget() -> None:
 def test_a_line_that_never_mentions_the_flag_costs_nothing() -> None:
     huge = ["x" * 1_000_000] * 10
     assert not read(["sh", "-c", *huge]).requested
+
+
+# --- forms found in review: each was read as "not requested" before -------------------------
+
+P = "python3 -m sglang.launch_server --model m"
+
+
+@pytest.mark.parametrize("argv", [
+    ["bash", "-c", 'exec python3 -m sglang.launch_server "$@"', "--", *FLAG.split()],
+    ["sh", "-c", 'exec "$@"', "sh", *P.split(), *FLAG.split()],
+    ["sh", "-c", "exec python3 -m sglang.launch_server --model m $1 $2", "sh", *FLAG.split()],
+])
+def test_arguments_passed_to_a_script_are_read_where_it_uses_them(argv: list[str]) -> None:
+    assert read(argv).requested
+
+
+@pytest.mark.parametrize("prefix", [
+    ["uv", "run", "--"], ["sudo", "-E", "-u", "x", "--"], ["gosu", "sglang"], ["su-exec", "1000"],
+    ["chroot", "/"], ["mpirun", "-np", "2"], ["conda", "run", "-n", "e"], ["/usr/bin/time", "-v"],
+])
+def test_a_launch_behind_a_program_epguard_does_not_know_is_still_read(prefix: list[str]) -> None:
+    assert read([*prefix, *P.split(), *FLAG.split()]).requested
+    assert read([*prefix, "bash", "-c", f"{P} {FLAG}"]).requested
+
+
+def test_su_c_runs_its_command() -> None:
+    assert read(["su", "sglang", "-c", f"{P} {FLAG}"]).requested
+    assert read(["runuser", "-u", "sglang", "--", "bash", "-c", f"{P} {FLAG}"]).requested
+
+
+@pytest.mark.parametrize("script", [
+    f'FLAGS="{FLAG}"; {P} $FLAGS',
+    f"B=mooncake; {P} --elastic-ep-backend $B",
+    f"export B=mooncake\n{P} --elastic-ep-backend \"$B\"",
+])
+def test_variables_a_script_sets_itself_are_used(script: str) -> None:
+    assert read(["sh", "-c", script]).requested
+
+
+@pytest.mark.parametrize("body", ["it's", 'a "quote', "EOFX\n$(oops"])
+@pytest.mark.parametrize("opener", ["<<'EOF'", "<<EOF", '<<-"EOF"'])
+def test_here_document_bodies_are_not_shell_code(opener: str, body: str) -> None:
+    script = f"cat {opener} > /etc/x\n{body}\nEOF\n{P} {FLAG}\n"
+    assert read(["sh", "-c", script]).requested
+
+
+def test_an_unknown_variables_default_is_assumed_and_flagged() -> None:
+    r = read(["sh", "-c", f"{P} --elastic-ep-backend ${{EP:-mooncake}}"])
+    assert r.requested
+    r = read(["sh", "-c", f"{P} --elastic-ep-backend ${{EP:-none}}"])
+    assert not r.requested and r.unresolved == "${EP:-none}"
+    # A known value wins over the default, empty env or not.
+    assert not read(["sh", "-c", f"{P} --elastic-ep-backend ${{EP:-mooncake}}"],
+                    env={"EP": "none"}).requested
+    assert read(["sh", "-c", f"{P} ${{EP:+{FLAG}}}"]).requested
+
+
+def test_config_alone_is_never_judged_requested_over_budget() -> None:
+    script = "exec /otelcol --config=/etc/otel.yaml\n#" + "x" * (shell.BUDGET + 10)
+    r = read(["sh", "-c", script])
+    assert r.over_budget and not r.requested
+
+
+def test_argparse_work_is_bounded_per_review() -> None:
+    # 20,000 words with a mooncake value: argparse would take many seconds per table.
+    argv = [*P.split(), *(["--tp", "1"] * 10_000), *FLAG.split()]
+    budget = shell.Budget()
+    r = read(argv, budget=budget)
+    assert r.requested and r.releases == ("lenient",)
+    assert any("leniently" in n for n in r.notes)
+
+
+@pytest.mark.parametrize("text", [
+    '"elastic-ep-backend": mooncake\n',
+    "elastic-ep-backend: &backend mooncake\n",
+    "elastic_ep_backend: !!str mooncake\n",
+    "{elastic-ep-backend: mooncake, tp-size: 8}\n",
+    "elastic-ep-backend:\n  mooncake\n",
+])
+def test_config_yaml_forms_are_read(text: str, tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(text)
+    assert read([*LAUNCH, "--config", str(cfg)], read_config=_file_reader).requested
+
+
+def test_odd_environment_values_do_not_crash_the_reader() -> None:
+    env = {"A": 1, "B": None}
+    assert read(["sh", "-c", f"{P} --elastic-ep-backend $A $B"], env=env) is not None  # type: ignore[arg-type]

@@ -132,3 +132,54 @@ def test_a_doubling_env_chain_stops_at_the_budget_and_is_judged_requested() -> N
     env[0]["value"] = "x"
     assert not analyse_container(container).requests_mooncake
     assert MAX_EXPANSION <= 1024 * 1024
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=12)
+    | st.sampled_from(["--elastic-ep-backend", "mooncake", "sh", "-c", "$(A)", "$A", "name"]),
+    lambda children: st.lists(children, max_size=4)
+    | st.dictionaries(st.sampled_from(["name", "value", "valueFrom", "command", "args", "env",
+                                       "image", "spec", "roles", "template", "containers",
+                                       "roleTemplates", "templateRef", "patch",
+                                       "standalonePattern", "runner", "engineConfig"]),
+                      children, max_size=5),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(json_values)
+def test_no_container_shape_crashes_the_reader(container: object) -> None:
+    from webhook.argv import analyse_container
+
+    if isinstance(container, dict):
+        assert isinstance(analyse_container(container).requests_mooncake, bool)
+
+
+@settings(max_examples=300, deadline=None)
+@given(json_values, st.sampled_from([
+    ("", "Pod"), ("apps", "Deployment"), ("workloads.x-k8s.io", "RoleBasedGroup"),
+    ("disaggregatedset.x-k8s.io", "DisaggregatedSet"), ("ome.io", "ClusterServingRuntime"),
+    ("nvidia.com", "DynamoGraphDeployment"), ("leaderworkerset.x-k8s.io", "LeaderWorkerSet"),
+]))
+def test_no_object_shape_crashes_the_template_walk(obj: object, kind: tuple[str, str]) -> None:
+    from webhook.workloads import BUILTIN
+
+    views = BUILTIN.pod_templates(kind[0], kind[1], obj)
+    assert views is not None
+    for v in views:
+        for c in v.containers:
+            assert isinstance(c.name, str)
+
+
+def test_wrong_typed_names_found_in_review_do_not_crash() -> None:
+    from webhook.workloads import BUILTIN
+
+    c = {"args": ["sh", "-c", "x --elastic-ep-backend $A"], "env": [{"name": ["A"], "value": "m"}]}
+    assert not analyse_container(c).requests_mooncake
+    for spec in (
+        {"roleTemplates": [{"name": ["a"]}], "roles": []},
+        {"roles": [{"standalonePattern": {"templateRef": {"name": {"x": 1}}}}]},
+    ):
+        views = BUILTIN.pod_templates("workloads.x-k8s.io", "RoleBasedGroup", {"spec": spec})
+        assert views is not None and all(not v.containers for v in views)
