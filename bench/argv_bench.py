@@ -9,6 +9,8 @@ memory (tracemalloc) and the process's RSS growth:
 * 48 containers, each a distinct ~64 KB nested ``sh -c`` script asking for mooncake
   (over the reading budget, judged without being read), and the same at 30 KB (inside
   the budget: read until the review's shared budget runs out);
+* 48 containers of distinct 1000-word argvs asking for mooncake (argparse's share,
+  bounded by the per-review parse budget);
 * a 1.5 KB pod whose ``$(VAR)`` chain doubles at each of 40 steps.
 
 Targets (issue 10): each judged in under 100 ms with bounded memory. The answer must be
@@ -30,7 +32,11 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "webhook")]
 
 from webhook_factory import make_state, request  # noqa: E402
 
-from tests.hostile_pods import doubling_env_pod, nested_script_pod  # noqa: E402
+from tests.hostile_pods import (  # noqa: E402
+    doubling_env_pod,
+    many_words_pod,
+    nested_script_pod,
+)
 from webhook.policy import decide  # noqa: E402
 
 RUNS = 20
@@ -45,6 +51,7 @@ def main() -> int:
     inputs = (
         ("48 x 64 KB nested sh -c scripts", nested_script_pod()),
         ("48 x 30 KB (inside the budget)", nested_script_pod(30 * 1024)),
+        ("48 x 1000-word argvs (argparse)", many_words_pod()),
         ("doubling $(VAR) chain, 40 steps", doubling_env_pod()),
     )
     for name, obj in inputs:

@@ -358,28 +358,47 @@ def _collect(words_, where, env, budget, depth, out):
         raise OverBudget()
     words_ = unwrap(words_)
     at = shell_script(words_)
+    if depth == 0:
+        # The argv counts too (a script word is counted when it is read): a container of
+        # a million words is not read word by word.
+        budget.spend(sum(len(w) for i, w in enumerate(words_) if i != at))
     if at is None:
         out.append(Command(words_, where))
         # A program we do not know may run the rest of its argv (gosu, su-exec, sudo,
-        # chroot, uv run, mpirun, …): every shell -c or launcher behind it is read too.
+        # chroot, uv run, mpirun, …): the first shell -c or launcher behind it is read
+        # too. Only a few candidates are tried, so a line of a thousand "su" stays cheap.
+        tried = 0
         for i in range(1, len(words_)):
+            if not _could_start(words_[i]):
+                continue
+            tried += 1
+            if tried > 8:
+                break
             if _starts_command(words_[i:]):
                 _collect(words_[i:], where, env, budget, depth + 1, out)
                 break
         return
     script = words_[at]
+    if len(script) > budget.left:
+        raise OverBudget()  # before any pass over it
     local = script_env(script, env)
     positional = tuple(words_[at + 1:])  # $0 $1 … of the script
     for cmd in _split_commands(words(script, local, budget, positional)):
         _collect(cmd, "sh -c script", local, budget, depth + 1, out)
 
 
-_LAUNCH = re.compile(r"^(?:.*/)?(?:python(?:[0-9](?:\.[0-9]+)?)?|sglang)$")
+_LAUNCH = re.compile(r"python(?:[0-9](?:\.[0-9]+)?)?|sglang")
+_STARTERS = SHELLS | {"busybox", "su", "runuser"}
+
+
+def _could_start(word):
+    base = os.path.basename(word)
+    return base in _STARTERS or _LAUNCH.fullmatch(base) is not None
 
 
 def _starts_command(w):
     """Does ``w`` start with a shell -c or an interpreter/SGLang launcher?"""
-    return shell_script(w) is not None or bool(_LAUNCH.match(w[0]))
+    return shell_script(w) is not None or _LAUNCH.fullmatch(os.path.basename(w[0])) is not None
 
 
 # --- wrappers: programs that run the rest of their argv as a command -------------------

@@ -48,3 +48,16 @@ def doubling_env_pod(steps: int = 40) -> dict[str, Any]:
                  "args": [f"$(V{steps - 1})"], "env": env}
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "doubling", "namespace": "ml"},
             "spec": {"containers": [container]}}
+
+
+def many_words_pod(words: int = 1000) -> dict[str, Any]:
+    """48 containers, each a distinct plain argv of ``words`` words asking for mooncake:
+    argparse's share of the work, which the per-review parse budget bounds."""
+    containers = []
+    for i in range(CONTAINERS):
+        args = ["--model-path", f"m{i}", *(["--tp", "1"] * (words // 2)),
+                "--elastic-ep-backend", "mooncake"]
+        containers.append({"name": f"w{i}", "image": IMAGE,
+                           "command": ["python3", "-m", "sglang.launch_server"], "args": args})
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "words", "namespace": "ml"}, "spec": {"containers": containers}}

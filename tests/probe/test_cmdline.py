@@ -307,8 +307,9 @@ def test_config_alone_is_never_judged_requested_over_budget() -> None:
 
 
 def test_argparse_work_is_bounded_per_review() -> None:
-    # 20,000 words with a mooncake value: argparse would take many seconds per table.
-    argv = [*P.split(), *(["--tp", "1"] * 10_000), *FLAG.split()]
+    # 3,000 words with a mooncake value, under the text budget: past the words argparse
+    # may read per review, the line is read leniently (linearly) instead.
+    argv = [*P.split(), *(["--tp", "1"] * 1_500), *FLAG.split()]
     budget = shell.Budget()
     r = read(argv, budget=budget)
     assert r.requested and r.releases == ("lenient",)
@@ -331,3 +332,8 @@ def test_config_yaml_forms_are_read(text: str, tmp_path: Path) -> None:
 def test_odd_environment_values_do_not_crash_the_reader() -> None:
     env = {"A": 1, "B": None}
     assert read(["sh", "-c", f"{P} --elastic-ep-backend $A $B"], env=env) is not None  # type: ignore[arg-type]
+
+
+def test_a_huge_argv_is_over_budget_without_being_read_word_by_word() -> None:
+    r = read([*P.split(), *(["--tp", "1"] * 20_000), *FLAG.split()])
+    assert r.requested and r.over_budget
