@@ -14,11 +14,15 @@ changed input rebuilds it, an unchanged one is skipped in milliseconds.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from devcluster import binaries, ociimage
@@ -161,20 +165,23 @@ def build_python_base() -> str:
         f"{DEBIAN_MIRROR} bookworm {_BASE_PACKAGES} {_local_cas_digest()}".encode()
     ).hexdigest()
     stamp = images_dir() / "python-base.key"
-    if stamp.is_file() and stamp.read_text() == key and _has_image(PYTHON_BASE_IMAGE):
+    # The rootfs tar is kept: it is also the bottom layer of the worker images.
+    rootfs = python_base_rootfs()
+    current = stamp.is_file() and stamp.read_text() == key and rootfs.is_file()
+    if current and _has_image(PYTHON_BASE_IMAGE):
         return key
     with tempfile.TemporaryDirectory() as tmp:
-        rootfs = Path(tmp) / "rootfs.tar"
+        partial = Path(tmp) / "rootfs.tar"
         subprocess.run(
             ["mmdebstrap", "--variant=apt", f"--include={_BASE_PACKAGES}", "--mode=root",
-             "--quiet", *_trust_hooks(), "bookworm", str(rootfs), DEBIAN_MIRROR],
+             "--quiet", *_trust_hooks(), "bookworm", str(partial), DEBIAN_MIRROR],
             check=True,
         )  # fmt: skip
         container = subprocess.run(
             buildah("from", "scratch"), capture_output=True, text=True, check=True
         ).stdout.strip()
         try:
-            subprocess.run(buildah("add", container, str(rootfs), "/"), check=True)
+            subprocess.run(buildah("add", container, str(partial), "/"), check=True)
             subprocess.run(
                 buildah("config", "--env", "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:"
                         "/usr/bin:/sbin:/bin", "--cmd", "python3", container),
@@ -183,8 +190,13 @@ def build_python_base() -> str:
             subprocess.run(buildah("commit", "--quiet", container, PYTHON_BASE_IMAGE), check=True)
         finally:
             subprocess.run(buildah("rm", container), capture_output=True, check=False)
+        shutil.move(partial, rootfs)
     stamp.write_text(key)
     return key
+
+
+def python_base_rootfs() -> Path:
+    return images_dir() / "python-base-rootfs.tar"
 
 
 def _source_files() -> list[Path]:
@@ -231,9 +243,97 @@ def build_epguard() -> Path:
     return archive
 
 
+@dataclass(frozen=True)
+class WorkerImage:
+    """An SGLang worker image: the Debian python3 base, the real torch 2.13.0 (CUDA 13)
+    install from ``scripts/tools.d/30-realpkgs.sh``, and real SGLang and mooncake wheels
+    (``overlays``, names under ``$EPGUARD_CACHE/realpkgs/overlays``), all in the system
+    Python's ``/usr/local/lib/python3.11/dist-packages``: what a team's image holds."""
+
+    ref: str
+    name: str
+    overlays: tuple[str, ...]
+    why: str
+
+
+# The mooncake wheel here cannot work in this image, whatever the node: it is the CUDA 12
+# build beside CUDA 13 torch (libcudart.so.12 is not in the image).
+BAD_WORKER = WorkerImage(
+    ref="localhost/epguard/sglang:0.5.23-mte0.3.13",
+    name="worker-bad",
+    overlays=("sglang-0.5.23", "mte-0.3.13.post1"),
+    why="CUDA 12 mooncake-transfer-engine 0.3.13.post1 beside CUDA 13 torch 2.13.0",
+)
+WORKER_IMAGES = (BAD_WORKER,)
+_SITE = "usr/local/lib/python3.11/dist-packages"
+
+
+def _realpkgs() -> Path:
+    return binaries.cache_dir() / "realpkgs"
+
+
+def _torch_layer() -> Path:
+    """The torch venv's site-packages as one uncompressed layer, shared by every worker
+    image (containerd stores it once)."""
+    venv = _realpkgs() / "torch-2.13.0"
+    done = venv / ".done"
+    if not done.is_file():
+        raise FileNotFoundError(f"{venv} not built: run scripts/tools.d/30-realpkgs.sh")
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    layer = images_dir() / "layers" / "torch-2.13.0.tar"
+    key = f"{site} {done.stat().st_mtime_ns}"
+    if _current(layer, key):
+        return layer
+    layer.parent.mkdir(parents=True, exist_ok=True)
+    ociimage.layer_from_dir(site, _SITE, layer.with_suffix(".partial"))
+    layer.with_suffix(".partial").replace(layer)
+    _stamp(layer, key)
+    return layer
+
+
+def build_worker(image: WorkerImage) -> Path:
+    archive = images_dir() / f"{image.name}.oci.tar"
+    torch = _torch_layer()
+    overlays = [_realpkgs() / "overlays" / o for o in image.overlays]
+    for o in overlays:
+        if not (o / ".done").is_file():
+            raise FileNotFoundError(f"{o} not built: run scripts/tools.d/30-realpkgs.sh")
+    key = hashlib.sha256(
+        " ".join([image.ref, build_python_base(), torch.with_suffix(".key").read_text(),
+                  *(f"{o}:{(o / '.done').stat().st_mtime_ns}" for o in overlays)]).encode()
+    ).hexdigest()  # fmt: skip
+    if _current(archive, key):
+        return archive
+    with tempfile.TemporaryDirectory(dir=images_dir()) as tmp:
+        # One directory holding every overlay, as `pip install` into one prefix would.
+        merged = Path(tmp) / "site"
+        for o in overlays:
+            shutil.copytree(o, merged, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".done"))
+        top = ociimage.layer_from_dir(merged, _SITE, Path(tmp) / "overlays.tar")
+        ociimage.write_archive(
+            archive,
+            image.ref,
+            [python_base_rootfs(), torch, top],
+            {
+                "Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
+                "Cmd": ["python3"],
+                "Labels": {"io.epguard.test.why": image.why},
+            },
+        )
+    _stamp(archive, key)
+    return archive
+
+
+def built_workers() -> list[Path]:
+    """The worker image archives that `make tools` built (all of them, normally)."""
+    return [a for a in (images_dir() / f"{i.name}.oci.tar" for i in WORKER_IMAGES) if a.is_file()]
+
+
 def main() -> int:
     images_dir().mkdir(parents=True, exist_ok=True)
-    for build in (build_pause, build_busybox, build_epguard):
+    builds: list[Callable[[], Path]] = [build_pause, build_busybox, build_epguard]
+    builds += [functools.partial(build_worker, image) for image in WORKER_IMAGES]
+    for build in builds:
         start = time.monotonic()
         archive = build()
         print(f"images: {archive.name} ready ({time.monotonic() - start:.1f}s)", file=sys.stderr)

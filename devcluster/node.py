@@ -39,7 +39,7 @@ from typing import Any
 
 import yaml
 
-from devcluster import binaries, pki
+from devcluster import binaries, ociimage, pki
 from devcluster.controlplane import ControlPlane, ControlPlaneError, write_kubeconfig
 from devcluster.process import ManagedProcess, free_port
 
@@ -146,8 +146,11 @@ def host_snapshot() -> dict[str, Any]:
     binaries, mount points, top-level cgroups, network interfaces, iptables chains and
     rules, kernel settings and the hard-coded paths. Equal before ``up`` and after
     ``down`` means nothing was left behind."""
+    # The node's own binaries (comm is cut at 15 characters). Not etcd or kube-apiserver:
+    # other control planes (test sessions, another checkout) may come and go meanwhile;
+    # callers check those by pid.
     names = {"kubelet", "kube-proxy", "kube-scheduler", "kube-controller", "containerd",
-             "containerd-shim", "containerd-shim-runc-v2", "pause"}  # fmt: skip
+             "containerd-shim", "pause"}  # fmt: skip
     procs = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, ValueError):
@@ -155,7 +158,7 @@ def host_snapshot() -> dict[str, Any]:
             comm = text[text.index("(") + 1 : text.rindex(")")]
             # A zombie has exited already; only its parent's wait is pending.
             exited = text[text.rindex(")") + 2] == "Z"
-            if not exited and (comm in names or comm.startswith("kube-")):
+            if not exited and comm in names:
                 procs.append(comm)
     return {
         "processes": sorted(procs),
@@ -290,6 +293,26 @@ class Node:
             if _LOCK.read_text().strip() == str(self.workdir):
                 _LOCK.unlink()
 
+    def advertise(self, resource: str, count: int) -> None:
+        """Advertise an extended resource in the node's capacity, the documented way
+        (a status patch): GPU-requesting worker pods then schedule here. No device
+        plugin and no device exist, so containers see no GPU, as the probe reports."""
+        path = "/status/capacity/" + resource.replace("~", "~0").replace("/", "~1")
+        patch = json.dumps([{"op": "add", "path": path, "value": str(count)}])
+        r = self.cp.kubectl(
+            "patch", "node", NODE_NAME, "--subresource=status", "--type=json", "-p", patch
+        )
+        if r.returncode != 0:
+            raise NodeError(f"could not advertise {resource}: {r.stderr.strip()}")
+        deadline = time.monotonic() + 30
+        jsonpath = "{.status.allocatable." + resource.replace(".", "\\.") + "}"
+        while self.cp.kubectl("get", "node", NODE_NAME, "-o", f"jsonpath={jsonpath}").stdout != str(
+            count
+        ):
+            if time.monotonic() > deadline:
+                raise NodeError(f"{resource} never became allocatable on {NODE_NAME}")
+            time.sleep(0.2)
+
     # --- images -----------------------------------------------------------------------
 
     def ctr(self, *args: str, check: bool = True, timeout: float = 600.0) -> str:
@@ -299,10 +322,21 @@ class Node:
             raise NodeError(f"ctr {' '.join(args)} failed: {r.stderr.strip()}")
         return r.stdout
 
+    def image_digests(self) -> dict[str, str]:
+        """{image name: manifest digest} of what containerd holds for the kubelet."""
+        rows = [line.split() for line in self.ctr("images", "ls").splitlines()[1:]]
+        return {row[0]: row[2] for row in rows if len(row) > 2}
+
     def import_images(self, archives: Iterable[Path]) -> None:
+        """Import OCI archives, skipping those containerd already holds (its store is
+        in the cache and survives `down`): a multi-GB worker image is read once."""
+        present = self.image_digests()
         for archive in archives:
             if not archive.is_file():
                 raise NodeError(f"image archive {archive} missing: run `make tools`")
+            wanted = ociimage.archive_images(archive)
+            if wanted and all(present.get(name) == d for name, d in wanted.items()):
+                continue
             self.ctr("images", "import", str(archive))
 
     # --- internals --------------------------------------------------------------------

@@ -363,6 +363,9 @@ IMAGE_VALUES = (
     "--set=image.pullPolicy=Never",
 )
 CHART_READY_TIMEOUT = "5m"
+# What the node advertises as nvidia.com/gpu so that worker pods with a GPU request
+# schedule (there is no GPU: see Node.advertise).
+FAKE_GPUS = 8
 
 
 def deploy_chart(stack: Stack, cp: ControlPlane, chart: Path, helm_args: Sequence[str]) -> str:
@@ -389,6 +392,38 @@ def deploy_chart(stack: Stack, cp: ControlPlane, chart: Path, helm_args: Sequenc
     return f"{what}; pods: {', '.join(p.removeprefix('pod/') for p in pods)}"
 
 
+def start_cluster(stack: Stack, say: Callable[[str], None] = lambda _: None) -> None:
+    """The epguard image (built if its sources changed), the control plane and a Ready
+    node with every built image imported and fake GPUs advertised, recorded in
+    ``stack`` (detached or not, as ``stack.detached`` says). Raises on failure, leaving
+    what started in ``stack`` for :meth:`Stack.stop`."""
+    run_dir = stack.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "logs").mkdir(exist_ok=True)
+    # Before anything starts: a changed source tree means a new image (cached by
+    # content, so an unchanged one costs a hash of the sources).
+    started = time.monotonic()
+    image = images.build_epguard()
+    stack.stages["image"] = f"{images.EPGUARD_IMAGE} ({time.monotonic() - started:.1f}s)"
+    say(f"image: {stack.stages['image']}")
+    cp = ControlPlane(run_dir / "controlplane", detached=stack.detached, node_ip=node_ip())
+    stack.control_plane = cp
+    say("starting etcd and kube-apiserver ...")
+    started = time.monotonic()
+    cp.start()
+    stack.stages["control-plane"] = f"{cp.server} (up in {time.monotonic() - started:.1f}s)"
+    stack.save()
+    say(f"control plane: {stack.stages['control-plane']}")
+    started = time.monotonic()
+    stack.node = Node(cp, run_dir / "node")
+    stack.save()
+    stack.node.start(images=[image, *images.built_workers()])
+    stack.node.advertise("nvidia.com/gpu", FAKE_GPUS)
+    stack.stages["node"] = f"Ready (in {time.monotonic() - started:.1f}s)"
+    stack.save()
+    say(f"node: {stack.stages['node']}")
+
+
 # --- commands ----------------------------------------------------------------------
 
 
@@ -412,36 +447,16 @@ def up(
         _say("cleaning up a previous, partly dead stack")
         down(run_dir, quiet=True)
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "logs").mkdir(exist_ok=True)
     stack = Stack(run_dir=run_dir)
     try:
-        # Before anything starts: a changed source tree means a new image (cached by
-        # content, so an unchanged one costs a hash of the sources).
-        started = time.monotonic()
-        image = images.build_epguard()
-        stack.stages["image"] = f"{images.EPGUARD_IMAGE} ({time.monotonic() - started:.1f}s)"
-        _say(f"image: {stack.stages['image']}")
-        cp = ControlPlane(run_dir / "controlplane", detached=True, node_ip=node_ip())
-        stack.control_plane = cp
-        _say("starting etcd and kube-apiserver ...")
-        started = time.monotonic()
-        cp.start()
-        stack.stages["control-plane"] = f"{cp.server} (up in {time.monotonic() - started:.1f}s)"
-        stack.save()
-        _say(f"control plane: {stack.stages['control-plane']}")
-        started = time.monotonic()
-        stack.node = Node(cp, run_dir / "node")
-        stack.save()
-        stack.node.start(images=[image])
-        stack.stages["node"] = f"Ready (in {time.monotonic() - started:.1f}s)"
-        stack.save()
-        _say(f"node: {stack.stages['node']}")
+        start_cluster(stack, _say)
     except (ControlPlaneError, binaries.MissingBinary, subprocess.CalledProcessError) as e:
         _say(f"cluster failed: {e}")
         stack.stop()
         shutil.rmtree(run_dir, ignore_errors=True)
         return 1
+    assert stack.control_plane is not None and stack.node is not None
+    cp = stack.control_plane
     started = time.monotonic()
     failed = False
     try:
