@@ -63,4 +63,4 @@ done
 for name in kube-apiserver kubelet kube-scheduler kube-controller-manager kube-proxy; do
     "$bin/$name" --version
 done
-"$bin/etcd" --version | head -1
+"$bin/etcd" --version | sed -n 1p  # sed reads it all: head would SIGPIPE etcd (pipefail)
