@@ -80,6 +80,7 @@ SYSCTLS = (
     "net/netfilter/nf_conntrack_max",
 )
 _LOCK = Path("/run/epguard-node.lock")
+_RECORD = "node.json"
 
 
 class NodeError(ControlPlaneError):
@@ -249,6 +250,7 @@ class Node:
         self.before = host_snapshot()
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._logs().mkdir(exist_ok=True)
+        self._record()
         try:
             self._write_pki()
             self._start_containerd()
@@ -264,13 +266,18 @@ class Node:
         try:
             fd = os.open(_LOCK, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
-            holder = _LOCK.read_text().strip()
-            if holder and Path(holder).exists():
+            holder = Path(_LOCK.read_text().strip())
+            stale = _recorded(holder)
+            if stale is not None and any(p.alive() for p in stale.processes):
                 raise NodeError(
                     f"a node already runs on this machine (state in {holder}); stop it first "
                     "(`make down`, or `python -m devcluster --run-dir <dir> down`)"
                 ) from None
-            _LOCK.unlink()  # its owner is gone without cleaning up
+            if stale is not None:
+                # Its owner died without stopping it (a killed test session): its own
+                # record says what to undo on the host.
+                stale.stop()
+            _LOCK.unlink(missing_ok=True)
             fd = os.open(_LOCK, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         with os.fdopen(fd, "w") as f:
             f.write(str(self.workdir))
@@ -379,7 +386,14 @@ class Node:
             name, argv, self._logs() / f"{name}.log", env=env, detached=self.cp.detached
         )
         self.processes.append(proc)
+        self._record()
         return proc
+
+    def _record(self) -> None:
+        """What :func:`_recorded` needs to stop this node if its owner dies first."""
+        path = self.workdir / _RECORD
+        path.with_suffix(".tmp").write_text(json.dumps(self.to_dict()))
+        path.with_suffix(".tmp").replace(path)
 
     def _start_containerd(self) -> None:
         cni = self.workdir / "cni"
@@ -598,6 +612,19 @@ state = "{RUNTIME_STATE}"
             if path not in existed and os.path.lexists(path):
                 _remove_tree(Path(path))
         _remove_tree(self.workdir)
+
+
+def _recorded(workdir: Path) -> Node | None:
+    """The node recorded in ``workdir``, enough of it to stop it; None if none is."""
+    try:
+        data = json.loads((workdir / _RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    node = Node.__new__(Node)
+    node.workdir = workdir
+    node.processes = [ManagedProcess.from_dict(p) for p in data.get("processes", [])]
+    node.before = dict(data.get("before", {}))
+    return node
 
 
 def _kill_shims() -> None:
