@@ -16,10 +16,11 @@ the node). The benchmark pods name a node that does not exist (``spec.nodeName``
 the create is the whole of it: nothing schedules or runs them. The pod is an SGLang
 worker that asks for ``--elastic-ep-backend mooncake`` on an image the rule does not
 name, so every check runs in full and admits (a denial would not measure a create).
-Creates are sequential POSTs over one keep-alive HTTPS connection with the admin client certificate (httpx; no kubectl process per
-request), interleaved in rounds so that noise from a shared machine falls on all three
-alike. Prints p50/p90/p99 per scenario and the ratios. A benchmark prints figures; it
-asserts nothing (the target, epguard p99 <= 1.5x the VAP's, is printed as met or not).
+Creates are sequential POSTs over one keep-alive HTTPS connection with the admin client
+certificate (httpx; no kubectl process per request), interleaved in rounds so that noise
+from a shared machine falls on all three alike. Prints p50/p90/p99 per scenario and the
+ratios. A benchmark prints figures; it asserts nothing (the target, epguard p99 <= 1.5x
+the VAP's, is printed as met or not).
 
     .venv/bin/python bench/admission_latency.py [--count 300] [--round 25] [--warmup 30]
 """
