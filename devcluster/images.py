@@ -254,6 +254,8 @@ class WorkerImage:
     name: str
     overlays: tuple[str, ...]
     why: str
+    # Debian packages on top of the python3 base (the worker's system libraries).
+    apt: tuple[str, ...] = ()
 
 
 # The mooncake wheel here cannot work in this image, whatever the node: it is the CUDA 12
@@ -264,7 +266,17 @@ BAD_WORKER = WorkerImage(
     overlays=("sglang-0.5.23", "mte-0.3.13.post1"),
     why="CUDA 12 mooncake-transfer-engine 0.3.13.post1 beside CUDA 13 torch 2.13.0",
 )
-WORKER_IMAGES = (BAD_WORKER,)
+# Everything this image needs is in it (the CUDA 13 mooncake build beside CUDA 13 torch,
+# SGLang 0.5.20 importing mooncake.pg, rdma-core userspace): its only fault here is the
+# machine's, no GPU and so no NVIDIA driver (libcuda.so.1) mounted into the container.
+ENV_ONLY_WORKER = WorkerImage(
+    ref="localhost/epguard/sglang:0.5.20-mte-cuda13-0.3.13",
+    name="worker-env-only",
+    overlays=("sglang-0.5.20", "mte-cuda13-0.3.13.post1"),
+    why="complete image; fails only where no GPU driver is mounted",
+    apt=("libibverbs1", "ibverbs-providers", "libnuma1"),
+)
+WORKER_IMAGES = (BAD_WORKER, ENV_ONLY_WORKER)
 _SITE = "usr/local/lib/python3.11/dist-packages"
 
 
@@ -291,15 +303,37 @@ def _torch_layer() -> Path:
     return layer
 
 
+def _worker_rootfs(apt: tuple[str, ...]) -> tuple[Path, str]:
+    """The python3 base's rootfs, or one bootstrapped with ``apt`` packages added; and
+    its key."""
+    base_key = build_python_base()
+    if not apt:
+        return python_base_rootfs(), base_key
+    key = hashlib.sha256(f"{base_key} {','.join(sorted(apt))}".encode()).hexdigest()
+    rootfs = images_dir() / f"rootfs-{key[:16]}.tar"
+    if rootfs.is_file():
+        return rootfs, key
+    # mmdebstrap picks the output format from the name: keep it ending in .tar.
+    partial = rootfs.with_suffix(".partial.tar")
+    subprocess.run(
+        ["mmdebstrap", "--variant=apt", f"--include={_BASE_PACKAGES},{','.join(apt)}",
+         "--mode=root", "--quiet", *_trust_hooks(), "bookworm", str(partial), DEBIAN_MIRROR],
+        check=True,
+    )  # fmt: skip
+    partial.replace(rootfs)
+    return rootfs, key
+
+
 def build_worker(image: WorkerImage) -> Path:
     archive = images_dir() / f"{image.name}.oci.tar"
     torch = _torch_layer()
+    rootfs, rootfs_key = _worker_rootfs(image.apt)
     overlays = [_realpkgs() / "overlays" / o for o in image.overlays]
     for o in overlays:
         if not (o / ".done").is_file():
             raise FileNotFoundError(f"{o} not built: run scripts/tools.d/30-realpkgs.sh")
     key = hashlib.sha256(
-        " ".join([image.ref, build_python_base(), torch.with_suffix(".key").read_text(),
+        " ".join([image.ref, rootfs_key, torch.with_suffix(".key").read_text(),
                   *(f"{o}:{(o / '.done').stat().st_mtime_ns}" for o in overlays)]).encode()
     ).hexdigest()  # fmt: skip
     if _current(archive, key):
@@ -313,7 +347,7 @@ def build_worker(image: WorkerImage) -> Path:
         ociimage.write_archive(
             archive,
             image.ref,
-            [python_base_rootfs(), torch, top],
+            [rootfs, torch, top],
             {
                 "Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
                 "Cmd": ["python3"],

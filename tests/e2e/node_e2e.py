@@ -34,7 +34,7 @@ PROBE = "epguard-probe"
 PROBE_TIMEOUT = 300.0
 
 
-def worker_spec(models: Path) -> dict[str, Any]:
+def worker_spec(models: Path, image: str = BAD_WORKER.ref) -> dict[str, Any]:
     """A worker with a GPU request and a model-download init container that would leave
     a marker on a hostPath: the probe is injected before it."""
     return {
@@ -54,7 +54,7 @@ def worker_spec(models: Path) -> dict[str, Any]:
         "containers": [
             {
                 "name": "worker",
-                "image": BAD_WORKER.ref,
+                "image": image,
                 "imagePullPolicy": "Never",
                 "command": list(WORKER_COMMAND),
                 "args": list(WORKER_ARGS),
@@ -65,12 +65,14 @@ def worker_spec(models: Path) -> dict[str, Any]:
     }
 
 
-def worker_pod(name: str, namespace: str, models: Path) -> dict[str, Any]:
+def worker_pod(
+    name: str, namespace: str, models: Path, image: str = BAD_WORKER.ref
+) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": name, "namespace": namespace},
-        "spec": worker_spec(models),
+        "spec": worker_spec(models, image),
     }
 
 

@@ -19,6 +19,7 @@ from e2e_kube import apply, denied_by_epguard, eventually
 from node_e2e import opted_in_namespace, running_cluster, wait_probe, worker_pod, workload
 
 from devcluster import ControlPlane
+from devcluster.images import ENV_ONLY_WORKER
 
 pytestmark = pytest.mark.e2e
 
@@ -93,3 +94,21 @@ def test_a_workloads_pod_stops_in_init_error_before_its_model_download(
     assert r.returncode == 0, r.stderr
     found = wait_probe(cluster, opted_in, ["-l", "app=sglang"])
     _assert_stopped_before_download(found, models)
+
+
+def test_on_a_complete_image_the_probe_names_only_the_missing_gpu_driver(
+    cluster: ControlPlane, opted_in: str, tmp_path: Path
+) -> None:
+    # The CUDA 13 mooncake build beside CUDA 13 torch, rdma-core installed: nothing in the
+    # image is wrong; this machine has no GPU, so no driver is mounted. Whether such an
+    # outcome may become a verdict is the controller's call (a cause of the node, not of
+    # the image's files); here: the probe says exactly that, and nothing else.
+    pod = worker_pod("sglang-env", opted_in, tmp_path / "models", ENV_ONLY_WORKER.ref)
+    pod["spec"]["restartPolicy"] = "Never"
+    r = apply(cluster, pod)
+    assert r.returncode == 0, r.stderr
+    found = wait_probe(cluster, opted_in, ["--field-selector=metadata.name=sglang-env"])
+    first = found["terminated"]["message"].splitlines()[0]
+    assert "libcuda.so.1 (NVIDIA driver not mounted in this container)" in first
+    for image_fault in ("libcudart", "rdma-core", "libibverbs", "not built against"):
+        assert image_fault not in first
