@@ -5,18 +5,22 @@
                authz, defaulting, validation, the built-in admission plugins, etcd);
 * ``vap``:     the same rule as epguard's written as a ValidatingAdmissionPolicy (CEL,
                evaluated inside the API server -- the floor for any admission check);
-* ``epguard``: epguard's chart installed with helm, its ValidatingWebhookConfiguration
-               pointed at the webhook running as a local process (TLS on loopback),
-               exactly as ``make up`` does it.
+* ``epguard``: epguard's chart installed with helm on the real one-node cluster, exactly
+               as ``make up`` does it: the webhook runs as the chart's pods and the API
+               server calls it through its Service (the chart's ``service``
+               clientConfig, kube-proxy's rules, the pod network, TLS from the
+               controller-issued certificate).
 
-Each scenario gets its own namespace in one control plane (devcluster: etcd +
-kube-apiserver). The pod is an SGLang worker that asks for ``--elastic-ep-backend
-mooncake`` on an image the rule does not name, so every check runs in full and admits
-(a denial would not measure a create). Creates are sequential POSTs over one keep-alive
-HTTPS connection with the admin client certificate (httpx; no kubectl process per
-request), interleaved in rounds so that noise from a shared machine falls on all three
-alike. Prints p50/p90/p99 per scenario and the ratios. A benchmark prints figures; it
-asserts nothing (the target, epguard p99 <= 1.5x the VAP's, is printed as met or not).
+Each scenario gets its own namespace in that cluster (devcluster: etcd, kube-apiserver,
+the node). The benchmark pods name a node that does not exist (``spec.nodeName``), so
+the create is the whole of it: nothing schedules or runs them. The pod is an SGLang
+worker that asks for ``--elastic-ep-backend mooncake`` on an image the rule does not
+name, so every check runs in full and admits (a denial would not measure a create).
+Creates are sequential POSTs over one keep-alive HTTPS connection with the admin client
+certificate (httpx; no kubectl process per request), interleaved in rounds so that noise
+from a shared machine falls on all three alike. Prints p50/p90/p99 per scenario and the
+ratios. A benchmark prints figures; it asserts nothing (the target, epguard p99 <= 1.5x
+the VAP's, is printed as met or not).
 
     .venv/bin/python bench/admission_latency.py [--count 300] [--round 25] [--warmup 30]
 """
@@ -42,13 +46,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from devcluster import ControlPlane  # noqa: E402
-from devcluster.stack import (  # noqa: E402
-    CHART_DIR,
-    Stack,
-    install_chart,
-    point_webhook_config,
-    start_webhook,
-)
+from devcluster.stack import CHART_DIR, Stack, deploy_chart, start_cluster  # noqa: E402
 
 SCENARIOS = ("none", "vap", "epguard")
 BAD_PREFIX = "registry.example.com/bench/sglang:bad-"
@@ -125,6 +123,9 @@ def worker_pod(name: str, image: str = GOOD_IMAGE) -> dict[str, Any]:
         "kind": "Pod",
         "metadata": {"name": name, "labels": {"app": "sglang-decode", "role": "decode"}},
         "spec": {
+            # No such node: the pod is created (all of admission, then etcd) and then
+            # left alone by the scheduler and the kubelet.
+            "nodeName": "bench-no-such-node",
             "restartPolicy": "Always",
             "containers": [
                 {
@@ -208,14 +209,15 @@ def until(check: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
         time.sleep(0.2)
 
 
-def setup(cp: ControlPlane, run_dir: Path) -> tuple[Stack, dict[str, str]]:
-    """epguard as `make up` installs it (without the controller: it plays no part in
-    admission), the VAP, and one namespace per scenario."""
-    stack = Stack(run_dir=run_dir, detached=False)
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    print("installing the chart, starting the webhook ...", file=sys.stderr)
-    install_chart(cp, CHART_DIR, [])
-    # The rule in the live rules ConfigMap, before the webhook starts (it starts on it).
+def setup(stack: Stack) -> tuple[ControlPlane, dict[str, str]]:
+    """The cluster and epguard as `make up` brings them up, the rule, the VAP, and one
+    namespace per scenario."""
+    print("starting the one-node cluster and installing the chart ...", file=sys.stderr)
+    start_cluster(stack)
+    assert stack.control_plane is not None
+    cp = stack.control_plane
+    deploy_chart(stack, cp, CHART_DIR, [])
+    # The rule in the live rules ConfigMap (the webhook pods watch it).
     cm = json.loads(
         cp.kubectl(
             "get", "configmap", "epguard-rules", "-n", "epguard-system", "-o", "json", check=True
@@ -226,8 +228,6 @@ def setup(cp: ControlPlane, run_dir: Path) -> tuple[Stack, dict[str, str]]:
     patch = json.dumps({"data": {"rules.yaml": yaml.safe_dump(rules)}})
     cp.kubectl("patch", "configmap", "epguard-rules", "-n", "epguard-system", "--type=merge",
                "-p", patch, check=True)  # fmt: skip
-    start_webhook(stack, cp)
-    point_webhook_config(stack, cp)
 
     suffix = uuid.uuid4().hex[:6]
     namespaces = {s: f"bench-{s}-{suffix}" for s in SCENARIOS}
@@ -235,10 +235,13 @@ def setup(cp: ControlPlane, run_dir: Path) -> tuple[Stack, dict[str, str]]:
         cp.kubectl("create", "namespace", ns, check=True)
         if scenario != "epguard":  # out of epguard's webhook configuration's reach
             cp.kubectl("label", "namespace", ns, "epguard.io/ignore=true", check=True)
+        # kube-controller-manager makes the `default` ServiceAccount a pod needs.
+        until(lambda ns=ns: cp.kubectl("get", "sa", "default", "-n", ns).returncode == 0,
+              f"the default ServiceAccount in {ns}")  # fmt: skip
     objs = vap_objects(namespaces["vap"])
     cp.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List",
                "items": objs}), check=True)  # fmt: skip
-    return stack, namespaces
+    return cp, namespaces
 
 
 def check_policies(creator: Creator, namespaces: dict[str, str]) -> None:
@@ -275,13 +278,10 @@ def main() -> int:
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="epguard-bench-") as tmp:
-        cp = ControlPlane(Path(tmp) / "cp")
-        print("starting etcd and kube-apiserver ...", file=sys.stderr)
-        cp.start()
-        stack: Stack | None = None
+        stack = Stack(run_dir=Path(tmp) / "run", detached=False)
         creator: Creator | None = None
         try:
-            stack, namespaces = setup(cp, Path(tmp) / "run")
+            cp, namespaces = setup(stack)
             creator = Creator(cp)
             check_policies(creator, namespaces)
             for _ in range(args.warmup):
@@ -300,9 +300,7 @@ def main() -> int:
         finally:
             if creator is not None:
                 creator.close()
-            if stack is not None:
-                stack.stop()
-            cp.stop()
+            stack.stop()
     return 0
 
 

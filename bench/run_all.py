@@ -6,6 +6,7 @@ repository's interpreter so one command gives the figures the issues ask for:
 * ``probe_bench.py``        probe time-to-verdict vs a bare ``import torch, mooncake.pg``
 * ``webhook_bench.py``      /validate throughput and p50/p99 vs a bare FastAPI floor, RSS
 * ``admission_latency.py``  pod-create latency: no policy vs ValidatingAdmissionPolicy vs epguard
+* ``node_timings.py``       the real node: make up, apply -> termination message, memory, down
 * ``argv_bench.py``         hostile command lines (nested scripts, doubling $(VAR)): time, memory
 """
 
@@ -16,7 +17,13 @@ import sys
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
-SCRIPTS = ("probe_bench.py", "webhook_bench.py", "admission_latency.py", "argv_bench.py")
+SCRIPTS = (
+    "probe_bench.py",
+    "webhook_bench.py",
+    "admission_latency.py",
+    "node_timings.py",
+    "argv_bench.py",
+)
 
 
 def main() -> int:

@@ -91,10 +91,15 @@ class ControlPlane:
         workdir: Path | None = None,
         *,
         detached: bool = False,
+        node_ip: str | None = None,
     ) -> None:
         self._own_workdir = workdir is None
         self.workdir = Path(tempfile.mkdtemp(prefix=_WORK_PREFIX)) if workdir is None else workdir
         self.detached = detached
+        # Set when a real node (devcluster.node) joins: the API server then also listens
+        # on the node's address, so pods reach it through the `kubernetes` Service, and
+        # runs the admission and authorization a kubelet needs (Node, NodeRestriction).
+        self.node_ip = node_ip
         self.processes: list[ManagedProcess] = []
         self.endpoints: Endpoints | None = None
         self.data_dir: Path | None = None
@@ -217,13 +222,14 @@ class ControlPlane:
             "etcd_client_port": self.endpoints.etcd_client_port,
             "etcd_peer_port": self.endpoints.etcd_peer_port,
             "apiserver_port": self.endpoints.apiserver_port,
+            "node_ip": self.node_ip,
             "processes": [p.to_dict() for p in self.processes],
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ControlPlane:
         """Re-attach to a detached control plane started by an earlier process."""
-        cp = cls(Path(data["workdir"]), detached=True)
+        cp = cls(Path(data["workdir"]), detached=True, node_ip=data.get("node_ip"))
         cp.data_dir = Path(data["data_dir"]) if data.get("data_dir") else None
         cp.endpoints = Endpoints(
             int(data["etcd_client_port"]), int(data["etcd_peer_port"]), int(data["apiserver_port"])
@@ -271,8 +277,13 @@ class ControlPlane:
                 "kubernetes.default.svc",
                 "kubernetes.default.svc.cluster.local",
             ],
-            ips=["127.0.0.1", "::1", "10.0.0.1"],
+            ips=["127.0.0.1", "::1", "10.0.0.1", *([self.node_ip] if self.node_ip else [])],
         ).write(self.pki_dir / "apiserver.crt", self.pki_dir / "apiserver.key")
+        # What the API server shows a kubelet when it asks for logs or exec.
+        ca.issue_client("kube-apiserver-kubelet-client", ["system:masters"]).write(
+            self.pki_dir / "apiserver-kubelet-client.crt",
+            self.pki_dir / "apiserver-kubelet-client.key",
+        )
         ca.issue_client(ADMIN_USER, ["system:masters"]).write(
             self.pki_dir / "admin.crt", self.pki_dir / "admin.key"
         )
@@ -325,23 +336,44 @@ class ControlPlane:
         ep, d = self.endpoints, self.pki_dir
         return [
             f"--etcd-servers={ep.etcd_url}",
-            "--bind-address=127.0.0.1",
-            "--advertise-address=127.0.0.1",
+            *self._placement_args(),
             f"--secure-port={ep.apiserver_port}",
             f"--cert-dir={d}",
             f"--tls-cert-file={d / 'apiserver.crt'}",
             f"--tls-private-key-file={d / 'apiserver.key'}",
             f"--client-ca-file={self.ca_file}",
-            "--authorization-mode=RBAC",
-            f"--enable-admission-plugins={ADMISSION_PLUGINS}",
-            # See the module docstring: no controller creates default ServiceAccounts.
-            "--disable-admission-plugins=ServiceAccount",
             f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
             f"--service-account-issuer={ep.server}",
             f"--service-account-key-file={d / 'sa.pub'}",
             f"--service-account-signing-key-file={d / 'sa.key'}",
             "--allow-privileged=true",
             "--profiling=false",
+        ]
+
+    def _placement_args(self) -> list[str]:
+        d = self.pki_dir
+        if self.node_ip is None:
+            return [
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                "--authorization-mode=RBAC",
+                f"--enable-admission-plugins={ADMISSION_PLUGINS}",
+                # See the module docstring: no controller creates default ServiceAccounts.
+                "--disable-admission-plugins=ServiceAccount",
+            ]
+        return [
+            # Pods reach the API server at the `kubernetes` Service's endpoint, which is
+            # the advertised address: the node's own, so it must listen there too.
+            "--bind-address=0.0.0.0",
+            f"--advertise-address={self.node_ip}",
+            "--authorization-mode=Node,RBAC",
+            # kube-controller-manager makes default ServiceAccounts, so the
+            # ServiceAccount plugin stays on, as in any cluster.
+            f"--enable-admission-plugins={ADMISSION_PLUGINS},NodeRestriction",
+            f"--kubelet-client-certificate={d / 'apiserver-kubelet-client.crt'}",
+            f"--kubelet-client-key={d / 'apiserver-kubelet-client.key'}",
+            f"--kubelet-certificate-authority={self.ca_file}",
+            "--kubelet-preferred-address-types=InternalIP",
         ]
 
     def _start_apiserver(self, apiserver: Path) -> None:

@@ -19,7 +19,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from webhook.certs import CLOCK_SKEW, cert_pem, key_pem, key_usage
+from webhook.certs import CLOCK_SKEW, cert_pem, key_pem, key_usage, load_key
 from webhook.certs import new_key as _new_key
 
 # Long enough for any dev session, short enough that a leaked file is harmless.
@@ -73,6 +73,15 @@ class CertificateAuthority:
             )
             .sign(self._key, hashes.SHA256())
         )
+
+    @classmethod
+    def load(cls, cert: bytes, key: bytes) -> CertificateAuthority:
+        """The CA an earlier run wrote (``ca.crt``, ``ca.key``), to issue more certificates
+        from it: the node's components join the control plane's existing trust."""
+        ca = cls.__new__(cls)
+        ca._key = load_key(key)
+        ca._cert = x509.load_pem_x509_certificate(cert)
+        return ca
 
     @property
     def cert_pem(self) -> bytes:

@@ -1,7 +1,16 @@
 """The detached dev stack behind ``python -m devcluster up|down|status`` (``make up``/``down``).
 
-``up`` runs, in order, each stage guarded so that it works with whatever parts
-of epguard exist yet:
+``up`` starts a real one-node cluster: the control plane (etcd + kube-apiserver), the
+node (:mod:`devcluster.node`: containerd, runc, CNI, kubelet, kube-scheduler,
+kube-controller-manager, kube-proxy), imports the epguard image built from the
+``Dockerfile`` (:mod:`devcluster.images`), and ``helm install``s the chart as an admin
+would: the webhook and the controller run as the chart's pods, with its
+ServiceAccounts, RBAC and self-managed TLS, and the webhook configurations keep the
+chart's ``service`` clientConfig. See :func:`deploy_chart`.
+
+The e2e tests that predate the node still use the older arrangement below
+(:func:`deploy_epguard`) on a control plane without a node, each stage guarded so
+that it works with whatever parts of epguard exist:
 
 1. the control plane (etcd + kube-apiserver, see :mod:`devcluster.controlplane`);
 2. ``helm upgrade --install`` of ``charts/epguard`` into ``epguard-system`` (objects
@@ -37,8 +46,9 @@ from typing import Any
 
 import httpx
 
-from devcluster import binaries
+from devcluster import binaries, images
 from devcluster.controlplane import ControlPlane, ControlPlaneError
+from devcluster.node import Node, node_ip
 from devcluster.process import ManagedProcess, free_port
 from devcluster.webhooktls import LocalWebhookTLS, WebhookTLSError, set_client_config
 from webhook.rules import default_rules_path
@@ -67,6 +77,7 @@ class Stack:
     run_dir: Path
     # Set only when this stack owns (started, and will stop) the control plane.
     control_plane: ControlPlane | None = None
+    node: Node | None = None
     # False for test fixtures: the processes then die with the test session.
     detached: bool = True
     extras: list[ManagedProcess] = field(default_factory=list)
@@ -80,6 +91,7 @@ class Stack:
     def save(self) -> None:
         data: dict[str, Any] = {
             "control_plane": self.control_plane.to_dict() if self.control_plane else None,
+            "node": self.node.to_dict() if self.node else None,
             "extras": [p.to_dict() for p in self.extras],
             "webhook_url": self.webhook_url,
             "stages": self.stages,
@@ -94,10 +106,12 @@ class Stack:
             data = json.loads((run_dir / "state.json").read_text())
         except (OSError, ValueError):
             return None
-        cp = data.get("control_plane")
+        cp_data, node_data = data.get("control_plane"), data.get("node")
+        cp = ControlPlane.from_dict(cp_data) if cp_data else None
         return cls(
             run_dir=run_dir,
-            control_plane=ControlPlane.from_dict(cp) if cp else None,
+            control_plane=cp,
+            node=Node.from_dict(cp, node_data) if cp and node_data else None,
             extras=[ManagedProcess.from_dict(p) for p in data.get("extras", [])],
             webhook_url=data.get("webhook_url"),
             stages=dict(data.get("stages", {})),
@@ -116,7 +130,8 @@ class Stack:
 
     def processes(self) -> list[ManagedProcess]:
         cp = self.control_plane.processes if self.control_plane else []
-        return [*cp, *self.extras]
+        node = self.node.processes if self.node else []
+        return [*cp, *node, *self.extras]
 
     def stop(self) -> None:
         # Local epguard processes first (they watch the API server), then the API
@@ -124,6 +139,11 @@ class Stack:
         for proc in reversed(self.extras):
             proc.stop()
         self.extras = []
+        # The kubelet and the controllers before the API server: stopped the other way
+        # round, kube-apiserver can hang for a minute on their open watches.
+        if self.node is not None:
+            self.node.stop()
+            self.node = None
         if self.control_plane is not None:
             self.control_plane.stop()
 
@@ -334,6 +354,76 @@ def deploy_epguard(
     return True
 
 
+# The chart's image values for the locally built image (devcluster.images): it is
+# imported into containerd, never pulled.
+IMAGE_VALUES = (
+    "--set=image.registry=localhost",
+    "--set=image.repository=epguard/epguard",
+    "--set=image.tag=dev",
+    "--set=image.pullPolicy=Never",
+)
+CHART_READY_TIMEOUT = "5m"
+# What the node advertises as nvidia.com/gpu so that worker pods with a GPU request
+# schedule (there is no GPU: see Node.advertise).
+FAKE_GPUS = 8
+
+
+def deploy_chart(stack: Stack, cp: ControlPlane, chart: Path, helm_args: Sequence[str]) -> str:
+    """``helm upgrade --install`` as an admin would, with the local image, waiting until
+    the webhook and controller Deployments are available and the controller has
+    injected the CA into every epguard webhook configuration."""
+    what = install_chart(
+        cp, chart, [*IMAGE_VALUES, "--wait", f"--timeout={CHART_READY_TIMEOUT}", *helm_args]
+    )
+    deadline = time.monotonic() + 120
+    while True:
+        r = cp.kubectl(
+            "get", "validatingwebhookconfigurations,mutatingwebhookconfigurations",
+            "-l", f"app.kubernetes.io/instance={RELEASE}",
+            "-o", "jsonpath={range .items[*].webhooks[*]}{.clientConfig.caBundle}{'\\n'}{end}",
+        )  # fmt: skip
+        bundles = r.stdout.splitlines()
+        if r.returncode == 0 and bundles and all(bundles):
+            break
+        if time.monotonic() > deadline:
+            raise StageError(f"the controller injected no caBundle in 120s: {r.stderr}")
+        time.sleep(0.5)
+    pods = cp.kubectl("get", "pods", "-n", NAMESPACE, "-o", "name").stdout.split()
+    return f"{what}; pods: {', '.join(p.removeprefix('pod/') for p in pods)}"
+
+
+def start_cluster(stack: Stack, say: Callable[[str], None] = lambda _: None) -> None:
+    """The epguard image (built if its sources changed), the control plane and a Ready
+    node with every built image imported and fake GPUs advertised, recorded in
+    ``stack`` (detached or not, as ``stack.detached`` says). Raises on failure, leaving
+    what started in ``stack`` for :meth:`Stack.stop`."""
+    run_dir = stack.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "logs").mkdir(exist_ok=True)
+    # Before anything starts: a changed source tree means a new image (cached by
+    # content, so an unchanged one costs a hash of the sources).
+    started = time.monotonic()
+    image = images.build_epguard()
+    stack.stages["image"] = f"{images.EPGUARD_IMAGE} ({time.monotonic() - started:.1f}s)"
+    say(f"image: {stack.stages['image']}")
+    cp = ControlPlane(run_dir / "controlplane", detached=stack.detached, node_ip=node_ip())
+    stack.control_plane = cp
+    say("starting etcd and kube-apiserver ...")
+    started = time.monotonic()
+    cp.start()
+    stack.stages["control-plane"] = f"{cp.server} (up in {time.monotonic() - started:.1f}s)"
+    stack.save()
+    say(f"control plane: {stack.stages['control-plane']}")
+    started = time.monotonic()
+    stack.node = Node(cp, run_dir / "node")
+    stack.save()
+    stack.node.start(images=[image, *images.built_workers()])
+    stack.node.advertise("nvidia.com/gpu", FAKE_GPUS)
+    stack.stages["node"] = f"Ready (in {time.monotonic() - started:.1f}s)"
+    stack.save()
+    say(f"node: {stack.stages['node']}")
+
+
 # --- commands ----------------------------------------------------------------------
 
 
@@ -357,25 +447,28 @@ def up(
         _say("cleaning up a previous, partly dead stack")
         down(run_dir, quiet=True)
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "logs").mkdir(exist_ok=True)
     stack = Stack(run_dir=run_dir)
-    cp = ControlPlane(run_dir / "controlplane", detached=True)
-    stack.control_plane = cp
-    _say("starting etcd and kube-apiserver ...")
-    started = time.monotonic()
     try:
-        cp.start()
-    except (ControlPlaneError, binaries.MissingBinary) as e:
-        _say(f"control plane failed: {e}")
+        start_cluster(stack, _say)
+    except (ControlPlaneError, binaries.MissingBinary, subprocess.CalledProcessError) as e:
+        _say(f"cluster failed: {e}")
         stack.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
         return 1
-    stack.stages["control-plane"] = f"{cp.server} (up in {time.monotonic() - started:.1f}s)"
+    assert stack.control_plane is not None and stack.node is not None
+    cp = stack.control_plane
+    started = time.monotonic()
+    failed = False
+    try:
+        stack.stages["chart"] = deploy_chart(stack, cp, chart, helm_args or [])
+        stack.stages["chart"] += f" (ready in {time.monotonic() - started:.1f}s)"
+    except (StageError, subprocess.TimeoutExpired) as e:
+        # Keep what runs: the pods' logs and the cluster are what one debugs with.
+        stack.stages["chart"] = f"FAILED: {e}"
+        failed = True
     stack.save()
-    _say(f"control plane: {stack.stages['control-plane']}")
-
-    failed = not deploy_epguard(stack, cp, chart, helm_args or [], _say)
-    _say(f"logs: {run_dir / 'logs'} and {cp.workdir / 'logs'}; stop with `make down`")
+    _say(f"chart: {stack.stages['chart']}")
+    _say(f"logs: {cp.workdir / 'logs'} and {stack.node.workdir / 'logs'}; stop with `make down`")
     print(f"export KUBECONFIG={cp.kubeconfig}")
     return 1 if failed else 0
 

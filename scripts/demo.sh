@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
-# `make demo`: epguard end to end on a local control plane (real etcd + kube-apiserver,
-# real kubectl and helm; see docs/devcluster.md), as a terminal session:
+# `make demo`: epguard end to end on a real one-node cluster (etcd, kube-apiserver,
+# kube-controller-manager, kube-scheduler, kube-proxy, a kubelet on containerd + runc;
+# see docs/devcluster.md), with the chart helm-installed as an admin would (webhook and
+# controller as pods), as a terminal session:
 #
 #   1. a deny rule added the way an admin does (helm values, `rules.extra`);
 #   2. an elastic-EP pod on a known-bad image refused at `kubectl apply`, with the reason;
-#   3. an ordinary pod admitted;
+#   3. an ordinary pod admitted and Running;
 #   4. a Deployment on the bad image refused at apply;
-#   5. a pod whose epguard probe init container failed: the real probe runs (in a local
-#      Python env standing in for the image), its termination message is written into
-#      the pod's status as the kubelet would, and `kubectl describe pod` shows it;
-#   6. the loop: the controller turns that into an ImageVerdict (`kubectl get
-#      imageverdicts`), and the next pod on the same image is refused at apply with the
-#      learned reason.
+#   5. a worker pod on a real worker image (SGLang 0.5.23, torch 2.13.0+cu130, the CUDA 12
+#      mooncake-transfer-engine 0.3.13.post1) in a namespace opted in to injection: the
+#      kubelet runs the injected probe in the worker's own image, the pod stops in
+#      Init:Error, `kubectl describe pod` shows the termination message the kubelet
+#      wrote, and the model-download init container never starts;
+#   6. the loop: the controller turns that into an ImageVerdict keyed by the digest
+#      containerd reports, and the next pod on the same image is refused at apply.
 #
 # Every step checks that what it shows really happened; the script exits non-zero
 # otherwise. Everything it started is stopped on exit (also on failure or Ctrl-C).
@@ -98,7 +101,9 @@ wait_for() {
 
 cd "$WORK"
 BAD_IMAGE="registry.example.com/ml/sglang:0.5.22-mte0.3.13"
-PROBED_IMAGE="registry.example.com/ml/sglang:0.5.23-mte0.3.13"
+# Built by `make tools` (devcluster/images.py) and imported into the node's containerd.
+PROBED_IMAGE="$(cd "$REPO" && "$PY" -c 'from devcluster.images import BAD_WORKER; print(BAD_WORKER.ref)')"
+BUSYBOX_IMAGE="$(cd "$REPO" && "$PY" -c 'from devcluster.images import BUSYBOX_IMAGE; print(BUSYBOX_IMAGE)')"
 
 # --- 0. the control plane, with epguard and one admin rule ------------------------------
 cat >values.yaml <<'EOF'
@@ -117,7 +122,7 @@ EOF
 say "An admin's rule for images built in-house, added with helm values (rules.extra):"
 run cat values.yaml
 
-say "Bring up etcd + kube-apiserver, helm-install charts/epguard, run the webhook and the controller:"
+say "Bring up a one-node cluster and helm-install charts/epguard (webhook and controller as pods):"
 STARTED=1
 printf '%s$ python -m devcluster up --helm-arg=--values=values.yaml%s\n' "$BOLD" "$OFF"
 if ! UP="$(cd "$REPO" && "$PY" -m devcluster --run-dir "$RUN_DIR" up \
@@ -128,6 +133,11 @@ eval "${UP##*$'\n'}" # the last line: export KUBECONFIG=...
 [[ -n "${KUBECONFIG:-}" && -f "$KUBECONFIG" ]] || fail "devcluster up printed no kubeconfig"
 echo "${DIM}export KUBECONFIG=$KUBECONFIG${OFF}"
 
+run kubectl get nodes
+expect_text " Ready "
+run kubectl get pods -n epguard-system
+expect_re "epguard-webhook-.* 1/1 +Running"
+expect_re "epguard-controller-.* 1/1 +Running"
 run kubectl get validatingwebhookconfigurations
 expect_ok
 run kubectl create namespace ml
@@ -159,22 +169,29 @@ run kubectl get pods -n ml
 expect_no_text "sglang-bad"
 
 # --- 2. an ordinary pod admitted ----------------------------------------------------------
-cat >web.yaml <<'EOF'
+cat >web.yaml <<EOF
 apiVersion: v1
 kind: Pod
 metadata:
   name: web
   namespace: ml
 spec:
+  terminationGracePeriodSeconds: 1
   containers:
     - name: web
-      image: nginx:1.27
+      image: $BUSYBOX_IMAGE
+      imagePullPolicy: Never
+      command: ["httpd", "-f", "-p", "8080"]
 EOF
 say "An ordinary pod (it never even reaches epguard: the webhook's matchConditions skip it):"
 run kubectl apply -f web.yaml
 expect_ok
 expect_text "pod/web created"
 expect_no_text "epguard"
+wait_for "the ordinary pod to run" 120 \
+  bash -c "kubectl get pod web -n ml -o jsonpath='{.status.phase}' | grep -q Running"
+run kubectl get pod web -n ml
+expect_re "web +1/1 +Running"
 
 # --- 3. a Deployment refused at apply -----------------------------------------------------
 cat >deployment.yaml <<EOF
@@ -208,6 +225,7 @@ run kubectl get deployments -n ml
 expect_no_text "sglang-decode"
 
 # --- 4. a probe failure, as kubectl describe shows it ------------------------------------
+MODELS="$WORK/models"  # the hostPath the model download would write to
 cat >sglang-0.yaml <<EOF
 apiVersion: v1
 kind: Pod
@@ -215,13 +233,28 @@ metadata:
   name: sglang-0
   namespace: ml
 spec:
+  # Never: the pod stays in Init:Error for the transcript (a Deployment's pods would
+  # retry the probe in Init:CrashLoopBackOff; tests/e2e/test_probe_on_node.py has both).
+  restartPolicy: Never
+  terminationGracePeriodSeconds: 1
+  volumes:
+    - name: models
+      hostPath: {path: $MODELS, type: DirectoryOrCreate}
+  initContainers:
+    - name: model-download
+      image: $BUSYBOX_IMAGE
+      imagePullPolicy: Never
+      command: ["sh", "-c", "echo downloading > /models/started"]
+      volumeMounts: [{name: models, mountPath: /models}]
   containers:
     - name: worker
       image: $PROBED_IMAGE
+      imagePullPolicy: Never
       command: ["python3", "-m", "sglang.launch_server"]
       args: ["--model-path", "/models/qwen3-30b-a3b", "--elastic-ep-backend", "mooncake"]
       resources:
         limits: {nvidia.com/gpu: 8}
+      volumeMounts: [{name: models, mountPath: /models}]
 EOF
 say "Opt the namespace in to probe injection (the mutating webhook adds the probe to worker pods):"
 run kubectl label namespace ml epguard.io/inject=enabled
@@ -230,52 +263,63 @@ expect_ok
 wait_for "the webhook to see the namespace label" 60 \
   bash -c "kubectl create --dry-run=server -f sglang-0.yaml -o jsonpath='{.spec.initContainers[*].name}' | grep -q epguard-probe"
 
-say "A worker on an image no rule knows: admitted, with the epguard probe injected first," \
-  "running the worker's own image with the worker's GPUs. The probe will find out."
+say "A worker on a real image no rule knows (SGLang 0.5.23, torch 2.13.0+cu130, the CUDA 12" \
+  "mooncake-transfer-engine 0.3.13.post1): admitted, with the epguard probe injected first," \
+  "running the worker's own image with the worker's GPUs, before the model download."
+APPLIED=$(date +%s.%N)
 run kubectl apply -f sglang-0.yaml
 expect_ok
 expect_text "pod/sglang-0 created"
 run kubectl get pod sglang-0 -n ml -o \
   "jsonpath={range .spec.initContainers[*]}{.name}{'  '}{.image}{'  '}{.resources.limits}{'\n'}{end}"
-expect_text "epguard-copy-probe  epguard:dev"
+expect_text "epguard-copy-probe  localhost/epguard/epguard:dev"
 expect_text "epguard-probe  $PROBED_IMAGE  {\"memory\":\"4Gi\",\"nvidia.com/gpu\":\"8\"}"
+expect_re "model-download +$BUSYBOX_IMAGE"
 
-DIGEST="sha256:$(printf '%s' "$PROBED_IMAGE" | sha256sum | cut -d' ' -f1)"
-say "No kubelet here, so play its part: run the real probe (probe/) in a Python env standing" \
-  "in for the image, then write its exit code and termination message into the pod's status."
-printf '%s$ python -m devcluster.kubelet probe-status --image %s --image-id %s \\\n    --completed epguard-copy-probe=epguard:dev --patch-file status.json \\\n    -- python3 -m sglang.launch_server --model-path /models/qwen3-30b-a3b --elastic-ep-backend mooncake%s\n' \
-  "$BOLD" "$PROBED_IMAGE" "${PROBED_IMAGE%:*}@$DIGEST" "$OFF"
-(cd "$REPO" && "$PY" -m devcluster.kubelet probe-status --image "$PROBED_IMAGE" \
-  --image-id "${PROBED_IMAGE%:*}@$DIGEST" \
-  --completed epguard-copy-probe=epguard:dev --patch-file "$WORK/status.json" \
-  -- python3 -m sglang.launch_server --model-path /models/qwen3-30b-a3b \
-  --elastic-ep-backend mooncake) | tee probe.out
-grep -q "^probe exited 1 " probe.out || fail "the probe did not fail as expected"
-run kubectl patch pod sglang-0 -n ml --subresource=status --type=merge --patch-file status.json
-expect_ok
-expect_text "pod/sglang-0 patched"
-
+# The kubelet runs the probe; wait (quietly) for the termination message it writes.
+wait_for "the kubelet to record the probe's termination" 480 \
+  bash -c "kubectl get pod sglang-0 -n ml -o jsonpath='{.status.initContainerStatuses[?(@.name==\"epguard-probe\")].state.terminated.message}' | grep -q ."
+printf '%s# apply -> termination message in pod status: %.1fs%s\n' "$DIM" \
+  "$(echo "$(date +%s.%N) - $APPLIED" | bc)" "$OFF"
 # The controller records the outcome (and posts the Event describe shows) within a second
 # or so; wait for it quietly so the describe below is complete.
 wait_for "the controller's ImageVerdict" 60 \
   bash -c "kubectl get imageverdicts -o name | grep -q imageverdict"
 wait_for "the controller's Event on the pod" 60 \
-  bash -c "kubectl get events -n ml --field-selector involvedObject.name=sglang-0 -o name | grep -q ."
+  bash -c "kubectl get events -n ml --field-selector involvedObject.name=sglang-0,reason=MooncakeProbeFailed -o name | grep -q ."
 
 run kubectl get pod sglang-0 -n ml
 expect_text "Init:Error"
+say "The message below was written by the real probe in the real image, under the real kubelet:"
 run kubectl describe pod sglang-0 -n ml
 expect_re "State: +Terminated"
 expect_re "Reason: +Error"
 expect_re "Message: +epguard: mooncake elastic EP is unusable in this image"
+expect_text "libcudart.so.12"
 expect_re "Exit Code: +1"
 expect_re "Warning +MooncakeProbeFailed"
+
+say "The model download never started: its init container is still waiting, and its marker" \
+  "on the hostPath does not exist:"
+run kubectl get pod sglang-0 -n ml -o \
+  "jsonpath={range .status.initContainerStatuses[*]}{.name}{'  '}{.state}{'\n'}{end}"
+expect_re 'model-download +\{"waiting":\{"reason":"PodInitializing"\}\}'
+run ls -A "$MODELS"
+[[ ! -e "$MODELS/started" ]] || fail "the model download ran"
 
 # --- 5. the loop: the learned verdict refuses the next pod -------------------------------
 say "The controller recorded what the probe found, cluster-wide:"
 run kubectl get imageverdicts
 expect_text "Unusable"
 expect_text "$PROBED_IMAGE"
+say "Keyed by the digest containerd reports for the image the probe ran in:"
+run kubectl get pod sglang-0 -n ml -o \
+  "jsonpath={.status.initContainerStatuses[?(@.name==\"epguard-probe\")].imageID}"
+IMAGE_ID="$OUT"
+DIGEST="${IMAGE_ID##*@}"
+[[ "$DIGEST" == sha256:* ]] || fail "no digest in the probe's imageID: $IMAGE_ID"
+run kubectl get imageverdicts -o "jsonpath={range .items[*]}{.spec.digest}{'\n'}{end}"
+expect_text "$DIGEST"
 
 sed -e 's/name: sglang-0$/name: sglang-1/' sglang-0.yaml >sglang-1.yaml
 say "The next pod on that image is refused at apply, with what was learned and where:"

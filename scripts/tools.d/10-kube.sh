@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Build kube-apiserver and etcd from the Go module proxy into $EPGUARD_CACHE/bin,
-# the way controller-runtime's envtest uses them (no kubelet, no controllers).
-# No release binaries can be downloaded here, but the proxy serves the sources.
+# Build every Kubernetes binary of the local one-node cluster from the Go module proxy
+# into $EPGUARD_CACHE/bin: etcd, kube-apiserver, and (module devcluster/go/node) kubelet,
+# kube-scheduler, kube-controller-manager and kube-proxy, all from the same pinned
+# k8s.io/kubernetes. No release binaries can be downloaded here, but the proxy serves
+# the sources.
 #
 # Each binary is rebuilt only when it is missing or when its pinned module
 # (devcluster/go/<name>/go.mod + go.sum) or the link flags changed: a stamp next to the
@@ -19,19 +21,23 @@ command -v go >/dev/null 2>&1 || { echo "10-kube: 'go' not found on PATH (need G
 export GOFLAGS="${GOFLAGS:+$GOFLAGS }-mod=mod"
 export GOTOOLCHAIN=local
 
-# name  package-to-build
+# name  module-dir (under devcluster/go)  package-to-build
 targets=(
-    "kube-apiserver k8s.io/kubernetes/cmd/kube-apiserver"
-    "etcd go.etcd.io/etcd/server/v3"
+    "kube-apiserver kube-apiserver k8s.io/kubernetes/cmd/kube-apiserver"
+    "etcd etcd go.etcd.io/etcd/server/v3"
+    "kubelet node k8s.io/kubernetes/cmd/kubelet"
+    "kube-scheduler node k8s.io/kubernetes/cmd/kube-scheduler"
+    "kube-controller-manager node k8s.io/kubernetes/cmd/kube-controller-manager"
+    "kube-proxy node k8s.io/kubernetes/cmd/kube-proxy"
 )
 
 for t in "${targets[@]}"; do
-    read -r name pkg <<<"$t"
-    moddir="$root/devcluster/go/$name"
+    read -r name mod pkg <<<"$t"
+    moddir="$root/devcluster/go/$mod"
     stamp="$bin/.$name.stamp"
     # -s -w (no symbol table, no DWARF) keeps the binaries smaller.
     ldflags="-s -w"
-    if [ "$name" = kube-apiserver ]; then
+    if [ "$name" != etcd ]; then
         # A plain `go build` reports v0.0.0-master: Kubernetes stamps its version at
         # link time. Helm's kubeVersion checks, kubectl's skew warning and /version
         # all read it, so stamp it from the pinned module version.
@@ -54,5 +60,7 @@ for t in "${targets[@]}"; do
     printf '%s\n' "$want" >"$stamp"
     echo "10-kube: built $name in $(( $(date +%s) - start ))s -> $bin/$name"
 done
-"$bin/kube-apiserver" --version
-"$bin/etcd" --version | head -1
+for name in kube-apiserver kubelet kube-scheduler kube-controller-manager kube-proxy; do
+    "$bin/$name" --version
+done
+"$bin/etcd" --version | sed -n 1p  # sed reads it all: head would SIGPIPE etcd (pipefail)

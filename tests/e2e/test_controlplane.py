@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import ssl
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -14,10 +13,8 @@ import httpx
 import pytest
 import yaml
 
-from devcluster import ControlPlane, binaries
+from devcluster import ControlPlane
 from devcluster.stack import Stack
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.e2e
 
@@ -148,46 +145,6 @@ def test_stopping_a_control_plane_leaves_no_process_and_no_files_behind() -> Non
     assert len(pids) == 2
     assert all(_gone(pid) for pid in pids)
     assert not any(d is not None and d.exists() for d in dirs)
-
-
-def _devcluster(run_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "devcluster", "--run-dir", str(run_dir), *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO_ROOT,
-        timeout=600,
-    )
-
-
-def test_devcluster_up_prints_a_working_kubeconfig_last_and_down_stops_everything(
-    tmp_path: Path,
-) -> None:
-    run_dir = tmp_path / "run"
-
-    up = _devcluster(run_dir, "up")
-    try:
-        last = up.stdout.strip().splitlines()[-1]
-        state = json.loads((run_dir / "state.json").read_text())
-        pids = [p["pid"] for p in state["control_plane"]["processes"] + state["extras"]]
-        kubeconfig = last.removeprefix("export KUBECONFIG=")
-        status = _devcluster(run_dir, "status")
-        listed = subprocess.run(
-            [str(binaries.find("kubectl")), "--kubeconfig", kubeconfig, "get", "ns", "-o", "name"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-    finally:
-        down = _devcluster(run_dir, "down")
-
-    assert up.returncode == 0, up.stderr
-    assert last.startswith("export KUBECONFIG=")
-    assert status.returncode == 0, status.stdout
-    assert "namespace/default" in listed.stdout.split()
-    assert down.returncode == 0, down.stderr
-    assert all(_gone(pid) for pid in pids)
-    assert not run_dir.exists()
 
 
 def _elastic_pod(name: str, namespace: str) -> str:

@@ -13,11 +13,13 @@ import asyncio
 import importlib
 import logging
 import secrets
+import socket
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 import kopf
+from kopf._core.engines.peering import Identity
 
 from webhook.controller import HANDLER_MODULES
 from webhook.controller.config import ControllerConfig, parse
@@ -76,6 +78,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             standalone=not config.peering,
             peering_name=config.peering or None,
             priority=priority,
+            # kopf's default identity starts with getpass.getuser(), which raises in the
+            # image: UID 65532 has no passwd entry (found when the chart first ran as pods).
+            identity=Identity(f"{socket.gethostname()}/{secrets.token_hex(4)}"),
             liveness_endpoint=config.liveness or None,
             memo=kopf.Memo(config=config),
         )

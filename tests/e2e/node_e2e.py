@@ -1,0 +1,145 @@
+"""The one-node cluster of the node e2e tests: what ``make up`` runs (devcluster.stack),
+attached to the test session, with epguard installed by helm as the chart's pods."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from e2e_kube import WORKER_ARGS, WORKER_COMMAND, eventually
+
+from devcluster import ControlPlane
+from devcluster.images import BAD_WORKER, BUSYBOX_IMAGE
+from devcluster.stack import CHART_DIR, Stack, deploy_chart, start_cluster
+
+
+@contextmanager
+def running_cluster(run_dir: Path) -> Iterator[ControlPlane]:
+    stack = Stack(run_dir=run_dir, detached=False)
+    try:
+        start_cluster(stack)
+        assert stack.control_plane is not None
+        deploy_chart(stack, stack.control_plane, CHART_DIR, [])
+        yield stack.control_plane
+    finally:
+        stack.stop()
+
+
+PROBE = "epguard-probe"
+# The injected probe imports torch from a 5 GB layer on two shared cores.
+PROBE_TIMEOUT = 300.0
+
+
+def worker_spec(models: Path, image: str = BAD_WORKER.ref) -> dict[str, Any]:
+    """A worker with a GPU request and a model-download init container that would leave
+    a marker on a hostPath: the probe is injected before it."""
+    return {
+        "terminationGracePeriodSeconds": 1,
+        "volumes": [
+            {"name": "models", "hostPath": {"path": str(models), "type": "DirectoryOrCreate"}}
+        ],
+        "initContainers": [
+            {
+                "name": "model-download",
+                "image": BUSYBOX_IMAGE,
+                "imagePullPolicy": "Never",
+                "command": ["sh", "-c", "echo downloading > /models/started"],
+                "volumeMounts": [{"name": "models", "mountPath": "/models"}],
+            }
+        ],
+        "containers": [
+            {
+                "name": "worker",
+                "image": image,
+                "imagePullPolicy": "Never",
+                "command": list(WORKER_COMMAND),
+                "args": list(WORKER_ARGS),
+                "resources": {"limits": {"nvidia.com/gpu": 8}},
+                "volumeMounts": [{"name": "models", "mountPath": "/models"}],
+            }
+        ],
+    }
+
+
+def worker_pod(
+    name: str, namespace: str, models: Path, image: str = BAD_WORKER.ref
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": worker_spec(models, image),
+    }
+
+
+def workload(kind: str, name: str, namespace: str, models: Path) -> dict[str, Any]:
+    labels = {"app": name}
+    template = {"metadata": {"labels": labels}, "spec": worker_spec(models)}
+    if kind == "Deployment":
+        spec = {"replicas": 1, "selector": {"matchLabels": labels}, "template": template}
+        return {
+            "apiVersion": "apps/v1",
+            "kind": kind,
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": spec,
+        }
+    template["spec"]["restartPolicy"] = "Never"
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"backoffLimit": 0, "template": template},
+    }
+
+
+def probe_status(cp: ControlPlane, namespace: str, selector: list[str]) -> dict[str, Any] | None:
+    """The probe's container status once the kubelet recorded its termination (in
+    ``state`` with restartPolicy Never, ``lastState`` once a restart is pending)."""
+    r = cp.kubectl("get", "pods", "-n", namespace, *selector, "-o", "json")
+    if r.returncode != 0:
+        return None
+    for pod in json.loads(r.stdout)["items"]:
+        for s in pod.get("status", {}).get("initContainerStatuses", []):
+            for state in (s.get("state", {}), s.get("lastState", {})):
+                if s["name"] == PROBE and "terminated" in state:
+                    return {"pod": pod, "status": s, "terminated": state["terminated"]}
+    return None
+
+
+def wait_probe(cp: ControlPlane, namespace: str, selector: list[str]) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+
+    def done() -> bool:
+        result = probe_status(cp, namespace, selector)
+        if result:
+            found.update(result)
+        return bool(result)
+
+    eventually(done, within=PROBE_TIMEOUT, what="the kubelet to record the probe's end", every=0.5)
+    return found
+
+
+@contextmanager
+def opted_in_namespace(cluster: ControlPlane) -> Iterator[str]:
+    """A fresh namespace opted in to probe injection, seen by the webhook, and no
+    ImageVerdict left from an earlier test (each test learns its own). Deleted after
+    the test, which frees the node's (fake) GPUs for the next one."""
+    cluster.kubectl("delete", "imageverdicts", "--all", check=True)
+    name = f"ml-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("create", "namespace", name, check=True)
+    cluster.kubectl("label", "namespace", name, "epguard.io/inject=enabled", check=True)
+    probe = worker_pod("dry-run", name, Path("/nonexistent"))
+
+    def injected_and_admitted() -> bool:
+        r = cluster.kubectl(
+            "create", "--dry-run=server", "-o", "json", "-f", "-", input=json.dumps(probe)
+        )
+        return r.returncode == 0 and PROBE in r.stdout
+
+    eventually(injected_and_admitted, within=60, what="the webhook to inject and admit")
+    yield name
+    cluster.kubectl("delete", "namespace", name, "--wait=true", "--timeout=120s", timeout=180)

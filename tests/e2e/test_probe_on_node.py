@@ -1,0 +1,114 @@
+"""The whole loop on the real node, with epguard installed by helm as the chart's pods:
+the mutating webhook injects the probe, the kubelet runs it in the real worker image
+(SGLang 0.5.23, torch 2.13.0+cu130, the CUDA 12 mooncake-transfer-engine 0.3.13.post1),
+the pod stops in Init:Error with the termination message the kubelet wrote, the
+model-download init container never starts, the controller's ImageVerdict is keyed by
+the digest containerd reports, and the next workload on the image is refused at apply.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from e2e_kube import apply, denied_by_epguard, eventually
+from node_e2e import opted_in_namespace, running_cluster, wait_probe, worker_pod, workload
+
+from devcluster import ControlPlane
+from devcluster.images import ENV_ONLY_WORKER
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    with running_cluster(tmp_path_factory.mktemp("stack")) as cp:
+        yield cp
+
+
+@pytest.fixture
+def opted_in(cluster: ControlPlane) -> Iterator[str]:
+    with opted_in_namespace(cluster) as name:
+        yield name
+
+
+def _assert_stopped_before_download(found: dict[str, Any], models: Path) -> None:
+    term = found["terminated"]
+    assert term["exitCode"] == 1
+    message = term["message"]
+    assert message.startswith("epguard: mooncake elastic EP is unusable in this image")
+    assert "libcudart.so.12" in message
+    statuses = {s["name"]: s for s in found["pod"]["status"]["initContainerStatuses"]}
+    download = statuses["model-download"]
+    assert "waiting" in download["state"] and not download.get("containerID")
+    assert not (models / "started").exists()
+
+
+def _verdict_digests(cp: ControlPlane) -> list[str]:
+    r = cp.kubectl("get", "imageverdicts", "-o", "json", check=True)
+    return [v["spec"].get("digest", "") for v in json.loads(r.stdout)["items"]]
+
+
+def test_a_worker_pod_stops_in_init_error_and_the_next_one_is_refused_at_apply(
+    cluster: ControlPlane, opted_in: str, tmp_path: Path
+) -> None:
+    models = tmp_path / "models"
+    started = time.monotonic()
+    r = apply(cluster, worker_pod("sglang-0", opted_in, models))
+    assert r.returncode == 0, r.stderr
+    found = wait_probe(cluster, opted_in, ["--field-selector=metadata.name=sglang-0"])
+    elapsed = time.monotonic() - started
+    _assert_stopped_before_download(found, models)
+    print(f"apply -> termination message in pod status: {elapsed:.1f}s")
+    described = cluster.kubectl("describe", "pod", "sglang-0", "-n", opted_in).stdout
+    assert "Init:Error" in cluster.kubectl("get", "pod", "sglang-0", "-n", opted_in).stdout
+    assert "Message:  epguard: mooncake elastic EP is unusable in this image" in described
+
+    image_id = found["status"]["imageID"]
+    digest = image_id.rsplit("@", 1)[-1]
+    assert digest.startswith("sha256:")
+    eventually(lambda: digest in _verdict_digests(cluster), within=60, what="the ImageVerdict")
+
+    nxt = worker_pod("sglang-1", opted_in, models)
+    eventually(
+        lambda: denied_by_epguard(apply(cluster, nxt, dry_run=True)),
+        within=60,
+        what="the webhook to learn the verdict",
+    )
+    refused = apply(cluster, nxt)
+    assert denied_by_epguard(refused) and "[epguard verdict " in refused.stderr
+    deployment = apply(cluster, workload("Deployment", "sglang", opted_in, models))
+    assert denied_by_epguard(deployment), deployment.stdout
+
+
+@pytest.mark.parametrize("kind", ["Deployment", "Job"])
+def test_a_workloads_pod_stops_in_init_error_before_its_model_download(
+    cluster: ControlPlane, opted_in: str, tmp_path: Path, kind: str
+) -> None:
+    models = tmp_path / "models"
+    r = apply(cluster, workload(kind, "sglang", opted_in, models))
+    assert r.returncode == 0, r.stderr
+    found = wait_probe(cluster, opted_in, ["-l", "app=sglang"])
+    _assert_stopped_before_download(found, models)
+
+
+def test_on_a_complete_image_the_probe_names_only_the_missing_gpu_driver(
+    cluster: ControlPlane, opted_in: str, tmp_path: Path
+) -> None:
+    # The CUDA 13 mooncake build beside CUDA 13 torch, rdma-core installed: nothing in the
+    # image is wrong; this machine has no GPU, so no driver is mounted. Whether such an
+    # outcome may become a verdict is the controller's call (a cause of the node, not of
+    # the image's files); here: the probe says exactly that, and nothing else.
+    pod = worker_pod("sglang-env", opted_in, tmp_path / "models", ENV_ONLY_WORKER.ref)
+    pod["spec"]["restartPolicy"] = "Never"
+    r = apply(cluster, pod)
+    assert r.returncode == 0, r.stderr
+    found = wait_probe(cluster, opted_in, ["--field-selector=metadata.name=sglang-env"])
+    first = found["terminated"]["message"].splitlines()[0]
+    assert "libcuda.so.1 (NVIDIA driver not mounted in this container)" in first
+    for image_fault in ("libcudart", "rdma-core", "libibverbs", "not built against"):
+        assert image_fault not in first
