@@ -38,6 +38,16 @@ def free_port() -> int:
         return port
 
 
+def running(pid: int) -> bool:
+    """Does ``pid`` exist and still run? A zombie has exited; it only waits for its
+    parent to reap it."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return state[state.rindex(")") + 2] != "Z"
+
+
 def _die_with_parent() -> None:
     # Runs in the child between fork and exec.
     libc = ctypes.CDLL(None, use_errno=True)
@@ -123,12 +133,7 @@ class ManagedProcess:
         start = _start_time(self.pid)
         if start is None or (self.start_time is not None and start != self.start_time):
             return False
-        try:
-            state = Path(f"/proc/{self.pid}/stat").read_text()
-        except OSError:
-            return False
-        # A zombie has exited; it only waits for its parent to reap it.
-        return state[state.rindex(")") + 2] != "Z"
+        return running(self.pid)
 
     def log_tail(self, lines: int = 40) -> str:
         try:

@@ -143,3 +143,13 @@ def opted_in_namespace(cluster: ControlPlane) -> Iterator[str]:
     eventually(injected_and_admitted, within=60, what="the webhook to inject and admit")
     yield name
     cluster.kubectl("delete", "namespace", name, "--wait=true", "--timeout=120s", timeout=180)
+
+
+def fresh_namespace(cluster: ControlPlane, name: str) -> str:
+    """Create namespace ``name`` and wait for its default ServiceAccount (pods need it)."""
+    cluster.kubectl("create", "namespace", name, check=True)
+    eventually(
+        lambda: cluster.kubectl("get", "sa", "default", "-n", name).returncode == 0,
+        what=f"the default ServiceAccount of {name}",
+    )
+    return name

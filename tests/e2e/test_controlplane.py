@@ -7,13 +7,13 @@ import ssl
 import subprocess
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 
 from devcluster import ControlPlane
+from devcluster.process import running
 from devcluster.stack import Stack
 
 pytestmark = pytest.mark.e2e
@@ -126,11 +126,7 @@ def test_a_validating_admission_policy_denies_a_matching_pod_and_admits_others(
 
 
 def _gone(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat[stat.rindex(")") + 2] == "Z"
+    return not running(pid)
 
 
 def test_stopping_a_control_plane_leaves_no_process_and_no_files_behind() -> None:

@@ -12,6 +12,7 @@ import pytest
 
 from devcluster import binaries
 from devcluster.node import host_snapshot
+from devcluster.process import running
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,12 +30,7 @@ def _devcluster(run_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _gone(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    # A zombie has exited; init has yet to reap it.
-    return stat[stat.rindex(")") + 2] == "Z"
+    return not running(pid)
 
 
 def test_up_runs_epguard_as_the_charts_pods_and_down_leaves_the_host_as_it_was(
@@ -75,12 +71,12 @@ def test_up_runs_epguard_as_the_charts_pods_and_down_leaves_the_host_as_it_was(
     assert up.returncode == 0, up.stderr
     assert last.startswith("export KUBECONFIG=")
     assert status.returncode == 0, status.stdout
-    running = {
+    pods_running = {
         p["metadata"]["labels"].get("app.kubernetes.io/component", p["metadata"]["name"])
         for p in json.loads(pods.stdout)["items"]
         if p["status"]["phase"] == "Running"
     }
-    assert {"webhook", "controller"} <= running, pods.stdout
+    assert {"webhook", "controller"} <= pods_running, pods.stdout
     # The chart's own clientConfig: its Service, never a URL.
     for config in json.loads(webhooks.stdout)["items"]:
         for hook in config["webhooks"]:

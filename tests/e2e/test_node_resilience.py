@@ -12,7 +12,13 @@ from typing import Any
 
 import pytest
 from e2e_kube import apply, eventually, plain, pod, worker
-from node_e2e import opted_in_namespace, running_cluster, wait_probe, worker_pod
+from node_e2e import (
+    fresh_namespace,
+    opted_in_namespace,
+    running_cluster,
+    wait_probe,
+    worker_pod,
+)
 
 from devcluster import ControlPlane
 from devcluster.images import BUSYBOX_IMAGE
@@ -85,11 +91,7 @@ def _webhook_pods(cp: ControlPlane) -> list[str]:
 def test_ordinary_pods_are_admitted_throughout_while_a_webhook_pod_is_deleted(
     cluster: ControlPlane,
 ) -> None:
-    cluster.kubectl("create", "namespace", "disrupt-delete", check=True)
-    eventually(
-        lambda: cluster.kubectl("get", "sa", "default", "-n", "disrupt-delete").returncode == 0,
-        what="the default ServiceAccount",
-    )
+    fresh_namespace(cluster, "disrupt-delete")
     with (
         Load(cluster, "disrupt-delete", _ordinary) as ordinary,
         Load(cluster, "disrupt-delete", _elastic) as elastic,
@@ -121,11 +123,7 @@ def test_ordinary_pods_are_admitted_throughout_while_a_webhook_pod_is_deleted(
 def test_a_rolling_restart_of_the_webhook_under_load_fails_no_admission(
     cluster: ControlPlane,
 ) -> None:
-    cluster.kubectl("create", "namespace", "disrupt-rollout", check=True)
-    eventually(
-        lambda: cluster.kubectl("get", "sa", "default", "-n", "disrupt-rollout").returncode == 0,
-        what="the default ServiceAccount",
-    )
+    fresh_namespace(cluster, "disrupt-rollout")
     with Load(cluster, "disrupt-rollout", _elastic) as load:
         time.sleep(2)
         r = cluster.kubectl("rollout", "restart", "-n", RELEASE_NS, "deployment/epguard-webhook")
