@@ -16,6 +16,7 @@ from tests.chart.chartlib import (
     REPO,
     Rendered,
     notes,
+    render,
     run_helm,
     variant_args,
 )
@@ -84,6 +85,18 @@ class TestWebhookDeployment:
         d = defaults.one("Deployment", "epguard-webhook")
         assert d["spec"]["replicas"] == 2
         assert d["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+
+    def test_a_stopping_pod_keeps_serving_while_its_endpoint_is_withdrawn(
+        self, defaults: Rendered
+    ) -> None:
+        d = defaults.one("Deployment", "epguard-webhook")
+        c = container(d, "webhook")
+        delay = c["lifecycle"]["preStop"]["sleep"]["seconds"]
+        assert delay >= 3
+        grace = d["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30)
+        assert grace >= delay + 10  # then uvicorn's own 10 s graceful shutdown
+        off = render("--set", "webhook.shutdownDelaySeconds=0").one("Deployment", "epguard-webhook")
+        assert "lifecycle" not in container(off, "webhook")
 
     def test_every_pod_meets_the_restricted_pod_security_standard(self, variant: Rendered) -> None:
         specs = [d["spec"]["template"]["spec"] for d in variant.all("Deployment")]
