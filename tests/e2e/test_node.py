@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import yaml
+from e2e_kube import eventually
 
 from devcluster import ControlPlane
 from devcluster.images import BUSYBOX_IMAGE, build_busybox
@@ -69,8 +70,13 @@ def test_the_node_registers_ready_with_the_pinned_kubelet(cluster: ControlPlane)
     assert info["containerRuntimeVersion"].startswith("containerd://")
     ready = [c for c in node["status"]["conditions"] if c["type"] == "Ready"]
     assert ready[0]["status"] == "True"
-    # kube-controller-manager's node-lifecycle controller removed the not-ready taint.
-    assert not node["spec"].get("taints")
+    # kube-controller-manager's node-lifecycle controller removes the not-ready taint,
+    # a few seconds after the kubelet reports Ready (its monitor period is 5 s).
+    eventually(
+        lambda: not get(cluster, "node", NODE_NAME)["spec"].get("taints"),
+        within=30,
+        what="the node-lifecycle controller to lift the not-ready taint",
+    )
 
 
 def test_a_failing_init_container_stops_the_pod_with_the_message_the_kubelet_wrote(
