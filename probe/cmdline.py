@@ -253,12 +253,6 @@ def _lenient(args, shortest):
     return value
 
 
-def _parse(table, args):
-    """argparse's namespace for ``args`` under one release, or raises _Refused."""
-    ns, _unknown = table.parser().parse_known_args(args)
-    return ns
-
-
 def _config_settings(path, read_config):
     """Top-level settings of a SGLang --config file as (key, value) pairs, or None."""
     text = read_config(path) if read_config is not None else None
@@ -415,7 +409,7 @@ def _read_command(r, cmd, chosen, shortest, read_config, budget):
             r.notes.append("too many words to parse exactly; read leniently")
             break
         try:
-            ns = _parse(table, args)
+            ns, _unknown = table.parser().parse_known_args(args)
         except _Refused as exc:
             r.refusals.append((table.release, str(exc)))
             continue
