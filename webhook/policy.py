@@ -109,13 +109,29 @@ def _subject(c: ContainerView, where: str, image: str) -> str:
     return f'{label} "{c.name}"{place} (image {image})'
 
 
+def rule_denial(rule: Rule) -> str:
+    """What a deny rule says after ``<subject> requests <flag> mooncake, ``: the reason,
+    the fix and the rule id. The backstop policy (backstop.py) says exactly this too."""
+    return (
+        f"which this image cannot serve: {_strip_period(rule.reason)}. "
+        f"Fix: {_strip_period(rule.remedy)}. [epguard rule {rule.id}]"
+    )
+
+
+def verdict_denial(hit: VerdictHit) -> str:
+    """What an Unusable verdict says after ``<subject> requests <flag> mooncake, ``."""
+    v = hit.verdict
+    reason = _strip_period(v.reason) or "its epguard probe failed"
+    return (
+        f"which this image cannot serve: {reason} ({hit.where()}). Fix: use an image whose "
+        f"epguard probe passes; once this one is fixed, delete ImageVerdict {v.object_name}. "
+        f"[epguard verdict {v.object_name}]"
+    )
+
+
 def _rule_finding(subject: str, rule: Rule, key: tuple[str, ...]) -> Finding:
     if rule.action == "deny":
-        text = (
-            f"{subject} requests {FLAG} mooncake, which this image cannot serve: "
-            f"{_strip_period(rule.reason)}. Fix: {_strip_period(rule.remedy)}. "
-            f"[epguard rule {rule.id}]"
-        )
+        text = f"{subject} requests {FLAG} mooncake, {rule_denial(rule)}"
     else:
         text = (
             f"{subject} requests {FLAG} mooncake, which this image may not serve: "
@@ -131,12 +147,7 @@ def _verdict_finding(subject: str, hit: VerdictHit, key: tuple[str, ...]) -> Fin
     src = f"verdict:{v.object_name}"
     if hit.trust == "deny":
         return Finding(
-            "deny",
-            f"{subject} requests {FLAG} mooncake, which this image cannot serve: {reason} "
-            f"({hit.where()}). Fix: use an image whose epguard probe passes; once this one is "
-            f"fixed, delete ImageVerdict {v.object_name}. [epguard verdict {v.object_name}]",
-            src,
-            (*key, src),
+            "deny", f"{subject} requests {FLAG} mooncake, {verdict_denial(hit)}", src, (*key, src)
         )
     return Finding(
         "warn",

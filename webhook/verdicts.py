@@ -221,6 +221,12 @@ class VerdictStore:
             for key in list(self._members):
                 self._refresh(key)
 
+    def winners(self) -> list[tuple[str, str, Verdict]]:
+        """(``digest`` or ``tag``, key, the verdict that answers for it): what ``lookup``
+        decides by, for the outage backstop (backstop.py)."""
+        with self._lock:
+            return [(kind, key, v) for (kind, key), v in self._winner.items()]
+
     def lookup(self, ref: ImageRef, now: dt.datetime) -> VerdictHit | None:
         if ref.digest:
             v = self._winner.get(("digest", ref.digest.lower()))
