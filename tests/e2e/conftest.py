@@ -18,6 +18,7 @@ from e2e_kube import (
     DENY_RULE_ID,
     apply,
     eventually,
+    minimal_crd,
     pod,
     rules_text,
     set_rules_text,
@@ -87,43 +88,12 @@ def deny_rule(control_plane: ControlPlane, epguard: Stack) -> Iterator[str]:
         set_rules_text(control_plane, original)
 
 
-def _crd(group: str, kind: str, plural: str, versions: list[str]) -> dict[str, object]:
-    """A minimal CRD: any spec is stored (x-kubernetes-preserve-unknown-fields)."""
-    schema = {
-        "openAPIV3Schema": {
-            "type": "object",
-            "properties": {
-                "spec": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
-            },
-        }
-    }
-    return {
-        "apiVersion": "apiextensions.k8s.io/v1",
-        "kind": "CustomResourceDefinition",
-        "metadata": {"name": f"{plural}.{group}"},
-        "spec": {
-            "group": group,
-            "scope": "Namespaced",
-            "names": {
-                "kind": kind,
-                "plural": plural,
-                "singular": kind.lower(),
-                "listKind": f"{kind}List",
-            },
-            "versions": [
-                {"name": v, "served": True, "storage": i == 0, "schema": schema}
-                for i, v in enumerate(versions)
-            ],
-        },
-    }
-
-
 @pytest.fixture(scope="session")
 def workload_crds(control_plane: ControlPlane) -> list[str]:
     """LeaderWorkerSet and DynamoGraphDeployment CRDs (minimal), established."""
     crds = [
-        _crd("leaderworkerset.x-k8s.io", "LeaderWorkerSet", "leaderworkersets", ["v1"]),
-        _crd(
+        minimal_crd("leaderworkerset.x-k8s.io", "LeaderWorkerSet", "leaderworkersets", ["v1"]),
+        minimal_crd(
             "nvidia.com", "DynamoGraphDeployment", "dynamographdeployments", ["v1alpha1", "v1beta1"]
         ),
     ]

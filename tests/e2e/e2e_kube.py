@@ -219,3 +219,34 @@ def without_rule(text: str, rule_id: str) -> str:
     doc = yaml.safe_load(text) or {}
     rules = [r for r in doc.get("rules") or [] if r.get("id") != rule_id]
     return yaml.safe_dump({**doc, "rules": rules}, sort_keys=False)
+
+
+def minimal_crd(group: str, kind: str, plural: str, versions: list[str]) -> dict[str, object]:
+    """A minimal CRD: any spec is stored (x-kubernetes-preserve-unknown-fields)."""
+    schema = {
+        "openAPIV3Schema": {
+            "type": "object",
+            "properties": {
+                "spec": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+            },
+        }
+    }
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.{group}"},
+        "spec": {
+            "group": group,
+            "scope": "Namespaced",
+            "names": {
+                "kind": kind,
+                "plural": plural,
+                "singular": kind.lower(),
+                "listKind": f"{kind}List",
+            },
+            "versions": [
+                {"name": v, "served": True, "storage": i == 0, "schema": schema}
+                for i, v in enumerate(versions)
+            ],
+        },
+    }

@@ -84,7 +84,8 @@ def test_a_worker_pod_stops_in_init_error_and_the_next_one_is_refused_at_apply(
     )
     described = cluster.kubectl("describe", "pod", "sglang-0", "-n", opted_in).stdout
     # Either the State or the Last State block carries it, depending on the back-off.
-    assert re.search(r"Message:\s+epguard: mooncake elastic EP is unusable in this image", described)
+    shown = r"Message:\s+epguard: mooncake elastic EP is unusable in this image"
+    assert re.search(shown, described)
 
     image_id = found["status"]["imageID"]
     digest = image_id.rsplit("@", 1)[-1]
