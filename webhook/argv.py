@@ -161,8 +161,12 @@ def analyse(
 
 def _analyse(argv: tuple[str, ...], shell_env: ShellEnv, budget: shell.Budget) -> ArgvReport:
     reading = cmdline.read(argv, env=dict(shell_env), budget=budget)
-    if reading.launcher is None and reading.config_file is None and not reading.over_budget \
-            and reading.unresolved is None:
+    if (
+        reading.launcher is None
+        and reading.config_file is None
+        and not reading.over_budget
+        and reading.unresolved is None
+    ):
         return NOTHING  # the common case (read() saw nothing at all): no strings to build
     return ArgvReport(
         requests_mooncake=reading.requested,

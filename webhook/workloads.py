@@ -105,10 +105,12 @@ class KindSpec:
 
         group = m.get("group")
         if not isinstance(group, str):
-            raise KindError(f"{where}.group: expected a string (\"\" for the core group)")
+            raise KindError(f'{where}.group: expected a string ("" for the core group)')
         versions = m.get("versions")
-        if not isinstance(versions, list) or not versions or not all(
-            isinstance(v, str) and v for v in versions
+        if (
+            not isinstance(versions, list)
+            or not versions
+            or not all(isinstance(v, str) and v for v in versions)
         ):
             raise KindError(f"{where}.versions: expected a non-empty list of strings")
         paths: list[TemplatePath] = []
@@ -143,8 +145,9 @@ def parse_kinds(text: str, where: str) -> tuple[KindSpec, ...]:
     return kinds
 
 
-def _kind(group: str, kind: str, resource: str, versions: tuple[str, ...],
-          **paths: tuple[str, ...]) -> KindSpec:
+def _kind(
+    group: str, kind: str, resource: str, versions: tuple[str, ...], **paths: tuple[str, ...]
+) -> KindSpec:
     out = [TemplatePath(p, shape) for shape in SHAPES for p in paths.get(shape + "s", ())]
     return KindSpec(group, kind, versions, resource, tuple(out))
 
@@ -156,14 +159,22 @@ def _kind(group: str, kind: str, resource: str, versions: tuple[str, ...],
 # OME runtimes: the engine's containers are "runner" objects, not a pod spec (leader and
 # worker runners for multi-node), with ordinary pod-spec lists beside them.
 _OME_PLACES = tuple(
-    f"spec.{c}{p}" for c in ("engineConfig", "decoderConfig", "routerConfig")
+    f"spec.{c}{p}"
+    for c in ("engineConfig", "decoderConfig", "routerConfig")
     for p in ("", ".leader", ".worker")
 )
 _OME = {"containers": tuple(f"{p}.runner" for p in _OME_PLACES), "podSpecs": _OME_PLACES}
 PATH_KINDS: tuple[KindSpec, ...] = (
-    _kind(DISAGG, "DisaggregatedSet", "disaggregatedsets", ("v1",),
-          templates=("spec.roles[].spec.leaderWorkerTemplate.leaderTemplate",
-                     "spec.roles[].spec.leaderWorkerTemplate.workerTemplate")),
+    _kind(
+        DISAGG,
+        "DisaggregatedSet",
+        "disaggregatedsets",
+        ("v1",),
+        templates=(
+            "spec.roles[].spec.leaderWorkerTemplate.leaderTemplate",
+            "spec.roles[].spec.leaderWorkerTemplate.workerTemplate",
+        ),
+    ),
     _kind(OME, "ServingRuntime", "servingruntimes", ("v1beta1",), **_OME),
     _kind(OME, "ClusterServingRuntime", "clusterservingruntimes", ("v1beta1",), **_OME),
 )

@@ -1,0 +1,245 @@
+"""Keep the outage backstop (webhook/backstop.py) in the cluster.
+
+The controller owns three ValidatingAdmissionPolicies (one per mode) with their
+bindings, and one parameter ConfigMap that lists the refused images. The policies
+change only when the controller's settings do; the ConfigMap follows the rules
+ConfigMap and the ImageVerdicts:
+
+* every ``POLL`` seconds, and at once on an ImageVerdict event, it lists the
+  ImageVerdicts into a ``VerdictStore`` (the index the webhook decides by) and reads the
+  rules ConfigMap by name (a ConfigMap the webhook would reject keeps the last good
+  rules, as the webhook does);
+* a tag verdict leaves the list when the webhook stops trusting it (``next_change``).
+
+The parameters are computed from the cluster's state alone, never from what one replica
+happened to see: every replica writes the same ConfigMap, so kopf peering (which pauses
+all replicas but one) cannot leave a paused replica writing a stale list.
+
+The policies and the bindings are owned by the chart's ValidatingWebhookConfiguration
+(an ownerReference), so ``helm uninstall`` takes them away with it: a backstop left
+behind by an uninstalled epguard would refuse pods with nobody to explain why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from webhook.backstop import BackstopConfig, Params, compile_params, policies
+from webhook.rules import RulesError, RuleSet, load_rules_text
+from webhook.verdicts import GROUP, MAX_VERDICTS, PLURAL, VERSION, VerdictStore, verdict_from_object
+
+log = logging.getLogger("epguard.controller.backstop")
+
+POLL = 5.0  # seconds between two syncs without an ImageVerdict event
+# VAP's CEL uses flatten() (the list library of Kubernetes 1.34); an older API server
+# would compile the policy with an error and, with failurePolicy Ignore, admit anyway.
+MIN_SERVER = (1, 34)
+
+
+@dataclass
+class BackstopState:
+    """What the writer works from; kopf's ImageVerdict handler fills ``store``."""
+
+    config: BackstopConfig
+    rules_configmap: str
+    rules_key: str
+    tag_ttl: dt.timedelta
+    owner: dict[str, Any] | None = None
+    rules: RuleSet = field(default_factory=RuleSet)
+    written: dict[str, str] | None = None
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def server_supported(api: client.ApiClient) -> tuple[bool, str]:
+    info = client.VersionApi(api).get_code()
+    try:
+        major = int("".join(ch for ch in info.major if ch.isdigit()))
+        minor = int("".join(ch for ch in info.minor if ch.isdigit()))
+    except ValueError:
+        return False, f"cannot read the API server version {info.git_version!r}"
+    ok = (major, minor) >= MIN_SERVER
+    return ok, info.git_version
+
+
+def owner_of(api: client.ApiClient, webhook_configuration: str) -> dict[str, Any] | None:
+    """An ownerReference to the chart's ValidatingWebhookConfiguration, if it exists."""
+    try:
+        vwc = client.AdmissionregistrationV1Api(api).read_validating_webhook_configuration(
+            webhook_configuration
+        )
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+    meta = vwc.metadata or client.V1ObjectMeta()
+    return {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingWebhookConfiguration",
+        "name": meta.name,
+        "uid": meta.uid,
+    }
+
+
+def _put(read: Any, create: Any, replace: Any, obj: dict[str, Any]) -> None:
+    """Create, or replace at the resourceVersion read (a raw object: the policy is built
+    as the JSON the API takes, which the client passes through as is)."""
+    name = obj["metadata"]["name"]
+    try:
+        current = read(name)
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+        create(obj)
+        return
+    obj["metadata"]["resourceVersion"] = current.metadata.resource_version
+    replace(name, obj)
+
+
+def install(api: client.ApiClient, config: BackstopConfig, owner: dict[str, Any] | None) -> None:
+    """Create or replace the policies and their bindings (idempotent)."""
+    adm = client.AdmissionregistrationV1Api(api)
+    for obj in policies(config):
+        if owner is not None:
+            obj["metadata"]["ownerReferences"] = [owner]
+        if obj["kind"] == "ValidatingAdmissionPolicy":
+            _put(
+                adm.read_validating_admission_policy,
+                adm.create_validating_admission_policy,
+                adm.replace_validating_admission_policy,
+                obj,
+            )
+        else:
+            _put(
+                adm.read_validating_admission_policy_binding,
+                adm.create_validating_admission_policy_binding,
+                adm.replace_validating_admission_policy_binding,
+                obj,
+            )
+
+
+def uninstall(api: client.ApiClient, config: BackstopConfig) -> None:
+    """Remove what ``install`` made (``backstop.enabled: false`` after it was on)."""
+    adm = client.AdmissionregistrationV1Api(api)
+    for obj in policies(config):
+        name = obj["metadata"]["name"]
+        try:
+            if obj["kind"] == "ValidatingAdmissionPolicy":
+                adm.delete_validating_admission_policy(name)
+            else:
+                adm.delete_validating_admission_policy_binding(name)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+
+def read_rules(api: client.ApiClient, state: BackstopState) -> RuleSet:
+    """The live rules, or the last good ones when the ConfigMap is broken or unreadable."""
+    namespace = state.config.params_namespace
+    try:
+        cm = client.CoreV1Api(api).read_namespaced_config_map(state.rules_configmap, namespace)
+    except ApiException as exc:
+        if exc.status == 404:
+            return RuleSet((), "<no rules ConfigMap>")
+        log.warning("cannot read the rules ConfigMap (%s); keeping the last rules", exc.reason)
+        return state.rules
+    text = (cm.data or {}).get(state.rules_key)
+    if text is None:
+        return RuleSet((), f"configmap {namespace}/{state.rules_configmap}")
+    try:
+        return load_rules_text(text, f"configmap {namespace}/{state.rules_configmap}")
+    except RulesError as exc:
+        log.warning("rules ConfigMap rejected, keeping the last good rules: %s", exc)
+        return state.rules
+
+
+def write_params(api: client.ApiClient, config: BackstopConfig, params: Params) -> None:
+    core = client.CoreV1Api(api)
+    body = client.V1ConfigMap(
+        metadata=client.V1ObjectMeta(
+            name=config.name,
+            namespace=config.params_namespace,
+            labels={"app.kubernetes.io/part-of": "epguard"},
+        ),
+        data=params.data(),
+    )
+    try:
+        core.replace_namespaced_config_map(config.name, config.params_namespace, body)
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+        core.create_namespaced_config_map(config.params_namespace, body)
+
+
+def read_verdicts(api: client.ApiClient, tag_ttl: dt.timedelta) -> VerdictStore:
+    custom = client.CustomObjectsApi(api)
+    store = VerdictStore(tag_ttl=tag_ttl)
+    verdicts = []
+    token: str | None = None
+    while True:
+        page: dict[str, Any] = custom.list_cluster_custom_object(  # type: ignore[assignment]
+            GROUP, VERSION, PLURAL, limit=500, _continue=token
+        )
+        for obj in page.get("items", []):
+            v = verdict_from_object(obj)
+            if v is not None:
+                verdicts.append(v)
+        token = (page.get("metadata") or {}).get("continue")
+        if not token or len(verdicts) >= MAX_VERDICTS:
+            break
+    store.replace(verdicts)
+    return store
+
+
+def sync_once(api: client.ApiClient, state: BackstopState, now: dt.datetime) -> Params:
+    """Compile and, when it changed, write the parameters. Returns what was compiled."""
+    state.rules = read_rules(api, state)
+    store = read_verdicts(api, state.tag_ttl)
+    params = compile_params(state.rules, store, now)
+    data = params.data()
+    if data != state.written:
+        write_params(api, state.config, params)
+        state.written = data
+        log.info(
+            "backstop parameters written: %d refused images (%d did not fit)",
+            len(params.entries),
+            params.dropped,
+        )
+    return params
+
+
+async def run_writer(api: client.ApiClient, state: BackstopState) -> None:
+    """Keep the parameter ConfigMap current until cancelled."""
+    loop = asyncio.get_running_loop()
+    while True:
+        now = dt.datetime.now(dt.UTC)
+        try:
+            params = await loop.run_in_executor(None, sync_once, api, state, now)
+            wait = POLL
+            if params.next_change is not None:
+                wait = min(wait, max(0.5, (params.next_change - now).total_seconds()))
+        except ApiException as exc:
+            log.warning("backstop sync failed (%s %s); retrying", exc.status, exc.reason)
+            wait = POLL
+        state.wake.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(state.wake.wait(), timeout=wait)
+
+
+# --- kopf wiring ---------------------------------------------------------------------
+
+
+@kopf.on.event("epguard.io", "v1alpha1", "imageverdicts")
+def _verdict_event(memo: kopf.Memo, **_: Any) -> None:
+    """A verdict changed: sync now rather than at the next poll."""
+    state: BackstopState | None = getattr(memo, "backstop", None)
+    if state is not None:
+        state.wake.set()
