@@ -333,6 +333,9 @@ class BackstopConfig:
     allow_skip: bool = True
     excluded_namespaces: tuple[str, ...] = ("kube-system",)
     kinds: tuple[KindSpec, ...] = ()  # path-described kinds (built-in PATH_KINDS + extra)
+    # The webhooks' objectSelector (chart value webhook.objectSelector): an object the
+    # webhook is never asked about must not be refused by the backstop either.
+    object_selector: dict[str, Any] | None = None
 
 
 def _kind_containers(config: BackstopConfig) -> tuple[list[dict[str, Any]], str]:
@@ -462,6 +465,11 @@ def policies(config: BackstopConfig) -> list[dict[str, Any]]:
                         "parameterNotFoundAction": "Allow",
                     },
                     "matchResources": {
+                        **(
+                            {"objectSelector": config.object_selector}
+                            if config.object_selector
+                            else {}
+                        ),
                         "namespaceSelector": {
                             "matchExpressions": [
                                 {
@@ -477,7 +485,7 @@ def policies(config: BackstopConfig) -> list[dict[str, Any]]:
                                     "values": ["true"],
                                 },
                             ]
-                        }
+                        },
                     },
                 },
             }

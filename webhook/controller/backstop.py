@@ -237,6 +237,65 @@ async def run_writer(api: client.ApiClient, state: BackstopState) -> None:
 # --- kopf wiring ---------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class BackstopSettings:
+    """The controller's settings the backstop needs (``__main__`` fills it in)."""
+
+    name: str  # the parameter ConfigMap and the policies' prefix; empty: the backstop is off
+    namespace: str
+    validating_webhook: str
+    config: BackstopConfig
+    rules_configmap: str
+    rules_key: str
+    tag_ttl: dt.timedelta
+
+
+async def start(api: client.ApiClient, settings: BackstopSettings) -> BackstopState | None:
+    """Install the policies (or remove them when off) and return the writer's state."""
+    loop = asyncio.get_running_loop()
+    if not settings.name:
+        off = BackstopConfig(params_namespace=settings.namespace)
+        await loop.run_in_executor(None, uninstall, api, off)
+        return None
+    ok, version = await loop.run_in_executor(None, server_supported, api)
+    if not ok:
+        log.warning(
+            "the API server (%s) is older than %d.%d: the outage backstop is not installed",
+            version,
+            *MIN_SERVER,
+        )
+        return None
+    owner = await loop.run_in_executor(None, owner_of, api, settings.validating_webhook)
+    await loop.run_in_executor(None, install, api, settings.config, owner)
+    log.info("outage backstop installed: %s-{enforce,warn,audit}", settings.config.name)
+    return BackstopState(
+        config=settings.config,
+        rules_configmap=settings.rules_configmap,
+        rules_key=settings.rules_key,
+        tag_ttl=settings.tag_ttl,
+        owner=owner,
+    )
+
+
+@kopf.on.startup()
+async def _start(memo: kopf.Memo, **_: Any) -> None:
+    settings: BackstopSettings | None = getattr(memo, "backstop_settings", None)
+    api: client.ApiClient | None = getattr(memo, "api", None)
+    if settings is None or api is None:
+        return
+    state = await start(api, settings)
+    if state is not None:
+        memo.backstop = state
+        memo.backstop_task = asyncio.create_task(run_writer(api, state))
+
+
+@kopf.on.cleanup()
+async def _stop(memo: kopf.Memo, **_: Any) -> None:
+    task: asyncio.Task[None] | None = getattr(memo, "backstop_task", None)
+    if task is not None:
+        task.cancel()
+
+
 @kopf.on.event("epguard.io", "v1alpha1", "imageverdicts")
 def _verdict_event(memo: kopf.Memo, **_: Any) -> None:
     """A verdict changed: sync now rather than at the next poll."""

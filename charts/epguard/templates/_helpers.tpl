@@ -22,6 +22,19 @@
 {{/* The mutating configuration the injection feature adds; the controller keeps its caBundle. */}}
 {{- define "epguard.mutatingName" -}}{{ include "epguard.fullname" . | trunc 56 | trimSuffix "-" }}-inject{{- end -}}
 {{- define "epguard.rulesConfigMap" -}}epguard-rules{{- end -}}
+{{- /* The outage backstop's name: its parameter ConfigMap, and with -enforce/-warn/-audit
+its ValidatingAdmissionPolicies and their bindings (webhook/backstop.py). */ -}}
+{{- define "epguard.backstopName" -}}{{ include "epguard.fullname" . | trunc 46 | trimSuffix "-" }}-backstop{{- end -}}
+{{- /* "true" when the backstop is on: asked for, and the API server serves the v1 API
+and the 1.34 CEL list library its expressions use. Against a cluster, helm's
+capabilities list every served kind; an offline render (`helm template`) knows only
+group/versions (no kind at all, not even apps/v1/Deployment), so there the group/version
+and the Kubernetes version decide. */ -}}
+{{- define "epguard.backstopOn" -}}
+{{- $api := .Capabilities.APIVersions -}}
+{{- $served := or ($api.Has "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy") (and ($api.Has "admissionregistration.k8s.io/v1") (not ($api.Has "apps/v1/Deployment"))) -}}
+{{- if and .Values.backstop.enabled $served (semverCompare ">=1.34-0" .Capabilities.KubeVersion.Version) -}}true{{- end -}}
+{{- end -}}
 
 {{- define "epguard.labels" -}}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
