@@ -22,7 +22,8 @@ def _rendered() -> tuple[dict[str, Any], list[dict[str, Any]]]:
     r = render("-f", "charts/epguard/ci/extra-kinds-values.yaml")
     vwc = next(o for o in r.objects if o["kind"] == "ValidatingWebhookConfiguration")
     deploy = next(
-        o for o in r.objects
+        o
+        for o in r.objects
         if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("-webhook")
     )
     env = deploy["spec"]["template"]["spec"]["containers"][0]["env"]
@@ -33,14 +34,24 @@ def _rendered() -> tuple[dict[str, Any], list[dict[str, Any]]]:
 def pool(worker_args: list[str], router_args: list[str] | None = None) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "workers": [
-            {"name": "w", "template": {"spec": {"containers": [
-                {"name": "sglang", "image": IMAGE, "args": worker_args}]}}}
+            {
+                "name": "w",
+                "template": {
+                    "spec": {
+                        "containers": [{"name": "sglang", "image": IMAGE, "args": worker_args}]
+                    }
+                },
+            }
         ]
     }
     if router_args is not None:
         spec["router"] = {"name": "router", "image": IMAGE, "args": router_args}
-    return {"apiVersion": "serving.example.com/v1", "kind": "InferencePool",
-            "metadata": {"name": "p", "namespace": "ml"}, "spec": spec}
+    return {
+        "apiVersion": "serving.example.com/v1",
+        "kind": "InferencePool",
+        "metadata": {"name": "p", "namespace": "ml"},
+        "spec": spec,
+    }
 
 
 def test_each_extra_kind_gets_a_rule_and_a_cel_condition_from_its_paths() -> None:
@@ -62,8 +73,14 @@ def test_each_extra_kind_gets_a_rule_and_a_cel_condition_from_its_paths() -> Non
     assert sent(pool(FLAG))
     assert sent(pool(["--tp", "8"], router_args=FLAG))
     assert not sent(pool(["--tp", "8"]))
-    assert not sent({"apiVersion": "serving.example.com/v1", "kind": "InferencePool",
-                     "metadata": {"name": "p"}, "spec": {}})
+    assert not sent(
+        {
+            "apiVersion": "serving.example.com/v1",
+            "kind": "InferencePool",
+            "metadata": {"name": "p"},
+            "spec": {},
+        }
+    )
 
 
 def test_the_engine_judges_the_kind_from_the_values_the_chart_passes() -> None:
@@ -82,13 +99,20 @@ def test_the_engine_judges_the_kind_from_the_values_the_chart_passes() -> None:
     [
         ("{}", "expected a list"),
         ("[{kind: X}]", "group"),
-        ('[{group: g, versions: [v1], kind: K, resource: ks, templates: ["spec.a-b"]}]',
-         "dotted field names"),
+        (
+            '[{group: g, versions: [v1], kind: K, resource: ks, templates: ["spec.a-b"]}]',
+            "dotted field names",
+        ),
         ("[{group: g, versions: [v1], kind: K, resource: ks}]", "at least one"),
-        ('[{group: g, versions: [v1], kind: K, resource: ks, podSpecs: ["spec"], scope: Both}]',
-         "scope"),
-        ('[{group: apps, versions: [v1], kind: Deployment, resource: deployments, '
-         'templates: ["spec.template"]}]', "built in already"),
+        (
+            '[{group: g, versions: [v1], kind: K, resource: ks, podSpecs: ["spec"], scope: Both}]',
+            "scope",
+        ),
+        (
+            "[{group: apps, versions: [v1], kind: Deployment, resource: deployments, "
+            'templates: ["spec.template"]}]',
+            "built in already",
+        ),
         ("[unclosed", "not valid JSON or YAML"),
     ],
 )

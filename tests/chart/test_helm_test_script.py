@@ -30,7 +30,6 @@ class Server:
     ca: Path
 
 
-
 def helm_test_pod_env(*values: str) -> tuple[dict[str, str], str, dict[str, str]]:
     r = render(*values)
     pod = next(o for o in r.objects if o["kind"] == "Pod")

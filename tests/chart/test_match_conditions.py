@@ -315,7 +315,7 @@ def test_no_expression_errors_on_any_shape(hook: str) -> None:
         (["--el", "mooncake"], True),
         (["--elastic-ep-b=mooncake"], True),
         (["sh", "-c", "exec python3 -m sglang.launch_server --elastic-ep-backend mooncake"], True),
-        (["bash", "-c", "run \\\n  --elastic-ep-backend=\"mooncake\""], True),
+        (["bash", "-c", 'run \\\n  --elastic-ep-backend="mooncake"'], True),
         (["bash", "-c", "x;--elastic-ep-backend mooncake"], True),
         (["sh", "-c", "run ${EP:+--elastic-ep-backend mooncake}"], True),
         (["sh", "-c", "run \\--elastic-ep-backend mooncake"], True),

@@ -20,6 +20,8 @@ from tests.chart.chartlib import (
     run_helm,
     variant_args,
 )
+from webhook.backstop import BackstopConfig, policy_name
+from webhook.namespaces import MODES
 from webhook.workloads import PATH_KINDS
 
 Obj = dict[str, Any]
@@ -407,10 +409,16 @@ class TestRBAC:
             if r["verbs"] != ["create"]:
                 assert r["resourceNames"] == ["epguard-tls"]
         cluster = self.rules(defaults, "ClusterRole", "epguard-controller")
+        policies = [policy_name(BackstopConfig("", name="epguard-backstop"), m) for m in MODES]
         for r in cluster:
-            if r["apiGroups"] == ["admissionregistration.k8s.io"]:
+            if r["apiGroups"] != ["admissionregistration.k8s.io"]:
+                continue
+            if any(res.endswith("webhookconfigurations") for res in r["resources"]):
                 assert r["resourceNames"] in (["epguard"], ["epguard-inject"])
                 assert "delete" not in r["verbs"] and "create" not in r["verbs"]
+            elif r["verbs"] != ["create"]:
+                # The backstop's policies and bindings: by name (`create` cannot be).
+                assert r["resourceNames"] == policies
 
     def test_with_cert_manager_the_controller_gets_no_secret_or_webhook_access(
         self, ci_file: Callable[..., Rendered]
@@ -421,7 +429,10 @@ class TestRBAC:
         )
         resources = {res for rule in every for res in rule["resources"]}
         assert "secrets" not in resources
-        assert "validatingwebhookconfigurations" not in resources
+        # Only the backstop's ownerReference needs the webhook configuration: read it.
+        webhook_rules = [r for r in every if "validatingwebhookconfigurations" in r["resources"]]
+        assert [r["verbs"] for r in webhook_rules] == [["get"]]
+        assert "mutatingwebhookconfigurations" not in resources
 
     def test_bindings_point_at_the_rendered_service_accounts(self, variant: Rendered) -> None:
         accounts = {s["metadata"]["name"] for s in variant.all("ServiceAccount")}

@@ -1,0 +1,85 @@
+"""The chart's side of the outage backstop: on where the API server can run it, off with
+a warning where it cannot, and the controller given what it needs to judge as the
+webhook does (the policies themselves are the controller's; see tests/e2e)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.chart.chartlib import CHART, Rendered, notes, render, run_helm
+from webhook.backstop import BackstopConfig, policy_name
+from webhook.namespaces import MODES
+
+Obj = dict[str, Any]
+
+
+def controller_env(r: Rendered) -> dict[str, Any]:
+    deploy = r.one("Deployment", "epguard-controller")
+    (c,) = deploy["spec"]["template"]["spec"]["containers"]
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in c.get("env", [])}
+
+
+def policy_rules(r: Rendered) -> list[Obj]:
+    role = r.one("ClusterRole", "epguard-controller")
+    return [x for x in role["rules"] if "validatingadmissionpolicies" in x["resources"]]
+
+
+def test_on_by_default_with_the_webhooks_judgement_settings() -> None:
+    r = render(
+        "--set",
+        "webhook.mode=warn",
+        "--set",
+        "webhook.excludeNamespaces={batch}",
+        "--set-json",
+        'webhook.objectSelector={"matchLabels":{"team":"ml"}}',
+    )
+    env = controller_env(r)
+    assert env["EPGUARD_BACKSTOP"] == "epguard-backstop"
+    assert env["EPGUARD_MODE"] == "warn"
+    assert env["EPGUARD_ALLOW_SKIP"] == "true"
+    assert env["EPGUARD_VERDICT_TTL_HOURS"] == "24"
+    assert env["EPGUARD_EXCLUDE_NAMESPACES"] == "kube-system,batch"
+    assert env["EPGUARD_OBJECT_SELECTOR"] == '{"matchLabels":{"team":"ml"}}'
+
+
+def test_the_controller_may_touch_only_the_backstops_own_policies_and_configmap() -> None:
+    r = render()
+    names = [policy_name(BackstopConfig("", name="epguard-backstop"), m) for m in MODES]
+    by_verbs = {tuple(x["verbs"]): x.get("resourceNames") for x in policy_rules(r)}
+    assert by_verbs == {("create",): None, ("get", "update", "delete"): names}
+    role = r.one("Role", "epguard-controller")
+    configmaps = [x for x in role["rules"] if x["resources"] == ["configmaps"]]
+    assert {tuple(x["verbs"]): x.get("resourceNames") for x in configmaps} == {
+        ("create",): None,
+        ("get", "update"): ["epguard-backstop"],
+        ("get",): ["epguard-rules"],
+    }
+
+
+@pytest.mark.parametrize(
+    "args",
+    [("--set", "backstop.enabled=false"), ("--kube-version", "1.33.0")],
+    ids=["disabled", "kubernetes-1.33"],
+)
+def test_off_means_no_policy_rights(args: tuple[str, ...]) -> None:
+    r = render(*args)
+    assert controller_env(r)["EPGUARD_BACKSTOP"] == ""
+    assert "EPGUARD_MODE" not in controller_env(r)
+    assert policy_rules(r) == []
+
+
+def test_turned_off_the_notes_warn_that_known_bad_images_pass_during_an_outage() -> None:
+    # (`helm install --dry-run` has no --kube-version: the 1.33 case is rendered above.)
+    text = notes("--set", "backstop.enabled=false")
+    assert "backstop.enabled is false" in text and "admitted" in text
+
+
+def test_the_default_notes_say_the_backstop_covers_the_outage() -> None:
+    assert "the backstop ValidatingAdmissionPolicies still refuse" in notes()
+
+
+def test_a_typo_under_backstop_fails_the_install() -> None:
+    r = run_helm("template", "x", str(CHART), "--set", "backstop.enabeld=true", check=False)
+    assert r.returncode != 0 and "enabeld" in r.stderr
