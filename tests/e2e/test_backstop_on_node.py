@@ -1,0 +1,167 @@
+"""The outage, for real: epguard installed by helm on the one-node cluster, its webhook
+scaled to zero and its pods deleted. The controller's backstop policies still refuse a
+worker on a rule-denied image and on a digest with an Unusable verdict, with the rule's
+reason in the message, while ordinary pods are admitted; a verdict created and then
+deleted is followed within 10 s.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from e2e_kube import (
+    BAD_IMAGE,
+    DENY_RULE,
+    DENY_RULE_ID,
+    GOOD_IMAGE,
+    apply,
+    eventually,
+    plain,
+    pod,
+    rules_text,
+    set_rules_text,
+    with_rule,
+    worker,
+    workload,
+)
+from node_e2e import running_cluster
+
+from devcluster import ControlPlane
+from devcluster.stack import NAMESPACE as RELEASE_NS
+
+pytestmark = pytest.mark.e2e
+
+BACKSTOP = "epguard-backstop"
+FOLLOW_WITHIN = 10.0
+
+
+def _digest(seed: str) -> str:
+    return "sha256:" + (uuid.uuid5(uuid.NAMESPACE_URL, seed).hex * 2)
+
+
+def _verdict(name: str, digest: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "epguard.io/v1alpha1",
+        "kind": "ImageVerdict",
+        "metadata": {"name": name},
+        "spec": {
+            "image": f"registry.example.com/e2e/sglang@{digest}",
+            "digest": digest,
+            "verdict": "Unusable",
+            "reason": "libcudart.so.12 is missing (the CUDA 12 mooncake build in a CUDA 13 image)",
+            "pod": "ml/sglang-0",
+            "lastSeen": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        },
+    }
+
+
+def _params(cp: ControlPlane) -> str:
+    r = cp.kubectl("get", "configmap", BACKSTOP, "-n", RELEASE_NS, "-o", "json")
+    return json.loads(r.stdout)["data"].get("entries", "") if r.returncode == 0 else ""
+
+
+def _refused_by_backstop(cp: ControlPlane, obj: dict[str, Any]) -> str | None:
+    r = apply(cp, obj, dry_run=True)
+    if r.returncode != 0 and f"ValidatingAdmissionPolicy '{BACKSTOP}-enforce'" in r.stderr:
+        return r.stderr
+    assert r.returncode == 0, r.stderr
+    return None
+
+
+@pytest.fixture(scope="module")
+def outage(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ControlPlane, str]]:
+    """The cluster with a deny rule and one digest verdict learned, then the webhook
+    gone: its Deployment scaled to zero and every one of its pods deleted."""
+    with running_cluster(tmp_path_factory.mktemp("stack")) as cp:
+        eventually(
+            lambda: (
+                cp.kubectl("get", "validatingadmissionpolicy", f"{BACKSTOP}-enforce").returncode
+                == 0
+            ),
+            within=120,
+            what="the controller to install the backstop",
+        )
+        set_rules_text(cp, with_rule(rules_text(cp), DENY_RULE))
+        digest = _digest("outage")
+        r = apply(cp, _verdict("outage-verdict", digest))
+        assert r.returncode == 0, r.stderr
+        eventually(
+            lambda: DENY_RULE_ID in _params(cp) and digest in _params(cp),
+            within=30,
+            what="the backstop parameters to hold the rule and the verdict",
+        )
+        cp.kubectl("scale", "deployment", "epguard-webhook", "-n", RELEASE_NS, "--replicas=0",
+                   check=True)  # fmt: skip
+        cp.kubectl("delete", "pods", "-n", RELEASE_NS, "-l", "app.kubernetes.io/component=webhook",
+                   "--wait=true", "--timeout=60s", check=True)  # fmt: skip
+        eventually(
+            lambda: cp.kubectl(
+                "get", "pods", "-n", RELEASE_NS, "-l", "app.kubernetes.io/component=webhook",
+                "-o", "name",
+            ).stdout.strip() == "",
+            within=60,
+            what="the webhook pods to be gone",
+        )  # fmt: skip
+        cp.kubectl("create", "namespace", "ml", check=True)
+        yield cp, digest
+
+
+def test_with_the_webhook_gone_a_rule_denied_worker_is_refused_with_the_rules_reason(
+    outage: tuple[ControlPlane, str],
+) -> None:
+    cp, _ = outage
+    refused = _refused_by_backstop(cp, pod("w", "ml", worker(BAD_IMAGE)))
+    assert refused is not None
+    assert f"[epguard rule {DENY_RULE_ID}]" in refused
+    assert "no pg_2_14_1 extension" in refused and "use the e2e good image" in refused
+    deployment = workload("Deployment", "w", "ml", BAD_IMAGE)
+    refused = _refused_by_backstop(cp, deployment)
+    assert refused is not None and f"[epguard rule {DENY_RULE_ID}]" in refused
+
+
+def test_with_the_webhook_gone_a_digest_with_an_unusable_verdict_is_refused(
+    outage: tuple[ControlPlane, str],
+) -> None:
+    cp, digest = outage
+    image = f"registry.example.com/e2e/sglang@{digest}"
+    refused = _refused_by_backstop(cp, pod("w", "ml", worker(image)))
+    assert refused is not None and "[epguard verdict outage-verdict]" in refused
+    assert "libcudart.so.12 is missing" in refused
+
+
+def test_with_the_webhook_gone_ordinary_pods_and_good_images_are_admitted(
+    outage: tuple[ControlPlane, str],
+) -> None:
+    cp, _ = outage
+    assert _refused_by_backstop(cp, pod("web", "ml", plain())) is None
+    assert _refused_by_backstop(cp, pod("w", "ml", worker(GOOD_IMAGE))) is None
+    assert _refused_by_backstop(cp, pod("w", "ml", plain(BAD_IMAGE))) is None
+
+
+def test_a_verdict_created_then_deleted_is_followed_within_ten_seconds(
+    outage: tuple[ControlPlane, str],
+) -> None:
+    cp, _ = outage
+    digest = _digest(f"follow-{uuid.uuid4()}")
+    candidate = pod("w", "ml", worker(f"registry.example.com/e2e/sglang@{digest}"))
+    assert _refused_by_backstop(cp, candidate) is None
+    r = apply(cp, _verdict("follow-verdict", digest))
+    assert r.returncode == 0, r.stderr
+    took = eventually(
+        lambda: _refused_by_backstop(cp, candidate) is not None,
+        within=FOLLOW_WITHIN,
+        what="the backstop to refuse the new verdict's digest",
+    )
+    print(f"verdict created -> refused by the backstop: {took:.1f}s")
+    cp.kubectl("delete", "imageverdict", "follow-verdict", check=True)
+    took = eventually(
+        lambda: _refused_by_backstop(cp, candidate) is None,
+        within=FOLLOW_WITHIN,
+        what="the backstop to admit the digest again",
+    )
+    print(f"verdict deleted -> admitted again: {took:.1f}s")
