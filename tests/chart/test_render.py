@@ -396,7 +396,12 @@ class TestRBAC:
         assert {r for rule in cluster for r in rule["resources"]} == {"namespaces", "imageverdicts"}
         ns = self.rules(defaults, "Role", "epguard-webhook")
         assert ns == [
-            {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list", "watch"]}
+            {
+                "apiGroups": [""],
+                "resources": ["configmaps"],
+                "resourceNames": ["epguard-rules"],
+                "verbs": ["get", "list", "watch"],
+            }
         ]
 
     def test_the_controller_touches_only_its_own_secret_and_webhook_configurations(
