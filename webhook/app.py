@@ -61,6 +61,10 @@ def create_app(
         docs_url=None,
         redoc_url=None,
         openapi_url=None,
+        # epguard's metrics are Prometheus (instrumentation.py), not OpenTelemetry: with
+        # FastAPI's native OTel off, a request no longer asks three provider globals (and
+        # os.environ) whether tracing, metrics or logs were set up.
+        telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     admission_route(app, Validator(state), metrics, max_body_bytes)
     if injection is not None:

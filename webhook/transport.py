@@ -25,7 +25,7 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 _decode = msgspec.json.Decoder().decode
 _validate = AdmissionReviewRequest.model_validate
-_JSON_TYPES = (b"application/json", b"application/json;", b"application/json ")
+_JSON_TYPES = (b"application/json;", b"application/json ")
 
 
 class BadReview(Exception):
