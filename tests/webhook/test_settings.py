@@ -105,3 +105,37 @@ def test_the_webhook_settings_defaults_are_the_options_defaults() -> None:
     for o in WEBHOOK_OPTIONS:
         assert getattr(built, o.attr) == o.default, o.attr
     assert load([], {}) == built
+
+
+@pytest.mark.parametrize(("component", "level"), [("controller", "info"), ("webhook", "INFO")])
+def test_an_accepted_log_level_configures_logging_in_a_real_process(
+    component: str, level: str
+) -> None:
+    """The level reaches logging.basicConfig in a fresh interpreter (under pytest the
+    root logger already has handlers, so basicConfig would not even look at it)."""
+    if component == "controller":
+        code = (
+            "import webhook.controller.__main__ as m\n"
+            "m.asyncio.run = lambda coro: coro.close()  # no operator: only the start-up\n"
+            "raise SystemExit(m.main([]))\n"
+        )
+        expect = "starting: namespace=epguard-system"
+    else:
+        code = (
+            "import logging, sys\n"
+            "from webhook.settings import load\n"
+            "from webhook.server import configure_logging\n"
+            "configure_logging(load([]).log_level)\n"
+            "logging.getLogger('epguard').info('configured')\n"
+        )
+        expect = "configured"
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=_clean_env(EPGUARD_LOG_LEVEL=level, EPGUARD_PEERING="", EPGUARD_LIVENESS=""),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert expect in proc.stderr and "Unknown level" not in proc.stderr
