@@ -14,6 +14,7 @@ webhook server:
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from functools import partial
@@ -29,6 +30,16 @@ from webhook.instrumentation import Instrumented
 from webhook.metrics import Metrics
 from webhook.policy import PolicyState
 from webhook.transport import AdmissionEndpoint
+
+# epguard's metrics are Prometheus (instrumentation.py), not OpenTelemetry. FastAPI
+# releases with native OTel support ask three provider globals (and os.environ) on every
+# request whether tracing, metrics or logs were set up; turned off, they do not. Older
+# releases (the floor in pyproject.toml) have no such probe and no such argument.
+_NO_OTEL: dict[str, Any] = (
+    {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+    if "telemetry" in inspect.signature(FastAPI.__init__).parameters
+    else {}
+)
 
 
 def admission_route(app: FastAPI, handler: Handler, metrics: Metrics, max_body_bytes: int) -> None:
@@ -61,10 +72,7 @@ def create_app(
         docs_url=None,
         redoc_url=None,
         openapi_url=None,
-        # epguard's metrics are Prometheus (instrumentation.py), not OpenTelemetry: with
-        # FastAPI's native OTel off, a request no longer asks three provider globals (and
-        # os.environ) whether tracing, metrics or logs were set up.
-        telemetry={"tracing": False, "metrics": False, "logs": False},
+        **_NO_OTEL,
     )
     admission_route(app, Validator(state), metrics, max_body_bytes)
     if injection is not None:
