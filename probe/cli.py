@@ -31,6 +31,9 @@ def _sibling(name):
 DEFAULT_TERMINATION_LOG = "/dev/termination-log"
 # SGLang's --config is a tenant's file: read only a regular file of reasonable size.
 MAX_CONFIG_BYTES = 256 * 1024
+# How deep the probe checks; the first is the default (the webhook's EPGUARD_PROBE_LEVEL
+# and the chart's injection.probeLevel offer exactly these).
+PROBE_LEVELS = ("import", "smoke")
 
 
 def read_config(path):
@@ -78,7 +81,7 @@ def _parser():
     p.add_argument("--max-message-bytes", type=int, default=2048, metavar="N",
                    help="size limit of the termination message (default 2048; the kubelet "
                         "shares 12 KiB among a pod's containers)")
-    p.add_argument("--level", choices=("import", "smoke"), default="import",
+    p.add_argument("--level", choices=PROBE_LEVELS, default=PROBE_LEVELS[0],
                    help="smoke: also run a one-rank process group on the mooncake backends")
     p.add_argument("--timeout", type=float, default=120.0, metavar="S",
                    help="seconds each step in the child may take (default 120)")

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from probe import shell
+from probe.cli import PROBE_LEVELS
 from webhook.argv import analyse_container
 from webhook.outcome import COPY_CONTAINER, PROBE_CONTAINER, PROBED_LABEL, is_probe
 from webhook.workloads import as_list, as_map
@@ -49,7 +50,7 @@ class InjectionSettings:
     epguard_image: str
     probe_source: str = "/opt/epguard/probe"
     mount_path: str = "/epguard"
-    level: str = "import"
+    level: str = PROBE_LEVELS[0]
     image_pull_policy: str = "IfNotPresent"
 
 

@@ -16,35 +16,43 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        # The admission families: instrumentation.Instrumented gives every admission
+        # endpoint the same ones, with bounded labels.
         self.reviews = Counter(
             "epguard_admission_reviews",
-            "AdmissionReviews answered, by result "
-            "(allowed, denied, warned, audited, exempted, ignored).",
-            ["result"],
+            "Admission requests answered, by endpoint (validate, mutate) and result: the "
+            "handler's (allowed, denied, warned, audited, exempted, ignored; injected, "
+            "unchanged, not_opted_in, exempted), bad_request (4xx) or error (5xx: epguard "
+            "failed, the webhook's failurePolicy applied).",
+            ["endpoint", "result"],
             registry=r,
         )
         self.decisions = Counter(
             "epguard_admission_decisions",
-            "Decisions by result and by the rule (or verdict:<name>) behind a would-be denial; "
-            "rule is 'none' when nothing would deny. A review with two rules counts twice.",
+            "Decisions by result and by the rule id (or 'verdict' for a learned ImageVerdict) "
+            "behind a would-be denial; rule is 'none' when nothing would deny. A review with "
+            "two rules counts twice.",
             ["result", "rule"],
             registry=r,
         )
         self.warn_findings = Counter(
             "epguard_admission_warnings",
-            "Warnings returned to clients, by the rule that produced them ('none' for advice).",
+            "Warnings returned to clients, by the rule that produced them ('verdict' for a "
+            "learned ImageVerdict, 'none' for advice).",
             ["rule"],
             registry=r,
         )
         self.latency = Histogram(
             "epguard_admission_duration_seconds",
-            "Time to answer /validate, from body received to response built.",
+            "Time to answer an admission request, by endpoint, from the request reaching the "
+            "endpoint to the answer sent.",
+            ["endpoint"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.bad_requests = Counter(
             "epguard_bad_requests",
-            "Requests to /validate or /mutate refused as malformed (or failed inside epguard: "
+            "Admission requests refused as malformed (or failed inside epguard: "
             "internal_error), by reason.",
             ["reason"],
             registry=r,
@@ -88,28 +96,6 @@ class Metrics:
             "ImageVerdicts not held because the store is full (verdicts.MAX_VERDICTS).",
             registry=r,
         )
-        # Pre-create the label children used on every request: .labels() costs a lock
-        # and a dict lookup, which shows in the admission hot path.
-        self._review_children = {
-            res: self.reviews.labels(res)
-            for res in ("allowed", "denied", "warned", "audited", "exempted", "ignored")
-        }
-
-        self._allowed_decision = self.decisions.labels("allowed", "none")
-        self.injections = Counter(
-            "epguard_probe_injections",
-            "POST /mutate answers: injected, unchanged (already there or nothing to probe), "
-            "not_opted_in, exempted, error",
-            ["result"],
-            registry=self.registry,
-        )
-
-    def count_allowed_decision(self) -> None:
-        self._allowed_decision.inc()
-
-    def count_review(self, result: str) -> None:
-        child = self._review_children.get(result)
-        (child or self.reviews.labels(result)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

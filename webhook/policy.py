@@ -167,14 +167,12 @@ def _template_findings(
     budget: shell.Budget,
 ) -> list[Finding]:
     findings: list[Finding] = []
-    probe_present = (
-        namespace_injects
-        or opts_in(t.annotations.get(INJECT_KEY))
-        or any(_is_probe(c) for c in t.containers)
-    )
+    # Each container is asked once (the question splits the probe's argv).
+    probes = [_is_probe(c) for c in t.containers]
+    probe_present = namespace_injects or opts_in(t.annotations.get(INJECT_KEY)) or any(probes)
     rules = state.rules.current
-    for c in t.containers:
-        if _is_probe(c):
+    for c, c_is_probe in zip(t.containers, probes, strict=True):
+        if c_is_probe:
             continue  # the probe carries the worker's argv after "--"; it is not a worker
         report = analyse_container(c.raw, budget)
         if report is NOTHING:

@@ -20,8 +20,8 @@ import uvicorn
 from fastapi import APIRouter, FastAPI
 
 from webhook.app import create_app
+from webhook.injection import InjectionSettings
 from webhook.metrics import Metrics
-from webhook.mutation import injection_settings, mutation_router
 from webhook.namespaces import NamespaceIndex
 from webhook.policy import PolicyConfig, PolicyState
 from webhook.rules import RulesError, RulesHolder, default_rules_path, load_rules_file
@@ -102,19 +102,15 @@ class Runtime:
         self._sources = sources
         self.watching = False
         self.ready = False
-        injection = mutation_router(
-            self.state,
-            self.metrics,
-            injection_settings(settings.inject_image, settings.probe_level),
-            settings.max_body_bytes,
-        )
         self.app: FastAPI = create_app(
             self.state,
             self.metrics,
+            max_body_bytes=settings.max_body_bytes,
+            injection=InjectionSettings(settings.inject_image, level=settings.probe_level),
             ready=lambda: self.ready,
             status=self.status,
             lifespan=self.lifespan,
-            routers=[injection, *routers],
+            routers=routers,
         )
 
     def status(self) -> dict[str, Any]:

@@ -1,179 +1,463 @@
-"""Server settings: command-line options, each with an environment variable.
+"""One settings model for the webhook and the controller.
 
-Precedence is flag > environment > default, so the chart sets environment
-variables and a human debugging a pod can still override one on the command line.
+Every setting is an :class:`Option`, defined once here with its type (a parser), its
+default, its help, its command-line flag and its ``EPGUARD_*`` environment variable.
+Precedence is flag > environment > default: the chart sets environment variables from
+its values (whose defaults are these, checked by ``tests/chart``), and a human
+debugging a pod can still override one on the command line.
+
+A bad value stops the start with one line naming the variable (or flag), what it must
+be and what it got -- :class:`SettingsError`, which both entry points print and turn
+into exit status 2. Every value is parsed here, so nothing fails later on a value that
+was accepted (a log level, a number, a lifetime).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import os
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, NoReturn
 
+from probe.cli import PROBE_LEVELS
+from webhook.certs import TLSPolicy
 from webhook.namespaces import MODES, Mode, parse_mode
+from webhook.verdicts import DEFAULT_TAG_TTL
 from webhook.workloads import KindError, KindSpec, parse_kinds
 
 TRUE = frozenset({"1", "true", "yes", "on"})
 FALSE = frozenset({"0", "false", "no", "off"})
-
-
-PROBE_LEVELS = ("import", "smoke")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+# The API server's own request limit is 3 MiB: an AdmissionReview is never larger.
+MAX_BODY_BYTES = 3 * 1024 * 1024
 
 
 class SettingsError(ValueError):
-    pass
+    """A bad setting; the message is the one line printed before exit status 2."""
 
 
-@dataclass(frozen=True)
-class Settings:
-    rules: str | None
-    tls_cert: str | None
-    tls_key: str | None
-    host: str = "0.0.0.0"
-    port: int = 8443
-    mode: Mode = "enforce"
-    allow_skip: bool = True
-    namespace: str = "epguard-system"
-    rules_configmap: str = "epguard-rules"
-    rules_key: str = "rules.yaml"
-    kubeconfig: str | None = None
-    # "auto": watch the cluster if credentials are found; "off": rules file only.
-    watch: str = "auto"
-    verdict_ttl_hours: float = 24.0
-    reload_interval: float = 2.0
-    log_level: str = "info"
-    max_body_bytes: int = 3 * 1024 * 1024
-    # Probe injection (POST /mutate): the image whose /opt/epguard/probe is copied into
-    # the pod, and how deep the probe checks (import | smoke).
-    inject_image: str = "epguard:dev"
-    probe_level: str = "import"
-    # Workload kinds an admin added (chart value webhook.extraKinds).
-    extra_kinds: tuple[KindSpec, ...] = ()
+# -- value parsers: text -> value, or ValueError("must be ...") -----------------------
 
 
-def _bool(name: str, value: str) -> bool:
+def text(value: str) -> str:
+    return value
+
+
+def boolean(value: str) -> bool:
     v = value.strip().lower()
     if v in TRUE:
         return True
     if v in FALSE:
         return False
-    raise SettingsError(f"{name} must be true or false, not {value!r}")
+    raise ValueError("must be true or false")
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="epguard-webhook",
-        description="epguard validating admission webhook (HTTPS: /validate, /healthz, "
-        "/readyz, /metrics). Every option also reads an EPGUARD_* environment variable.",
-    )
-    p.add_argument("--rules", help="rules YAML file [EPGUARD_RULES] (default: built-in rules)")
-    p.add_argument("--tls-cert", help="PEM certificate (chain) [EPGUARD_TLS_CERT]")
-    p.add_argument("--tls-key", help="PEM private key [EPGUARD_TLS_KEY]")
-    p.add_argument("--host", help="listen address [EPGUARD_HOST] (default 0.0.0.0)")
-    p.add_argument("--port", type=int, help="listen port [EPGUARD_PORT] (default 8443)")
-    p.add_argument("--mode", choices=MODES, help="default mode [EPGUARD_MODE] (default enforce)")
-    p.add_argument(
-        "--allow-skip",
-        choices=("true", "false"),
-        help="honour the epguard.io/skip annotation [EPGUARD_ALLOW_SKIP] (default true)",
-    )
-    p.add_argument("--namespace", help="namespace of the rules ConfigMap [EPGUARD_NAMESPACE]")
-    p.add_argument("--rules-configmap", help="rules ConfigMap name [EPGUARD_RULES_CONFIGMAP]")
-    p.add_argument("--kubeconfig", help="kubeconfig for the watches [EPGUARD_KUBECONFIG]")
-    p.add_argument(
-        "--watch",
-        choices=("auto", "off"),
-        help="watch ConfigMap/Namespaces/ImageVerdicts when credentials exist [EPGUARD_WATCH]",
-    )
-    p.add_argument("--verdict-ttl-hours", type=float, help="[EPGUARD_VERDICT_TTL_HOURS]")
-    p.add_argument(
-        "--reload-interval",
-        type=float,
-        help="seconds between TLS/rules file checks [EPGUARD_RELOAD_INTERVAL] (default 2)",
-    )
-    p.add_argument("--log-level", help="[EPGUARD_LOG_LEVEL] (default info)")
-    p.add_argument(
-        "--inject-image",
-        help="image that carries the probe, for injected pods [EPGUARD_INJECT_IMAGE]",
-    )
-    p.add_argument(
-        "--probe-level",
-        choices=PROBE_LEVELS,
-        help="probe depth in injected pods [EPGUARD_PROBE_LEVEL] (default import)",
-    )
-    p.add_argument(
-        "--extra-kinds",
-        help="JSON list of workload kinds to judge besides the built-in ones, as the chart "
-        "value webhook.extraKinds [EPGUARD_EXTRA_KINDS]",
-    )
-    return p
+def integer(lo: int, hi: int) -> Callable[[str], int]:
+    def parse(value: str) -> int:
+        try:
+            n = int(value.strip())
+        except ValueError:
+            raise ValueError("must be a number") from None
+        if not lo <= n <= hi:
+            raise ValueError(f"must be between {lo} and {hi}")
+        return n
+
+    return parse
+
+
+def number(*, minimum: float = 0.0, positive: bool = False) -> Callable[[str], float]:
+    def parse(value: str) -> float:
+        try:
+            n = float(value.strip())
+        except ValueError:
+            raise ValueError("must be a number") from None
+        if n != n or n in (float("inf"), float("-inf")):
+            raise ValueError("must be a finite number")
+        if positive and n <= 0:
+            raise ValueError("must be a number greater than 0")
+        if n < minimum:
+            raise ValueError(f"must be a number of at least {minimum:g}")
+        return n
+
+    return parse
+
+
+def hours(value: str) -> dt.timedelta:
+    return dt.timedelta(hours=number(positive=True)(value))
+
+
+def choice(values: Sequence[str]) -> Callable[[str], str]:
+    def parse(value: str) -> str:
+        v = value.strip().lower()
+        if v not in values:
+            raise ValueError(f"must be one of {', '.join(values)}")
+        return v
+
+    return parse
+
+
+def mode(value: str) -> Mode:
+    parsed = parse_mode(value)
+    if parsed is None:
+        raise ValueError(f"must be one of {', '.join(MODES)}")
+    return parsed
+
+
+def kinds(value: str) -> tuple[KindSpec, ...]:
+    try:
+        return parse_kinds(value, "EPGUARD_EXTRA_KINDS")
+    except KindError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _hours_of(delta: dt.timedelta) -> float:
+    return delta.total_seconds() / 3600
+
+
+# -- the model -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One setting: attribute name, environment variable, flag, parser, default, help."""
+
+    attr: str
+    env: str
+    help: str
+    default: Any
+    parse: Callable[[str], Any] = text
+    flag: str | None = None  # default: --attr-with-dashes
+    # An empty variable means "empty" (e.g. no peering) instead of "unset".
+    empty_is_value: bool = False
+    # The flag may repeat; its values are joined with commas (the variable's syntax).
+    repeat: bool = False
+    # The chart value that sets it, if any (tests/chart checks the defaults agree).
+    chart: str | None = None
+    metavar: str | None = None
+
+    @property
+    def option(self) -> str:
+        return self.flag or "--" + self.attr.replace("_", "-")
+
+
+# Shared by the webhook and the controller.
+NAMESPACE = Option(
+    "namespace",
+    "EPGUARD_NAMESPACE",
+    "namespace of the release (rules ConfigMap, TLS Secret)",
+    "epguard-system",
+)
+LOG_LEVEL = Option(
+    "log_level",
+    "EPGUARD_LOG_LEVEL",
+    "log level: debug, info, warning or error (any case)",
+    "info",
+    choice(LOG_LEVELS),
+    chart="webhook.logLevel / controller.logLevel",
+)
+
+WEBHOOK_OPTIONS: tuple[Option, ...] = (
+    Option("rules", "EPGUARD_RULES", "rules YAML file (default: the built-in rules)", None),
+    Option("tls_cert", "EPGUARD_TLS_CERT", "PEM certificate (chain)", None),
+    Option("tls_key", "EPGUARD_TLS_KEY", "PEM private key", None),
+    Option("host", "EPGUARD_HOST", "listen address", "0.0.0.0"),
+    Option("port", "EPGUARD_PORT", "listen port", 8443, integer(0, 65535), chart="webhook.port"),
+    Option(
+        "mode",
+        "EPGUARD_MODE",
+        f"default mode: {', '.join(MODES)}",
+        "enforce",
+        mode,
+        chart="webhook.mode",
+    ),
+    Option(
+        "allow_skip",
+        "EPGUARD_ALLOW_SKIP",
+        "honour the epguard.io/skip annotation",
+        True,
+        boolean,
+        chart="webhook.allowSkip",
+    ),
+    NAMESPACE,
+    Option("rules_configmap", "EPGUARD_RULES_CONFIGMAP", "rules ConfigMap name", "epguard-rules"),
+    Option("rules_key", "EPGUARD_RULES_KEY", "key of the rules in that ConfigMap", "rules.yaml"),
+    Option("kubeconfig", "EPGUARD_KUBECONFIG", "kubeconfig for the watches", None),
+    Option(
+        "watch",
+        "EPGUARD_WATCH",
+        "watch ConfigMap/Namespaces/ImageVerdicts when credentials exist: auto or off",
+        "auto",
+        choice(("auto", "off")),
+    ),
+    Option(
+        "verdict_ttl_hours",
+        "EPGUARD_VERDICT_TTL_HOURS",
+        "hours a tag-only Unusable ImageVerdict refuses before it only warns",
+        _hours_of(DEFAULT_TAG_TTL),
+        number(minimum=0),
+        chart="webhook.verdictTTLHours",
+    ),
+    Option(
+        "reload_interval",
+        "EPGUARD_RELOAD_INTERVAL",
+        "seconds between TLS/rules file checks",
+        2.0,
+        number(positive=True),
+    ),
+    LOG_LEVEL,
+    Option(
+        "max_body_bytes",
+        "EPGUARD_MAX_BODY_BYTES",
+        "largest AdmissionReview accepted, in bytes",
+        MAX_BODY_BYTES,
+        integer(1, 64 * 1024 * 1024),
+    ),
+    Option(
+        "inject_image",
+        "EPGUARD_INJECT_IMAGE",
+        "image that carries the probe, for injected pods",
+        "epguard:dev",
+    ),
+    Option(
+        "probe_level",
+        "EPGUARD_PROBE_LEVEL",
+        f"probe depth in injected pods: {', '.join(PROBE_LEVELS)}",
+        PROBE_LEVELS[0],
+        choice(PROBE_LEVELS),
+        chart="injection.probeLevel",
+    ),
+    Option(
+        "extra_kinds",
+        "EPGUARD_EXTRA_KINDS",
+        "JSON list of workload kinds to judge besides the built-in ones (webhook.extraKinds)",
+        (),
+        kinds,
+        chart="webhook.extraKinds",
+    ),
+)
+
+_TLS = TLSPolicy(dns_names=("defaults",))  # only read for its default lifetimes
+CONTROLLER_OPTIONS: tuple[Option, ...] = (
+    NAMESPACE,
+    Option(
+        "manage_certs",
+        "EPGUARD_MANAGE_CERTS",
+        "create/rotate the CA and serving cert and inject caBundle; false when cert-manager "
+        "does it",
+        True,
+        boolean,
+    ),
+    Option(
+        "tls_secret",
+        "EPGUARD_TLS_SECRET",
+        "Secret holding tls.crt, tls.key, ca.crt",
+        "epguard-tls",
+        chart="tls.secretName",
+    ),
+    Option(
+        "service",
+        "EPGUARD_SERVICE",
+        "the webhook Service; the serving cert is issued for its DNS names",
+        "epguard-webhook",
+    ),
+    Option(
+        "extra_san",
+        "EPGUARD_EXTRA_SANS",
+        "another subject alternative name for the serving cert besides the Service's DNS "
+        "names: an IP address (127.0.0.1, ::1) or a DNS name, for a webhook the API server "
+        "reaches by address. Repeat it or separate with commas (the variable: commas or "
+        "spaces); given on the command line it replaces the variable. Only with manage-certs",
+        "",
+        flag="--extra-san",
+        repeat=True,
+        metavar="NAME_OR_IP",
+    ),
+    Option(
+        "validating_webhook",
+        "EPGUARD_VALIDATING_WEBHOOK",
+        "ValidatingWebhookConfiguration whose caBundle is kept current",
+        "epguard",
+    ),
+    Option(
+        "mutating_webhook",
+        "EPGUARD_MUTATING_WEBHOOK",
+        "MutatingWebhookConfiguration whose caBundle is kept current; empty for none",
+        "",
+        empty_is_value=True,
+    ),
+    Option(
+        "probe_image",
+        "EPGUARD_INJECT_IMAGE",
+        "the image epguard injects to copy the probe into pods; only pods whose "
+        "epguard-copy-probe runs it are trusted to report probe outcomes. Empty trusts any "
+        "probe call",
+        "",
+        empty_is_value=True,
+    ),
+    Option(
+        "peering",
+        "EPGUARD_PEERING",
+        "kopf ClusterKopfPeering name for HA (one active replica); empty runs standalone",
+        "epguard",
+        empty_is_value=True,
+    ),
+    Option(
+        "liveness",
+        "EPGUARD_LIVENESS",
+        "kopf liveness endpoint URL; empty disables it",
+        "http://0.0.0.0:8080/healthz",
+        empty_is_value=True,
+    ),
+    Option(
+        "poll_interval",
+        "EPGUARD_CERT_POLL_SECONDS",
+        "seconds between TLS reconciliations",
+        60.0,
+        number(positive=True),
+        chart="tls.selfManaged.pollSeconds",
+    ),
+    Option(
+        "ca_validity_hours",
+        "EPGUARD_CA_VALIDITY_HOURS",
+        "CA lifetime, in hours",
+        _TLS.ca_validity,
+        hours,
+        chart="tls.selfManaged.caValidityHours",
+    ),
+    Option(
+        "ca_renew_before_hours",
+        "EPGUARD_CA_RENEW_BEFORE_HOURS",
+        "renew the CA this many hours before it expires",
+        _TLS.ca_renew_before,
+        hours,
+        chart="tls.selfManaged.caRenewBeforeHours",
+    ),
+    Option(
+        "cert_validity_hours",
+        "EPGUARD_CERT_VALIDITY_HOURS",
+        "serving cert lifetime, in hours",
+        _TLS.cert_validity,
+        hours,
+        chart="tls.selfManaged.certValidityHours",
+    ),
+    Option(
+        "cert_renew_before_hours",
+        "EPGUARD_CERT_RENEW_BEFORE_HOURS",
+        "renew the serving cert this many hours before it expires",
+        _TLS.cert_renew_before,
+        hours,
+        chart="tls.selfManaged.certRenewBeforeHours",
+    ),
+    Option(
+        "ca_overlap_hours",
+        "EPGUARD_CA_OVERLAP_HOURS",
+        "hours a new CA is trusted before it signs",
+        _TLS.overlap,
+        hours,
+        chart="tls.selfManaged.caOverlapHours",
+    ),
+    LOG_LEVEL,
+)
+
+
+def _default_text(o: Option) -> str:
+    d = o.default
+    if isinstance(d, dt.timedelta):
+        return f"{_hours_of(d):g}"
+    if isinstance(d, bool):
+        return "true" if d else "false"
+    if d in (None, "", ()):
+        return "none"
+    return str(d)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise SettingsError(message)
+
+
+def read(
+    options: Sequence[Option],
+    argv: Sequence[str] | None,
+    environ: Mapping[str, str] | None,
+    *,
+    prog: str,
+    description: str,
+) -> dict[str, Any]:
+    """Each option's value (flag > environment > default), parsed; SettingsError if bad."""
+    env = os.environ if environ is None else environ
+    p = _Parser(prog=prog, description=description)
+    for o in options:
+        p.add_argument(
+            o.option,
+            dest=o.attr,
+            default=None,
+            action="append" if o.repeat else "store",
+            metavar=o.metavar,
+            help=f"{o.help} [{o.env}] (default {_default_text(o)})".replace("%", "%%"),
+        )
+    ns = p.parse_args(argv)
+    values: dict[str, Any] = {}
+    for o in options:
+        given = getattr(ns, o.attr)
+        if given is not None:
+            raw, source = (",".join(given) if o.repeat else given), o.option
+        else:
+            raw, source = env.get(o.env), o.env
+            if raw is None or (raw == "" and not o.empty_is_value):
+                values[o.attr] = o.default
+                continue
+        try:
+            values[o.attr] = o.parse(raw)
+        except ValueError as exc:
+            raise SettingsError(f"{source}: {exc}, not {raw!r}") from None
+    return values
+
+
+_D = {o.attr: o.default for o in WEBHOOK_OPTIONS}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The webhook's settings: ``WEBHOOK_OPTIONS``, each default taken from its option."""
+
+    rules: str | None
+    tls_cert: str | None
+    tls_key: str | None
+    host: str = _D["host"]
+    port: int = _D["port"]
+    mode: Mode = _D["mode"]
+    allow_skip: bool = _D["allow_skip"]
+    namespace: str = _D["namespace"]
+    rules_configmap: str = _D["rules_configmap"]
+    rules_key: str = _D["rules_key"]
+    kubeconfig: str | None = _D["kubeconfig"]
+    watch: str = _D["watch"]
+    verdict_ttl_hours: float = _D["verdict_ttl_hours"]
+    reload_interval: float = _D["reload_interval"]
+    log_level: str = _D["log_level"]
+    max_body_bytes: int = _D["max_body_bytes"]
+    inject_image: str = _D["inject_image"]
+    probe_level: str = _D["probe_level"]
+    extra_kinds: tuple[KindSpec, ...] = _D["extra_kinds"]
 
 
 def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
-    env = os.environ if environ is None else environ
-    ns = parser().parse_args(argv)
-
-    def pick(flag: object, var: str) -> str | None:
-        if flag is not None:
-            return str(flag)
-        value = env.get(var)
-        return value if value not in (None, "") else None
-
-    defaults = Settings(rules=None, tls_cert=None, tls_key=None)
-    mode_text = pick(ns.mode, "EPGUARD_MODE")
-    mode = parse_mode(mode_text) if mode_text is not None else defaults.mode
-    if mode is None:
-        raise SettingsError(f"EPGUARD_MODE must be one of {', '.join(MODES)}, not {mode_text!r}")
-    port_text = pick(ns.port, "EPGUARD_PORT")
-    try:
-        port = int(port_text) if port_text is not None else defaults.port
-    except ValueError:
-        raise SettingsError(f"EPGUARD_PORT must be a number, not {port_text!r}") from None
-    if not 0 <= port <= 65535:
-        raise SettingsError(f"port {port} is out of range")
-    skip_text = pick(ns.allow_skip, "EPGUARD_ALLOW_SKIP")
-    watch = pick(ns.watch, "EPGUARD_WATCH") or defaults.watch
-    if watch not in ("auto", "off"):
-        raise SettingsError(f"EPGUARD_WATCH must be auto or off, not {watch!r}")
-
-    def number(flag: object, var: str, default: float) -> float:
-        text = pick(flag, var)
-        try:
-            return float(text) if text is not None else default
-        except ValueError:
-            raise SettingsError(f"{var} must be a number, not {text!r}") from None
-
-    probe_level = pick(ns.probe_level, "EPGUARD_PROBE_LEVEL") or defaults.probe_level
-    if probe_level not in PROBE_LEVELS:
-        raise SettingsError(
-            f"EPGUARD_PROBE_LEVEL must be one of {', '.join(PROBE_LEVELS)}, not {probe_level!r}"
-        )
-    cert, key = pick(ns.tls_cert, "EPGUARD_TLS_CERT"), pick(ns.tls_key, "EPGUARD_TLS_KEY")
-    if (cert is None) != (key is None):
-        raise SettingsError("give both --tls-cert and --tls-key, or neither")
-    kinds_text = pick(ns.extra_kinds, "EPGUARD_EXTRA_KINDS")
-    try:
-        extra_kinds = parse_kinds(kinds_text, "EPGUARD_EXTRA_KINDS") if kinds_text else ()
-    except KindError as exc:
-        raise SettingsError(str(exc)) from None
-    return Settings(
-        rules=pick(ns.rules, "EPGUARD_RULES"),
-        tls_cert=cert,
-        tls_key=key,
-        host=pick(ns.host, "EPGUARD_HOST") or defaults.host,
-        port=port,
-        mode=mode,
-        allow_skip=_bool("EPGUARD_ALLOW_SKIP", skip_text) if skip_text else defaults.allow_skip,
-        namespace=pick(ns.namespace, "EPGUARD_NAMESPACE") or defaults.namespace,
-        rules_configmap=pick(ns.rules_configmap, "EPGUARD_RULES_CONFIGMAP")
-        or defaults.rules_configmap,
-        kubeconfig=pick(ns.kubeconfig, "EPGUARD_KUBECONFIG"),
-        watch=watch,
-        verdict_ttl_hours=number(ns.verdict_ttl_hours, "EPGUARD_VERDICT_TTL_HOURS", 24.0),
-        reload_interval=number(ns.reload_interval, "EPGUARD_RELOAD_INTERVAL", 2.0),
-        log_level=(pick(ns.log_level, "EPGUARD_LOG_LEVEL") or defaults.log_level).lower(),
-        inject_image=pick(ns.inject_image, "EPGUARD_INJECT_IMAGE") or defaults.inject_image,
-        probe_level=probe_level,
-        extra_kinds=extra_kinds,
+    values = read(
+        WEBHOOK_OPTIONS,
+        argv,
+        environ,
+        prog="epguard-webhook",
+        description="epguard admission webhook (HTTPS: /validate, /mutate, /healthz, /readyz, "
+        "/metrics). Every option also reads the EPGUARD_* environment variable named in its "
+        "help; a flag beats the variable.",
     )
+    if (values["tls_cert"] is None) != (values["tls_key"] is None):
+        raise SettingsError("give both --tls-cert and --tls-key, or neither")
+    return Settings(**values)
+
+
+# The dataclass and the table must name the same settings.
+assert {f.name for f in fields(Settings)} == set(_D), "Settings and WEBHOOK_OPTIONS differ"

@@ -30,3 +30,14 @@ def test_uvicorn_floor_has_the_tls_context_factory() -> None:
     # webhook/server.py reloads TLS through Config(ssl_context_factory=...)
     assert _floor("uvicorn") >= (0, 47)
     assert "ssl_context_factory" in uvicorn.Config.__init__.__code__.co_varnames
+
+
+def test_msgspec_floor_has_what_transport_and_completion_use() -> None:
+    # webhook/transport.py and completion.py: json.Decoder/Encoder, DecodeError; the
+    # floor's release (0.18) has them all.
+    import msgspec
+
+    assert _floor("msgspec") >= (0, 18)
+    assert msgspec.json.Decoder().decode(b'{"a": [1]}') == {"a": [1]}
+    assert msgspec.json.Encoder().encode({"a": 1}) == b'{"a":1}'
+    assert issubclass(msgspec.DecodeError, msgspec.MsgspecError)

@@ -71,9 +71,9 @@ def test_flags_beat_the_environment_and_defaults_are_documented() -> None:
 @pytest.mark.parametrize(
     ("env", "complaint"),
     [
-        ({"EPGUARD_MODE": "strict"}, "EPGUARD_MODE must be one of"),
-        ({"EPGUARD_PORT": "http"}, "EPGUARD_PORT must be a number"),
-        ({"EPGUARD_ALLOW_SKIP": "maybe"}, "EPGUARD_ALLOW_SKIP must be true or false"),
+        ({"EPGUARD_MODE": "strict"}, "EPGUARD_MODE: must be one of"),
+        ({"EPGUARD_PORT": "http"}, "EPGUARD_PORT: must be a number"),
+        ({"EPGUARD_ALLOW_SKIP": "maybe"}, "EPGUARD_ALLOW_SKIP: must be true or false"),
         ({"EPGUARD_TLS_CERT": "/c"}, "give both --tls-cert and --tls-key"),
     ],
 )

@@ -74,7 +74,7 @@ def test_injections_are_counted_by_result(server: RunningServer) -> None:
     mutate(server, review(pod(annotations=INJECT)))
     with server.client() as client:
         text = client.get("/metrics").text
-    assert 'epguard_probe_injections_total{result="injected"}' in text
+    assert 'epguard_admission_reviews_total{endpoint="mutate",result="injected"}' in text
 
 
 def test_malformed_mutate_request_is_a_400_not_a_500(server: RunningServer) -> None:

@@ -24,6 +24,7 @@ from kopf._core.engines.peering import Identity
 from webhook.controller import HANDLER_MODULES
 from webhook.controller.config import ControllerConfig, parse
 from webhook.controller.peering import LightkubePeeringApi, ensure_peering
+from webhook.settings import SettingsError
 
 log = logging.getLogger("epguard.controller")
 
@@ -43,16 +44,21 @@ def _configure_settings(config: ControllerConfig, priority: int) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    config = parse(argv)
+    try:
+        config = parse(argv)
+    except SettingsError as exc:
+        print(f"epguard-controller: {exc}", file=sys.stderr)
+        return 2
+    level = config.log_level.upper()  # parsed: one of debug, info, warning, error
     logging.basicConfig(
-        level=config.log_level,
+        level=level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
     # One line per API request at INFO drowns the controller's own log.
     for noisy in ("httpx", "httpx2", "httpcore", "httpcore2"):
         logging.getLogger(noisy).setLevel(
-            max(logging.WARNING, logging.getLevelName(config.log_level))
+            max(logging.WARNING, logging.getLevelName(level))
         )
     for module in HANDLER_MODULES:
         importlib.import_module(module)

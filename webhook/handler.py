@@ -1,0 +1,145 @@
+"""Decision layer: one AdmissionRequest and the in-memory state → one :class:`Outcome`.
+
+Pure and synchronous like the engine under it (``policy.decide`` for ``/validate``, the
+probe-injection plan for ``/mutate``; ``epguard check`` runs the same ``decide``): no
+I/O, no HTTP, no metrics. What the wire looks like is completion's business, counting
+and logging instrumentation's. A handler may raise; completion turns that into an error
+the API server's failurePolicy decides on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from webhook.injection import InjectionSettings, label_patch, plan
+from webhook.namespaces import INJECT_KEY, opts_in
+from webhook.policy import SKIP_ANNOTATION, Decision, PolicyState, decide, describe_object
+from webhook.review import AdmissionRequest
+from webhook.workloads import annotations_of, as_map
+
+# The result of each handler: a closed set, so metric labels stay bounded.
+VALIDATE_RESULTS = ("allowed", "denied", "warned", "audited", "exempted", "ignored")
+MUTATE_RESULTS = ("injected", "unchanged", "not_opted_in", "exempted")
+# Results that are the everyday case: nothing to log.
+ROUTINE = frozenset({"allowed", "ignored", "unchanged", "not_opted_in"})
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    allowed: bool
+    result: str  # one of the handler's ``results``
+    message: str | None = None  # why it is refused (or would be, in warn/audit mode)
+    warnings: tuple[str, ...] = ()
+    audit_annotations: dict[str, str] | None = None
+    patch: list[dict[str, Any]] | None = None  # a JSON patch (mutating handlers only)
+    # Policy decisions only (None otherwise): the rules or verdicts behind would-be
+    # denials ("none" when nothing would deny), and the source of each warning finding.
+    rules: tuple[str, ...] | None = None
+    warned_by: tuple[str, ...] = ()
+    # What happened, in words, for the log (only for results outside ROUTINE).
+    note: str | None = None
+
+
+class Handler(Protocol):
+    endpoint: str  # the metric label and the path, without the slash
+    results: tuple[str, ...]
+
+    def __call__(self, request: AdmissionRequest) -> Outcome: ...
+
+
+def _what(req: AdmissionRequest) -> str:
+    return f"{req.operation} {describe_object(req.object)} in namespace {req.namespace or '-'}"
+
+
+_ALLOWED_RULES = ("none",)
+
+
+def outcome_of(req: AdmissionRequest, d: Decision) -> Outcome:
+    """A policy decision as an outcome (shared by /validate and tests)."""
+    result = d.result
+    warned_by = tuple(f.source or "none" for f in d.findings if f.severity == "warn")
+    if result == "ignored":
+        return Outcome(True, result, rules=None)
+    if result == "allowed":
+        return Outcome(True, result, warnings=d.warnings, rules=_ALLOWED_RULES, warned_by=warned_by)
+    fired = d.fired
+    if result == "exempted":
+        note = f"exempted {_what(req)}: {d.exemption}; would-deny={','.join(fired) or 'none'}"
+    elif result == "denied":
+        note = f"denied {_what(req)}: {d.message}"
+    else:
+        note = f"{result} {_what(req)} in {d.mode} mode: would deny: " + "; ".join(
+            f.message for f in d.denials
+        )
+    return Outcome(
+        d.allowed,
+        result,
+        message=d.message,
+        warnings=d.warnings,
+        audit_annotations=d.audit_annotations,
+        rules=fired or _ALLOWED_RULES,
+        warned_by=warned_by,
+        note=note,
+    )
+
+
+class Validator:
+    """``/validate``: the policy engine's decision."""
+
+    endpoint: str = "validate"
+    results: tuple[str, ...] = VALIDATE_RESULTS
+
+    def __init__(self, state: PolicyState) -> None:
+        self.state = state
+
+    def __call__(self, request: AdmissionRequest) -> Outcome:
+        return outcome_of(request, decide(request, self.state))
+
+
+def injection_for(
+    req: AdmissionRequest, state: PolicyState, settings: InjectionSettings
+) -> tuple[str, list[dict[str, Any]]]:
+    """(result, patch) for one request. Opt-in is the namespace label or the pod
+    annotation ``epguard.io/inject: enabled``; the chart's MutatingWebhookConfiguration
+    filters on both with CEL already, and this checks again so a misconfigured webhook
+    never injects into a pod that did not ask."""
+    if req.kind.kind != "Pod" or req.operation != "CREATE" or req.subResource:
+        return "unchanged", []
+    annotations = annotations_of(req.object)
+    if not (state.namespaces.get(req.namespace).inject or opts_in(annotations.get(INJECT_KEY))):
+        return "not_opted_in", []
+    if state.config.allow_skip and SKIP_ANNOTATION in annotations:
+        return "exempted", []
+    obj = as_map(req.object)
+    injection = plan(obj.get("spec"), settings)
+    if not injection.changed:
+        return "unchanged", []
+    return "injected", [*injection.patch, label_patch(obj.get("metadata"))]
+
+
+class Injector:
+    """``/mutate``: put the epguard probe first in worker pods that opted in.
+
+    Every outcome is allowed: injection is best-effort, and refusing a pod for want of a
+    diagnostic would make epguard the outage (``/validate`` still judges it)."""
+
+    endpoint: str = "mutate"
+    results: tuple[str, ...] = MUTATE_RESULTS
+
+    def __init__(self, state: PolicyState, settings: InjectionSettings) -> None:
+        self.state = state
+        self.settings = settings
+
+    def __call__(self, request: AdmissionRequest) -> Outcome:
+        result, patch = injection_for(request, self.state, self.settings)
+        if not patch:
+            return Outcome(True, result)
+        meta = as_map(as_map(request.object).get("metadata"))
+        name = meta.get("name") or meta.get("generateName") or "?"
+        return Outcome(
+            True,
+            result,
+            patch=patch,
+            note=f"injected the probe into pod {request.namespace}/{name}",
+        )
