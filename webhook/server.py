@@ -21,6 +21,7 @@ from fastapi import APIRouter, FastAPI
 
 from webhook.app import create_app
 from webhook.injection import InjectionSettings
+from webhook.kube import NoCredentials, api_client
 from webhook.metrics import Metrics
 from webhook.namespaces import NamespaceIndex
 from webhook.policy import PolicyConfig, PolicyState
@@ -34,8 +35,7 @@ from webhook.watch import (
     Source,
     Sync,
     VerdictSync,
-    kube_config,
-    lightkube_sources,
+    kube_sources,
     run_watch,
 )
 from webhook.workloads import KindRegistry
@@ -155,20 +155,20 @@ class Runtime:
             log.info("watches disabled: running on the rules file %s alone", self.rules_path)
             return None
         try:
-            config = kube_config(self.settings.kubeconfig)
-        except Exception as exc:
-            log.warning(
-                "cannot read cluster credentials (%s): running on the rules file alone", exc
-            )
-            return None
-        if config is None:
+            api = api_client(self.settings.kubeconfig)
+        except NoCredentials:
             log.info(
                 "no cluster credentials: running on the rules file %s alone "
                 "(no live ConfigMap rules, namespace modes or learned verdicts)",
                 self.rules_path,
             )
             return None
-        return lightkube_sources(config, self.settings.namespace, self.settings.rules_configmap)
+        except Exception as exc:
+            log.warning(
+                "cannot read cluster credentials (%s): running on the rules file alone", exc
+            )
+            return None
+        return kube_sources(api, self.settings.namespace, self.settings.rules_configmap)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -112,6 +113,23 @@ def kinds(value: str) -> tuple[KindSpec, ...]:
         raise ValueError(str(exc)) from None
 
 
+def names(value: str) -> tuple[str, ...]:
+    """A comma-separated list of names (empty items dropped)."""
+    return tuple(n.strip() for n in value.split(",") if n.strip())
+
+
+def json_object(value: str) -> dict[str, Any] | None:
+    if not value.strip():
+        return None
+    try:
+        obj = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON ({exc.msg})") from None
+    if not isinstance(obj, dict):
+        raise ValueError("must be a JSON object")
+    return obj
+
+
 def _hours_of(delta: dt.timedelta) -> float:
     return delta.total_seconds() / 3600
 
@@ -158,32 +176,69 @@ LOG_LEVEL = Option(
     chart="webhook.logLevel / controller.logLevel",
 )
 
+MODE = Option(
+    "mode",
+    "EPGUARD_MODE",
+    f"default mode: {', '.join(MODES)}",
+    "enforce",
+    mode,
+    chart="webhook.mode",
+)
+
+ALLOW_SKIP = Option(
+    "allow_skip",
+    "EPGUARD_ALLOW_SKIP",
+    "honour the epguard.io/skip annotation",
+    True,
+    boolean,
+    chart="webhook.allowSkip",
+)
+
+RULES_CONFIGMAP = Option(
+    "rules_configmap", "EPGUARD_RULES_CONFIGMAP", "rules ConfigMap name", "epguard-rules"
+)
+
+RULES_KEY = Option(
+    "rules_key", "EPGUARD_RULES_KEY", "key of the rules in that ConfigMap", "rules.yaml"
+)
+
+VERDICT_TTL = Option(
+    "verdict_ttl_hours",
+    "EPGUARD_VERDICT_TTL_HOURS",
+    "hours a tag-only Unusable ImageVerdict refuses before it only warns",
+    _hours_of(DEFAULT_TAG_TTL),
+    number(minimum=0),
+    chart="webhook.verdictTTLHours",
+)
+
+EXTRA_KINDS = Option(
+    "extra_kinds",
+    "EPGUARD_EXTRA_KINDS",
+    "JSON list of workload kinds to judge besides the built-in ones (webhook.extraKinds)",
+    (),
+    kinds,
+    chart="webhook.extraKinds",
+)
+KUBECONFIG = Option(
+    "kubeconfig",
+    "EPGUARD_KUBECONFIG",
+    "kubeconfig for the API (default: the pod's service account, else $KUBECONFIG)",
+    None,
+)
+
+
 WEBHOOK_OPTIONS: tuple[Option, ...] = (
     Option("rules", "EPGUARD_RULES", "rules YAML file (default: the built-in rules)", None),
     Option("tls_cert", "EPGUARD_TLS_CERT", "PEM certificate (chain)", None),
     Option("tls_key", "EPGUARD_TLS_KEY", "PEM private key", None),
     Option("host", "EPGUARD_HOST", "listen address", "0.0.0.0"),
     Option("port", "EPGUARD_PORT", "listen port", 8443, integer(0, 65535), chart="webhook.port"),
-    Option(
-        "mode",
-        "EPGUARD_MODE",
-        f"default mode: {', '.join(MODES)}",
-        "enforce",
-        mode,
-        chart="webhook.mode",
-    ),
-    Option(
-        "allow_skip",
-        "EPGUARD_ALLOW_SKIP",
-        "honour the epguard.io/skip annotation",
-        True,
-        boolean,
-        chart="webhook.allowSkip",
-    ),
+    MODE,
+    ALLOW_SKIP,
     NAMESPACE,
-    Option("rules_configmap", "EPGUARD_RULES_CONFIGMAP", "rules ConfigMap name", "epguard-rules"),
-    Option("rules_key", "EPGUARD_RULES_KEY", "key of the rules in that ConfigMap", "rules.yaml"),
-    Option("kubeconfig", "EPGUARD_KUBECONFIG", "kubeconfig for the watches", None),
+    RULES_CONFIGMAP,
+    RULES_KEY,
+    KUBECONFIG,
     Option(
         "watch",
         "EPGUARD_WATCH",
@@ -191,14 +246,7 @@ WEBHOOK_OPTIONS: tuple[Option, ...] = (
         "auto",
         choice(("auto", "off")),
     ),
-    Option(
-        "verdict_ttl_hours",
-        "EPGUARD_VERDICT_TTL_HOURS",
-        "hours a tag-only Unusable ImageVerdict refuses before it only warns",
-        _hours_of(DEFAULT_TAG_TTL),
-        number(minimum=0),
-        chart="webhook.verdictTTLHours",
-    ),
+    VERDICT_TTL,
     Option(
         "reload_interval",
         "EPGUARD_RELOAD_INTERVAL",
@@ -228,14 +276,7 @@ WEBHOOK_OPTIONS: tuple[Option, ...] = (
         choice(PROBE_LEVELS),
         chart="injection.probeLevel",
     ),
-    Option(
-        "extra_kinds",
-        "EPGUARD_EXTRA_KINDS",
-        "JSON list of workload kinds to judge besides the built-in ones (webhook.extraKinds)",
-        (),
-        kinds,
-        chart="webhook.extraKinds",
-    ),
+    EXTRA_KINDS,
 )
 
 _TLS = TLSPolicy(dns_names=("defaults",))  # only read for its default lifetimes
@@ -358,6 +399,39 @@ CONTROLLER_OPTIONS: tuple[Option, ...] = (
         hours,
         chart="tls.selfManaged.caOverlapHours",
     ),
+    KUBECONFIG,
+    # The outage backstop (webhook/backstop.py). It judges as the webhook does, so it
+    # reads the webhook's mode, exemption, tag TTL, kinds, namespaces and selector.
+    Option(
+        "backstop",
+        "EPGUARD_BACKSTOP",
+        "name of the outage backstop (its parameter ConfigMap and the prefix of its "
+        "ValidatingAdmissionPolicies); empty: no backstop, and remove one left installed",
+        "",
+        empty_is_value=True,
+    ),
+    MODE,
+    ALLOW_SKIP,
+    VERDICT_TTL,
+    RULES_CONFIGMAP,
+    RULES_KEY,
+    EXTRA_KINDS,
+    Option(
+        "exclude_namespaces",
+        "EPGUARD_EXCLUDE_NAMESPACES",
+        "namespaces the backstop never judges, comma-separated (as the webhooks' "
+        "namespaceSelector)",
+        ("kube-system",),
+        names,
+    ),
+    Option(
+        "object_selector",
+        "EPGUARD_OBJECT_SELECTOR",
+        "the webhooks' objectSelector as JSON (webhook.objectSelector); the backstop "
+        "judges only what the webhook is asked about",
+        None,
+        json_object,
+    ),
     LOG_LEVEL,
 )
 
@@ -370,6 +444,8 @@ def _default_text(o: Option) -> str:
         return "true" if d else "false"
     if d in (None, "", ()):
         return "none"
+    if isinstance(d, tuple) and all(isinstance(x, str) for x in d):
+        return ",".join(d)
     return str(d)
 
 

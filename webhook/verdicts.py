@@ -22,12 +22,9 @@ import datetime as dt
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from webhook.imageref import ImageRef, ImageRefError, parse
-
-if TYPE_CHECKING:
-    from lightkube.generic_resource import GenericGlobalResource
 
 Trust = Literal["deny", "warn", "usable"]
 
@@ -243,12 +240,3 @@ class VerdictStore:
             return VerdictHit(v, "usable", by_digest=False)
         fresh = v.last_seen is not None and now - v.last_seen < self.tag_ttl
         return VerdictHit(v, "deny" if fresh else "warn", by_digest=False)
-
-
-def image_verdict_resource() -> type[GenericGlobalResource]:
-    """The lightkube resource class for ImageVerdicts (the webhook watches them, the
-    controller writes them). lightkube is imported here, not at module load: the offline
-    CLI uses this module without any cluster client."""
-    from lightkube.generic_resource import create_global_resource
-
-    return create_global_resource(GROUP, VERSION, KIND, PLURAL)

@@ -1,28 +1,37 @@
 """Background watches that keep the in-memory state current: the rules
 ConfigMap, Namespace labels, and learned ImageVerdicts.
 
-Each watch is list-then-watch in a loop: a (re)connect first lists and
-*replaces* the state (so deletions missed while disconnected are not kept),
-then applies events; any error backs off (1 s doubling to 30 s, with jitter)
-and starts over. The ``*Sync`` classes hold the parsing and updating logic and
-do no I/O, so they are unit-tested without a cluster; ``run_watch`` is the only
-part that needs an API server.
+Each watch lists once and *replaces* the state, then watches from the list's
+resourceVersion on the official client's ``watch.Watch``, in a thread feeding the
+event loop. A dropped watch resumes from the last resourceVersion seen, so a
+reconnect replays nothing; only ``410 Gone`` (the version fell out of etcd's
+window) lists and replaces again, so deletions missed meanwhile are not kept. Errors
+back off (1 s doubling to 30 s, with jitter). The ``*Sync`` classes hold the parsing
+and updating logic and do no I/O, so they are unit-tested without a cluster;
+``run_watch`` and ``kube_sources`` are the only parts that need an API server.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-import os
 import random
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from http import HTTPStatus
+from typing import Any, Protocol, TypeVar
 
+from kubernetes import client
+from kubernetes import watch as kwatch
+
+from webhook.kube import REQUEST_TIMEOUT, raw, status_of
 from webhook.metrics import Metrics
 from webhook.namespaces import MODE_LABEL, NamespaceIndex
 from webhook.rules import RulesError, RulesHolder, load_rules_text
-from webhook.verdicts import VerdictStore, image_verdict_resource, verdict_from_object
+from webhook.verdicts import GROUP, PLURAL, VERSION, VerdictStore, verdict_from_object
 
 log = logging.getLogger("epguard.watch")
 
@@ -182,96 +191,174 @@ class VerdictSync:
 
 @dataclass
 class Source:
-    """How to list and watch one resource; returns plain dicts."""
+    """How to list and watch one resource, as raw JSON objects. Both calls block (the
+    official client is synchronous); ``run_watch`` runs them on a thread of their own."""
 
-    list: Callable[[], AsyncIterator[Mapping[str, Any]]]
-    watch: Callable[[], AsyncIterator[tuple[str, Mapping[str, Any]]]]
+    # Every object, and the resourceVersion of that snapshot.
+    list: Callable[[], tuple[list[Mapping[str, Any]], str]]
+    # The events after a resourceVersion: (type, object), BOOKMARK included; ends when
+    # the server closes the watch; raises on an error (410 Gone: list again).
+    watch: Callable[[str], Iterator[tuple[str, Mapping[str, Any]]]]
 
 
-def _as_dict(obj: Any) -> Mapping[str, Any]:
-    to_dict = getattr(obj, "to_dict", None)
-    result = to_dict() if callable(to_dict) else obj
-    return result if isinstance(result, Mapping) else {}
+T = TypeVar("T")
+
+
+async def _threaded(produce: Callable[[], Iterable[T]], name: str) -> AsyncIterator[T]:
+    """Iterate a blocking iterator on a daemon thread, feeding the event loop.
+
+    A daemon thread, not the loop's default executor: a watch blocks in a socket read
+    until the next event or its server-side timeout, and the executor is joined at
+    shutdown, which would hold a stopping webhook for minutes. When the consumer goes
+    away the thread ends at its next item."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+    stop = threading.Event()
+
+    def post(item: tuple[str, Any]) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            stop.set()
+
+    def pump() -> None:
+        try:
+            for x in produce():
+                if stop.is_set():
+                    return
+                post(("item", x))
+            post(("end", None))
+        except BaseException as exc:
+            post(("error", exc))
+
+    threading.Thread(target=pump, name=name, daemon=True).start()
+    try:
+        while True:
+            tag, x = await queue.get()
+            if tag == "end":
+                return
+            if tag == "error":
+                raise x
+            yield x
+    finally:
+        stop.set()
+
+
+def _resource_version(obj: Mapping[str, Any]) -> str | None:
+    meta = obj.get("metadata")
+    rv = meta.get("resourceVersion") if isinstance(meta, Mapping) else None
+    return rv if isinstance(rv, str) and rv else None
 
 
 async def run_watch(
     sync: Sync, source: Source, metrics: Metrics, max_backoff: float = 30.0
 ) -> None:
+    """List once, then watch from the list's resourceVersion; after a dropped watch,
+    resume from the last resourceVersion seen (no replay of every object); list again
+    only on 410 Gone. Errors back off (1 s doubling to ``max_backoff``, with jitter)."""
     delay = 1.0
+    rv: str | None = None
     while True:
         try:
-            objects = [o async for o in source.list()]
-            sync.replace(objects)
-            metrics.watch_up.labels(sync.resource).set(1)
-            log.info("watching %s (%d listed)", sync.resource, len(objects))
-            delay = 1.0
-            async for kind, obj in source.watch():
+            if rv is None:
+                listing = [x async for x in _threaded(lambda: [source.list()], sync.resource)]
+                objects, rv = listing[0]
+                sync.replace(objects)
+                metrics.watch_up.labels(sync.resource).set(1)
+                log.info("watching %s (%d listed at %s)", sync.resource, len(objects), rv)
+            started, events = time.monotonic(), 0
+            async for kind, obj in _threaded(functools.partial(source.watch, rv), sync.resource):
+                rv = _resource_version(obj) or rv
+                if kind == "BOOKMARK":
+                    continue
                 sync.event(kind, obj)
+                events += 1
                 metrics.watch_events.labels(sync.resource).inc()
-            log.info("watch on %s ended; reconnecting", sync.resource)
+                delay = 1.0
+            metrics.watch_up.labels(sync.resource).set(1)
+            if events or time.monotonic() - started > 1.0:
+                log.debug("watch on %s ended at %s; resuming", sync.resource, rv)
+                continue
+            # An empty watch that ended at once: back off rather than spin.
         except asyncio.CancelledError:
             metrics.watch_up.labels(sync.resource).set(0)
             raise
         except Exception as exc:
-            log.warning(
-                "watch on %s failed (%s: %s); retrying in %.0fs",
-                sync.resource,
-                type(exc).__name__,
-                exc,
-                delay,
-            )
-        metrics.watch_up.labels(sync.resource).set(0)
+            if status_of(exc) == HTTPStatus.GONE:
+                log.info(
+                    "watch on %s: resourceVersion %s is gone; listing again", sync.resource, rv
+                )
+                rv = None
+            else:
+                log.warning(
+                    "watch on %s failed (%s: %s); retrying in %.0fs",
+                    sync.resource,
+                    type(exc).__name__,
+                    exc,
+                    delay,
+                )
+            metrics.watch_up.labels(sync.resource).set(0)
         await asyncio.sleep(delay * (1 + random.random() / 4))
         delay = min(delay * 2, max_backoff)
 
 
-def kube_config(explicit: str | None) -> Any | None:
-    """A lightkube KubeConfig from EPGUARD_KUBECONFIG, the pod's service account, or
-    $KUBECONFIG, in that order; None when there are no credentials (not ~/.kube/config:
-    a webhook run by hand must not silently watch whatever cluster that points at)."""
-    from lightkube import ConfigError, KubeConfig
-
-    if explicit:
-        return KubeConfig.from_file(explicit)
-    if os.environ.get("KUBERNETES_SERVICE_HOST"):
-        try:
-            return KubeConfig.from_service_account()
-        except ConfigError:
-            pass
-    env_path = os.environ.get("KUBECONFIG")
-    if env_path and os.path.exists(env_path.split(os.pathsep)[0]):
-        return KubeConfig.from_file(env_path.split(os.pathsep)[0])
-    return None
+# The server ends each watch after this long (plus its own jitter); the client resumes.
+WATCH_SECONDS = 300
+LIST_PAGE = 500
 
 
-def lightkube_sources(config: Any, namespace: str, configmap: str) -> dict[str, Source]:
-    """The three sources, over one lightkube AsyncClient."""
-    from lightkube import AsyncClient
-    from lightkube.resources.core_v1 import ConfigMap, Namespace
+def kube_sources(api: client.ApiClient, namespace: str, configmap: str) -> dict[str, Source]:
+    """The three sources, over one ApiClient: the rules ConfigMap (by name), Namespaces,
+    ImageVerdicts."""
+    core = client.CoreV1Api(api)
+    custom = client.CustomObjectsApi(api)
+    by_name = f"metadata.name={configmap}"
 
-    client = AsyncClient(config=config, field_manager="epguard-webhook")
-    ImageVerdict = image_verdict_resource()
-    cm_fields = {"metadata.name": configmap}
+    def source(fn: Callable[..., Any], *args: Any, **selectors: Any) -> Source:
+        def listing() -> tuple[list[Mapping[str, Any]], str]:
+            items: list[Mapping[str, Any]] = []
+            token: str | None = None
+            first_rv = ""
+            while True:
+                page = raw(
+                    fn(
+                        *args,
+                        limit=LIST_PAGE,
+                        _continue=token,
+                        _preload_content=False,
+                        _request_timeout=REQUEST_TIMEOUT,
+                        **selectors,
+                    )
+                )
+                page_meta = page.get("metadata") or {}
+                # Every page of a paginated list is one snapshot: the first's version.
+                first_rv = first_rv or str(page_meta.get("resourceVersion") or "")
+                items.extend(i for i in page.get("items") or [] if isinstance(i, Mapping))
+                token = page_meta.get("continue") or None
+                if not token:
+                    return items, first_rv
 
-    def listing(res: Any, **kw: Any) -> Callable[[], AsyncIterator[Mapping[str, Any]]]:
-        async def gen() -> AsyncIterator[Mapping[str, Any]]:
-            async for o in client.list(res, **kw):
-                yield _as_dict(o)
+        def watching(rv: str) -> Iterator[tuple[str, Mapping[str, Any]]]:
+            w = kwatch.Watch()
+            for event in w.stream(
+                fn,
+                *args,
+                resource_version=rv,
+                allow_watch_bookmarks=True,
+                timeout_seconds=WATCH_SECONDS,
+                # The socket read outlives the server's timeout: a silent half-open
+                # connection ends here instead of hanging forever.
+                _request_timeout=(REQUEST_TIMEOUT[0], WATCH_SECONDS + 60),
+                deserialize=False,
+                **selectors,
+            ):
+                if isinstance(event, Mapping) and isinstance(event.get("object"), Mapping):
+                    yield str(event.get("type")), event["object"]
 
-        return gen
-
-    def watching(res: Any, **kw: Any) -> Callable[[], AsyncIterator[tuple[str, Mapping[str, Any]]]]:
-        async def gen() -> AsyncIterator[tuple[str, Mapping[str, Any]]]:
-            async for kind, o in client.watch(res, **kw):
-                yield kind, _as_dict(o)
-
-        return gen
+        return Source(listing, watching)
 
     return {
-        "configmap": Source(
-            listing(ConfigMap, namespace=namespace, fields=cm_fields),
-            watching(ConfigMap, namespace=namespace, fields=cm_fields),
-        ),
-        "namespace": Source(listing(Namespace), watching(Namespace)),
-        "imageverdict": Source(listing(ImageVerdict), watching(ImageVerdict)),
+        "configmap": source(core.list_namespaced_config_map, namespace, field_selector=by_name),
+        "namespace": source(core.list_namespace),
+        "imageverdict": source(custom.list_cluster_custom_object, GROUP, VERSION, PLURAL),
     }

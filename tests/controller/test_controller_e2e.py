@@ -273,7 +273,9 @@ class TestRBAC:
     @pytest.mark.parametrize(
         ("verb", "resource", "extra", "allowed"),
         [
-            ("watch", "configmaps", ["-n", NS], True),
+            # Only its own ConfigMap, by name (the watch selects metadata.name).
+            ("watch", "configmaps/epguard-rules", ["-n", NS], True),
+            ("list", "configmaps", ["-n", NS], False),
             ("watch", "namespaces", [], True),
             ("watch", "imageverdicts.epguard.io", [], True),
             ("get", "secrets/epguard-tls", ["-n", NS], False),

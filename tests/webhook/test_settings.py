@@ -109,10 +109,11 @@ def test_the_webhook_settings_defaults_are_the_options_defaults() -> None:
 
 @pytest.mark.parametrize(("component", "level"), [("controller", "info"), ("webhook", "INFO")])
 def test_an_accepted_log_level_configures_logging_in_a_real_process(
-    component: str, level: str
+    component: str, level: str, tmp_path: Path
 ) -> None:
     """The level reaches logging.basicConfig in a fresh interpreter (under pytest the
     root logger already has handlers, so basicConfig would not even look at it)."""
+    kubeconfig = _nowhere_kubeconfig(tmp_path)
     if component == "controller":
         code = (
             "import webhook.controller.__main__ as m\n"
@@ -132,10 +133,43 @@ def test_an_accepted_log_level_configures_logging_in_a_real_process(
     proc = subprocess.run(
         [sys.executable, "-c", code],
         cwd=REPO,
-        env=_clean_env(EPGUARD_LOG_LEVEL=level, EPGUARD_PEERING="", EPGUARD_LIVENESS=""),
+        env=_clean_env(
+            EPGUARD_LOG_LEVEL=level,
+            EPGUARD_PEERING="",
+            EPGUARD_LIVENESS="",
+            EPGUARD_KUBECONFIG=str(kubeconfig),
+        ),
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     assert expect in proc.stderr and "Unknown level" not in proc.stderr
+
+
+def _nowhere_kubeconfig(tmp_path: Path) -> Path:
+    """A valid kubeconfig for a server nobody runs: the client is built, never used."""
+    path = tmp_path / "kubeconfig"
+    path.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        "clusters: [{name: k, cluster: {server: 'https://127.0.0.1:9'}}]\n"
+        "users: [{name: u, user: {token: t}}]\n"
+        "contexts: [{name: c, context: {cluster: k, user: u}}]\n"
+    )
+    return path
+
+
+def test_the_controller_without_cluster_credentials_exits_2_with_one_line(
+    tmp_path: Path,
+) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "webhook.controller", "--peering", ""],
+        cwd=REPO,
+        env={**_clean_env(), "HOME": str(tmp_path)},  # no ~/.kube/config either
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("epguard-controller: no cluster credentials")
+    assert len(proc.stderr.strip().splitlines()) == 1

@@ -1,13 +1,16 @@
 """The watch logic without a cluster: live rules keep the last good set, namespaces and
-verdicts follow events, and the watch loop relists after a failure."""
+verdicts follow events, and the watch loop lists once, resumes from the last
+resourceVersion after a drop and lists again only on 410 Gone."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pytest
+from kubernetes.client.exceptions import ApiException
 
 from webhook.metrics import Metrics
 from webhook.namespaces import NamespaceIndex
@@ -134,48 +137,124 @@ def test_verdicts_follow_events() -> None:
     assert len(store) == 0
 
 
-class FlakySource:
-    """Lists, then fails its first watch; the second connection streams two events."""
+def ns_at(name: str, rv: str, **labels: str) -> dict[str, Any]:
+    obj = ns(name, **labels)
+    obj["metadata"]["resourceVersion"] = rv
+    return obj
 
-    def __init__(self) -> None:
+
+class ScriptedSource:
+    """A Source whose watch calls follow a script: each entry is what one call does, a
+    list of events to stream or an exception to raise. Records every call, so a test
+    sees what the loop listed and from which resourceVersion it watched. Blocking, like
+    the real client's: run_watch runs it on a thread."""
+
+    def __init__(self, listing: list[dict[str, Any]], rv: str, script: list[Any]) -> None:
+        self.listing, self.rv, self.script = listing, rv, list(script)
         self.lists = 0
-        self.watches = 0
-        self.done = asyncio.Event()
+        self.watched_from: list[str] = []
+        self.done = threading.Event()
 
-    async def list(self) -> AsyncIterator[Mapping[str, Any]]:
+    def list(self) -> tuple[list[Mapping[str, Any]], str]:
         self.lists += 1
-        yield ns("a", **{"epguard.io/mode": "warn"})
+        return list(self.listing), self.rv
 
-    async def watch(self) -> AsyncIterator[tuple[str, Mapping[str, Any]]]:
-        self.watches += 1
-        if self.watches == 1:
-            raise ConnectionError("apiserver went away")
-        yield "ADDED", ns("b", **{"epguard.io/mode": "audit"})
-        yield "DELETED", ns("a")
-        self.done.set()
-        await asyncio.Event().wait()  # stay connected
+    def watch(self, rv: str) -> Iterator[tuple[str, Mapping[str, Any]]]:
+        self.watched_from.append(rv)
+        if not self.script:
+            self.done.set()
+            threading.Event().wait(5)  # stay connected, quietly
+            return
+        step = self.script.pop(0)
+        if isinstance(step, BaseException):
+            raise step
+        yield from step
 
 
-async def test_watch_loop_relists_and_resumes_after_a_failure(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+async def _run_until_done(src: ScriptedSource, sync: Any, metrics: Metrics) -> None:
+    task = asyncio.create_task(run_watch(sync, Source(src.list, src.watch), metrics))
+    try:
+        await asyncio.wait_for(asyncio.to_thread(src.done.wait, 10), timeout=15)
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+@pytest.fixture(autouse=True)
+def no_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
     real_sleep = asyncio.sleep
 
     async def fast_sleep(delay: float) -> None:
         await real_sleep(0)
 
     monkeypatch.setattr("webhook.watch.asyncio.sleep", fast_sleep)
+
+
+async def test_a_dropped_watch_resumes_from_the_last_resource_version_without_listing_again() -> (
+    None
+):
     index = NamespaceIndex()
-    metrics = Metrics()
-    src = FlakySource()
-    task = asyncio.create_task(
-        run_watch(NamespaceSync(index), Source(src.list, src.watch), metrics)
+    src = ScriptedSource(
+        [ns_at("a", "10", **{"epguard.io/mode": "warn"})],
+        "10",
+        [
+            [("ADDED", ns_at("b", "11", **{"epguard.io/mode": "audit"}))],  # then ends
+            ConnectionError("apiserver went away"),
+            [("BOOKMARK", {"metadata": {"resourceVersion": "15"}}), ("DELETED", ns_at("a", "16"))],
+        ],
     )
-    await asyncio.wait_for(src.done.wait(), timeout=10)
-    assert src.lists == 2 and src.watches == 2
+    await _run_until_done(src, NamespaceSync(index), Metrics())
+    assert src.lists == 1
+    assert src.watched_from == ["10", "11", "11", "16"]
     assert index.get("a").mode is None and index.get("b").mode == "audit"
-    assert sample(metrics, "epguard_watch_up", resource="namespace") == 1
+
+
+async def test_a_gone_resource_version_lists_and_replaces_again() -> None:
+    index = NamespaceIndex()
+    src = ScriptedSource(
+        [ns_at("a", "10", **{"epguard.io/mode": "warn"})],
+        "10",
+        [[("ADDED", ns_at("b", "11", **{"epguard.io/mode": "audit"}))], ApiException(status=410)],
+    )
+
+    # After the 410 the list no longer holds "a": the replace forgets it, though no
+    # DELETED event for it was ever seen.
+    def relist() -> tuple[list[Mapping[str, Any]], str]:
+        src.lists += 1
+        if src.lists == 1:
+            return [ns_at("a", "10", **{"epguard.io/mode": "warn"})], "10"
+        return [ns_at("b", "30", **{"epguard.io/mode": "audit"})], "30"
+
+    src.list = relist  # type: ignore[method-assign]
+    metrics = Metrics()
+    await _run_until_done(src, NamespaceSync(index), metrics)
+    assert src.lists == 2
+    assert src.watched_from == ["10", "11", "30"]
+    assert index.get("a").mode is None and index.get("b").mode == "audit"
+
+
+async def test_a_failing_list_backs_off_and_reports_the_watch_down() -> None:
+    metrics = Metrics()
+    calls = 0
+
+    def failing() -> tuple[list[Mapping[str, Any]], str]:
+        nonlocal calls
+        calls += 1
+        raise ConnectionError("refused")
+
+    def never(rv: str) -> Iterator[tuple[str, Mapping[str, Any]]]:
+        raise AssertionError("watched without a list")
+
+    task = asyncio.create_task(
+        run_watch(NamespaceSync(NamespaceIndex()), Source(failing, never), metrics)
+    )
+    for _ in range(200):
+        await asyncio.sleep(0.01)
+        if calls >= 3:
+            break
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+    assert calls >= 3
     assert sample(metrics, "epguard_watch_up", resource="namespace") == 0

@@ -3,15 +3,20 @@
 ``certificates``  self-managed TLS for the webhook (CA + serving cert in a Secret,
                   caBundle injection, rotation with an overlap)
 ``recorder``      probe outcomes in pod status → ImageVerdicts + Events on pod and owner
-``login``         in-cluster authentication that needs no cluster DNS
+``backstop``      the outage backstop: ValidatingAdmissionPolicies compiled from the
+                  deny rules and Unusable verdicts, and their parameter ConfigMap
+``login``         in-cluster authentication for kopf that needs no cluster DNS
+``peering``       the ClusterKopfPeering object kopf needs for HA
 
-A new concern (for example the ImageVerdict recorder) is a new module holding its kopf
-handlers, added to ``HANDLER_MODULES``; ``__main__`` imports each one before kopf starts,
-which is all kopf needs to register the handlers.
+Every API call goes through one official ``kubernetes`` ApiClient that ``__main__``
+builds (``webhook/kube.py``) and puts in kopf's memo as ``api``. A new concern is a new
+module holding its kopf handlers, added to ``HANDLER_MODULES``; ``__main__`` imports each
+one before kopf starts, which is all kopf needs to register the handlers.
 """
 
 HANDLER_MODULES: tuple[str, ...] = (
     "webhook.controller.login",
     "webhook.controller.certificates",
     "webhook.controller.recorder",
+    "webhook.controller.backstop",
 )

@@ -23,7 +23,8 @@ from kopf._core.engines.peering import Identity
 
 from webhook.controller import HANDLER_MODULES
 from webhook.controller.config import ControllerConfig, parse
-from webhook.controller.peering import LightkubePeeringApi, ensure_peering
+from webhook.controller.peering import KubePeeringApi, ensure_peering
+from webhook.kube import NoCredentials, api_client
 from webhook.settings import SettingsError
 
 log = logging.getLogger("epguard.controller")
@@ -56,27 +57,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
     )
     # One line per API request at INFO drowns the controller's own log.
-    for noisy in ("httpx", "httpx2", "httpcore", "httpcore2"):
-        logging.getLogger(noisy).setLevel(
-            max(logging.WARNING, logging.getLevelName(level))
-        )
+    for noisy in ("httpx", "httpx2", "httpcore", "httpcore2", "urllib3"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLevelName(level)))
+    try:
+        api = api_client(config.kubeconfig, home_kubeconfig=True)
+    except NoCredentials as exc:
+        print(f"epguard-controller: no cluster credentials: {exc}", file=sys.stderr)
+        return 2
     for module in HANDLER_MODULES:
         importlib.import_module(module)
     priority = secrets.randbelow(2**31 - 1) + 1
     _configure_settings(config, priority)
     if config.peering:
         try:
-            ensure_peering(LightkubePeeringApi(), config.peering)
+            ensure_peering(KubePeeringApi(api), config.peering)
         except Exception:
             # kopf retries on its own and reports a missing peering object loudly; a
             # transient API error here must not keep the controller from starting.
             log.exception("could not ensure ClusterKopfPeering %s", config.peering)
     log.info(
-        "starting: namespace=%s manage_certs=%s peering=%s priority=%d",
+        "starting: namespace=%s manage_certs=%s peering=%s priority=%d backstop=%s",
         config.namespace,
         config.manage_certs,
         config.peering or "(standalone)",
         priority,
+        config.backstop.name if config.backstop else "(off)",
     )
     asyncio.run(
         kopf.operator(
@@ -88,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             # image: UID 65532 has no passwd entry (found when the chart first ran as pods).
             identity=Identity(f"{socket.gethostname()}/{secrets.token_hex(4)}"),
             liveness_endpoint=config.liveness or None,
-            memo=kopf.Memo(config=config),
+            memo=kopf.Memo(config=config, api=api),
         )
     )
     return 0

@@ -34,6 +34,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from webhook.backstop import BackstopConfig, Params, compile_params, policies
+from webhook.controller.config import ControllerConfig
 from webhook.rules import RulesError, RuleSet, load_rules_text
 from webhook.verdicts import GROUP, MAX_VERDICTS, PLURAL, VERSION, VerdictStore, verdict_from_object
 
@@ -137,7 +138,9 @@ def uninstall(api: client.ApiClient, config: BackstopConfig) -> None:
             else:
                 adm.delete_validating_admission_policy_binding(name)
         except ApiException as exc:
-            if exc.status != 404:
+            # 403: with the backstop off the chart grants no rights on policies, so
+            # none of ours can have been installed by this release.
+            if exc.status not in (403, 404):
                 raise
 
 
@@ -237,24 +240,12 @@ async def run_writer(api: client.ApiClient, state: BackstopState) -> None:
 # --- kopf wiring ---------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class BackstopSettings:
-    """The controller's settings the backstop needs (``__main__`` fills it in)."""
-
-    name: str  # the parameter ConfigMap and the policies' prefix; empty: the backstop is off
-    namespace: str
-    validating_webhook: str
-    config: BackstopConfig
-    rules_configmap: str
-    rules_key: str
-    tag_ttl: dt.timedelta
-
-
-async def start(api: client.ApiClient, settings: BackstopSettings) -> BackstopState | None:
+async def start(api: client.ApiClient, config: ControllerConfig) -> BackstopState | None:
     """Install the policies (or remove them when off) and return the writer's state."""
     loop = asyncio.get_running_loop()
-    if not settings.name:
-        off = BackstopConfig(params_namespace=settings.namespace)
+    backstop = config.backstop
+    if backstop is None:
+        off = BackstopConfig(params_namespace=config.namespace)
         await loop.run_in_executor(None, uninstall, api, off)
         return None
     ok, version = await loop.run_in_executor(None, server_supported, api)
@@ -265,40 +256,45 @@ async def start(api: client.ApiClient, settings: BackstopSettings) -> BackstopSt
             *MIN_SERVER,
         )
         return None
-    owner = await loop.run_in_executor(None, owner_of, api, settings.validating_webhook)
-    await loop.run_in_executor(None, install, api, settings.config, owner)
-    log.info("outage backstop installed: %s-{enforce,warn,audit}", settings.config.name)
+    owner = await loop.run_in_executor(None, owner_of, api, config.validating_webhook)
+    await loop.run_in_executor(None, install, api, backstop, owner)
+    log.info("outage backstop installed: %s-{enforce,warn,audit}", backstop.name)
     return BackstopState(
-        config=settings.config,
-        rules_configmap=settings.rules_configmap,
-        rules_key=settings.rules_key,
-        tag_ttl=settings.tag_ttl,
+        config=backstop,
+        rules_configmap=config.rules_configmap,
+        rules_key=config.rules_key,
+        tag_ttl=config.tag_ttl,
         owner=owner,
     )
 
 
-@kopf.on.startup()
+@kopf.on.startup(id="epguard-backstop-start")
 async def _start(memo: kopf.Memo, **_: Any) -> None:
-    settings: BackstopSettings | None = getattr(memo, "backstop_settings", None)
-    api: client.ApiClient | None = getattr(memo, "api", None)
-    if settings is None or api is None:
+    config: ControllerConfig = memo["config"]
+    api: client.ApiClient = memo["api"]
+    try:
+        state = await start(api, config)
+    except ApiException as exc:
+        # The webhook still judges; the backstop is only for its outages. Do not keep
+        # the controller (and certificate rotation) from starting over it.
+        log.error("outage backstop not installed (%s %s)", exc.status, exc.reason)
         return
-    state = await start(api, settings)
     if state is not None:
-        memo.backstop = state
-        memo.backstop_task = asyncio.create_task(run_writer(api, state))
+        memo["backstop"] = state
+        memo["backstop_task"] = asyncio.create_task(run_writer(api, state))
 
 
-@kopf.on.cleanup()
+@kopf.on.cleanup(id="epguard-backstop-stop")
 async def _stop(memo: kopf.Memo, **_: Any) -> None:
-    task: asyncio.Task[None] | None = getattr(memo, "backstop_task", None)
+    task: asyncio.Task[None] | None = memo.get("backstop_task")
     if task is not None:
         task.cancel()
 
 
-@kopf.on.event("epguard.io", "v1alpha1", "imageverdicts")
-def _verdict_event(memo: kopf.Memo, **_: Any) -> None:
-    """A verdict changed: sync now rather than at the next poll."""
-    state: BackstopState | None = getattr(memo, "backstop", None)
+@kopf.on.event(GROUP, VERSION, PLURAL, id="epguard-backstop-verdicts")
+async def _verdict_event(memo: kopf.Memo, **_: Any) -> None:
+    """A verdict changed: sync now rather than at the next poll (async: it only sets an
+    asyncio.Event, which must happen on the loop)."""
+    state: BackstopState | None = memo.get("backstop")
     if state is not None:
         state.wake.set()

@@ -24,18 +24,15 @@ import datetime as dt
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import kopf
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
 
 from webhook import certs
-
-if TYPE_CHECKING:
-    from lightkube.resources.admissionregistration_v1 import (
-        MutatingWebhookConfiguration,
-        ValidatingWebhookConfiguration,
-    )
 from webhook.controller.config import ControllerConfig
+from webhook.kube import REQUEST_TIMEOUT
 
 log = logging.getLogger("epguard.controller.certificates")
 
@@ -72,7 +69,7 @@ class StoredWebhookConfig:
 
 
 class TLSApi(Protocol):
-    """The handful of API calls TLS management needs. The real one is LightkubeTLSApi;
+    """The handful of API calls TLS management needs. The real one is KubeTLSApi;
     the tests use an in-memory fake with the same conflict semantics."""
 
     async def read_secret(self, namespace: str, name: str) -> StoredSecret | None: ...
@@ -203,49 +200,37 @@ class CertificateManager:
                 await asyncio.wait_for(stop.wait(), timeout=self.delay_after(result))
 
 
-# --- the real API, through lightkube ------------------------------------------------------
+# --- the real API, through the official client --------------------------------------------
 
 
 def _b64(raw: bytes) -> str:
     return base64.b64encode(raw).decode("ascii")
 
 
-def _webhook_resource(
-    ref: WebhookConfigRef,
-) -> type[ValidatingWebhookConfiguration] | type[MutatingWebhookConfiguration]:
-    from lightkube.resources.admissionregistration_v1 import (
-        MutatingWebhookConfiguration,
-        ValidatingWebhookConfiguration,
-    )
+class KubeTLSApi:
+    """TLSApi over the official (synchronous) client: each call runs on a worker thread
+    so the certificate loop never blocks kopf's event loop."""
 
-    return (
-        ValidatingWebhookConfiguration if ref.kind == VALIDATING else MutatingWebhookConfiguration
-    )
-
-
-class LightkubeTLSApi:
-    def __init__(self, client: Any) -> None:
-        # lightkube.AsyncClient; typed Any because lightkube's models are loosely typed.
-        self.client = client
-
-    @staticmethod
-    def _conflict(exc: Exception) -> bool:
-        status = getattr(getattr(exc, "status", None), "code", None)
-        return status == 409
+    def __init__(self, api: client.ApiClient) -> None:
+        self.core = client.CoreV1Api(api)
+        self.admission = client.AdmissionregistrationV1Api(api)
 
     async def read_secret(self, namespace: str, name: str) -> StoredSecret | None:
-        from lightkube import ApiError
-        from lightkube.resources.core_v1 import Secret
+        def call() -> StoredSecret | None:
+            try:
+                obj = self.core.read_namespaced_secret(
+                    name, namespace, _request_timeout=REQUEST_TIMEOUT
+                )
+            except ApiException as exc:
+                if exc.status == 404:
+                    return None
+                raise
+            data = {k: base64.b64decode(v) for k, v in (obj.data or {}).items()}
+            md = obj.metadata
+            owners = tuple(o.uid for o in (md.owner_references or [])) if md else ()
+            return StoredSecret(data, md.resource_version if md else None, owners)
 
-        try:
-            obj = await self.client.get(Secret, name=name, namespace=namespace)
-        except ApiError as exc:
-            if exc.status.code == 404:
-                return None
-            raise
-        data = {k: base64.b64decode(v) for k, v in (obj.data or {}).items()}
-        owners = tuple(o.uid for o in (obj.metadata.ownerReferences or []))
-        return StoredSecret(data, obj.metadata.resourceVersion, owners)
+        return await asyncio.to_thread(call)
 
     async def write_secret(
         self,
@@ -254,64 +239,76 @@ class LightkubeTLSApi:
         secret: StoredSecret,
         owner: tuple[WebhookConfigRef, str] | None,
     ) -> None:
-        from lightkube import ApiError
-        from lightkube.models.meta_v1 import ObjectMeta, OwnerReference
-        from lightkube.resources.core_v1 import Secret
-
         owners = None
         if owner is not None:
             ref, uid = owner
             owners = [
-                OwnerReference(
-                    apiVersion="admissionregistration.k8s.io/v1",
+                client.V1OwnerReference(
+                    api_version="admissionregistration.k8s.io/v1",
                     kind=ref.kind,
                     name=ref.name,
                     uid=uid,
                 )
             ]
-        obj = Secret(
-            metadata=ObjectMeta(
+        body = client.V1Secret(
+            api_version="v1",
+            kind="Secret",
+            metadata=client.V1ObjectMeta(
                 name=name,
                 namespace=namespace,
                 labels=dict(MANAGED_BY_LABELS),
-                resourceVersion=secret.resource_version,
-                ownerReferences=owners,
+                resource_version=secret.resource_version,
+                owner_references=owners,
             ),
             type="kubernetes.io/tls",
             data={k: _b64(v) for k, v in sorted(secret.data.items())},
         )
-        try:
-            if secret.resource_version is None:
-                await self.client.create(obj)
-            else:
-                await self.client.replace(obj)
-        except ApiError as exc:
-            if self._conflict(exc):
-                raise Conflict(str(exc)) from exc
-            raise
+
+        def call() -> None:
+            try:
+                if secret.resource_version is None:
+                    self.core.create_namespaced_secret(
+                        namespace, body, _request_timeout=REQUEST_TIMEOUT
+                    )
+                else:
+                    self.core.replace_namespaced_secret(
+                        name, namespace, body, _request_timeout=REQUEST_TIMEOUT
+                    )
+            except ApiException as exc:
+                if exc.status == 409:
+                    raise Conflict(str(exc.reason)) from exc
+                raise
+
+        await asyncio.to_thread(call)
+
+    def _read_config(self, ref: WebhookConfigRef) -> Any:
+        if ref.kind == VALIDATING:
+            return self.admission.read_validating_webhook_configuration(
+                ref.name, _request_timeout=REQUEST_TIMEOUT
+            )
+        return self.admission.read_mutating_webhook_configuration(
+            ref.name, _request_timeout=REQUEST_TIMEOUT
+        )
 
     async def read_webhook_config(self, ref: WebhookConfigRef) -> StoredWebhookConfig | None:
-        from lightkube import ApiError
+        def call() -> StoredWebhookConfig | None:
+            try:
+                obj = self._read_config(ref)
+            except ApiException as exc:
+                if exc.status == 404:
+                    return None
+                raise
+            hooks = [
+                (w.name, base64.b64decode(w.client_config.ca_bundle or ""))
+                for w in (obj.webhooks or [])
+            ]
+            return StoredWebhookConfig(uid=obj.metadata.uid, webhooks=hooks)
 
-        res = _webhook_resource(ref)
-        try:
-            obj = await self.client.get(res, name=ref.name)
-        except ApiError as exc:
-            if exc.status.code == 404:
-                return None
-            raise
-        hooks = [
-            (w.name, base64.b64decode(w.clientConfig.caBundle or "")) for w in (obj.webhooks or [])
-        ]
-        return StoredWebhookConfig(uid=obj.metadata.uid, webhooks=hooks)
+        return await asyncio.to_thread(call)
 
     async def set_ca_bundle(
         self, ref: WebhookConfigRef, webhooks: list[tuple[int, str]], bundle: bytes
     ) -> None:
-        from lightkube import ApiError
-        from lightkube.types import PatchType
-
-        res = _webhook_resource(ref)
         # A JSON patch with a `test` per webhook: if `helm upgrade` reordered or renamed
         # the webhooks since the read, the patch fails as a whole instead of writing a
         # bundle into the wrong entry.
@@ -325,15 +322,28 @@ class LightkubeTLSApi:
                     "value": _b64(bundle),
                 }
             )
-        try:
-            await self.client.patch(
-                res, ref.name, ops, patch_type=PatchType.JSON, field_manager="epguard-controller"
-            )
-        except ApiError as exc:
-            # 422 is what a failed `test` op returns.
-            if exc.status.code in (409, 422):
-                raise Conflict(str(exc)) from exc
-            raise
+        patch = (
+            self.admission.patch_validating_webhook_configuration
+            if ref.kind == VALIDATING
+            else self.admission.patch_mutating_webhook_configuration
+        )
+
+        def call() -> None:
+            try:
+                patch(
+                    ref.name,
+                    ops,
+                    field_manager="epguard-controller",
+                    _content_type="application/json-patch+json",
+                    _request_timeout=REQUEST_TIMEOUT,
+                )
+            except ApiException as exc:
+                # 422 is what a failed `test` op returns.
+                if exc.status in (409, 422):
+                    raise Conflict(str(exc.reason)) from exc
+                raise
+
+        await asyncio.to_thread(call)
 
 
 # --- kopf wiring ----------------------------------------------------------------------------
@@ -341,19 +351,14 @@ class LightkubeTLSApi:
 ApiFactory = Callable[[], Awaitable[TLSApi]]
 
 
-async def _default_api() -> TLSApi:
-    from lightkube import AsyncClient
-
-    return LightkubeTLSApi(AsyncClient(field_manager="epguard-controller"))
-
-
 async def start_certificate_manager(memo: kopf.Memo, **_: Any) -> None:
     config: ControllerConfig = memo["config"]
     if not config.manage_certs:
         log.info("TLS is managed elsewhere (cert-manager); not touching certificates")
         return
-    factory: ApiFactory = memo.get("tls_api_factory", _default_api)
-    manager = CertificateManager(await factory(), config)
+    factory: ApiFactory | None = memo.get("tls_api_factory")
+    api: TLSApi = await factory() if factory is not None else KubeTLSApi(memo["api"])
+    manager = CertificateManager(api, config)
     stop = asyncio.Event()
     memo["tls_stop"] = stop
     memo["tls_task"] = asyncio.create_task(manager.run(stop), name="epguard-tls")

@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from webhook import certs
+from webhook.backstop import BackstopConfig
 from webhook.settings import CONTROLLER_OPTIONS, SettingsError, read
+from webhook.workloads import PATH_KINDS
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,12 @@ class ControllerConfig:
     poll_interval: float
     policy: certs.TLSPolicy | None
     log_level: str
+    kubeconfig: str | None = None
+    # The outage backstop; None: off (and any one left installed is removed).
+    backstop: BackstopConfig | None = None
+    rules_configmap: str = "epguard-rules"
+    rules_key: str = "rules.yaml"
+    tag_ttl: dt.timedelta = dt.timedelta(hours=24)
 
 
 def parse(
@@ -61,6 +70,17 @@ def parse(
             )
         except ValueError as exc:
             raise SettingsError(f"certificate lifetimes: {exc}") from None
+    backstop: BackstopConfig | None = None
+    if v["backstop"]:
+        backstop = BackstopConfig(
+            params_namespace=v["namespace"],
+            name=v["backstop"],
+            default_mode=v["mode"],
+            allow_skip=v["allow_skip"],
+            excluded_namespaces=tuple(dict.fromkeys((*v["exclude_namespaces"], v["namespace"]))),
+            kinds=(*PATH_KINDS, *(k for k in v["extra_kinds"] if k.paths)),
+            object_selector=v["object_selector"],
+        )
     return ControllerConfig(
         namespace=v["namespace"],
         manage_certs=v["manage_certs"],
@@ -74,4 +94,9 @@ def parse(
         poll_interval=v["poll_interval"],
         policy=policy,
         log_level=v["log_level"],
+        kubeconfig=v["kubeconfig"],
+        backstop=backstop,
+        rules_configmap=v["rules_configmap"],
+        rules_key=v["rules_key"],
+        tag_ttl=dt.timedelta(hours=v["verdict_ttl_hours"]),
     )

@@ -10,7 +10,12 @@ existing object, or one created by the other replica a moment earlier, is fine.
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol
+from typing import Protocol
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from webhook.kube import REQUEST_TIMEOUT
 
 log = logging.getLogger("epguard.controller.peering")
 
@@ -36,37 +41,34 @@ def ensure_peering(api: PeeringApi, name: str) -> bool:
     return True
 
 
-class LightkubePeeringApi:
-    def __init__(self, client: Any = None) -> None:
-        from lightkube import Client
-        from lightkube.generic_resource import create_global_resource
+class KubePeeringApi:
+    """The peering object through the official client's CustomObjectsApi."""
 
-        self.client = client if client is not None else Client(field_manager="epguard-controller")
-        self.resource = create_global_resource(GROUP, VERSION, KIND, PLURAL)
+    def __init__(self, api: client.ApiClient) -> None:
+        self.custom = client.CustomObjectsApi(api)
 
     def exists(self, name: str) -> bool:
-        from lightkube import ApiError
-
         try:
-            self.client.get(self.resource, name=name)
-        except ApiError as exc:
-            if exc.status.code == 404:
+            self.custom.get_cluster_custom_object(
+                GROUP, VERSION, PLURAL, name, _request_timeout=REQUEST_TIMEOUT
+            )
+        except ApiException as exc:
+            if exc.status == 404:
                 return False
             raise
         return True
 
     def create(self, name: str) -> None:
-        from lightkube import ApiError
-        from lightkube.models.meta_v1 import ObjectMeta
-
-        obj = self.resource(
-            apiVersion=f"{GROUP}/{VERSION}",
-            kind=KIND,
-            metadata=ObjectMeta(name=name, labels={"app.kubernetes.io/part-of": "epguard"}),
-        )
+        body = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": KIND,
+            "metadata": {"name": name, "labels": {"app.kubernetes.io/part-of": "epguard"}},
+        }
         try:
-            self.client.create(obj)
-        except ApiError as exc:
-            if exc.status.code == 409:
+            self.custom.create_cluster_custom_object(
+                GROUP, VERSION, PLURAL, body, _request_timeout=REQUEST_TIMEOUT
+            )
+        except ApiException as exc:
+            if exc.status == 409:
                 raise FileExistsError(name) from exc
             raise

@@ -24,18 +24,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import kopf
-from lightkube import AsyncClient
-from lightkube.core.exceptions import ApiError
-from lightkube.generic_resource import (
-    GenericGlobalResource,
-    GenericNamespacedResource,
-    create_namespaced_resource,
-)
-from lightkube.models.core_v1 import EventSource, ObjectReference
-from lightkube.models.meta_v1 import ObjectMeta
-from lightkube.resources.core_v1 import Event, Pod
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
 
 from webhook.controller.config import ControllerConfig
+from webhook.kube import REQUEST_TIMEOUT, get_object, meta, resource_path
 from webhook.outcome import (
     PROBED_LABEL,
     ProbeOutcome,
@@ -44,12 +37,11 @@ from webhook.outcome import (
     verdict_name,
     verdict_spec,
 )
-from webhook.verdicts import image_verdict_resource
+from webhook.verdicts import GROUP, KIND, PLURAL, VERSION
 from webhook.workloads import as_list, as_map
 
 log = logging.getLogger("epguard.controller.recorder")
 
-ImageVerdict = image_verdict_resource()
 RECORDED_ANNOTATION = "epguard.io/probe-recorded"
 MAX_REMEMBERED = 20
 MAX_OWNER_DEPTH = 5
@@ -83,46 +75,55 @@ def _now() -> dt.datetime:
 
 
 class Recorder:
-    """The API side of recording: ImageVerdict upserts, Events, owner lookups."""
+    """The API side of recording: ImageVerdict upserts, Events, owner lookups. Blocking
+    calls on the official client; kopf runs the handler that uses it in its executor."""
 
-    def __init__(self, client: AsyncClient) -> None:
-        self.client = client
-        self._owner_kinds: dict[tuple[str, str], type[GenericNamespacedResource]] = {}
+    def __init__(self, api: client.ApiClient) -> None:
+        self.api = api
+        self.core = client.CoreV1Api(api)
+        self.custom = client.CustomObjectsApi(api)
 
-    async def upsert_verdict(self, outcome: ProbeOutcome, pod: str) -> Mapping[str, Any]:
+    def upsert_verdict(self, outcome: ProbeOutcome, pod: str) -> Mapping[str, Any]:
         name = verdict_name(outcome.image, outcome.digest)
         for _ in range(WRITE_ATTEMPTS):
-            existing: GenericGlobalResource | None
+            existing: dict[str, Any] | None
             try:
-                existing = await self.client.get(ImageVerdict, name)
-            except ApiError as exc:
-                if exc.status.code != 404:
+                got = self.custom.get_cluster_custom_object(
+                    GROUP, VERSION, PLURAL, name, _request_timeout=REQUEST_TIMEOUT
+                )
+                existing = got if isinstance(got, dict) else None
+            except ApiException as exc:
+                if exc.status != 404:
                     raise
                 existing = None
             spec = verdict_spec(outcome, pod, _now(), existing.get("spec") if existing else None)
-            meta = ObjectMeta(
-                name=name,
-                labels={"app.kubernetes.io/managed-by": COMPONENT},
-                resourceVersion=(
-                    existing.metadata.resourceVersion if existing and existing.metadata else None
-                ),
-            )
-            obj = ImageVerdict(metadata=meta, spec=spec)
+            metadata: dict[str, Any] = {
+                "name": name,
+                "labels": {"app.kubernetes.io/managed-by": COMPONENT},
+            }
+            if existing is not None:
+                metadata["resourceVersion"] = meta(existing).get("resourceVersion")
+            body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "metadata": metadata,
+                    "spec": spec}  # fmt: skip
             try:
                 if existing is None:
-                    await self.client.create(obj)
+                    self.custom.create_cluster_custom_object(
+                        GROUP, VERSION, PLURAL, body, _request_timeout=REQUEST_TIMEOUT
+                    )
                 else:
-                    await self.client.replace(obj)
-            except ApiError as exc:
-                if exc.status.code == 409:  # lost a race (create or stale resourceVersion)
+                    self.custom.replace_cluster_custom_object(
+                        GROUP, VERSION, PLURAL, name, body, _request_timeout=REQUEST_TIMEOUT
+                    )
+            except ApiException as exc:
+                if exc.status == 409:  # lost a race (create or stale resourceVersion)
                     continue
                 raise
             return spec
         raise kopf.TemporaryError(f"ImageVerdict {name}: too many write conflicts", delay=5)
 
-    async def top_owner(self, namespace: str, refs: Any) -> ObjectReference | None:
+    def top_owner(self, namespace: str, refs: Any) -> client.V1ObjectReference | None:
         """Follow controller ownerReferences up; None when the pod has no owner."""
-        top: ObjectReference | None = None
+        top: client.V1ObjectReference | None = None
         for _ in range(MAX_OWNER_DEPTH):
             ref = next(
                 (r for r in as_list(refs) if isinstance(r, Mapping) and r.get("controller")),
@@ -131,61 +132,66 @@ class Recorder:
             if ref is None:
                 return top
             api_version, kind, name = ref.get("apiVersion"), ref.get("kind"), ref.get("name")
-            if not all(isinstance(v, str) for v in (api_version, kind, name)):
+            if not (
+                isinstance(api_version, str) and isinstance(kind, str) and isinstance(name, str)
+            ):
                 return top
-            assert isinstance(api_version, str) and isinstance(kind, str)
-            top = ObjectReference(
-                apiVersion=api_version,
+            uid = ref.get("uid")
+            top = client.V1ObjectReference(
+                api_version=api_version,
                 kind=kind,
                 name=name,
                 namespace=namespace,
-                uid=ref.get("uid"),
+                uid=uid if isinstance(uid, str) else None,
             )
-            resource = self._kind(api_version, kind)
+            # Every owner kind that makes pods pluralizes as kind + "s".
+            path = resource_path(api_version, kind.lower() + "s", namespace, name)
             try:
-                parent = await self.client.get(resource, str(name), namespace=namespace)
-            except ApiError as exc:
+                parent = get_object(self.api, path)
+            except ApiException as exc:
                 # 403: the chart's RBAC does not cover this owner kind; 404: gone. Either
                 # way the owner we have is the best we can name.
-                log.debug("stopping owner walk at %s/%s: %s", kind, name, exc.status.message)
+                log.debug("stopping owner walk at %s/%s: %s", kind, name, exc.reason)
                 return top
-            refs = parent.metadata.ownerReferences if parent.metadata else None
-            refs = [r.to_dict() for r in refs] if refs else []
+            refs = meta(parent).get("ownerReferences")
         return top
 
-    def _kind(self, api_version: str, kind: str) -> type[GenericNamespacedResource]:
-        key = (api_version, kind)
-        if key not in self._owner_kinds:
-            group, _, version = api_version.rpartition("/")
-            # Every owner kind that makes pods pluralizes as kind + "s".
-            self._owner_kinds[key] = create_namespaced_resource(
-                group, version, kind, kind.lower() + "s"
-            )
-        return self._owner_kinds[key]
-
-    async def post_event(self, about: ObjectReference, outcome: ProbeOutcome, message: str) -> None:
+    def post_event(
+        self, about: client.V1ObjectReference, outcome: ProbeOutcome, message: str
+    ) -> None:
         now = _now()
         usable = outcome.verdict == "Usable"
-        event = Event(
-            metadata=ObjectMeta(generateName=f"{about.name}.epguard.", namespace=about.namespace),
-            involvedObject=about,
+        event = client.CoreV1Event(
+            metadata=client.V1ObjectMeta(
+                generate_name=f"{about.name}.epguard.", namespace=about.namespace
+            ),
+            involved_object=about,
             reason="MooncakeProbePassed" if usable else "MooncakeProbeFailed",
             message=message[:MAX_EVENT_MESSAGE],
             type="Normal" if usable else "Warning",
-            source=EventSource(component=COMPONENT),
-            firstTimestamp=now,
-            lastTimestamp=now,
+            source=client.V1EventSource(component=COMPONENT),
+            first_timestamp=now,
+            last_timestamp=now,
             count=1,
         )
         try:
-            await self.client.create(event)
-        except ApiError as exc:
+            self.core.create_namespaced_event(
+                str(about.namespace), event, _request_timeout=REQUEST_TIMEOUT
+            )
+        except ApiException as exc:
             # An Event is a courtesy: failing to post one must not stop the verdict.
-            log.warning("could not post event on %s/%s: %s", about.kind, about.name, exc)
+            log.warning("could not post event on %s/%s: %s", about.kind, about.name, exc.reason)
 
-    async def remember(self, namespace: str, name: str, keys: list[str]) -> None:
+    def remember(self, namespace: str, name: str, keys: list[str]) -> None:
         patch = {"metadata": {"annotations": {RECORDED_ANNOTATION: json.dumps(keys)}}}
-        await self.client.patch(Pod, name, patch, namespace=namespace)
+        self.core.patch_namespaced_pod(
+            name,
+            namespace,
+            patch,
+            field_manager=COMPONENT,
+            _content_type="application/merge-patch+json",
+            _request_timeout=REQUEST_TIMEOUT,
+        )
 
 
 def _message(outcome: ProbeOutcome, pod: str) -> str:
@@ -198,16 +204,17 @@ def _message(outcome: ProbeOutcome, pod: str) -> str:
     )
 
 
-async def record_probe_outcomes(body: Mapping[str, Any], memo: kopf.Memo, **_: Any) -> None:
+def record_probe_outcomes(body: Mapping[str, Any], memo: kopf.Memo, **_: Any) -> None:
     """Record every new probe termination of one pod.
 
-    Returns nothing on purpose: kopf stores a handler's return value in the object's
-    status, and a pod's status belongs to the kubelet."""
-    meta = as_map(body.get("metadata"))
-    namespace, name = meta.get("namespace"), meta.get("name")
+    A plain function: kopf runs it in its executor, so the blocking client calls never
+    stall the operator's event loop. Returns nothing on purpose: kopf stores a handler's
+    return value in the object's status, and a pod's status belongs to the kubelet."""
+    pod_meta = as_map(body.get("metadata"))
+    namespace, name = pod_meta.get("namespace"), pod_meta.get("name")
     if not isinstance(namespace, str) or not isinstance(name, str):
         return
-    seen = remembered(as_map(meta.get("annotations")))
+    seen = remembered(as_map(pod_meta.get("annotations")))
     config: ControllerConfig | None = memo.get("config")
     probe_image = config.probe_image if config is not None else None
     fresh = [o for o in outcomes_of(body, probe_image) if o.key not in seen]
@@ -215,22 +222,27 @@ async def record_probe_outcomes(body: Mapping[str, Any], memo: kopf.Memo, **_: A
         return
     recorder: Recorder | None = memo.get("recorder")
     if recorder is None:
-        recorder = Recorder(AsyncClient(field_manager=COMPONENT))
+        recorder = Recorder(memo["api"])
         memo["recorder"] = recorder
-    pod_ref = ObjectReference(
-        apiVersion="v1", kind="Pod", name=name, namespace=namespace, uid=meta.get("uid")
+    uid = pod_meta.get("uid")
+    pod_ref = client.V1ObjectReference(
+        api_version="v1",
+        kind="Pod",
+        name=name,
+        namespace=namespace,
+        uid=uid if isinstance(uid, str) else None,
     )
-    owner = await recorder.top_owner(namespace, meta.get("ownerReferences"))
+    owner = recorder.top_owner(namespace, pod_meta.get("ownerReferences"))
     pod = f"{namespace}/{name}"
     for outcome in fresh:
-        await recorder.upsert_verdict(outcome, pod)
+        recorder.upsert_verdict(outcome, pod)
         message = _message(outcome, pod)
-        await recorder.post_event(pod_ref, outcome, message)
+        recorder.post_event(pod_ref, outcome, message)
         if owner is not None:
-            await recorder.post_event(owner, outcome, message)
+            recorder.post_event(owner, outcome, message)
         log.info("recorded %s for %s from pod %s", outcome.verdict, outcome.image, pod)
     keys = (seen + [o.key for o in fresh])[-MAX_REMEMBERED:]
-    await recorder.remember(namespace, name, keys)
+    recorder.remember(namespace, name, keys)
 
 
 def watch_probed_pods_only(settings: kopf.OperatorSettings, **_: Any) -> None:

@@ -1,0 +1,94 @@
+"""The official ``kubernetes`` client, configured one way for the webhook and the controller.
+
+Credentials, in order: an explicit kubeconfig (``EPGUARD_KUBECONFIG``); the pod's service
+account at ``KUBERNETES_SERVICE_HOST``/``_PORT`` (the client's in-cluster config, which
+needs no cluster DNS and re-reads the projected token as the kubelet rotates it);
+``$KUBECONFIG``. The webhook stops there: one started by hand must not silently watch
+whatever cluster ``~/.kube/config`` points at. The controller, like kopf's own login,
+falls back to ``~/.kube/config``.
+
+Every call that is not a watch carries ``REQUEST_TIMEOUT``: the client has no default,
+and a call hung on a half-open connection would stall a kopf handler or a sync loop
+forever.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any, cast
+
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+from kubernetes.config.config_exception import ConfigException
+
+# Seconds: (connect, read). Generous for a loaded API server, short against a dead one.
+REQUEST_TIMEOUT = (5.0, 30.0)
+
+# A raw JSON object from the API (the shapes the engine reads are typed where read).
+Json = dict[str, Any]
+
+
+class NoCredentials(Exception):
+    """No kubeconfig and no service account: there is no cluster to talk to."""
+
+
+def api_client(explicit: str | None = None, *, home_kubeconfig: bool = False) -> client.ApiClient:
+    """A configured ApiClient; NoCredentials when none of the sources exists."""
+    if explicit:
+        return cast(client.ApiClient, config.new_client_from_config(explicit))
+    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+        cfg = client.Configuration()
+        try:
+            config.load_incluster_config(client_configuration=cfg)
+        except ConfigException:
+            pass  # the variables without a token: not a pod after all
+        else:
+            return client.ApiClient(cfg)
+    env_path = os.environ.get("KUBECONFIG", "").split(os.pathsep)[0]
+    if env_path and os.path.exists(env_path):
+        return cast(client.ApiClient, config.new_client_from_config(env_path))
+    if home_kubeconfig:
+        try:
+            return cast(client.ApiClient, config.new_client_from_config())
+        except ConfigException as exc:
+            raise NoCredentials(str(exc)) from None
+    raise NoCredentials("no EPGUARD_KUBECONFIG, service account or $KUBECONFIG")
+
+
+def status_of(exc: BaseException) -> int | None:
+    """The HTTP status of an API error, None for anything else."""
+    return exc.status if isinstance(exc, ApiException) else None
+
+
+def raw(response: Any) -> Json:
+    """The JSON object of a ``_preload_content=False`` response (no model round trip)."""
+    data = response.data if hasattr(response, "data") else response.read()
+    obj = json.loads(data)
+    return obj if isinstance(obj, dict) else {}
+
+
+def resource_path(api_version: str, plural: str, namespace: str | None, name: str = "") -> str:
+    """The REST path of a resource of any group, core (``v1``) included."""
+    group, _, version = api_version.rpartition("/")
+    base = f"/apis/{group}/{version}" if group else f"/api/{version}"
+    ns = f"/namespaces/{namespace}" if namespace else ""
+    return f"{base}{ns}/{plural}" + (f"/{name}" if name else "")
+
+
+def get_object(api: client.ApiClient, path: str) -> Json:
+    """GET any object by path, as raw JSON (owner kinds the typed APIs do not know)."""
+    resp = api.call_api(
+        *api.param_serialize(method="GET", resource_path=path, auth_settings=["BearerToken"]),
+        _request_timeout=REQUEST_TIMEOUT,
+    )
+    resp.read()
+    if not 200 <= resp.status <= 299:
+        raise ApiException(status=resp.status, reason=resp.reason, body=resp.data)
+    return raw(resp)
+
+
+def meta(obj: Mapping[str, Any]) -> Mapping[str, Any]:
+    m = obj.get("metadata")
+    return m if isinstance(m, Mapping) else {}
