@@ -41,3 +41,18 @@ def test_msgspec_floor_has_what_transport_and_completion_use() -> None:
     assert msgspec.json.Decoder().decode(b'{"a": [1]}') == {"a": [1]}
     assert msgspec.json.Encoder().encode({"a": 1}) == b'{"a":1}'
     assert issubclass(msgspec.DecodeError, msgspec.MsgspecError)
+
+
+def test_kubernetes_floor_has_what_the_watches_and_raw_calls_use() -> None:
+    # webhook/watch.py: Watch.stream(..., deserialize=False) hands the raw JSON objects
+    # over without a model round trip; webhook/kube.py: param_serialize/call_api (the
+    # generator of the 35+ clients); certificates/recorder: per-call _content_type.
+    import inspect
+
+    from kubernetes import client, watch
+
+    assert _floor("kubernetes") >= (37,)
+    assert "deserialize" in inspect.getsource(watch.Watch.stream)
+    assert hasattr(client.ApiClient, "param_serialize")
+    patch = client.CoreV1Api.patch_namespaced_pod
+    assert "_content_type" in inspect.signature(patch).parameters
