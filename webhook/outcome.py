@@ -24,6 +24,7 @@ from typing import Any, Literal
 from probe.message import UNUSABLE, USABLE
 from webhook.argv import ExpansionTooLarge, container_argv
 from webhook.imageref import ImageRefError, parse
+from webhook.verdicts import ImageVerdictSpec
 from webhook.workloads import as_list, as_map
 
 PROBE_CONTAINER = "epguard-probe"
@@ -240,7 +241,7 @@ def verdict_spec(
     pod: str,
     now: dt.datetime,
     previous: Mapping[str, Any] | None,
-) -> dict[str, Any]:
+) -> ImageVerdictSpec:
     """The spec to write: the newest outcome replaces the old one; count and firstSeen carry."""
     stamp = now.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     prev = as_map(previous)

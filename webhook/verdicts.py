@@ -22,7 +22,7 @@ import datetime as dt
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypedDict
 
 from webhook.imageref import ImageRef, ImageRefError, parse
 
@@ -31,6 +31,40 @@ Trust = Literal["deny", "warn", "usable"]
 # The ImageVerdict custom resource (cluster-scoped), as the chart's CRD defines it.
 GROUP, VERSION, KIND, PLURAL = "epguard.io", "v1alpha1", "ImageVerdict", "imageverdicts"
 DEFAULT_TAG_TTL = dt.timedelta(hours=24)
+
+
+# The JSON epguard writes (the chart's CRD schema). What it *reads* back is walked
+# leniently (``verdict_from_object``): anyone with write access may have edited it.
+class VerdictVersions(TypedDict):
+    sglang: str | None
+    torch: str | None
+    mooncake: str | None
+
+
+class ImageVerdictSpec(TypedDict):
+    image: str
+    digest: str
+    verdict: str  # Usable | Unusable
+    reason: str
+    report: str
+    versions: VerdictVersions
+    firstSeen: str  # RFC 3339, UTC
+    lastSeen: str
+    pod: str  # namespace/name of the pod whose probe saw it
+    count: int
+
+
+class ImageVerdictMeta(TypedDict, total=False):
+    name: str
+    labels: dict[str, str]
+    resourceVersion: str
+
+
+class ImageVerdictObject(TypedDict):
+    apiVersion: str
+    kind: str
+    metadata: ImageVerdictMeta
+    spec: ImageVerdictSpec
 
 
 @dataclass(frozen=True, slots=True)

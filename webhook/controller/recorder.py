@@ -37,7 +37,15 @@ from webhook.outcome import (
     verdict_name,
     verdict_spec,
 )
-from webhook.verdicts import GROUP, KIND, PLURAL, VERSION
+from webhook.verdicts import (
+    GROUP,
+    KIND,
+    PLURAL,
+    VERSION,
+    ImageVerdictMeta,
+    ImageVerdictObject,
+    ImageVerdictSpec,
+)
 from webhook.workloads import as_list, as_map
 
 log = logging.getLogger("epguard.controller.recorder")
@@ -83,7 +91,7 @@ class Recorder:
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
 
-    def upsert_verdict(self, outcome: ProbeOutcome, pod: str) -> Mapping[str, Any]:
+    def upsert_verdict(self, outcome: ProbeOutcome, pod: str) -> ImageVerdictSpec:
         name = verdict_name(outcome.image, outcome.digest)
         for _ in range(WRITE_ATTEMPTS):
             existing: dict[str, Any] | None
@@ -97,22 +105,27 @@ class Recorder:
                     raise
                 existing = None
             spec = verdict_spec(outcome, pod, _now(), existing.get("spec") if existing else None)
-            metadata: dict[str, Any] = {
+            metadata: ImageVerdictMeta = {
                 "name": name,
                 "labels": {"app.kubernetes.io/managed-by": COMPONENT},
             }
-            if existing is not None:
-                metadata["resourceVersion"] = meta(existing).get("resourceVersion")
-            body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "metadata": metadata,
-                    "spec": spec}  # fmt: skip
+            rv = meta(existing).get("resourceVersion") if existing is not None else None
+            if isinstance(rv, str):
+                metadata["resourceVersion"] = rv
+            body: ImageVerdictObject = {
+                "apiVersion": f"{GROUP}/{VERSION}",
+                "kind": KIND,
+                "metadata": metadata,
+                "spec": spec,
+            }
             try:
                 if existing is None:
                     self.custom.create_cluster_custom_object(
-                        GROUP, VERSION, PLURAL, body, _request_timeout=REQUEST_TIMEOUT
+                        GROUP, VERSION, PLURAL, dict(body), _request_timeout=REQUEST_TIMEOUT
                     )
                 else:
                     self.custom.replace_cluster_custom_object(
-                        GROUP, VERSION, PLURAL, name, body, _request_timeout=REQUEST_TIMEOUT
+                        GROUP, VERSION, PLURAL, name, dict(body), _request_timeout=REQUEST_TIMEOUT
                     )
             except ApiException as exc:
                 if exc.status == 409:  # lost a race (create or stale resourceVersion)
