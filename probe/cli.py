@@ -257,14 +257,24 @@ def _run(opts, worker):
         site = _crash_site(o.output_tail)
         if site:
             evidence.insert(1, "crash site: " + site)
-    first = (message.USABLE if v.verdict == diagnosis.USABLE else message.UNUSABLE) + v.cause
+    if v.verdict == diagnosis.USABLE:
+        head = message.USABLE
+    else:
+        head = message.UNUSABLE if v.scope == message.IMAGE else message.UNUSABLE_HERE
+    dropped = sandbox.interpreter_variables()
+    if dropped:
+        # Early in the message: evidence is dropped from the end when space is short.
+        evidence.insert(min(2, len(evidence)), "environment: checked without {} (interpreter settings copied "
+                        "from the worker, not facts about the image)".format(", ".join(dropped)))
+    first = head + v.cause
     text = message.render(first, evidence, v.fix, opts.max_message_bytes)
     _write(_termination_path(opts), text)
     sys.stderr.write(text + "\n")
     if opts.json:
         doc = message.report(
             v.verdict, o.requirement.modules, v.checks, v.versions, v.cause, v.fix,
-            classification=v.classification, missing_libraries=v.missing_libraries,
+            classification=v.classification, scope=v.scope, checked_without=dropped,
+            missing_libraries=v.missing_libraries,
             request={"backend": req_argv.backend, "where": req_argv.where,
                      "dp_attention": req_argv.dp_attention},
             message=text)

@@ -19,6 +19,22 @@ except ImportError:  # run as `python3 probe`: the directory itself is on sys.pa
 
 USABLE, UNUSABLE = "usable", "unusable"
 
+# Where each failure lives. "image": a fact about the files in the image, the same on
+# every node and in every pod (only these become cluster-wide ImageVerdicts).
+# "environment": the pod or the node (driver, GPU, a crash or a hang on one node, the
+# network in a smoke test, a torch that fails to import, which a variable can cause).
+# An unknown import error is not proven to be the image's, so it is environment too.
+IMAGE_CAUSES = frozenset({
+    "cuda-mismatch", "missing-libraries", "non-cuda-wheel", "no-extension-for-torch",
+    "jit-prerequisites", "module-missing", "missing-names", "abi-mismatch",
+    "mooncake-not-installed", "backends-missing", "half-registration", "backend-devices",
+    "torch-not-installed",
+})
+_SCOPE_WORDS = {
+    "image": "image (in the image's files: the same on every node)",
+    "environment": "environment (this pod or its node; the image may be fine)",
+}
+
 _RDMA = ("libibverbs.so.1", "libmlx5.so.1", "librdmacm.so.1", "libnuma.so.1")
 _MISSING_LIB_RE = re.compile(r"(lib[\w.+-]*?\.so(?:\.\d+)*): cannot open shared object file")
 
@@ -53,6 +69,7 @@ class Verdict:
         self.checks = []
         self.missing_libraries = []
         self.versions = {}
+        self.scope = None  # "image" | "environment" for a failure, None when usable
 
     def check(self, name, ok, detail):
         self.checks.append({"name": name, "ok": bool(ok), "detail": detail})
@@ -344,6 +361,9 @@ def diagnose(o):
         evidence.append("extensions: " + ext)
 
     def finish():
+        if v.verdict != USABLE:
+            v.scope = "image" if v.classification in IMAGE_CAUSES else "environment"
+            evidence.insert(1, "scope: " + _SCOPE_WORDS[v.scope])
         for mod, ev in o.imports.items():
             if ev.get("ok") is False and v.classification not in (None,):
                 evidence.append("error ({}): {}".format(mod, _one_line(
@@ -354,9 +374,15 @@ def diagnose(o):
         return v
 
     if not torch_ok:
-        v.classification = "torch-unusable"
-        v.cause = "torch does not import: " + tdetail
-        v.fix = "repair the image's torch installation (the worker imports it first)"
+        missing = (o.torch is not None and not o.torch_metadata
+                   and "No module named 'torch'" in _all_error_text(o.torch))
+        # Not installed at all is a fact about the image; any other failure to import
+        # may come from the pod (a variable, a node's library), so it proves nothing.
+        v.classification = "torch-not-installed" if missing else "torch-unusable"
+        v.cause = ("torch is not installed" if missing else "torch does not import") + (
+            ": " + tdetail)
+        v.fix = ("install torch in the image (the worker imports it first)" if missing
+                 else "repair torch in this pod (the worker imports it first)")
         return finish()
     if not o.dists and not pkg.found:
         tag = inventory.torch_tag(_torch_version(o))

@@ -13,6 +13,11 @@ import re
 
 PREFIX = "epguard: "
 UNUSABLE = PREFIX + "mooncake elastic EP is unusable in this image: "
+# A cause that lives in the pod or the node (no driver, no GPU, a crash, a timeout, a
+# failed smoke test), not in the image's files: never a verdict about the image.
+UNUSABLE_HERE = PREFIX + "mooncake elastic EP is unusable in this pod: "
+SCOPE = "scope: "
+IMAGE, ENVIRONMENT = "image", "environment"
 USABLE = PREFIX + "mooncake elastic EP is usable: "
 NOTHING = PREFIX + "nothing to check: "
 
@@ -64,9 +69,10 @@ def _size(line):
 def render(first, evidence, fix, max_bytes):
     """Lines joined, within ``max_bytes``.
 
-    The first line (verdict), a ``versions:`` line and the fix are kept whatever the
-    budget (clipped if need be): they are what webhook/outcome.py reads back. Other
-    evidence is kept in order while it fits.
+    The first line (verdict, and for a failure its scope: "in this image" or "in this
+    pod"), a ``versions:`` line and the fix are kept whatever the budget (clipped if need
+    be): they are what webhook/outcome.py reads back. Other evidence is kept in order
+    while it fits.
     """
     first = scrub(first).replace("\n", " ")
     fix = "fix: " + scrub(fix).replace("\n", " ")

@@ -17,6 +17,29 @@ import time
 
 _CHILD_SOURCE = None
 
+# Interpreter-level variables that change how Python or torch behave, not which files
+# the image holds: the worker's env is copied into the probe, and PYTHONWARNINGS=error
+# or TORCH_LOGS=<bad> made torch "not import" in a good image. The child runs without
+# them (the ones an image needs to find its packages are kept) and the probe says so.
+_KEEP_PYTHON = frozenset({"PYTHONPATH", "PYTHONHOME", "PYTHONUSERBASE", "PYTHONNOUSERSITE",
+                          "PYTHONIOENCODING", "PYTHONUTF8", "PYTHONUNBUFFERED",
+                          "PYTHONDONTWRITEBYTECODE", "PYTHONHASHSEED"})
+_DROP = frozenset({"TORCH_LOGS", "TORCH_COMPILE_DEBUG", "TORCHDYNAMO_VERBOSE",
+                   "TORCH_SHOW_CPP_STACKTRACES", "TORCH_DISABLE_ADDR2LINE"})
+
+
+def interpreter_variables(environ=None):
+    """The names in ``environ`` the child runs without, sorted."""
+    environ = os.environ if environ is None else environ
+    return sorted(n for n in environ
+                  if (n.startswith("PYTHON") and n not in _KEEP_PYTHON) or n in _DROP)
+
+
+def child_environment(environ=None):
+    environ = os.environ if environ is None else environ
+    dropped = set(interpreter_variables(environ))
+    return {k: v for k, v in environ.items() if k not in dropped}
+
 
 def _child_source():
     global _CHILD_SOURCE
@@ -55,6 +78,7 @@ class Child:
                 stderr=subprocess.STDOUT,
                 pass_fds=(write_fd,),
                 start_new_session=True,
+                env=child_environment(),
             )
         finally:
             os.close(write_fd)

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from probe.message import UNUSABLE, USABLE
+from probe.message import IMAGE, SCOPE, UNUSABLE, UNUSABLE_HERE, USABLE
 from webhook.argv import ExpansionTooLarge, container_argv
 from webhook.imageref import ImageRefError, parse
 from webhook.verdicts import ImageVerdictSpec
@@ -37,6 +37,9 @@ MAX_REASON = 1024
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 
 VerdictName = Literal["Usable", "Unusable"]
+# Where a failure lives (probe/diagnosis.py): only "image" causes are facts about the
+# image that may refuse other people's pods; "environment" ones belong to one pod/node.
+Scope = Literal["image", "environment"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,12 +57,19 @@ class ProbeOutcome:
     image: str
     digest: str | None
     verdict: VerdictName
+    scope: Scope | None  # None for Usable
     reason: str
     report: str
     versions: Versions
     finished_at: str
     exit_code: int
     restart_count: int
+
+    @property
+    def about_the_image(self) -> bool:
+        """Evidence about the image's bytes: a digest the kubelet ran, and either a pass
+        or a cause in the image's files. Only this may become an ImageVerdict."""
+        return self.digest is not None and (self.verdict == "Usable" or self.scope == IMAGE)
 
     @property
     def key(self) -> str:
@@ -136,21 +146,30 @@ def parse_versions(message: str) -> Versions:
     return Versions()
 
 
-def classify(message: str, exit_code: int) -> VerdictName | None:
-    """The verdict a termination stands for, or None when it is no evidence (including
-    "nothing to check", which carries neither verdict line)."""
-    first = message.strip().splitlines()[0] if message.strip() else ""
+def classify(message: str, exit_code: int) -> tuple[VerdictName, Scope | None] | None:
+    """The verdict a termination stands for and, for a failure, where its cause lives;
+    None when it is no evidence (including "nothing to check", which carries neither
+    verdict line). A failure's scope is its first line ("in this image" / "in this
+    pod"), and a ``scope:`` line that says otherwise makes it environment: a message
+    that contradicts itself is not evidence about the image."""
+    lines = message.strip().splitlines()
+    first = lines[0] if lines else ""
     if exit_code == 0 and first.startswith(USABLE):
-        return "Usable"
-    if exit_code == 1 and first.startswith(UNUSABLE):
-        return "Unusable"
-    return None
+        return "Usable", None
+    if exit_code != 1:
+        return None
+    if first.startswith(UNUSABLE_HERE):
+        return "Unusable", "environment"
+    if not first.startswith(UNUSABLE):
+        return None
+    said = [ln[len(SCOPE) :].split(" ", 1)[0] for ln in lines[1:] if ln.startswith(SCOPE)]
+    return "Unusable", "environment" if said and said[0] != IMAGE else "image"
 
 
 def _cause(first_line: str) -> str:
     """The probe's first line without its verdict prefix: the webhook and the Events put
     their own words in front ("… which this image cannot serve: <cause>")."""
-    return first_line.removeprefix(UNUSABLE)
+    return first_line.removeprefix(UNUSABLE).removeprefix(UNUSABLE_HERE)
 
 
 def _termination(status: Mapping[str, Any]) -> tuple[Mapping[str, Any], int] | None:
@@ -203,15 +222,20 @@ def _outcome(status: Mapping[str, Any], spec_images: Mapping[Any, Any]) -> Probe
     code = terminated.get("exitCode")
     if not isinstance(code, int):
         return None
-    verdict = classify(message, code)
-    image = spec_images[name] or status.get("image")
-    if verdict is None or not isinstance(image, str) or not image:
+    classified = classify(message, code)
+    # The image the kubelet ran (status), not the spec's: a pod's init container image
+    # can be patched after the run, and the verdict must name the bytes that were seen.
+    ran = status.get("image")
+    image = ran if isinstance(ran, str) and ran else spec_images[name]
+    if classified is None or not isinstance(image, str) or not image:
         return None
+    verdict, scope = classified
     return ProbeOutcome(
         container=name,
         image=image,
         digest=digest_of(status.get("imageID")),
         verdict=verdict,
+        scope=scope,
         reason=_cause(message.strip().splitlines()[0])[:MAX_REASON],
         report=message.strip()[:4096],
         versions=parse_versions(message),

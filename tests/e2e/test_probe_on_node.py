@@ -115,19 +115,33 @@ def test_a_workloads_pod_stops_in_init_error_before_its_model_download(
     _assert_stopped_before_download(found, models)
 
 
-def test_on_a_complete_image_the_probe_names_only_the_missing_gpu_driver(
+def test_on_a_complete_image_the_missing_driver_is_told_in_the_pod_and_never_learned(
     cluster: ControlPlane, opted_in: str, tmp_path: Path
 ) -> None:
     # The CUDA 13 mooncake build beside CUDA 13 torch, rdma-core installed: nothing in the
-    # image is wrong; this machine has no GPU, so no driver is mounted. Whether such an
-    # outcome may become a verdict is the controller's call (a cause of the node, not of
-    # the image's files); here: the probe says exactly that, and nothing else.
+    # image is wrong; this machine has no GPU, so no driver is mounted. That is a cause
+    # of the pod or its node: the probe says "in this pod" and names only the driver, the
+    # controller posts a Warning Event saying what to fix, and no ImageVerdict is made
+    # (one such pod must not refuse a good image in every namespace).
     pod = worker_pod("sglang-env", opted_in, tmp_path / "models", ENV_ONLY_WORKER.ref)
     pod["spec"]["restartPolicy"] = "Never"
     r = apply(cluster, pod)
     assert r.returncode == 0, r.stderr
     found = wait_probe(cluster, opted_in, ["--field-selector=metadata.name=sglang-env"])
     first = found["terminated"]["message"].splitlines()[0]
+    assert first.startswith("epguard: mooncake elastic EP is unusable in this pod: ")
     assert "libcuda.so.1 (NVIDIA driver not mounted in this container)" in first
     for image_fault in ("libcudart", "rdma-core", "libibverbs", "not built against"):
         assert image_fault not in first
+
+    def told() -> bool:
+        r = cluster.kubectl(
+            "get", "events", "-n", opted_in, "-o", "json",
+            "--field-selector=involvedObject.name=sglang-env,reason=MooncakeProbeFailedInPod",
+        )  # fmt: skip
+        return r.returncode == 0 and bool(json.loads(r.stdout)["items"])
+
+    eventually(told, within=60, what="the controller's MooncakeProbeFailedInPod event")
+    verdicts = json.loads(cluster.kubectl("get", "imageverdicts", "-o", "json").stdout)["items"]
+    learned = [v for v in verdicts if "sglang-env" in v["spec"].get("pod", "")]
+    assert learned == [], learned

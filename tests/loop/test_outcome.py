@@ -131,3 +131,60 @@ def test_with_a_known_probe_image_only_pods_whose_copy_container_runs_it_count(
     assert outcomes_of(pod, probe_image="ghcr.io/epguard/epguard:0.1.0") == []
     pod["spec"]["initContainers"].pop(0)
     assert outcomes_of(pod, probe_image="epguard:dev") == []
+
+
+# --- image causes vs environment causes -------------------------------------------------
+
+IN_THE_POD = (
+    "epguard: mooncake elastic EP is unusable in this pod: mooncake.pg cannot load: "
+    "missing libcuda.so.1 (NVIDIA driver not mounted in this container)\n"
+    "versions: torch=2.13.0+cu130 sglang=0.5.20 mooncake-transfer-engine-cuda13=0.3.13.post1\n"
+    "scope: environment (this pod or its node; the image may be fine)\n"
+    "fix: give this init container the worker's GPU request (nvidia.com/gpu)"
+)
+IN_THE_IMAGE = (
+    "epguard: mooncake elastic EP is unusable in this image: mooncake-transfer-engine "
+    "0.3.13.post1 is built for CUDA 12 (needs libcudart.so.12) but torch 2.13.0+cu130 uses "
+    "CUDA 13\nversions: torch=2.13.0+cu130 sglang=0.5.23 mooncake-transfer-engine=0.3.13.post1\n"
+    "scope: image (in the image's files: the same on every node)\n"
+    "fix: install mooncake-transfer-engine-cuda13==0.3.13.post1"
+)
+
+
+def test_a_cause_in_the_pod_is_an_environment_outcome_that_is_not_about_the_image() -> None:
+    [o] = outcomes_of(pod_with_probe_status(IN_THE_POD, 1))
+    assert (o.verdict, o.scope) == ("Unusable", "environment")
+    assert not o.about_the_image
+    assert o.reason.startswith("mooncake.pg cannot load: missing libcuda.so.1")
+
+
+def test_a_cause_in_the_image_with_a_digest_is_about_the_image() -> None:
+    [o] = outcomes_of(pod_with_probe_status(IN_THE_IMAGE, 1))
+    assert (o.verdict, o.scope) == ("Unusable", "image")
+    assert o.about_the_image
+
+
+def test_an_image_line_contradicted_by_its_scope_line_is_not_about_the_image() -> None:
+    forged = IN_THE_IMAGE.replace("scope: image", "scope: environment")
+    assert classify(forged, 1) == ("Unusable", "environment")
+
+
+def test_no_outcome_without_a_digest_is_about_the_image() -> None:
+    # A tag names bytes that can change; only the digest the kubelet ran is evidence.
+    for message, code in ((IN_THE_IMAGE, 1), (USABLE, 0)):
+        [o] = outcomes_of(pod_with_probe_status(message, code, image_id=""))
+        assert o.digest is None and not o.about_the_image
+
+
+def test_a_pass_with_a_digest_is_about_the_image() -> None:
+    [o] = outcomes_of(pod_with_probe_status(USABLE, 0))
+    assert o.verdict == "Usable" and o.scope is None and o.about_the_image
+
+
+def test_the_verdict_names_the_image_the_kubelet_ran_not_the_patched_spec() -> None:
+    pod = pod_with_probe_status(IN_THE_IMAGE, 1, image="registry.example.com/ran:1")
+    for c in pod["spec"]["initContainers"]:
+        if c["name"] == "epguard-probe":
+            c["image"] = "registry.example.com/victim:1"  # patched after the run
+    [o] = outcomes_of(pod)
+    assert o.image == "registry.example.com/ran:1"

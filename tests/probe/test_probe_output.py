@@ -126,10 +126,12 @@ def test_nothing_to_check_is_one_line_and_exit_zero(tmp_path, worker):
     assert r.report["verdict"] == "not-requested"
 
 
-def test_torch_missing_is_unusable(tmp_path):
+def test_torch_missing_is_unusable_and_an_image_cause(tmp_path):
     r = run_probe(tmp_path, python=sys.executable, env=clean_env())
     assert r.rc == 1
-    assert r.report["classification"] == "torch-unusable"
+    assert r.report["classification"] == "torch-not-installed"
+    assert r.report["scope"] == "image"
+    assert r.lines[0].startswith("epguard: mooncake elastic EP is unusable in this image: ")
     assert "No module named 'torch'" in r.lines[0]
     assert "torch=none" in r.message
 
@@ -183,7 +185,7 @@ def test_runs_on_python_3_8(tmp_path):
     py38 = _python38()
     r = run_probe(tmp_path, python=py38, env=clean_env(), probe_dir=copy_probe(tmp_path))
     assert r.rc == 1, r.stderr
-    assert r.report["classification"] == "torch-unusable"
+    assert r.report["classification"] == "torch-not-installed"
     ok = run_probe(tmp_path, python=py38, env=clean_env(), worker=["x"])
     assert ok.rc == 0 and ok.lines[0].startswith("epguard: nothing to check: ")
 

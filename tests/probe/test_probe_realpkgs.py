@@ -19,6 +19,7 @@ from probe_harness import (
     MTE_NON_CUDA,
     SGLANG_EP,
     SGLANG_PG,
+    clean_env,
     overlay,
     run_probe,
 )
@@ -201,3 +202,19 @@ def test_warns_that_0_3_14_no_longer_serves_sglang_that_imports_mooncake_ep(tmp_
     assert_contract(r)
     assert r.report["required_modules"] == ["mooncake.ep"]
     assert "pin mooncake <= 0.3.13.post1" in r.lines[-1]
+
+
+# --- the worker's interpreter settings are not facts about the image ---------------------
+
+def test_interpreter_variables_copied_from_the_worker_do_not_change_the_diagnosis(tmp_path):
+    # Both once made the genuine probe report "torch does not import" in a good image;
+    # the check now runs without them, says so, and still finds the image's real fault.
+    env = clean_env([overlay(MTE_CUDA12), overlay(SGLANG_PG[0])])
+    env.update(TORCH_LOGS="not_a_component", PYTHONWARNINGS="error")
+    r = run_probe(tmp_path, env=env)
+    assert_contract(r)
+    assert r.classification == "cuda-mismatch"
+    assert r.report["scope"] == "image"
+    [said] = [line for line in r.lines if line.startswith("environment: checked without ")]
+    assert "PYTHONWARNINGS" in said and "TORCH_LOGS" in said
+    assert {"PYTHONWARNINGS", "TORCH_LOGS"} <= set(r.report["checked_without"])

@@ -174,12 +174,18 @@ class Recorder:
     ) -> None:
         now = _now()
         usable = outcome.verdict == "Usable"
+        if usable:
+            reason = "MooncakeProbePassed"
+        elif outcome.scope == "environment":
+            reason = "MooncakeProbeFailedInPod"  # fix the pod spec or the node
+        else:
+            reason = "MooncakeProbeFailed"
         event = client.CoreV1Event(
             metadata=client.V1ObjectMeta(
                 generate_name=f"{about.name}.epguard.", namespace=about.namespace
             ),
             involved_object=about,
-            reason="MooncakeProbePassed" if usable else "MooncakeProbeFailed",
+            reason=reason,
             message=message[:MAX_EVENT_MESSAGE],
             type="Normal" if usable else "Warning",
             source=client.V1EventSource(component=COMPONENT),
@@ -248,12 +254,22 @@ def record_probe_outcomes(body: Mapping[str, Any], memo: kopf.Memo, **_: Any) ->
     owner = recorder.top_owner(namespace, pod_meta.get("ownerReferences"))
     pod = f"{namespace}/{name}"
     for outcome in fresh:
-        recorder.upsert_verdict(outcome, pod)
         message = _message(outcome, pod)
+        if outcome.about_the_image:
+            recorder.upsert_verdict(outcome, pod)
+            log.info("recorded %s for %s from pod %s", outcome.verdict, outcome.image, pod)
+        else:
+            # A cause in this pod or its node (or no digest to pin it to) must not refuse
+            # anyone else's pods: it is told where people look, and nothing is learned.
+            log.info(
+                "not learned (%s) from pod %s: %s",
+                "no image digest" if outcome.digest is None else "environment cause",
+                pod,
+                outcome.reason[:200],
+            )
         recorder.post_event(pod_ref, outcome, message)
         if owner is not None:
             recorder.post_event(owner, outcome, message)
-        log.info("recorded %s for %s from pod %s", outcome.verdict, outcome.image, pod)
     keys = (seen + [o.key for o in fresh])[-MAX_REMEMBERED:]
     recorder.remember(namespace, name, keys)
 
