@@ -264,8 +264,9 @@ def _run(opts, worker):
     dropped = sandbox.interpreter_variables()
     if dropped:
         # Early in the message: evidence is dropped from the end when space is short.
-        evidence.insert(min(2, len(evidence)), "environment: checked without {} (interpreter settings copied "
-                        "from the worker, not facts about the image)".format(", ".join(dropped)))
+        said = ("environment: checked without {} (interpreter settings copied from the "
+                "worker, not facts about the image)").format(", ".join(dropped))
+        evidence.insert(min(2, len(evidence)), said)
     first = head + v.cause
     text = message.render(first, evidence, v.fix, opts.max_message_bytes)
     _write(_termination_path(opts), text)
