@@ -403,12 +403,18 @@ CONTROLLER_OPTIONS: tuple[Option, ...] = (
     # The outage backstop (webhook/backstop.py). It judges as the webhook does, so it
     # reads the webhook's mode, exemption, tag TTL, kinds, namespaces and selector.
     Option(
+        "backstop_enabled",
+        "EPGUARD_BACKSTOP_ENABLED",
+        "keep the outage backstop installed; false removes one an earlier run left",
+        False,
+        boolean,
+    ),
+    Option(
         "backstop",
         "EPGUARD_BACKSTOP",
         "name of the outage backstop (its parameter ConfigMap and the prefix of its "
-        "ValidatingAdmissionPolicies); empty: no backstop, and remove one left installed",
-        "",
-        empty_is_value=True,
+        "ValidatingAdmissionPolicies)",
+        "epguard-backstop",
     ),
     MODE,
     ALLOW_SKIP,

@@ -37,6 +37,7 @@ def test_on_by_default_with_the_webhooks_judgement_settings() -> None:
     )
     env = controller_env(r)
     assert env["EPGUARD_BACKSTOP"] == "epguard-backstop"
+    assert env["EPGUARD_BACKSTOP_ENABLED"] == "true"
     assert env["EPGUARD_MODE"] == "warn"
     assert env["EPGUARD_ALLOW_SKIP"] == "true"
     assert env["EPGUARD_VERDICT_TTL_HOURS"] == "24"
@@ -63,11 +64,21 @@ def test_the_controller_may_touch_only_the_backstops_own_policies_and_configmap(
     [("--set", "backstop.enabled=false"), ("--kube-version", "1.33.0")],
     ids=["disabled", "kubernetes-1.33"],
 )
-def test_off_means_no_policy_rights(args: tuple[str, ...]) -> None:
+def test_off_means_only_the_right_to_remove_its_own_policies(args: tuple[str, ...]) -> None:
+    # Turned off after it was on, the controller removes what the earlier release
+    # installed: delete, by name, and nothing else.
     r = render(*args)
-    assert controller_env(r)["EPGUARD_BACKSTOP"] == ""
-    assert "EPGUARD_MODE" not in controller_env(r)
-    assert policy_rules(r) == []
+    env = controller_env(r)
+    assert env["EPGUARD_BACKSTOP_ENABLED"] == "false"
+    assert env["EPGUARD_BACKSTOP"] == "epguard-backstop"
+    assert "EPGUARD_MODE" not in env
+    names = [policy_name(BackstopConfig("", name="epguard-backstop"), m) for m in MODES]
+    assert [(x["verbs"], x.get("resourceNames")) for x in policy_rules(r)] == [(["delete"], names)]
+    role = r.one("Role", "epguard-controller")
+    configmaps = [x for x in role["rules"] if x["resources"] == ["configmaps"]]
+    assert [(x["verbs"], x.get("resourceNames")) for x in configmaps] == [
+        (["delete"], ["epguard-backstop"])
+    ]
 
 
 def test_turned_off_the_notes_warn_that_known_bad_images_pass_during_an_outage() -> None:

@@ -33,7 +33,7 @@ from devcluster import ControlPlane
 from tests import hostile_pods, realmanifests
 from tests.cluster import running_control_plane
 from webhook.backstop import BackstopConfig, compile_params
-from webhook.controller.backstop import install, write_params
+from webhook.controller.backstop import install, uninstall, write_params
 from webhook.imageref import ImageRefError, parse
 from webhook.policy import PolicyConfig, PolicyState, decide
 from webhook.review import AdmissionRequest
@@ -419,3 +419,24 @@ def test_the_backstop_is_never_stricter_than_the_webhook_on_the_whole_corpus(
     assert stricter == []
     # The check must have teeth: a good share of the corpus is refused by the policy.
     assert both >= 30, both
+
+
+def test_turned_off_after_it_was_on_it_is_removed(cluster: Cluster) -> None:
+    # `helm upgrade --set backstop.enabled=false`: the controller's start removes the
+    # policies, bindings and parameters an earlier release installed under its name.
+    cfg = BackstopConfig(params_namespace=RELEASE_NS, name="epguard-turned-off", kinds=())
+    install(cluster.api, cfg, owner=None)
+    write_params(cluster.api, cfg, compile_params(RuleSet(), _store(), dt.datetime.now(dt.UTC)))
+    adm = client.AdmissionregistrationV1Api(cluster.api)
+    assert {p.metadata.name for p in adm.list_validating_admission_policy().items} >= {
+        f"epguard-turned-off-{m}" for m in ("enforce", "warn", "audit")
+    }
+    assert uninstall(cluster.api, cfg) is True
+    left = [p.metadata.name for p in adm.list_validating_admission_policy().items]
+    left += [b.metadata.name for b in adm.list_validating_admission_policy_binding().items]
+    assert not [n for n in left if n.startswith("epguard-turned-off")]
+    core = client.CoreV1Api(cluster.api)
+    assert "epguard-turned-off" not in {
+        c.metadata.name for c in core.list_namespaced_config_map(RELEASE_NS).items
+    }
+    assert uninstall(cluster.api, cfg) is False  # nothing left: a no-op

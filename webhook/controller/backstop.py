@@ -35,6 +35,7 @@ from kubernetes.client.exceptions import ApiException
 
 from webhook.backstop import BackstopConfig, Params, compile_params, policies
 from webhook.controller.config import ControllerConfig
+from webhook.kube import REQUEST_TIMEOUT
 from webhook.rules import RulesError, RuleSet, load_rules_text
 from webhook.verdicts import GROUP, MAX_VERDICTS, PLURAL, VERSION, VerdictStore, verdict_from_object
 
@@ -127,21 +128,35 @@ def install(api: client.ApiClient, config: BackstopConfig, owner: dict[str, Any]
             )
 
 
-def uninstall(api: client.ApiClient, config: BackstopConfig) -> None:
-    """Remove what ``install`` made (``backstop.enabled: false`` after it was on)."""
+def uninstall(api: client.ApiClient, config: BackstopConfig) -> bool:
+    """Remove what ``install`` and the writer made (the backstop turned off after it was
+    on); True when something was removed."""
     adm = client.AdmissionregistrationV1Api(api)
-    for obj in policies(config):
-        name = obj["metadata"]["name"]
+    calls: list[tuple[Any, tuple[str, ...]]] = [
+        (
+            adm.delete_validating_admission_policy
+            if obj["kind"] == "ValidatingAdmissionPolicy"
+            else adm.delete_validating_admission_policy_binding,
+            (obj["metadata"]["name"],),
+        )
+        for obj in policies(config)
+    ]
+    calls.append(
+        (client.CoreV1Api(api).delete_namespaced_config_map, (config.name, config.params_namespace))
+    )
+    removed = False
+    for delete, args in calls:
         try:
-            if obj["kind"] == "ValidatingAdmissionPolicy":
-                adm.delete_validating_admission_policy(name)
-            else:
-                adm.delete_validating_admission_policy_binding(name)
+            delete(*args, _request_timeout=REQUEST_TIMEOUT)
+            removed = True
         except ApiException as exc:
-            # 403: with the backstop off the chart grants no rights on policies, so
-            # none of ours can have been installed by this release.
-            if exc.status not in (403, 404):
+            # 404: never installed. 403: a chart without the rights to remove it (an
+            # older release); said once, so an admin can delete it by hand.
+            if exc.status == 403:
+                log.warning("not allowed to remove %s; delete it by hand", args[0])
+            elif exc.status != 404:
                 raise
+    return removed
 
 
 def read_rules(api: client.ApiClient, state: BackstopState) -> RuleSet:
@@ -245,8 +260,9 @@ async def start(api: client.ApiClient, config: ControllerConfig) -> BackstopStat
     loop = asyncio.get_running_loop()
     backstop = config.backstop
     if backstop is None:
-        off = BackstopConfig(params_namespace=config.namespace)
-        await loop.run_in_executor(None, uninstall, api, off)
+        off = BackstopConfig(params_namespace=config.namespace, name=config.backstop_name)
+        if await loop.run_in_executor(None, uninstall, api, off):
+            log.info("outage backstop %s removed (it is off)", off.name)
         return None
     ok, version = await loop.run_in_executor(None, server_supported, api)
     if not ok:

@@ -28,8 +28,10 @@ class ControllerConfig:
     policy: certs.TLSPolicy | None
     log_level: str
     kubeconfig: str | None = None
-    # The outage backstop; None: off (and any one left installed is removed).
+    # The outage backstop; None: off (and one left installed under backstop_name is
+    # removed).
     backstop: BackstopConfig | None = None
+    backstop_name: str = "epguard-backstop"
     rules_configmap: str = "epguard-rules"
     rules_key: str = "rules.yaml"
     tag_ttl: dt.timedelta = dt.timedelta(hours=24)
@@ -71,7 +73,7 @@ def parse(
         except ValueError as exc:
             raise SettingsError(f"certificate lifetimes: {exc}") from None
     backstop: BackstopConfig | None = None
-    if v["backstop"]:
+    if v["backstop_enabled"]:
         backstop = BackstopConfig(
             params_namespace=v["namespace"],
             name=v["backstop"],
@@ -96,6 +98,7 @@ def parse(
         log_level=v["log_level"],
         kubeconfig=v["kubeconfig"],
         backstop=backstop,
+        backstop_name=v["backstop"],
         rules_configmap=v["rules_configmap"],
         rules_key=v["rules_key"],
         tag_ttl=dt.timedelta(hours=v["verdict_ttl_hours"]),
