@@ -173,3 +173,47 @@ def test_the_controller_without_cluster_credentials_exits_2_with_one_line(
     assert proc.returncode == 2
     assert proc.stderr.startswith("epguard-controller: no cluster credentials")
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_the_controller_builds_the_backstop_from_the_webhooks_judgement_settings() -> None:
+    config = parse(
+        [],
+        {
+            "EPGUARD_BACKSTOP_ENABLED": "true",
+            "EPGUARD_BACKSTOP": "eg-backstop",
+            "EPGUARD_NAMESPACE": "eg",
+            "EPGUARD_MODE": "warn",
+            "EPGUARD_ALLOW_SKIP": "false",
+            "EPGUARD_EXCLUDE_NAMESPACES": "kube-system, batch,",
+            "EPGUARD_OBJECT_SELECTOR": '{"matchLabels": {"team": "ml"}}',
+            "EPGUARD_VERDICT_TTL_HOURS": "2",
+            "EPGUARD_PEERING": "",
+        },
+    )
+    b = config.backstop
+    assert b is not None
+    assert (b.name, b.params_namespace, b.default_mode, b.allow_skip) == (
+        "eg-backstop", "eg", "warn", False,
+    )  # fmt: skip
+    # The release's own namespace is always excluded, as in the webhooks.
+    assert b.excluded_namespaces == ("kube-system", "batch", "eg")
+    assert b.object_selector == {"matchLabels": {"team": "ml"}}
+    assert config.tag_ttl.total_seconds() == 2 * 3600
+
+
+def test_the_backstop_is_off_unless_enabled_and_keeps_its_name_for_removal() -> None:
+    config = parse([], {"EPGUARD_BACKSTOP": "eg-backstop"})
+    assert config.backstop is None and config.backstop_name == "eg-backstop"
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "says"),
+    [
+        ("EPGUARD_OBJECT_SELECTOR", "[1]", "must be a JSON object"),
+        ("EPGUARD_OBJECT_SELECTOR", "{", "not JSON"),
+        ("EPGUARD_BACKSTOP_ENABLED", "maybe", "EPGUARD_BACKSTOP_ENABLED"),
+    ],
+)
+def test_bad_backstop_settings_are_one_clear_error(variable: str, value: str, says: str) -> None:
+    with pytest.raises(SettingsError, match=says):
+        parse([], {variable: value})
