@@ -260,17 +260,32 @@ def verdict_name(image: str, digest: str | None) -> str:
     return "ref-" + hashlib.sha256(key.encode()).hexdigest()[:40]
 
 
+# The runs an ImageVerdict remembers (``spec.runs``), so a re-delivered pod event is
+# counted once without the controller writing to anyone's pod.
+MAX_RUNS = 20
+
+
+def recorded_runs(previous: Mapping[str, Any] | None) -> list[str]:
+    runs = as_map(previous).get("runs")
+    return [r for r in as_list(runs) if isinstance(r, str)][-MAX_RUNS:]
+
+
 def verdict_spec(
     outcome: ProbeOutcome,
     pod: str,
     now: dt.datetime,
     previous: Mapping[str, Any] | None,
+    run: str = "",
 ) -> ImageVerdictSpec:
-    """The spec to write: the newest outcome replaces the old one; count and firstSeen carry."""
+    """The spec to write: the newest outcome replaces the old one; count and firstSeen
+    carry; ``run`` (the termination, see ``run_key``) joins the remembered runs."""
     stamp = now.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     prev = as_map(previous)
     count = prev.get("count")
     first_seen = prev.get("firstSeen")
+    runs = recorded_runs(prev)
+    if run and run not in runs:
+        runs = [*runs, run][-MAX_RUNS:]
     return {
         "image": outcome.image,
         "digest": outcome.digest or "",
@@ -286,4 +301,11 @@ def verdict_spec(
         "lastSeen": stamp,
         "pod": pod,
         "count": (count if isinstance(count, int) and count > 0 else 0) + 1,
+        "runs": runs,
     }
+
+
+def run_key(pod_uid: str, outcome: ProbeOutcome) -> str:
+    """One probe termination, cluster-wide: the pod's uid (names are reused) and the
+    container's run (restart count and finish time)."""
+    return f"{pod_uid}/{outcome.key}"

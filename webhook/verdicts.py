@@ -52,6 +52,7 @@ class ImageVerdictSpec(TypedDict):
     lastSeen: str
     pod: str  # namespace/name of the pod whose probe saw it
     count: int
+    runs: list[str]  # the last probe terminations counted (pod uid/container/run/time)
 
 
 class ImageVerdictMeta(TypedDict, total=False):

@@ -7,10 +7,13 @@ from pathlib import Path
 
 from tests.loop.probe_pods import pod_with_probe_status, run_real_probe
 from webhook.outcome import (
+    MAX_RUNS,
     classify,
     digest_of,
     outcomes_of,
     parse_versions,
+    recorded_runs,
+    run_key,
     verdict_name,
     verdict_spec,
 )
@@ -105,6 +108,25 @@ def test_verdict_spec_counts_runs_and_keeps_first_seen() -> None:
     assert second["firstSeen"] == "2026-11-30T20:00:00Z"
     assert second["lastSeen"] == "2026-11-30T21:00:00Z"
     assert second["pod"] == "llm/worker-1"
+
+
+def test_the_verdict_remembers_the_runs_it_counted_so_none_counts_twice() -> None:
+    # The controller may not patch pods: the ImageVerdict itself says which probe
+    # terminations it has counted, the last MAX_RUNS of them.
+    [outcome] = outcomes_of(pod_with_probe_status(USABLE, 0))
+    t = dt.datetime(2026, 11, 30, 20, 0, tzinfo=dt.UTC)
+    run = run_key("uid-1", outcome)
+    assert run == "uid-1/epguard-probe/0/2026-11-30T20:00:07Z"
+    spec = verdict_spec(outcome, "llm/w", t, None, run)
+    assert recorded_runs(spec) == [run]
+    again = verdict_spec(outcome, "llm/w", t, spec, run)
+    assert again["runs"] == [run]
+    many: dict[str, object] = dict(spec)
+    for i in range(MAX_RUNS + 5):
+        many = dict(verdict_spec(outcome, "llm/w", t, many, f"uid-{i}/x"))
+    assert len(recorded_runs(many)) == MAX_RUNS
+    assert recorded_runs(many)[-1] == f"uid-{MAX_RUNS + 4}/x"
+    assert recorded_runs({"runs": ["ok", 7, None]}) == ["ok"]  # edited by hand: lenient
 
 
 def test_versions_line_missing_gives_empty_versions() -> None:

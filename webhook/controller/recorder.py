@@ -6,9 +6,10 @@ fails, so every outcome is posted as an Event on the pod *and* on its top owner
 StatefulSet → LeaderWorkerSet, …).
 
 Pod events are re-delivered (every status change, every operator restart), so each
-recorded termination is remembered in a pod annotation and recorded once: the count
-on the ImageVerdict is the number of probe runs that saw the image, not the number
-of watch events.
+termination is recorded once without writing to anyone's pod (the controller has no
+right to patch pods): the ImageVerdict remembers the runs it counted (``spec.runs``),
+so its count is the number of probe runs that saw the image, not of watch events; each
+Event's name is derived from the run, so posting it again is a 409, not a duplicate.
 
 Only the active peer handles events (kopf peering pauses the others), so two
 replicas do not double-count; the ImageVerdict write still carries the
@@ -18,8 +19,9 @@ resourceVersion it read, so a race ends in a 409 and a re-read, not a lost updat
 from __future__ import annotations
 
 import datetime as dt
-import json
+import hashlib
 import logging
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,6 +36,8 @@ from webhook.outcome import (
     ProbeOutcome,
     is_probe,
     outcomes_of,
+    recorded_runs,
+    run_key,
     verdict_name,
     verdict_spec,
 )
@@ -50,8 +54,8 @@ from webhook.workloads import as_list, as_map
 
 log = logging.getLogger("epguard.controller.recorder")
 
-RECORDED_ANNOTATION = "epguard.io/probe-recorded"
-MAX_REMEMBERED = 20
+# Runs this process already recorded: re-delivered events skip the API entirely.
+MAX_DONE = 10_000
 MAX_OWNER_DEPTH = 5
 MAX_EVENT_MESSAGE = 1000
 WRITE_ATTEMPTS = 5
@@ -69,15 +73,6 @@ def has_probe(body: Any, **_: Any) -> bool:
     )
 
 
-def remembered(annotations: Mapping[str, Any]) -> list[str]:
-    raw = annotations.get(RECORDED_ANNOTATION)
-    try:
-        keys = json.loads(raw) if isinstance(raw, str) else []
-    except ValueError:
-        return []
-    return [k for k in keys if isinstance(k, str)] if isinstance(keys, list) else []
-
-
 def _now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
@@ -90,8 +85,18 @@ class Recorder:
         self.api = api
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
+        self.done: OrderedDict[str, None] = OrderedDict()
 
-    def upsert_verdict(self, outcome: ProbeOutcome, pod: str) -> ImageVerdictSpec:
+    def is_done(self, run: str) -> bool:
+        return run in self.done
+
+    def mark_done(self, run: str) -> None:
+        self.done[run] = None
+        while len(self.done) > MAX_DONE:
+            self.done.popitem(last=False)
+
+    def upsert_verdict(self, outcome: ProbeOutcome, pod: str, run: str) -> ImageVerdictSpec | None:
+        """Count this run on the image's ImageVerdict; None when it was counted already."""
         name = verdict_name(outcome.image, outcome.digest)
         for _ in range(WRITE_ATTEMPTS):
             existing: dict[str, Any] | None
@@ -104,7 +109,10 @@ class Recorder:
                 if exc.status != 404:
                     raise
                 existing = None
-            spec = verdict_spec(outcome, pod, _now(), existing.get("spec") if existing else None)
+            previous = existing.get("spec") if existing else None
+            if run in recorded_runs(previous):
+                return None
+            spec = verdict_spec(outcome, pod, _now(), previous, run)
             metadata: ImageVerdictMeta = {
                 "name": name,
                 "labels": {"app.kubernetes.io/managed-by": COMPONENT},
@@ -170,7 +178,7 @@ class Recorder:
         return top
 
     def post_event(
-        self, about: client.V1ObjectReference, outcome: ProbeOutcome, message: str
+        self, about: client.V1ObjectReference, outcome: ProbeOutcome, message: str, run: str
     ) -> None:
         now = _now()
         usable = outcome.verdict == "Usable"
@@ -181,9 +189,7 @@ class Recorder:
         else:
             reason = "MooncakeProbeFailed"
         event = client.CoreV1Event(
-            metadata=client.V1ObjectMeta(
-                generate_name=f"{about.name}.epguard.", namespace=about.namespace
-            ),
+            metadata=client.V1ObjectMeta(name=_event_name(about, run), namespace=about.namespace),
             involved_object=about,
             reason=reason,
             message=message[:MAX_EVENT_MESSAGE],
@@ -198,19 +204,16 @@ class Recorder:
                 str(about.namespace), event, _request_timeout=REQUEST_TIMEOUT
             )
         except ApiException as exc:
+            if exc.status == 409:
+                return  # posted for this run already (a re-delivered pod event)
             # An Event is a courtesy: failing to post one must not stop the verdict.
             log.warning("could not post event on %s/%s: %s", about.kind, about.name, exc.reason)
 
-    def remember(self, namespace: str, name: str, keys: list[str]) -> None:
-        patch = {"metadata": {"annotations": {RECORDED_ANNOTATION: json.dumps(keys)}}}
-        self.core.patch_namespaced_pod(
-            name,
-            namespace,
-            patch,
-            field_manager=COMPONENT,
-            _content_type="application/merge-patch+json",
-            _request_timeout=REQUEST_TIMEOUT,
-        )
+
+def _event_name(about: client.V1ObjectReference, run: str) -> str:
+    """One name per (object, run): a second post of the same outcome is a 409."""
+    digest = hashlib.sha256(f"{about.kind}/{about.name}/{run}".encode()).hexdigest()[:16]
+    return f"{str(about.name)[:200]}.epguard.{digest}"
 
 
 def _message(outcome: ProbeOutcome, pod: str) -> str:
@@ -233,31 +236,36 @@ def record_probe_outcomes(body: Mapping[str, Any], memo: kopf.Memo, **_: Any) ->
     namespace, name = pod_meta.get("namespace"), pod_meta.get("name")
     if not isinstance(namespace, str) or not isinstance(name, str):
         return
-    seen = remembered(as_map(pod_meta.get("annotations")))
+    uid = pod_meta.get("uid")
+    if not isinstance(uid, str) or not uid:
+        return
     config: ControllerConfig | None = memo.get("config")
     probe_image = config.probe_image if config is not None else None
-    fresh = [o for o in outcomes_of(body, probe_image) if o.key not in seen]
-    if not fresh:
-        return
     recorder: Recorder | None = memo.get("recorder")
     if recorder is None:
         recorder = Recorder(memo["api"])
         memo["recorder"] = recorder
-    uid = pod_meta.get("uid")
+    fresh = [
+        (o, run)
+        for o in outcomes_of(body, probe_image)
+        if not recorder.is_done(run := run_key(uid, o))
+    ]
+    if not fresh:
+        return
     pod_ref = client.V1ObjectReference(
         api_version="v1",
         kind="Pod",
         name=name,
         namespace=namespace,
-        uid=uid if isinstance(uid, str) else None,
+        uid=uid,
     )
     owner = recorder.top_owner(namespace, pod_meta.get("ownerReferences"))
     pod = f"{namespace}/{name}"
-    for outcome in fresh:
+    for outcome, run in fresh:
         message = _message(outcome, pod)
         if outcome.about_the_image:
-            recorder.upsert_verdict(outcome, pod)
-            log.info("recorded %s for %s from pod %s", outcome.verdict, outcome.image, pod)
+            if recorder.upsert_verdict(outcome, pod, run) is not None:
+                log.info("recorded %s for %s from pod %s", outcome.verdict, outcome.image, pod)
         else:
             # A cause in this pod or its node (or no digest to pin it to) must not refuse
             # anyone else's pods: it is told where people look, and nothing is learned.
@@ -267,11 +275,10 @@ def record_probe_outcomes(body: Mapping[str, Any], memo: kopf.Memo, **_: Any) ->
                 pod,
                 outcome.reason[:200],
             )
-        recorder.post_event(pod_ref, outcome, message)
+        recorder.post_event(pod_ref, outcome, message, run)
         if owner is not None:
-            recorder.post_event(owner, outcome, message)
-    keys = (seen + [o.key for o in fresh])[-MAX_REMEMBERED:]
-    recorder.remember(namespace, name, keys)
+            recorder.post_event(owner, outcome, message, run)
+        recorder.mark_done(run)
 
 
 def watch_probed_pods_only(settings: kopf.OperatorSettings, **_: Any) -> None:
