@@ -42,9 +42,11 @@ _NO_OTEL: dict[str, Any] = (
 )
 
 
-def admission_route(app: FastAPI, handler: Handler, metrics: Metrics, max_body_bytes: int) -> None:
+def admission_route(
+    app: FastAPI, handler: Handler, metrics: Metrics, max_body_bytes: int, deadline: float
+) -> None:
     """Serve ``handler`` at ``POST /<handler.endpoint>`` through the four layers."""
-    endpoint = AdmissionEndpoint(partial(complete, handler), max_body_bytes)
+    endpoint = AdmissionEndpoint(partial(complete, handler), max_body_bytes, deadline)
     app.add_route(
         f"/{handler.endpoint}",
         Instrumented(metrics, handler, endpoint),  # type: ignore[arg-type]
@@ -58,6 +60,7 @@ def create_app(
     metrics: Metrics,
     *,
     max_body_bytes: int,
+    deadline: float = 3.0,
     injection: InjectionSettings | None = None,
     ready: Callable[[], bool] = lambda: True,
     status: Callable[[], dict[str, Any]] = dict,
@@ -74,9 +77,9 @@ def create_app(
         openapi_url=None,
         **_NO_OTEL,
     )
-    admission_route(app, Validator(state), metrics, max_body_bytes)
+    admission_route(app, Validator(state), metrics, max_body_bytes, deadline)
     if injection is not None:
-        admission_route(app, Injector(state, injection), metrics, max_body_bytes)
+        admission_route(app, Injector(state, injection), metrics, max_body_bytes, deadline)
 
     @app.get("/healthz")
     async def healthz() -> Response:

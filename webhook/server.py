@@ -106,6 +106,7 @@ class Runtime:
             self.state,
             self.metrics,
             max_body_bytes=settings.max_body_bytes,
+            deadline=settings.deadline_seconds,
             injection=InjectionSettings(settings.inject_image, level=settings.probe_level),
             ready=lambda: self.ready,
             status=self.status,

@@ -31,8 +31,11 @@ from webhook.workloads import KindError, KindSpec, parse_kinds
 TRUE = frozenset({"1", "true", "yes", "on"})
 FALSE = frozenset({"0", "false", "no", "off"})
 LOG_LEVELS = ("debug", "info", "warning", "error")
-# The API server's own request limit is 3 MiB: an AdmissionReview is never larger.
-MAX_BODY_BYTES = 3 * 1024 * 1024
+# An object is at most 3 MiB (the API server's request limit), but the review the API
+# server sends for an UPDATE carries the object and the old object, JSON-escaped again
+# (a 600 KB pod full of "<" is 3.6 MB in a review): a valid review must never be refused
+# for its size (a 413 fails open), so the limit is well above two objects.
+MAX_BODY_BYTES = 7 * 1024 * 1024
 
 
 class SettingsError(ValueError):
@@ -261,6 +264,15 @@ WEBHOOK_OPTIONS: tuple[Option, ...] = (
         "largest AdmissionReview accepted, in bytes",
         MAX_BODY_BYTES,
         integer(1, 64 * 1024 * 1024),
+    ),
+    Option(
+        "deadline_seconds",
+        "EPGUARD_DEADLINE_SECONDS",
+        "seconds a large review may take to judge before the answer is an error (500: the "
+        "webhook's failurePolicy applies); below the webhooks' timeoutSeconds (the chart "
+        "gives 60% of it)",
+        3.0,
+        number(positive=True),
     ),
     Option(
         "inject_image",
@@ -521,6 +533,7 @@ class Settings:
     reload_interval: float = _D["reload_interval"]
     log_level: str = _D["log_level"]
     max_body_bytes: int = _D["max_body_bytes"]
+    deadline_seconds: float = _D["deadline_seconds"]
     inject_image: str = _D["inject_image"]
     probe_level: str = _D["probe_level"]
     extra_kinds: tuple[KindSpec, ...] = _D["extra_kinds"]

@@ -108,16 +108,31 @@ def test_refuses_malformed_reviews_with_a_clear_4xx(
     assert message in r.json()["error"]
 
 
-def test_refuses_a_body_over_3_mib(server: RunningServer) -> None:
-    big = review(pod([container(args=["x" * (3 * 1024 * 1024)])]))
+def test_judges_an_update_review_of_two_large_objects(server: RunningServer) -> None:
+    # An UPDATE carries the object and the old one: two pods near the API server's 3 MiB
+    # object limit make a valid review over 6 MB, which must be judged, not refused
+    # (a 413 fails open).
+    obj = pod([container(args=["x" * (3 * 1024 * 1024 - 4096)])])
+    big = review(obj)
+    big["request"]["operation"] = "UPDATE"
+    big["request"]["oldObject"] = obj
+    body = json.dumps(big)
+    assert len(body) > 6_000_000
+    r = post(server, body)
+    assert r.status_code == 200, r.text
+    assert r.json()["response"]["allowed"] is True
+
+
+def test_refuses_a_body_over_7_mib(server: RunningServer) -> None:
+    big = review(pod([container(args=["x" * (7 * 1024 * 1024)])]))
     r = post(server, json.dumps(big))
     assert r.status_code == 413
-    assert "larger than 3145728 bytes" in r.json()["error"]
+    assert f"larger than {7 * 1024 * 1024} bytes" in r.json()["error"]
 
 
-def test_refuses_a_chunked_body_over_3_mib(server: RunningServer) -> None:
+def test_refuses_a_chunked_body_over_7_mib(server: RunningServer) -> None:
     def chunks() -> Any:
-        for _ in range(4):
+        for _ in range(8):
             yield b" " * (1024 * 1024)
 
     with server.client() as c:
