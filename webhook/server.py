@@ -52,7 +52,13 @@ def _file_digest(path: str) -> bytes | None:
 
 
 class Runtime:
-    """Everything one webhook process holds. Raises RulesError / TLSReloadError on a bad start."""
+    """Everything one webhook process holds. Raises TLSReloadError on a bad start.
+
+    A rules file that does not load at start is not fatal: in the chart it is the rules
+    ConfigMap, mounted, and a broken edit of it must not crash-loop the webhook on its
+    next restart. It starts on the built-in rules instead, says so at ERROR, in
+    ``/readyz`` (``rules_file_error``) and in ``epguard_rules_reloads_total{file,
+    rejected}``, and takes the file as soon as it is fixed (the file poll)."""
 
     def __init__(
         self,
@@ -63,10 +69,25 @@ class Runtime:
         self.settings = settings
         self.metrics = Metrics()
         self.rules_path = settings.rules or default_rules_path()
-        file_rules = load_rules_file(self.rules_path)
+        self.rules_file_error: str | None = None
         self._rules_digest = _file_digest(self.rules_path)
+        try:
+            file_rules = load_rules_file(self.rules_path)
+        except RulesError as exc:
+            if self.rules_path == default_rules_path():
+                raise  # the built-in rules themselves: a broken install, not an edit
+            self.rules_file_error = str(exc)
+            self.metrics.rules_reloads.labels("file", "rejected").inc()
+            file_rules = load_rules_file(default_rules_path())
+            log.error(
+                "the rules file does not load; starting on the %d built-in rules until it "
+                "is fixed: %s",
+                len(file_rules),
+                exc,
+            )
+        else:
+            self.metrics.rules_reloads.labels("file", "ok").inc()
         self.metrics.rules_loaded.labels("file").set(len(file_rules))
-        self.metrics.rules_reloads.labels("file", "ok").inc()
         self.verdicts = VerdictStore(dt.timedelta(hours=settings.verdict_ttl_hours))
         self.state = PolicyState(
             rules=RulesHolder(file_rules),
@@ -121,6 +142,7 @@ class Runtime:
             "namespaces_with_settings": len(self.state.namespaces),
             "verdicts": len(self.verdicts),
             "last_rules_error": self.rules_sync.last_error,
+            "rules_file_error": self.rules_file_error,
         }
 
     def check_rules_file(self) -> bool:
@@ -133,8 +155,10 @@ class Runtime:
             rules = load_rules_file(self.rules_path)
         except RulesError as exc:
             self.metrics.rules_reloads.labels("file", "rejected").inc()
+            self.rules_file_error = str(exc)
             log.error("rejected a rules file change, keeping the last good rules: %s", exc)
             return False
+        self.rules_file_error = None
         self.state.rules.set_file(rules)
         self.metrics.rules_reloads.labels("file", "ok").inc()
         self.metrics.rules_loaded.labels("file").set(len(rules))

@@ -44,6 +44,7 @@ def _meta_name(obj: Any) -> str | None:
 
 class Sync(Protocol):
     resource: str
+    off_loop: bool
 
     def replace(self, objects: Iterable[Mapping[str, Any]]) -> None: ...
 
@@ -54,6 +55,10 @@ class RulesConfigMapSync:
     """The live rules: ``data[key]`` of one ConfigMap. A bad edit keeps the last good rules."""
 
     resource = "configmap"
+    # Parsing a rules ConfigMap (YAML, up to 1 MiB, globs compiled) once held the event
+    # loop for seconds: run_watch applies this sync's events on a worker thread. The
+    # holder swaps one reference, which the loop reads atomically.
+    off_loop = True
 
     def __init__(
         self, holder: RulesHolder, namespace: str, name: str, key: str, metrics: Metrics
@@ -123,6 +128,7 @@ class RulesConfigMapSync:
 
 class NamespaceSync:
     resource = "namespace"
+    off_loop = False
 
     def __init__(self, index: NamespaceIndex) -> None:
         self.index = index
@@ -160,6 +166,7 @@ class NamespaceSync:
 
 class VerdictSync:
     resource = "imageverdict"
+    off_loop = False
 
     def __init__(self, store: VerdictStore, metrics: Metrics) -> None:
         self.store = store
@@ -263,7 +270,10 @@ async def run_watch(
             if rv is None:
                 listing = [x async for x in _threaded(lambda: [source.list()], sync.resource)]
                 objects, rv = listing[0]
-                sync.replace(objects)
+                if sync.off_loop:
+                    await asyncio.to_thread(sync.replace, objects)
+                else:
+                    sync.replace(objects)
                 metrics.watch_up.labels(sync.resource).set(1)
                 log.info("watching %s (%d listed at %s)", sync.resource, len(objects), rv)
             started, events = time.monotonic(), 0
@@ -271,7 +281,10 @@ async def run_watch(
                 rv = _resource_version(obj) or rv
                 if kind == "BOOKMARK":
                     continue
-                sync.event(kind, obj)
+                if sync.off_loop:
+                    await asyncio.to_thread(sync.event, kind, obj)
+                else:
+                    sync.event(kind, obj)
                 events += 1
                 metrics.watch_events.labels(sync.resource).inc()
                 delay = 1.0

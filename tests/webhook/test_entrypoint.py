@@ -16,6 +16,7 @@ from webhook_factory import TEST_RULES
 from webhook_pki import issue, make_ca, write_pair
 
 from devcluster.process import free_port
+from webhook.rules import default_rules_path
 from webhook.settings import SettingsError, load
 
 REPO = Path(__file__).resolve().parents[2]
@@ -140,15 +141,57 @@ def test_runs_as_a_process_and_stops_on_sigterm(tmp_path: Path) -> None:
     assert "3 rule(s) from" in out
 
 
-def test_refuses_to_start_with_a_bad_rules_file(tmp_path: Path) -> None:
+def test_a_broken_rules_file_at_start_serves_the_built_in_rules_and_says_so(
+    tmp_path: Path,
+) -> None:
+    # In the chart the rules file is the mounted rules ConfigMap: a broken edit of it must
+    # not crash-loop the webhook on its next restart.
+    issued = issue(make_ca())
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    write_pair(issued, cert, key)
+    (tmp_path / "ca.crt").write_bytes(issued.ca_pem)
     rules = tmp_path / "rules.yaml"
     rules.write_text("rules:\n  - {id: a, image: x, reason: r, remedy: m, action: nope}\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "webhook", "--rules", str(rules)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 2
-    assert "rules[0] (id 'a'): action" in proc.stderr
+    port = free_port()
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("EPGUARD_") and k != "KUBECONFIG"
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "webhook", "--rules", str(rules), "--tls-cert", str(cert),
+         "--tls-key", str(key), "--host", "127.0.0.1", "--port", str(port),
+         "--reload-interval", "0.2"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    ctx = ssl.create_default_context(cafile=str(tmp_path / "ca.crt"))
+
+    def readyz() -> dict[str, object] | None:
+        try:
+            r = httpx.get(f"https://127.0.0.1:{port}/readyz", verify=ctx)
+        except httpx.TransportError:
+            return None
+        body: dict[str, object] = r.json()
+        return body
+
+    try:
+        deadline = time.monotonic() + 60
+        ready = None
+        while time.monotonic() < deadline and proc.poll() is None and ready is None:
+            ready = readyz()
+            time.sleep(0.2)
+        assert ready is not None, "the webhook did not start"
+        assert "rules[0] (id 'a'): action" in str(ready["rules_file_error"])
+        assert ready["rules_source"] == str(default_rules_path())
+        # Fixed: the file is taken, and the error clears.
+        rules.write_text(TEST_RULES)
+        while time.monotonic() < deadline:
+            now = readyz()
+            if now and now["rules_file_error"] is None:
+                assert now["rules_source"] == str(rules)
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError("the fixed rules file was not taken")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    assert "the rules file does not load; starting on the" in out
