@@ -24,7 +24,7 @@ from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from webhook.completion import complete
-from webhook.handler import Handler, Injector, Validator
+from webhook.handler import Handler, Injector, RulesConfigMap, Validator
 from webhook.injection import InjectionSettings
 from webhook.instrumentation import Instrumented
 from webhook.metrics import Metrics
@@ -62,6 +62,7 @@ def create_app(
     max_body_bytes: int,
     deadline: float = 3.0,
     injection: InjectionSettings | None = None,
+    rules_configmap: RulesConfigMap | None = None,
     ready: Callable[[], bool] = lambda: True,
     status: Callable[[], dict[str, Any]] = dict,
     lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None = None,
@@ -77,7 +78,7 @@ def create_app(
         openapi_url=None,
         **_NO_OTEL,
     )
-    admission_route(app, Validator(state), metrics, max_body_bytes, deadline)
+    admission_route(app, Validator(state, rules_configmap), metrics, max_body_bytes, deadline)
     if injection is not None:
         admission_route(app, Injector(state, injection), metrics, max_body_bytes, deadline)
 

@@ -16,6 +16,7 @@ from webhook.injection import InjectionSettings, label_patch, plan
 from webhook.namespaces import INJECT_KEY, opts_in
 from webhook.policy import SKIP_ANNOTATION, Decision, PolicyState, decide, describe_object
 from webhook.review import AdmissionRequest
+from webhook.rules import RulesError, load_rules_text
 from webhook.workloads import annotations_of, as_map
 
 # The result of each handler: a closed set, so metric labels stay bounded.
@@ -84,16 +85,53 @@ def outcome_of(req: AdmissionRequest, d: Decision) -> Outcome:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class RulesConfigMap:
+    """Where the live rules are: epguard judges edits of this one ConfigMap."""
+
+    namespace: str
+    name: str
+    key: str
+
+
+def rules_edit_outcome(req: AdmissionRequest, where: RulesConfigMap) -> Outcome:
+    """An edit of the rules ConfigMap: refused at ``kubectl apply`` when its rules would
+    not load (naming the entry or the YAML line), so a broken edit never reaches the
+    webhook, and never becomes the file a restarted webhook starts from."""
+    meta = as_map(as_map(req.object).get("metadata"))
+    if req.namespace != where.namespace or meta.get("name") != where.name:
+        return Outcome(True, "ignored")
+    text = as_map(as_map(req.object).get("data")).get(where.key)
+    source = f"configmap {where.namespace}/{where.name} key {where.key}"
+    if text is None:
+        return Outcome(
+            True,
+            "warned",
+            warnings=(f"epguard: {source} is missing, so epguard uses its built-in rules",),
+            note=f"rules edit without {where.key}",
+        )
+    try:
+        rules = load_rules_text(text if isinstance(text, str) else "", source)
+    except RulesError as exc:
+        message = f"epguard refuses this rules edit; the rules in use stay as they are: {exc}"
+        return Outcome(False, "denied", message=message, note=f"refused a rules edit: {exc}")
+    return Outcome(True, "allowed", rules=_ALLOWED_RULES, note=f"{len(rules)} rule(s) accepted")
+
+
 class Validator:
-    """``/validate``: the policy engine's decision."""
+    """``/validate``: the policy engine's decision; for the rules ConfigMap, whether its
+    rules load."""
 
     endpoint: str = "validate"
     results: tuple[str, ...] = VALIDATE_RESULTS
 
-    def __init__(self, state: PolicyState) -> None:
+    def __init__(self, state: PolicyState, rules: RulesConfigMap | None = None) -> None:
         self.state = state
+        self.rules = rules
 
     def __call__(self, request: AdmissionRequest) -> Outcome:
+        if self.rules is not None and request.kind.kind == "ConfigMap" and not request.kind.group:
+            return rules_edit_outcome(request, self.rules)
         return outcome_of(request, decide(request, self.state))
 
 

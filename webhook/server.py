@@ -20,6 +20,7 @@ import uvicorn
 from fastapi import APIRouter, FastAPI
 
 from webhook.app import create_app
+from webhook.handler import RulesConfigMap
 from webhook.injection import InjectionSettings
 from webhook.kube import NoCredentials, api_client
 from webhook.metrics import Metrics
@@ -128,6 +129,9 @@ class Runtime:
             self.metrics,
             max_body_bytes=settings.max_body_bytes,
             deadline=settings.deadline_seconds,
+            rules_configmap=RulesConfigMap(
+                settings.namespace, settings.rules_configmap, settings.rules_key
+            ),
             injection=InjectionSettings(settings.inject_image, level=settings.probe_level),
             ready=lambda: self.ready,
             status=self.status,

@@ -226,6 +226,15 @@ def fullname(r: Rendered) -> str:
     return "guard" if r.name == "minimal-values" else "epguard"
 
 
+RULES_WEBHOOK = "rules.epguard.io"
+
+
+def judging(r: Rendered) -> list[dict[str, Any]]:
+    """The webhooks that judge workloads (all but the check of epguard's own rules)."""
+    hooks = r.one("ValidatingWebhookConfiguration")["webhooks"]
+    return [w for w in hooks if w["name"] != RULES_WEBHOOK]
+
+
 class TestValidatingWebhookConfiguration:
     def test_every_webhook_has_the_fixed_safety_settings(self, variant: Rendered) -> None:
         vwc = variant.one("ValidatingWebhookConfiguration")
@@ -243,16 +252,43 @@ class TestValidatingWebhookConfiguration:
     def test_failure_policy_and_timeout_follow_the_values(
         self, ci_file: Callable[..., Rendered]
     ) -> None:
-        for w in ci_file("one-replica-fail-values").one("ValidatingWebhookConfiguration")[
+        hooks = ci_file("one-replica-fail-values").one("ValidatingWebhookConfiguration")[
             "webhooks"
-        ]:
-            assert (w["failurePolicy"], w["timeoutSeconds"]) == ("Fail", 10)
+        ]
+        for w in hooks:
+            # The check of epguard's own rules ConfigMap is always Ignore: an outage must
+            # never keep an admin from fixing the rules.
+            want = "Ignore" if w["name"] == RULES_WEBHOOK else "Fail"
+            assert (w["failurePolicy"], w["timeoutSeconds"]) == (want, 10)
+        assert RULES_WEBHOOK in {w["name"] for w in hooks}
+
+    def test_only_the_rules_configmap_of_the_release_is_checked(self, defaults: Rendered) -> None:
+        [w] = [
+            w
+            for w in defaults.one("ValidatingWebhookConfiguration")["webhooks"]
+            if w["name"] == RULES_WEBHOOK
+        ]
+        assert w["rules"] == [
+            {
+                "apiGroups": [""],
+                "apiVersions": ["v1"],
+                "resources": ["configmaps"],
+                "operations": ["CREATE", "UPDATE"],
+                "scope": "Namespaced",
+            }
+        ]
+        assert w["namespaceSelector"] == {
+            "matchLabels": {"kubernetes.io/metadata.name": "epguard-system"}
+        }
+        assert w["matchConditions"] == [
+            {"name": "the-rules-configmap", "expression": "object.metadata.name == 'epguard-rules'"}
+        ]
 
     def test_rules_cover_pods_and_every_workload_kind_on_create_and_update(
         self, defaults: Rendered
     ) -> None:
         seen = set()
-        for w in defaults.one("ValidatingWebhookConfiguration")["webhooks"]:
+        for w in judging(defaults):
             for rule in w["rules"]:
                 assert rule["operations"] == ["CREATE", "UPDATE"]
                 seen |= {(g, r) for g in rule["apiGroups"] for r in rule["resources"]}
@@ -265,7 +301,7 @@ class TestValidatingWebhookConfiguration:
             (defaults, set()),
             (ci_file("no-exemptions-values"), {"monitoring", "gpu-operator"}),
         ):
-            for w in r.one("ValidatingWebhookConfiguration")["webhooks"]:
+            for w in judging(r):
                 exprs = {e["key"]: e for e in w["namespaceSelector"]["matchExpressions"]}
                 names = exprs["kubernetes.io/metadata.name"]
                 assert names["operator"] == "NotIn"
@@ -306,7 +342,7 @@ class TestValidatingWebhookConfiguration:
         tail = cmdline.BACKEND[len(shortest) :]
         nested = "".join(f"({ch}" for ch in tail) + ")?" * len(tail)
         pattern = shortest + nested
-        for w in defaults.one("ValidatingWebhookConfiguration")["webhooks"]:
+        for w in judging(defaults):
             expression = w["matchConditions"][0]["expression"]
             assert f"contains('{shortest}')" in expression
             assert pattern in expression

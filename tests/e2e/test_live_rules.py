@@ -4,10 +4,13 @@ with no restart. Each test restores the ConfigMap it found."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import pytest
 from e2e_kube import (
+    RELEASE_NAMESPACE,
+    RULES_CONFIGMAP,
     apply,
     denied_by_epguard,
     eventually,
@@ -105,3 +108,23 @@ def test_a_rule_removed_from_the_configmap_stops_refusing_within_10_seconds(
     r = apply(control_plane, obj)
     assert r.returncode == 0, r.stderr
     assert "e2e-live-edit" not in output(r)
+
+
+def test_a_rules_edit_that_does_not_load_is_refused_at_apply_naming_the_entry(
+    control_plane: ControlPlane, live_rules: str
+) -> None:
+    broken = with_rule(live_rules, {**LIVE_RULE, "action": "explode"})
+    patch = json.dumps({"data": {"rules.yaml": broken}})
+    r = control_plane.kubectl(
+        "patch", "configmap", RULES_CONFIGMAP, "-n", RELEASE_NAMESPACE, "--type=merge",
+        "-p", patch,
+    )  # fmt: skip
+    assert r.returncode != 0
+    assert 'admission webhook "rules.epguard.io" denied the request' in r.stderr
+    assert "epguard refuses this rules edit" in r.stderr
+    assert "(id 'e2e-live-edit'): action" in r.stderr
+    # Nothing was written: the ConfigMap still holds what was there.
+    assert rules_text(control_plane) == live_rules
+    # A valid edit still goes through.
+    set_rules_text(control_plane, with_rule(live_rules, LIVE_RULE))
+    assert "e2e-live-edit" in rules_text(control_plane)
