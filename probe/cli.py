@@ -31,6 +31,7 @@ def _sibling(name):
 DEFAULT_TERMINATION_LOG = "/dev/termination-log"
 # SGLang's --config is a tenant's file: read only a regular file of reasonable size.
 MAX_CONFIG_BYTES = 256 * 1024
+MAX_TIMEOUT = 3600
 # How deep the probe checks; the first is the default (the webhook's EPGUARD_PROBE_LEVEL
 # and the chart's injection.probeLevel offer exactly these).
 PROBE_LEVELS = ("import", "smoke")
@@ -216,8 +217,10 @@ def main(argv=None):
     opts = _parser().parse_args(own)  # exits 2 on a usage error
     if opts.max_message_bytes < 200:
         _parser().error("--max-message-bytes must be at least 200")
-    if opts.timeout <= 0:
-        _parser().error("--timeout must be positive")
+    # NaN compares false with everything and inf never fires: both would let one hung
+    # import hold the pod forever (the whole run is bounded by steps x --timeout).
+    if not (0 < opts.timeout <= MAX_TIMEOUT):
+        _parser().error(f"--timeout must be a number of seconds in (0, {MAX_TIMEOUT}]")
     try:
         return _run(opts, worker)
     except Exception as exc:  # noqa: BLE001 - a probe bug must not block the worker

@@ -198,3 +198,10 @@ def test_does_not_write_the_default_termination_log_when_it_is_not_writable(tmp_
     assert proc.returncode == 1
     assert "cannot write" not in proc.stderr
     assert proc.stderr.startswith("epguard: mooncake elastic EP is unusable")
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "3601", "x"])
+def test_a_bad_timeout_is_a_usage_error_not_a_probe_that_never_ends(tmp_path, value):
+    r = run_probe(tmp_path, python=sys.executable, env=clean_env(), opts=["--timeout", value])
+    assert r.rc == 2
+    assert "--timeout" in r.stderr
