@@ -267,7 +267,7 @@ BAD_WORKER = WorkerImage(
     why="CUDA 12 mooncake-transfer-engine 0.3.13.post1 beside CUDA 13 torch 2.13.0",
 )
 # Everything this image needs is in it (the CUDA 13 mooncake build beside CUDA 13 torch,
-# SGLang 0.5.20 importing mooncake.pg, rdma-core userspace, libcurl): its only fault here is the
+# SGLang 0.5.20 importing mooncake.pg, rdma-core userspace, libcurl): its only fault is the
 # machine's, no GPU and so no NVIDIA driver (libcuda.so.1) mounted into the container.
 ENV_ONLY_WORKER = WorkerImage(
     ref="localhost/epguard/sglang:0.5.20-mte-cuda13-0.3.13",
