@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -245,7 +246,11 @@ async def run_writer(api: client.ApiClient, state: BackstopState) -> None:
             if params.next_change is not None:
                 wait = min(wait, max(0.5, (params.next_change - now).total_seconds()))
         except ApiException as exc:
-            log.warning("backstop sync failed (%s %s); retrying", exc.status, exc.reason)
+            log.warning("backstop sync failed (%s %s: %s); retrying", exc.status, exc.reason,
+                        _said(exc))  # fmt: skip
+            wait = POLL
+        except Exception as exc:  # a dropped connection must not end the writer
+            log.warning("backstop sync failed (%s: %s); retrying", type(exc).__name__, exc)
             wait = POLL
         state.wake.clear()
         with contextlib.suppress(TimeoutError):
@@ -284,20 +289,43 @@ async def start(api: client.ApiClient, config: ControllerConfig) -> BackstopStat
     )
 
 
+def _said(exc: ApiException) -> str:
+    """The API server's own message in an error (its Status body), bounded."""
+    try:
+        message = str(json.loads(exc.body or "{}").get("message") or "")
+    except ValueError:
+        message = ""
+    return (message or str(exc.reason))[:500]
+
+
+async def keep(api: client.ApiClient, config: ControllerConfig, memo: kopf.Memo) -> None:
+    """Install (retrying: a just-started API server answered 422 on the node while its
+    storage initialized), then keep the parameters current until cancelled."""
+    delay = 2.0
+    while True:
+        try:
+            state = await start(api, config)
+            break
+        except Exception as exc:
+            # The webhook still judges; the backstop is only for its outages. It must
+            # not keep the controller (and certificate rotation) from starting.
+            said = (
+                f"{exc.status} {exc.reason}: {_said(exc)}"
+                if isinstance(exc, ApiException)
+                else f"{type(exc).__name__}: {exc}"
+            )
+            log.error("outage backstop not installed (%s); retrying in %.0f s", said, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 60.0)
+    if state is not None:
+        memo["backstop"] = state
+        await run_writer(api, state)
+
+
 @kopf.on.startup(id="epguard-backstop-start")
 async def _start(memo: kopf.Memo, **_: Any) -> None:
     config: ControllerConfig = memo["config"]
-    api: client.ApiClient = memo["api"]
-    try:
-        state = await start(api, config)
-    except ApiException as exc:
-        # The webhook still judges; the backstop is only for its outages. Do not keep
-        # the controller (and certificate rotation) from starting over it.
-        log.error("outage backstop not installed (%s %s)", exc.status, exc.reason)
-        return
-    if state is not None:
-        memo["backstop"] = state
-        memo["backstop_task"] = asyncio.create_task(run_writer(api, state))
+    memo["backstop_task"] = asyncio.create_task(keep(memo["api"], config, memo))
 
 
 @kopf.on.cleanup(id="epguard-backstop-stop")
