@@ -28,7 +28,8 @@ cannot be read exactly in CEL, the policy leaves it to the webhook.
   Dynamo and RoleBasedGroup objects (whose templates the engine merges from patches)
   stay with the webhook.
 
-The parameters are one ConfigMap the controller rewrites, one line per refused image
+The parameters are one RefusedImageList (a cluster-scoped epguard.io object holding
+``data.entries``) the controller rewrites, one line per refused image
 (``kind TAB pattern TAB message``), so a new verdict takes effect without touching the
 policy. The CEL uses ``flatten()`` (Kubernetes 1.34's list library).
 """
@@ -50,6 +51,11 @@ from webhook.workloads import KindSpec, TemplatePath
 
 FLAG = "--elastic-ep-backend"
 PARAMS_KEY = "entries"
+# The parameters' kind (the chart's CRD): cluster-scoped, ``data.entries`` as a ConfigMap
+# would hold it. Not a ConfigMap: a policy's paramKind must be readable cluster-wide by
+# whoever creates the policy, and the controller must not read every ConfigMap.
+PARAMS_GROUP, PARAMS_VERSION = "epguard.io", "v1alpha1"
+PARAMS_KIND, PARAMS_PLURAL = "RefusedImageList", "refusedimagelists"
 ACTIONS: dict[Mode, str] = {"enforce": "Deny", "warn": "Warn", "audit": "Audit"}
 # A ConfigMap holds at most 1 MiB; the lines stop well before it. An image refused by a
 # line that did not fit is still refused by the webhook: the policy is only a backstop.
@@ -429,7 +435,10 @@ def policies(config: BackstopConfig) -> list[dict[str, Any]]:
                     # An error in the backstop itself (an old API server, a hostile
                     # object) must not block the cluster: the webhook still judges.
                     "failurePolicy": "Ignore",
-                    "paramKind": {"apiVersion": "v1", "kind": "ConfigMap"},
+                    "paramKind": {
+                        "apiVersion": f"{PARAMS_GROUP}/{PARAMS_VERSION}",
+                        "kind": PARAMS_KIND,
+                    },
                     "matchConstraints": {"resourceRules": resource_rules},
                     "matchConditions": [
                         {"name": "not-exempt", "expression": f"!{exempt}"},
@@ -459,11 +468,8 @@ def policies(config: BackstopConfig) -> list[dict[str, Any]]:
                 "spec": {
                     "policyName": name,
                     "validationActions": [ACTIONS[mode]],
-                    "paramRef": {
-                        "name": config.name,
-                        "namespace": config.params_namespace,
-                        "parameterNotFoundAction": "Allow",
-                    },
+                    # Cluster-scoped parameters: no namespace.
+                    "paramRef": {"name": config.name, "parameterNotFoundAction": "Allow"},
                     "matchResources": {
                         **(
                             {"objectSelector": config.object_selector}

@@ -45,18 +45,29 @@ def test_on_by_default_with_the_webhooks_judgement_settings() -> None:
     assert env["EPGUARD_OBJECT_SELECTOR"] == '{"matchLabels":{"team":"ml"}}'
 
 
-def test_the_controller_may_touch_only_the_backstops_own_policies_and_configmap() -> None:
+def params_rules(r: Rendered) -> list[Obj]:
+    role = r.one("ClusterRole", "epguard-controller")
+    return [x for x in role["rules"] if "refusedimagelists" in x["resources"]]
+
+
+def test_the_controller_may_touch_only_the_backstops_own_policies_and_parameters() -> None:
     r = render()
     names = [policy_name(BackstopConfig("", name="epguard-backstop"), m) for m in MODES]
     by_verbs = {tuple(x["verbs"]): x.get("resourceNames") for x in policy_rules(r)}
     assert by_verbs == {("create",): None, ("get", "update", "delete"): names}
+    # The parameters are epguard's own kind: a ConfigMap paramKind would need read access
+    # to every ConfigMap in the cluster (the API server checks it when a policy is made).
+    assert {tuple(x["verbs"]): x.get("resourceNames") for x in params_rules(r)} == {
+        ("get", "list", "watch", "create"): None,
+        ("update", "delete"): ["epguard-backstop"],
+    }
     role = r.one("Role", "epguard-controller")
     configmaps = [x for x in role["rules"] if x["resources"] == ["configmaps"]]
     assert {tuple(x["verbs"]): x.get("resourceNames") for x in configmaps} == {
-        ("create",): None,
-        ("get", "update"): ["epguard-backstop"],
         ("get",): ["epguard-rules"],
     }
+    cluster = r.one("ClusterRole", "epguard-controller")
+    assert not [x for x in cluster["rules"] if "configmaps" in x["resources"]]
 
 
 @pytest.mark.parametrize(
@@ -74,11 +85,11 @@ def test_off_means_only_the_right_to_remove_its_own_policies(args: tuple[str, ..
     assert "EPGUARD_MODE" not in env
     names = [policy_name(BackstopConfig("", name="epguard-backstop"), m) for m in MODES]
     assert [(x["verbs"], x.get("resourceNames")) for x in policy_rules(r)] == [(["delete"], names)]
-    role = r.one("Role", "epguard-controller")
-    configmaps = [x for x in role["rules"] if x["resources"] == ["configmaps"]]
-    assert [(x["verbs"], x.get("resourceNames")) for x in configmaps] == [
+    assert [(x["verbs"], x.get("resourceNames")) for x in params_rules(r)] == [
         (["delete"], ["epguard-backstop"])
     ]
+    role = r.one("Role", "epguard-controller")
+    assert not [x for x in role["rules"] if x["resources"] == ["configmaps"]]
 
 
 def test_turned_off_the_notes_warn_that_known_bad_images_pass_during_an_outage() -> None:

@@ -31,6 +31,7 @@ from kubernetes.dynamic.exceptions import ResourceNotFoundError
 
 from devcluster import ControlPlane
 from tests import hostile_pods, realmanifests
+from tests.chart.chartlib import render
 from tests.cluster import running_control_plane
 from webhook.backstop import BackstopConfig, compile_params
 from webhook.controller.backstop import install, uninstall, write_params
@@ -87,6 +88,8 @@ def cluster() -> Iterator[Cluster]:
             ),
         ]
         crds += [_path_kind_crd(k.group, k.kind, k.resource, list(k.versions)) for k in PATH_KINDS]
+        # The parameters' kind, exactly as the chart defines it.
+        crds.append(render().one("CustomResourceDefinition", "refusedimagelists.epguard.io"))
         ext = client.ApiextensionsV1Api(api)
         for crd in crds:
             ext.create_custom_resource_definition(crd)
@@ -435,8 +438,7 @@ def test_turned_off_after_it_was_on_it_is_removed(cluster: Cluster) -> None:
     left = [p.metadata.name for p in adm.list_validating_admission_policy().items]
     left += [b.metadata.name for b in adm.list_validating_admission_policy_binding().items]
     assert not [n for n in left if n.startswith("epguard-turned-off")]
-    core = client.CoreV1Api(cluster.api)
-    assert "epguard-turned-off" not in {
-        c.metadata.name for c in core.list_namespaced_config_map(RELEASE_NS).items
-    }
+    custom = client.CustomObjectsApi(cluster.api)
+    listed = custom.list_cluster_custom_object("epguard.io", "v1alpha1", "refusedimagelists")
+    assert "epguard-turned-off" not in {o["metadata"]["name"] for o in listed["items"]}
     assert uninstall(cluster.api, cfg) is False  # nothing left: a no-op

@@ -61,7 +61,7 @@ def _verdict(name: str, digest: str) -> dict[str, Any]:
 
 
 def _params(cp: ControlPlane) -> str:
-    r = cp.kubectl("get", "configmap", BACKSTOP, "-n", RELEASE_NS, "-o", "json")
+    r = cp.kubectl("get", "refusedimagelists.epguard.io", BACKSTOP, "-o", "json")
     return json.loads(r.stdout)["data"].get("entries", "") if r.returncode == 0 else ""
 
 

@@ -1,8 +1,8 @@
 """Keep the outage backstop (webhook/backstop.py) in the cluster.
 
 The controller owns three ValidatingAdmissionPolicies (one per mode) with their
-bindings, and one parameter ConfigMap that lists the refused images. The policies
-change only when the controller's settings do; the ConfigMap follows the rules
+bindings, and one parameter object (a RefusedImageList) that lists the refused images. The policies
+change only when the controller's settings do; the parameters follow the rules
 ConfigMap and the ImageVerdicts:
 
 * every ``POLL`` seconds, and at once on an ImageVerdict event, it lists the
@@ -12,7 +12,7 @@ ConfigMap and the ImageVerdicts:
 * a tag verdict leaves the list when the webhook stops trusting it (``next_change``).
 
 The parameters are computed from the cluster's state alone, never from what one replica
-happened to see: every replica writes the same ConfigMap, so kopf peering (which pauses
+happened to see: every replica writes the same RefusedImageList, so kopf peering (which pauses
 all replicas but one) cannot leave a paused replica writing a stale list.
 
 The policies and the bindings are owned by the chart's ValidatingWebhookConfiguration
@@ -34,9 +34,18 @@ import kopf
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from webhook.backstop import BackstopConfig, Params, compile_params, policies
+from webhook.backstop import (
+    PARAMS_GROUP,
+    PARAMS_KIND,
+    PARAMS_PLURAL,
+    PARAMS_VERSION,
+    BackstopConfig,
+    Params,
+    compile_params,
+    policies,
+)
 from webhook.controller.config import ControllerConfig
-from webhook.kube import REQUEST_TIMEOUT
+from webhook.kube import REQUEST_TIMEOUT, meta
 from webhook.rules import RulesError, RuleSet, load_rules_text
 from webhook.verdicts import GROUP, MAX_VERDICTS, PLURAL, VERSION, VerdictStore, verdict_from_object
 
@@ -143,7 +152,10 @@ def uninstall(api: client.ApiClient, config: BackstopConfig) -> bool:
         for obj in policies(config)
     ]
     calls.append(
-        (client.CoreV1Api(api).delete_namespaced_config_map, (config.name, config.params_namespace))
+        (
+            client.CustomObjectsApi(api).delete_cluster_custom_object,
+            (PARAMS_GROUP, PARAMS_VERSION, PARAMS_PLURAL, config.name),
+        )
     )
     removed = False
     for delete, args in calls:
@@ -154,7 +166,7 @@ def uninstall(api: client.ApiClient, config: BackstopConfig) -> bool:
             # 404: never installed. 403: a chart without the rights to remove it (an
             # older release); said once, so an admin can delete it by hand.
             if exc.status == 403:
-                log.warning("not allowed to remove %s; delete it by hand", args[0])
+                log.warning("not allowed to remove %s; delete it by hand", args[-1])
             elif exc.status != 404:
                 raise
     return removed
@@ -181,21 +193,28 @@ def read_rules(api: client.ApiClient, state: BackstopState) -> RuleSet:
 
 
 def write_params(api: client.ApiClient, config: BackstopConfig, params: Params) -> None:
-    core = client.CoreV1Api(api)
-    body = client.V1ConfigMap(
-        metadata=client.V1ObjectMeta(
-            name=config.name,
-            namespace=config.params_namespace,
-            labels={"app.kubernetes.io/part-of": "epguard"},
-        ),
-        data=params.data(),
-    )
+    """Create or replace the RefusedImageList the policies read."""
+    custom = client.CustomObjectsApi(api)
+    args = (PARAMS_GROUP, PARAMS_VERSION, PARAMS_PLURAL)
+    body: dict[str, Any] = {
+        "apiVersion": f"{PARAMS_GROUP}/{PARAMS_VERSION}",
+        "kind": PARAMS_KIND,
+        "metadata": {"name": config.name, "labels": {"app.kubernetes.io/part-of": "epguard"}},
+        "data": params.data(),
+    }
     try:
-        core.replace_namespaced_config_map(config.name, config.params_namespace, body)
+        current = custom.get_cluster_custom_object(
+            *args, config.name, _request_timeout=REQUEST_TIMEOUT
+        )
     except ApiException as exc:
         if exc.status != 404:
             raise
-        core.create_namespaced_config_map(config.params_namespace, body)
+        custom.create_cluster_custom_object(*args, body, _request_timeout=REQUEST_TIMEOUT)
+        return
+    body["metadata"]["resourceVersion"] = meta(current if isinstance(current, dict) else {}).get(
+        "resourceVersion"
+    )
+    custom.replace_cluster_custom_object(*args, config.name, body, _request_timeout=REQUEST_TIMEOUT)
 
 
 def read_verdicts(api: client.ApiClient, tag_ttl: dt.timedelta) -> VerdictStore:
@@ -236,7 +255,7 @@ def sync_once(api: client.ApiClient, state: BackstopState, now: dt.datetime) -> 
 
 
 async def run_writer(api: client.ApiClient, state: BackstopState) -> None:
-    """Keep the parameter ConfigMap current until cancelled."""
+    """Keep the parameters current until cancelled."""
     loop = asyncio.get_running_loop()
     while True:
         now = dt.datetime.now(dt.UTC)
