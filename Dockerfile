@@ -5,17 +5,17 @@
 # injection webhook can copy it into worker pods.
 #
 #   docker build -t epguard:dev .
-#   docker build --build-arg PYTHON_BASE=python:3.11-slim-bookworm@sha256:<digest> \
+#   docker build --build-arg BASE_IMAGE=python:3.11-slim-bookworm@sha256:<digest> \
 #                --build-arg VERSION=0.1.0 --build-arg REVISION=$(git rev-parse HEAD) .
 #
-# Base pinning: both stages use PYTHON_BASE, so the interpreter the venv was built with
+# Base pinning: both stages use BASE_IMAGE, so the interpreter the venv was built with
 # is the one it runs with. The default is the tag; a release build passes the digest of
 # that tag (`docker buildx imagetools inspect python:3.11-slim-bookworm`) so the build
 # is reproducible. tests/chart/test_image.py checks that both stages share the argument.
-ARG PYTHON_BASE=python:3.11-slim-bookworm
+ARG BASE_IMAGE=python:3.11-slim-bookworm
 
 # --- builder: build epguard's wheel, install it with its dependencies into a venv ------
-FROM ${PYTHON_BASE} AS builder
+FROM ${BASE_IMAGE} AS builder
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1
@@ -32,11 +32,11 @@ RUN python -m pip wheel --no-deps --wheel-dir /wheels . \
  && /opt/epguard/venv/bin/python -m compileall -q /opt/epguard/venv
 
 # --- final: the venv and the probe on a fresh base, no build tools ---------------------
-FROM ${PYTHON_BASE}
+FROM ${BASE_IMAGE}
 ARG VERSION=0.1.0
 ARG REVISION=unknown
 ARG CREATED=unknown
-ARG PYTHON_BASE
+ARG BASE_IMAGE
 LABEL org.opencontainers.image.title="epguard" \
       org.opencontainers.image.description="Refuses SGLang elastic-EP (--elastic-ep-backend mooncake) workers whose image cannot serve it: admission webhook, controller and in-image probe" \
       org.opencontainers.image.version="${VERSION}" \
@@ -44,7 +44,7 @@ LABEL org.opencontainers.image.title="epguard" \
       org.opencontainers.image.created="${CREATED}" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.source="https://github.com/epguard/epguard" \
-      org.opencontainers.image.base.name="${PYTHON_BASE}" \
+      org.opencontainers.image.base.name="${BASE_IMAGE}" \
       io.epguard.probe.path="/opt/epguard/probe"
 
 # The venv's interpreter is a symlink to this base's /usr/local/bin/python3.11.

@@ -228,7 +228,7 @@ def build_epguard() -> Path:
             dest.write_bytes(f.read_bytes())
         subprocess.run(
             buildah("bud", "--quiet", "--network", "host", "--isolation", "chroot",
-                    "--layers=false", "--build-arg", f"PYTHON_BASE={PYTHON_BASE_IMAGE}",
+                    "--layers=false", "--build-arg", f"BASE_IMAGE={PYTHON_BASE_IMAGE}",
                     "--build-arg", f"REVISION={key[:12]}", "-t", EPGUARD_IMAGE, str(context)),
             check=True,
         )  # fmt: skip

@@ -86,9 +86,9 @@ def final_env() -> dict[str, str]:
 class TestDockerfile:
     def test_it_is_multi_stage_with_one_pinned_base_argument(self) -> None:
         assert len(STAGES) >= 2
-        assert ARGS.get("PYTHON_BASE", "").startswith("python:3.11-slim-bookworm")
+        assert ARGS.get("BASE_IMAGE", "").startswith("python:3.11-slim-bookworm")
         for stage in STAGES:
-            assert stage.base == "${PYTHON_BASE}", "every stage must build on the same base"
+            assert stage.base == "${BASE_IMAGE}", "every stage must build on the same base"
 
     def test_the_final_stage_installs_nothing_and_so_has_no_compiler(self) -> None:
         # No RUN at all: whatever the builder needed stays in the builder.
