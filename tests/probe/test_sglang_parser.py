@@ -115,11 +115,12 @@ def server_args(draw: st.DrawFn, release: str) -> list[str]:
     return out
 
 
-def wrapped(args: list[str]) -> list[tuple[str, list[str]]]:
-    """One command line in every launcher and wrapper form the reader knows."""
+def wrapped(args: list[str]) -> list[tuple[str, list[str], dict[str, str]]]:
+    """One command line in every launcher and wrapper form the reader knows, with the
+    container environment the form reads (``$LAUNCH``)."""
     launch = ["python3", "-m", "sglang.launch_server", *args]
     line = shlex.join(launch)
-    return [
+    plain: list[tuple[str, list[str]]] = [
         ("python -m", launch),
         ("abs interpreter", ["/opt/venv/bin/python3.11", "-u", "-m", "sglang.launch_server",
                              *args]),
@@ -132,7 +133,13 @@ def wrapped(args: list[str]) -> list[tuple[str, list[str]]]:
                                   "numactl -N 0 taskset -c 0-7 " + line]),
         ("script with two commands", ["sh", "-c", "echo start && " + line + "\nwait"]),
         ("nested sh -c", ["sh", "-c", "sh -c 'true'; bash -lc " + shlex.quote(line)]),
+        ("dash -c", ["dash", "-c", line]),
+        ("assignments before the command", ["sh", "-c", "A=1 B='x y' " + line]),
+        ("; script", ["sh", "-c", "set -e; cd /w; " + line + "; echo done"]),
     ]
+    with_env = ("variable from the container env", ["sh", "-c", 'exec sh -c "$LAUNCH"'],
+                {"LAUNCH": line})  # fmt: skip
+    return [(form, argv, {}) for form, argv in plain] + [with_env]
 
 
 STATS: Counter[str] = Counter()
@@ -152,8 +159,8 @@ def test_reader_agrees_with_sglangs_own_parser(sglang: tuple[str, SGLangParser])
             return
         expected = truth["backend"] == cmdline.WANTED
         STATS[f"{release} requested"] += expected
-        for form, argv in wrapped(args):
-            got = cmdline.read(argv, release=release)
+        for form, argv, env in wrapped(args):
+            got = cmdline.read(argv, env=env, release=release)
             assert got.requested is expected, (form, argv, truth, got.refusals)
 
     check()
