@@ -34,15 +34,29 @@ def _cases() -> list[tuple[str, list[str]]]:
             cases.append((f"real line {line.line} as a list", words))
     cases += [
         ("dp-lm-head before the flag", [*LAUNCH, "--enable-dp-lm-head", *FLAG]),
-        ("bash -o pipefail", ["bash", "-o", "pipefail", "-c",
-                              shlex.join([*LAUNCH, *FLAG]) + " 2>&1 | tee log"]),
+        (
+            "bash -o pipefail",
+            ["bash", "-o", "pipefail", "-c", shlex.join([*LAUNCH, *FLAG]) + " 2>&1 | tee log"],
+        ),
         ("busybox sh", ["busybox", "sh", "-c", shlex.join([*LAUNCH, *FLAG])]),
-        ("two launch lines", ["sh", "-c", shlex.join([*LAUNCH, "--elastic-ep-backend", "none"])
-                              + "; " + shlex.join([*LAUNCH, *FLAG])]),
-        ("sh -c before the launch", ["sh", "-c", "sh -c 'echo hi' && " + shlex.join(
-            [*LAUNCH, *FLAG])]),
-        ("wrappers", ["env", "A=1", "nohup", "numactl", "-N", "0", "taskset", "-c", "0-3",
-                      *LAUNCH, *FLAG]),
+        (
+            "two launch lines",
+            [
+                "sh",
+                "-c",
+                shlex.join([*LAUNCH, "--elastic-ep-backend", "none"])
+                + "; "
+                + shlex.join([*LAUNCH, *FLAG]),
+            ],
+        ),
+        (
+            "sh -c before the launch",
+            ["sh", "-c", "sh -c 'echo hi' && " + shlex.join([*LAUNCH, *FLAG])],
+        ),
+        (
+            "wrappers",
+            ["env", "A=1", "nohup", "numactl", "-N", "0", "taskset", "-c", "0-3", *LAUNCH, *FLAG],
+        ),
         ("equals form", [*LAUNCH, "--elastic-ep-backend=mooncake"]),
         ("long prefix", [*LAUNCH, "--elastic-ep-backe", "mooncake"]),
         ("none", [*LAUNCH, "--elastic-ep-backend", "none"]),
@@ -85,9 +99,22 @@ def probe_says(tmp_path: Path, argv: list[str]) -> bool:
     # The venv's Python has no torch: a requested check ends quickly with "unusable";
     # what matters here is only whether the probe found a request at all.
     proc = subprocess.run(
-        [sys.executable, str(PROBE_DIR), "--json", "--termination-log", "", "--timeout", "30",
-         "--", *argv],
-        capture_output=True, text=True, timeout=120, env=clean_env(), cwd=tmp_path,
+        [
+            sys.executable,
+            str(PROBE_DIR),
+            "--json",
+            "--termination-log",
+            "",
+            "--timeout",
+            "30",
+            "--",
+            *argv,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=clean_env(),
+        cwd=tmp_path,
     )
     report = json.loads(proc.stdout)
     return bool(report["verdict"] != "not-requested")
@@ -110,7 +137,45 @@ def test_webhook_check_and_probe_give_the_same_answer(
     }
     capsys.readouterr()
     assert len(set(answers.values())) == 1, answers
-    labelled = next((c.requests_mooncake for c in realmanifests.command_lines()
-                     if what.startswith(f"real line {c.line} ")), None)
+    labelled = next(
+        (
+            c.requests_mooncake
+            for c in realmanifests.command_lines()
+            if what.startswith(f"real line {c.line} ")
+        ),
+        None,
+    )
     if labelled is not None:
         assert answers["webhook"] is labelled
+
+
+def test_the_three_agree_on_generated_command_lines(
+    deny_all_server: RunningServer, tmp_path: Path
+) -> None:
+    # A sample of the corpus that tests/probe/test_sglang_parser.py checks against
+    # SGLang's own parser (hypothesis over the real option tables), through all three
+    # entry points: the probe is a process per case, so a sample, not all of it.
+    from hypothesis import HealthCheck, given, settings
+
+    from tests.probe.test_sglang_parser import server_args
+
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(DENY_ALL_RULES)
+    seen: list[bool] = []
+
+    @settings(max_examples=30, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(server_args("0.5.23"))
+    def check(args: list[str]) -> None:
+        launch = ["python3", "-m", "sglang.launch_server", *args]
+        for argv in (launch, ["sh", "-c", shlex.join(launch)]):
+            answers = {
+                "webhook": webhook_says(deny_all_server, argv),
+                "check": check_says(tmp_path, rules, argv),
+                "probe": probe_says(tmp_path, argv),
+            }
+            assert len(set(answers.values())) == 1, (argv, answers)
+            seen.append(answers["webhook"])
+
+    check()
+    assert True in seen and False in seen  # the sample asks both questions
