@@ -115,6 +115,13 @@ def rules_edit_outcome(req: AdmissionRequest, where: RulesConfigMap) -> Outcome:
     except RulesError as exc:
         message = f"epguard refuses this rules edit; the rules in use stay as they are: {exc}"
         return Outcome(False, "denied", message=message, note=f"refused a rules edit: {exc}")
+    if not len(rules):
+        return Outcome(
+            True,
+            "warned",
+            warnings=(f"epguard: {source} holds no rules: no image is refused by rule",),
+            note="rules edit with no rules",
+        )
     return Outcome(True, "allowed", rules=_ALLOWED_RULES, note=f"{len(rules)} rule(s) accepted")
 
 

@@ -57,6 +57,12 @@ def test_an_edit_without_the_key_is_admitted_with_a_warning() -> None:
     assert o.allowed and o.warnings and "built-in rules" in o.warnings[0]
 
 
+def test_an_edit_with_no_rules_is_admitted_with_a_warning() -> None:
+    o = _validate(_edit({"rules.yaml": "rules: []\n"}))
+    assert o.allowed and o.result == "warned"
+    assert "holds no rules" in o.warnings[0]
+
+
 def test_other_configmaps_are_not_judged() -> None:
     for req in (_edit({"rules.yaml": "]["}, name="someone-else"),
                 _edit({"rules.yaml": "]["}, namespace="tenant")):  # fmt: skip
