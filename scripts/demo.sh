@@ -162,7 +162,9 @@ say "An SGLang worker asking for mooncake elastic EP on an image the rule names:
 run cat sglang-bad.yaml
 run kubectl apply -f sglang-bad.yaml
 expect_refused
-expect_text 'admission webhook "pods.epguard.io" denied the request'
+# The outage backstop (a ValidatingAdmissionPolicy) is evaluated by the API server before
+# any webhook, so for a rule-denied image it answers first, with the webhook's message.
+expect_re 'admission webhook "pods.epguard.io" denied the request|ValidatingAdmissionPolicy .epguard-backstop-enforce. .*denied request: epguard \(backstop policy\)'
 expect_text "Mooncake PG was not built against torch==2.14.1"
 expect_text "[epguard rule ml-sglang-0522-mte-0313]"
 run kubectl get pods -n ml
@@ -219,8 +221,8 @@ EOF
 say "The same image in a Deployment is refused at apply, not four crash-looping pods later:"
 run kubectl apply -f deployment.yaml
 expect_refused
-expect_text 'admission webhook "workloads.epguard.io" denied the request'
-expect_text 'container "worker" in spec.template'
+expect_re 'admission webhook "workloads.epguard.io" denied the request|ValidatingAdmissionPolicy .epguard-backstop-enforce. .*denied request: epguard \(backstop policy\)'
+expect_text 'container "worker"'
 run kubectl get deployments -n ml
 expect_no_text "sglang-decode"
 

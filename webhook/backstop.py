@@ -420,7 +420,7 @@ def policies(config: BackstopConfig) -> list[dict[str, Any]]:
     first = f"variables.requesting.filter(x, {_refuses('variables.hits[0]', 'x')})[0]"
     exempt = _skipped("object") if config.allow_skip else "false"
     message = (
-        f"'epguard backstop (the epguard webhook did not answer): container \"' + {first}[0] "
+        f"'epguard (backstop policy): container \"' + {first}[0] "
         f"+ '\" (image ' + {first}[1] + ') requests {FLAG} mooncake, ' + variables.hits[0][2]"
     )
     out: list[dict[str, Any]] = []

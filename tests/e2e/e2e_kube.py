@@ -186,7 +186,13 @@ def eventually(
 
 
 def denied_by_epguard(result: subprocess.CompletedProcess[str]) -> bool:
-    return result.returncode != 0 and "denied the request" in result.stderr
+    """Refused by epguard: its webhook, or its outage backstop. The API server evaluates
+    ValidatingAdmissionPolicies before it calls webhooks, so for a rule-denied image or
+    an Unusable digest the backstop answers first, with the webhook's own message."""
+    err = result.stderr
+    return result.returncode != 0 and (
+        "denied the request" in err or "denied request: epguard (backstop policy)" in err
+    )
 
 
 # --- the live rules ------------------------------------------------------------------
