@@ -11,11 +11,12 @@ dependencies of the extension and torch's CUDA version.
 import re
 
 try:
-    from . import catalog, elf, inventory
+    from . import catalog, elf, inventory, message
 except ImportError:  # run as `python3 probe`: the directory itself is on sys.path
     import catalog
     import elf
     import inventory
+    import message
 
 USABLE, UNUSABLE = "usable", "unusable"
 
@@ -31,8 +32,8 @@ IMAGE_CAUSES = frozenset({
     "torch-not-installed",
 })
 _SCOPE_WORDS = {
-    "image": "image (in the image's files: the same on every node)",
-    "environment": "environment (this pod or its node; the image may be fine)",
+    message.IMAGE: "image (in the image's files: the same on every node)",
+    message.ENVIRONMENT: "environment (this pod or its node; the image may be fine)",
 }
 
 _RDMA = ("libibverbs.so.1", "libmlx5.so.1", "librdmacm.so.1", "libnuma.so.1")
@@ -362,8 +363,8 @@ def diagnose(o):
 
     def finish():
         if v.verdict != USABLE:
-            v.scope = "image" if v.classification in IMAGE_CAUSES else "environment"
-            evidence.insert(1, "scope: " + _SCOPE_WORDS[v.scope])
+            v.scope = message.IMAGE if v.classification in IMAGE_CAUSES else message.ENVIRONMENT
+            evidence.insert(1, message.SCOPE + _SCOPE_WORDS[v.scope])
         for mod, ev in o.imports.items():
             if ev.get("ok") is False and v.classification not in (None,):
                 evidence.append("error ({}): {}".format(mod, _one_line(

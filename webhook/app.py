@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractAsyncContextManager
 from functools import partial
 from typing import Any
@@ -29,7 +30,7 @@ from webhook.injection import InjectionSettings
 from webhook.instrumentation import Instrumented
 from webhook.metrics import Metrics
 from webhook.policy import PolicyState
-from webhook.transport import AdmissionEndpoint
+from webhook.transport import POOL_THREADS, AdmissionEndpoint
 
 # epguard's metrics are Prometheus (instrumentation.py), not OpenTelemetry. FastAPI
 # releases with native OTel support ask three provider globals (and os.environ) on every
@@ -43,10 +44,15 @@ _NO_OTEL: dict[str, Any] = (
 
 
 def admission_route(
-    app: FastAPI, handler: Handler, metrics: Metrics, max_body_bytes: int, deadline: float
+    app: FastAPI,
+    handler: Handler,
+    metrics: Metrics,
+    max_body_bytes: int,
+    deadline: float,
+    pool: ThreadPoolExecutor | None = None,
 ) -> None:
     """Serve ``handler`` at ``POST /<handler.endpoint>`` through the four layers."""
-    endpoint = AdmissionEndpoint(partial(complete, handler), max_body_bytes, deadline)
+    endpoint = AdmissionEndpoint(partial(complete, handler), max_body_bytes, deadline, pool)
     app.add_route(
         f"/{handler.endpoint}",
         Instrumented(metrics, handler, endpoint),  # type: ignore[arg-type]
@@ -78,9 +84,13 @@ def create_app(
         openapi_url=None,
         **_NO_OTEL,
     )
-    admission_route(app, Validator(state, rules_configmap), metrics, max_body_bytes, deadline)
+    # One pool for the large reviews of every endpoint (transport.POOL_THREADS in all).
+    pool = ThreadPoolExecutor(POOL_THREADS, thread_name_prefix="epguard-judge")
+    validator = Validator(state, rules_configmap)
+    admission_route(app, validator, metrics, max_body_bytes, deadline, pool)
     if injection is not None:
-        admission_route(app, Injector(state, injection), metrics, max_body_bytes, deadline)
+        injector = Injector(state, injection)
+        admission_route(app, injector, metrics, max_body_bytes, deadline, pool)
 
     @app.get("/healthz")
     async def healthz() -> Response:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 from kubernetes import client, config
@@ -28,6 +28,8 @@ REQUEST_TIMEOUT = (5.0, 30.0)
 
 # A raw JSON object from the API (the shapes the engine reads are typed where read).
 Json = dict[str, Any]
+# Objects per page of a list call: bounded responses however large the collection.
+LIST_PAGE = 500
 
 
 class NoCredentials(Exception):
@@ -67,6 +69,34 @@ def raw(response: Any) -> Json:
     data = response.data if hasattr(response, "data") else response.read()
     obj = json.loads(data)
     return obj if isinstance(obj, dict) else {}
+
+
+def list_all(
+    fn: Callable[..., Any], *args: Any, max_items: int | None = None, **selectors: Any
+) -> tuple[list[Mapping[str, Any]], str]:
+    """Every object a list call returns, page by page, as raw JSON (no model round trip),
+    and the resourceVersion of the snapshot: the first page's, since every page of a
+    paginated list is one snapshot. Stops after the page that reaches ``max_items``."""
+    items: list[Mapping[str, Any]] = []
+    token: str | None = None
+    first_rv = ""
+    while True:
+        page = raw(
+            fn(
+                *args,
+                limit=LIST_PAGE,
+                _continue=token,
+                _preload_content=False,
+                _request_timeout=REQUEST_TIMEOUT,
+                **selectors,
+            )
+        )
+        page_meta = meta(page)
+        first_rv = first_rv or str(page_meta.get("resourceVersion") or "")
+        items.extend(i for i in page.get("items") or [] if isinstance(i, Mapping))
+        token = page_meta.get("continue") or None
+        if not token or (max_items is not None and len(items) >= max_items):
+            return items, first_rv
 
 
 def resource_path(api_version: str, plural: str, namespace: str | None, name: str = "") -> str:

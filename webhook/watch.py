@@ -27,7 +27,7 @@ from typing import Any, Protocol, TypeVar
 from kubernetes import client
 from kubernetes import watch as kwatch
 
-from webhook.kube import REQUEST_TIMEOUT, raw, status_of
+from webhook.kube import REQUEST_TIMEOUT, list_all, meta, status_of
 from webhook.metrics import Metrics
 from webhook.namespaces import MODE_LABEL, NamespaceIndex
 from webhook.rules import RulesError, RulesHolder, load_rules_text
@@ -252,9 +252,17 @@ async def _threaded(produce: Callable[[], Iterable[T]], name: str) -> AsyncItera
 
 
 def _resource_version(obj: Mapping[str, Any]) -> str | None:
-    meta = obj.get("metadata")
-    rv = meta.get("resourceVersion") if isinstance(meta, Mapping) else None
+    rv = meta(obj).get("resourceVersion")
     return rv if isinstance(rv, str) and rv else None
+
+
+async def _apply(sync: Sync, fn: Callable[..., None], *args: Any) -> None:
+    """Run one of ``sync``'s updates where it belongs: on a worker thread for a sync whose
+    parsing is heavy (``off_loop``), else on the loop."""
+    if sync.off_loop:
+        await asyncio.to_thread(fn, *args)
+    else:
+        fn(*args)
 
 
 async def run_watch(
@@ -270,10 +278,7 @@ async def run_watch(
             if rv is None:
                 listing = [x async for x in _threaded(lambda: [source.list()], sync.resource)]
                 objects, rv = listing[0]
-                if sync.off_loop:
-                    await asyncio.to_thread(sync.replace, objects)
-                else:
-                    sync.replace(objects)
+                await _apply(sync, sync.replace, objects)
                 metrics.watch_up.labels(sync.resource).set(1)
                 log.info("watching %s (%d listed at %s)", sync.resource, len(objects), rv)
             started, events = time.monotonic(), 0
@@ -281,10 +286,7 @@ async def run_watch(
                 rv = _resource_version(obj) or rv
                 if kind == "BOOKMARK":
                     continue
-                if sync.off_loop:
-                    await asyncio.to_thread(sync.event, kind, obj)
-                else:
-                    sync.event(kind, obj)
+                await _apply(sync, sync.event, kind, obj)
                 events += 1
                 metrics.watch_events.labels(sync.resource).inc()
                 delay = 1.0
@@ -317,7 +319,6 @@ async def run_watch(
 
 # The server ends each watch after this long (plus its own jitter); the client resumes.
 WATCH_SECONDS = 300
-LIST_PAGE = 500
 
 
 def kube_sources(api: client.ApiClient, namespace: str, configmap: str) -> dict[str, Source]:
@@ -329,27 +330,7 @@ def kube_sources(api: client.ApiClient, namespace: str, configmap: str) -> dict[
 
     def source(fn: Callable[..., Any], *args: Any, **selectors: Any) -> Source:
         def listing() -> tuple[list[Mapping[str, Any]], str]:
-            items: list[Mapping[str, Any]] = []
-            token: str | None = None
-            first_rv = ""
-            while True:
-                page = raw(
-                    fn(
-                        *args,
-                        limit=LIST_PAGE,
-                        _continue=token,
-                        _preload_content=False,
-                        _request_timeout=REQUEST_TIMEOUT,
-                        **selectors,
-                    )
-                )
-                page_meta = page.get("metadata") or {}
-                # Every page of a paginated list is one snapshot: the first's version.
-                first_rv = first_rv or str(page_meta.get("resourceVersion") or "")
-                items.extend(i for i in page.get("items") or [] if isinstance(i, Mapping))
-                token = page_meta.get("continue") or None
-                if not token:
-                    return items, first_rv
+            return list_all(fn, *args, **selectors)
 
         def watching(rv: str) -> Iterator[tuple[str, Mapping[str, Any]]]:
             w = kwatch.Watch()

@@ -45,7 +45,7 @@ from webhook.backstop import (
     policies,
 )
 from webhook.controller.config import ControllerConfig
-from webhook.kube import REQUEST_TIMEOUT, meta
+from webhook.kube import REQUEST_TIMEOUT, list_all, meta
 from webhook.rules import RulesError, RuleSet, load_rules_text
 from webhook.verdicts import GROUP, MAX_VERDICTS, PLURAL, VERSION, VerdictStore, verdict_from_object
 
@@ -219,21 +219,11 @@ def write_params(api: client.ApiClient, config: BackstopConfig, params: Params) 
 
 def read_verdicts(api: client.ApiClient, tag_ttl: dt.timedelta) -> VerdictStore:
     custom = client.CustomObjectsApi(api)
+    objects, _ = list_all(
+        custom.list_cluster_custom_object, GROUP, VERSION, PLURAL, max_items=MAX_VERDICTS
+    )
     store = VerdictStore(tag_ttl=tag_ttl)
-    verdicts = []
-    token: str | None = None
-    while True:
-        page: dict[str, Any] = custom.list_cluster_custom_object(  # type: ignore[assignment]
-            GROUP, VERSION, PLURAL, limit=500, _continue=token
-        )
-        for obj in page.get("items", []):
-            v = verdict_from_object(obj)
-            if v is not None:
-                verdicts.append(v)
-        token = (page.get("metadata") or {}).get("continue")
-        if not token or len(verdicts) >= MAX_VERDICTS:
-            break
-    store.replace(verdicts)
+    store.replace(v for v in map(verdict_from_object, objects) if v is not None)
     return store
 
 
