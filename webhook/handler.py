@@ -9,14 +9,25 @@ the API server's failurePolicy decides on.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from webhook.injection import InjectionSettings, label_patch, plan
+from webhook.injection import InjectionSettings, metadata_patch, plan, plan_without_probe
 from webhook.namespaces import INJECT_KEY, opts_in
+from webhook.outcome import PROBED_LABEL
 from webhook.policy import SKIP_ANNOTATION, Decision, PolicyState, decide, describe_object
 from webhook.review import AdmissionRequest
 from webhook.rules import RulesError, load_rules_text
+from webhook.signing import (
+    PREFIX,
+    PROBE_VOLUME,
+    SIGNATURE_ANNOTATION,
+    KeyringHolder,
+    parts_of,
+    sign,
+    verify,
+)
 from webhook.workloads import annotations_of, as_map
 
 # The result of each handler: a closed set, so metric labels stay bounded.
@@ -125,6 +136,42 @@ def rules_edit_outcome(req: AdmissionRequest, where: RulesConfigMap) -> Outcome:
     return Outcome(True, "allowed", rules=_ALLOWED_RULES, note=f"{len(rules)} rule(s) accepted")
 
 
+def _name_of(obj: Any) -> str:
+    meta = as_map(as_map(obj).get("metadata"))
+    return str(meta.get("name") or meta.get("generateName") or "?")
+
+
+def forged_parts_outcome(req: AdmissionRequest, keys: KeyringHolder) -> Outcome | None:
+    """A pod whose parts under epguard's names are not exactly what epguard signed is
+    refused, in every mode: this is not a judgement of the image but a pod impersonating
+    epguard, whose "probe" could print any verdict. None: nothing to say.
+
+    Without a key (none loaded yet) nothing is refused here: the controller verifies
+    every pod before it learns anything, so an unsigned probe is never evidence. On
+    UPDATE, parts unchanged since the pod was created pass (a label edit, or a pod
+    signed with a key that has rotated out since)."""
+    if req.kind.kind != "Pod" or req.kind.group or req.subResource:
+        return None
+    if req.operation not in ("CREATE", "UPDATE"):
+        return None
+    obj = as_map(req.object)
+    parts = parts_of(obj)
+    if not parts.present or keys.ring is None:
+        return None
+    checked = verify(keys.ring, req.namespace or "", obj)
+    if checked.ok:
+        return None
+    if req.operation == "UPDATE" and parts_of(as_map(req.oldObject)) == parts:
+        return None
+    message = (
+        f"epguard refuses pod {req.namespace}/{_name_of(obj)}: {checked.reason}. "
+        f"Init containers named {PREFIX}*, the {PROBE_VOLUME} volume, the {PROBED_LABEL} "
+        f"label and the {SIGNATURE_ANNOTATION} annotation are epguard's own: remove them; "
+        f"epguard injects its probe itself into pods that opt in ({INJECT_KEY}=enabled)"
+    )
+    return Outcome(False, "denied", message=message, rules=("forged-probe",), note=message)
+
+
 class Validator:
     """``/validate``: the policy engine's decision; for the rules ConfigMap, whether its
     rules load."""
@@ -139,28 +186,64 @@ class Validator:
     def __call__(self, request: AdmissionRequest) -> Outcome:
         if self.rules is not None and request.kind.kind == "ConfigMap" and not request.kind.group:
             return rules_edit_outcome(request, self.rules)
+        forged = forged_parts_outcome(request, self.state.keys)
+        if forged is not None:
+            return forged
         return outcome_of(request, decide(request, self.state))
+
+
+@dataclass(frozen=True, slots=True)
+class InjectionResult:
+    result: str  # one of MUTATE_RESULTS
+    patch: list[dict[str, Any]]
+    warnings: tuple[str, ...] = ()
+    removed: bool = False  # the pod brought parts under epguard's names; they were removed
+
+
+def _strip_only(obj: Mapping[str, Any], result: str) -> InjectionResult:
+    """No probe for this pod; but whatever it carries under epguard's names goes."""
+    removal = plan_removal(obj)
+    return InjectionResult(result, removal, removed=bool(removal))
+
+
+def plan_removal(obj: Mapping[str, Any]) -> list[dict[str, Any]]:
+    spec_ops = plan_without_probe(obj.get("spec"))
+    return [*spec_ops, *metadata_patch(obj.get("metadata"), probed=False, signature=None)]
 
 
 def injection_for(
     req: AdmissionRequest, state: PolicyState, settings: InjectionSettings
-) -> tuple[str, list[dict[str, Any]]]:
-    """(result, patch) for one request. Opt-in is the namespace label or the pod
+) -> InjectionResult:
+    """The result and patch for one request. Opt-in is the namespace label or the pod
     annotation ``epguard.io/inject: enabled``; the chart's MutatingWebhookConfiguration
     filters on both with CEL already, and this checks again so a misconfigured webhook
-    never injects into a pod that did not ask."""
+    never injects into a pod that did not ask. Either way, parts under epguard's names
+    that the pod brought itself are removed (webhook/signing.py)."""
     if req.kind.kind != "Pod" or req.operation != "CREATE" or req.subResource:
-        return "unchanged", []
-    annotations = annotations_of(req.object)
-    if not (state.namespaces.get(req.namespace).inject or opts_in(annotations.get(INJECT_KEY))):
-        return "not_opted_in", []
-    if state.config.allow_skip and SKIP_ANNOTATION in annotations:
-        return "exempted", []
+        return InjectionResult("unchanged", [])
     obj = as_map(req.object)
+    annotations = annotations_of(obj)
+    if not (state.namespaces.get(req.namespace).inject or opts_in(annotations.get(INJECT_KEY))):
+        return _strip_only(obj, "not_opted_in")
+    if state.config.allow_skip and SKIP_ANNOTATION in annotations:
+        return _strip_only(obj, "exempted")
     injection = plan(obj.get("spec"), settings)
-    if not injection.changed:
-        return "unchanged", []
-    return "injected", [*injection.patch, label_patch(obj.get("metadata"))]
+    if not injection.containers:
+        return _strip_only(obj, "unchanged")
+    ring = state.keys.ring
+    warnings: tuple[str, ...] = ()
+    signature: str | None = None
+    if ring is None:
+        # The probe still stops this pod early; only its result is not learned. The
+        # controller creates the key at start, so this lasts seconds on a fresh install.
+        warnings = (
+            "epguard: the probe was injected unsigned (no signing key loaded yet: "
+            f"{state.keys.error}); its result will not be learned",
+        )
+    else:
+        signature = sign(ring.current, req.namespace or "", injection.containers, injection.volume)
+    patch = [*injection.patch, *metadata_patch(obj.get("metadata"), True, signature)]
+    return InjectionResult("injected", patch, warnings, injection.removed)
 
 
 class Injector:
@@ -177,14 +260,17 @@ class Injector:
         self.settings = settings
 
     def __call__(self, request: AdmissionRequest) -> Outcome:
-        result, patch = injection_for(request, self.state, self.settings)
-        if not patch:
-            return Outcome(True, result)
+        done = injection_for(request, self.state, self.settings)
+        if not done.patch:
+            return Outcome(True, done.result, warnings=done.warnings)
         meta = as_map(as_map(request.object).get("metadata"))
         name = meta.get("name") or meta.get("generateName") or "?"
+        what = "injected the probe into" if done.result == "injected" else "left no probe in"
+        removed = " (removed epguard-* parts it brought itself)" if done.removed else ""
         return Outcome(
             True,
-            result,
-            patch=patch,
-            note=f"injected the probe into pod {request.namespace}/{name}",
+            done.result,
+            warnings=done.warnings,
+            patch=done.patch,
+            note=f"{what} pod {request.namespace}/{name}{removed}",
         )

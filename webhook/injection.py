@@ -33,11 +33,12 @@ from typing import Any
 from probe import shell
 from probe.cli import PROBE_LEVELS
 from webhook.argv import analyse_container
-from webhook.outcome import COPY_CONTAINER, PROBE_CONTAINER, PROBED_LABEL, is_probe
+from webhook.outcome import COPY_CONTAINER, PROBE_CONTAINER, PROBED_LABEL
+from webhook.signing import PROBE_VOLUME, SIGNATURE_ANNOTATION, is_epguard_name
 from webhook.workloads import as_list, as_map
 
 COPY_UID = 65532  # the epguard image's user (Dockerfile)
-VOLUME = "epguard-probe"
+VOLUME = PROBE_VOLUME
 MAX_NAME = 63
 
 # Copies the probe directory with the interpreter the epguard image surely has; a
@@ -58,13 +59,14 @@ class InjectionSettings:
 class Injection:
     patch: list[dict[str, Any]]
     probes: tuple[str, ...]  # names of the probe containers added
+    # What is signed (webhook/signing.py): the injected init containers and the volume.
+    containers: tuple[dict[str, Any], ...] = ()
+    volume: dict[str, Any] | None = None
+    removed: bool = False  # parts under epguard's names that the spec brought were removed
 
     @property
     def changed(self) -> bool:
         return bool(self.patch)
-
-
-NO_CHANGE = Injection(patch=[], probes=())
 
 
 def _extended(resources: Any) -> dict[str, dict[str, Any]]:
@@ -92,7 +94,11 @@ def _probe_container(
         "name": name,
         "image": worker.get("image"),
         "command": [
+            # -I: the probe itself (stdlib only) ignores PYTHON* variables copied from the
+            # worker's env and the user's site-packages; the child that imports torch
+            # gets the image's own (probe/sandbox.py).
             "python3",
+            "-I",
             f"{settings.mount_path}/probe",
             "--termination-log",
             "/dev/termination-log",
@@ -142,16 +148,44 @@ def _copy_container(settings: InjectionSettings) -> dict[str, Any]:
     }
 
 
+def _set_list(path: str, items: list[Any]) -> dict[str, Any]:
+    """Replace a list member (JSON patch ``add`` replaces an existing member), or remove
+    it when nothing is left, since an empty list is not what the tenant wrote."""
+    if items:
+        return {"op": "add", "path": path, "value": items}
+    return {"op": "remove", "path": path}
+
+
+def plan_without_probe(pod_spec: Any, path: str = "/spec") -> list[dict[str, Any]]:
+    """The ops that remove what a spec carries under epguard's names, if anything."""
+    spec = as_map(pod_spec)
+    present = [c for c in as_list(spec.get("initContainers")) if isinstance(c, Mapping)]
+    inits = [c for c in present if not is_epguard_name(c.get("name"))]
+    volumes = [v for v in as_list(spec.get("volumes")) if isinstance(v, Mapping)]
+    kept_volumes = [v for v in volumes if v.get("name") != VOLUME]
+    patch: list[dict[str, Any]] = []
+    if len(inits) != len(present):
+        patch.append(_set_list(f"{path}/initContainers", inits))
+    if len(kept_volumes) != len(volumes):
+        patch.append(_set_list(f"{path}/volumes", kept_volumes))
+    return patch
+
+
 def plan(pod_spec: Any, settings: InjectionSettings, path: str = "/spec") -> Injection:
     """The patch for one pod spec (``path`` points at it: ``/spec/template/spec`` …).
 
-    Idempotent: a spec that already carries a probe is left alone, so reinvocation
-    and UPDATEs change nothing. A spec that does not ask for mooncake is never touched.
+    Everything under epguard's names that the spec already carries (``epguard-*`` init
+    containers, an ``epguard-probe`` volume) is removed first and the probe is injected
+    afresh: a tenant cannot bring a "probe" of its own, and a reinvocation (after a later
+    webhook changed the worker) derives the probe from the worker as it is now. Applying
+    the patch twice gives the same spec. A spec that does not ask for mooncake gets only
+    the removal, if it needs one.
     """
     spec = as_map(pod_spec)
-    inits = [c for c in as_list(spec.get("initContainers")) if isinstance(c, Mapping)]
-    if any(is_probe(c) for c in inits):
-        return NO_CHANGE
+    present = [c for c in as_list(spec.get("initContainers")) if isinstance(c, Mapping)]
+    inits = [c for c in present if not is_epguard_name(c.get("name"))]
+    volumes = [v for v in as_list(spec.get("volumes")) if isinstance(v, Mapping)]
+    kept_volumes = [v for v in volumes if v.get("name") != VOLUME]
     budget = shell.Budget()
     workers = [
         c
@@ -161,37 +195,47 @@ def plan(pod_spec: Any, settings: InjectionSettings, path: str = "/spec") -> Inj
         and c.get("image")
     ]
     if not workers:
-        return NO_CHANGE
+        patch = plan_without_probe(spec, path)
+        return Injection(patch=patch, probes=(), removed=bool(patch))
     many = len(workers) > 1
     probes = [_probe_container(w, _probe_name(str(w.get("name")), many), settings) for w in workers]
-    volumes = [v for v in as_list(spec.get("volumes")) if isinstance(v, Mapping)]
-    patch: list[dict[str, Any]] = [
-        {
-            "op": "add",
-            "path": f"{path}/initContainers",
-            "value": [_copy_container(settings), *probes, *inits],
-        }
+    injected = (_copy_container(settings), *probes)
+    volume = {"name": VOLUME, "emptyDir": {"sizeLimit": "16Mi"}}
+    patch = [
+        {"op": "add", "path": f"{path}/initContainers", "value": [*injected, *inits]},
+        {"op": "add", "path": f"{path}/volumes", "value": [*kept_volumes, volume]},
     ]
-    if not any(v.get("name") == VOLUME for v in volumes):
-        patch.append(
-            {
-                "op": "add",
-                "path": f"{path}/volumes",
-                "value": [*volumes, {"name": VOLUME, "emptyDir": {"sizeLimit": "16Mi"}}],
-            }
-        )
-    return Injection(patch=patch, probes=tuple(p["name"] for p in probes))
+    return Injection(
+        patch=patch,
+        probes=tuple(p["name"] for p in probes),
+        containers=injected,
+        volume=volume,
+        removed=len(inits) != len(present) or len(kept_volumes) != len(volumes),
+    )
 
 
-def label_patch(metadata: Any) -> dict[str, Any]:
-    """The op that labels the pod ``epguard.io/probed=true``, so the controller can watch
-    probed pods alone. JSON patch cannot add to a map that is absent, hence two shapes."""
-    labels = as_map(as_map(metadata).get("labels"))
-    if not labels:
-        return {"op": "add", "path": "/metadata/labels", "value": {PROBED_LABEL: "true"}}
-    # RFC 6901: "/" inside a key is written "~1".
-    return {
-        "op": "add",
-        "path": "/metadata/labels/" + PROBED_LABEL.replace("/", "~1"),
-        "value": "true",
-    }
+def _map_op(
+    metadata: Mapping[str, Any], section: str, key: str, value: str | None
+) -> list[dict[str, Any]]:
+    """Set (``value``) or remove (None) one key of ``metadata[section]``. JSON patch
+    cannot add to a map that is absent, hence the shapes; "/" in a key is "~1"."""
+    current = as_map(metadata.get(section))
+    path = f"/metadata/{section}/" + key.replace("~", "~0").replace("/", "~1")
+    if value is None:
+        return [{"op": "remove", "path": path}] if key in current else []
+    if current.get(key) == value:
+        return []
+    if not current:
+        return [{"op": "add", "path": f"/metadata/{section}", "value": {key: value}}]
+    return [{"op": "add", "path": path, "value": value}]
+
+
+def metadata_patch(metadata: Any, probed: bool, signature: str | None) -> list[dict[str, Any]]:
+    """The pod's ``epguard.io/probed`` label (the controller watches only pods with it)
+    and signature annotation: set for a pod the probe was injected into, removed from
+    any other pod that carries them."""
+    meta = as_map(metadata)
+    return [
+        *_map_op(meta, "labels", PROBED_LABEL, "true" if probed else None),
+        *_map_op(meta, "annotations", SIGNATURE_ANNOTATION, signature if probed else None),
+    ]

@@ -18,6 +18,7 @@ from webhook.namespaces import INJECT_KEY, Mode, NamespaceIndex, opts_in
 from webhook.outcome import is_probe
 from webhook.review import AdmissionRequest
 from webhook.rules import Rule, RuleSet, RulesHolder
+from webhook.signing import KeyringHolder
 from webhook.verdicts import NoVerdicts, VerdictHit, VerdictLookup
 from webhook.workloads import (
     BUILTIN,
@@ -60,6 +61,8 @@ class PolicyState:
     namespaces: NamespaceIndex = field(default_factory=NamespaceIndex)
     verdicts: VerdictLookup = field(default_factory=NoVerdicts)
     config: PolicyConfig = field(default_factory=PolicyConfig)
+    # The probe-signing keys (webhook/signing.py), from the Secret the controller keeps.
+    keys: KeyringHolder = field(default_factory=KeyringHolder)
 
     @classmethod
     def from_rules(cls, rules: RuleSet, config: PolicyConfig | None = None) -> PolicyState:

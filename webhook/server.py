@@ -32,6 +32,7 @@ from webhook.tls import ReloadingTLS
 from webhook.verdicts import VerdictStore
 from webhook.watch import (
     NamespaceSync,
+    ProbeKeySync,
     RulesConfigMapSync,
     Source,
     Sync,
@@ -118,6 +119,7 @@ class Runtime:
         )
         self.syncs: dict[str, Sync] = {
             "configmap": self.rules_sync,
+            "secret": ProbeKeySync(self.state.keys, settings.probe_key_secret, self.metrics),
             "namespace": NamespaceSync(self.state.namespaces),
             "imageverdict": VerdictSync(self.verdicts, self.metrics),
         }
@@ -147,6 +149,9 @@ class Runtime:
             "verdicts": len(self.verdicts),
             "last_rules_error": self.rules_sync.last_error,
             "rules_file_error": self.rules_file_error,
+            # Unsigned probes are injected while no key is held; nothing is refused for it.
+            "probe_key": self.state.keys.ring.current.id if self.state.keys.ring else None,
+            "probe_key_error": self.state.keys.error,
         }
 
     def check_rules_file(self) -> bool:
@@ -197,7 +202,12 @@ class Runtime:
                 "cannot read cluster credentials (%s): running on the rules file alone", exc
             )
             return None
-        return kube_sources(api, self.settings.namespace, self.settings.rules_configmap)
+        return kube_sources(
+            api,
+            self.settings.namespace,
+            self.settings.rules_configmap,
+            self.settings.probe_key_secret,
+        )
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:

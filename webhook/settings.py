@@ -222,6 +222,14 @@ EXTRA_KINDS = Option(
     kinds,
     chart="webhook.extraKinds",
 )
+PROBE_KEY_SECRET = Option(
+    "probe_key_secret",
+    "EPGUARD_PROBE_KEY_SECRET",
+    "Secret (in the release namespace) with the keys that sign injected probes; the "
+    "controller creates and rotates it, the webhook reads it",
+    "epguard-probe-key",
+)
+
 KUBECONFIG = Option(
     "kubeconfig",
     "EPGUARD_KUBECONFIG",
@@ -241,6 +249,7 @@ WEBHOOK_OPTIONS: tuple[Option, ...] = (
     NAMESPACE,
     RULES_CONFIGMAP,
     RULES_KEY,
+    PROBE_KEY_SECRET,
     KUBECONFIG,
     Option(
         "watch",
@@ -294,6 +303,15 @@ WEBHOOK_OPTIONS: tuple[Option, ...] = (
 _TLS = TLSPolicy(dns_names=("defaults",))  # only read for its default lifetimes
 CONTROLLER_OPTIONS: tuple[Option, ...] = (
     NAMESPACE,
+    PROBE_KEY_SECRET,
+    Option(
+        "probe_key_rotation_days",
+        "EPGUARD_PROBE_KEY_ROTATION_DAYS",
+        "days before the probe-signing key is replaced (the previous keys still verify)",
+        30.0,
+        number(positive=True),
+        chart="injection.keyRotationDays",
+    ),
     Option(
         "manage_certs",
         "EPGUARD_MANAGE_CERTS",
@@ -527,6 +545,7 @@ class Settings:
     namespace: str = _D["namespace"]
     rules_configmap: str = _D["rules_configmap"]
     rules_key: str = _D["rules_key"]
+    probe_key_secret: str = _D["probe_key_secret"]
     kubeconfig: str | None = _D["kubeconfig"]
     watch: str = _D["watch"]
     verdict_ttl_hours: float = _D["verdict_ttl_hours"]

@@ -1,5 +1,5 @@
 """Background watches that keep the in-memory state current: the rules
-ConfigMap, Namespace labels, and learned ImageVerdicts.
+ConfigMap, the probe-signing key Secret, Namespace labels, and learned ImageVerdicts.
 
 Each watch lists once and *replaces* the state, then watches from the list's
 resourceVersion on the official client's ``watch.Watch``, in a thread feeding the
@@ -31,6 +31,7 @@ from webhook.kube import REQUEST_TIMEOUT, list_all, meta, status_of
 from webhook.metrics import Metrics
 from webhook.namespaces import MODE_LABEL, NamespaceIndex
 from webhook.rules import RulesError, RulesHolder, load_rules_text
+from webhook.signing import KeyringError, KeyringHolder, keyring_from_secret
 from webhook.verdicts import GROUP, PLURAL, VERSION, VerdictStore, verdict_from_object
 
 log = logging.getLogger("epguard.watch")
@@ -196,6 +197,49 @@ class VerdictSync:
         self.metrics.verdicts_dropped.set(self.store.dropped)
 
 
+class ProbeKeySync:
+    """The probe-signing keyring: one Secret, by name (webhook/signing.py)."""
+
+    resource = "secret"
+    off_loop = False
+
+    def __init__(self, holder: KeyringHolder, name: str, metrics: Metrics) -> None:
+        self.holder = holder
+        self.name = name
+        self.metrics = metrics
+
+    def _apply(self, obj: Mapping[str, Any] | None) -> None:
+        if obj is None:
+            # Keep signing with the keys we had: the controller recreates the Secret, and
+            # a pod signed meanwhile still verifies if the old key comes back; if a new
+            # one does, that pod's result is not learned, which is the safe side.
+            if self.holder.ring is None:
+                self.holder.set(None, f"Secret {self.name} does not exist (yet)")
+            log.warning("probe-signing Secret %s is gone; keeping the keys held", self.name)
+            return
+        try:
+            ring = keyring_from_secret(obj)
+        except KeyringError as exc:
+            log.error(
+                "probe-signing Secret %s is unusable, keeping the keys held: %s", self.name, exc
+            )
+            if self.holder.ring is None:
+                self.holder.set(None, f"Secret {self.name}: {exc}")
+            return
+        changed = self.holder.ring is None or self.holder.ring.current.id != ring.current.id
+        self.holder.set(ring)
+        if changed:
+            log.info("probe-signing key %s in use (%d held)", ring.current.id, len(ring.keys))
+
+    def replace(self, objects: Iterable[Mapping[str, Any]]) -> None:
+        ours = [o for o in objects if _meta_name(o) == self.name]
+        self._apply(ours[0] if ours else None)
+
+    def event(self, kind: str, obj: Mapping[str, Any]) -> None:
+        if _meta_name(obj) == self.name:
+            self._apply(None if kind == "DELETED" else obj)
+
+
 @dataclass
 class Source:
     """How to list and watch one resource, as raw JSON objects. Both calls block (the
@@ -321,9 +365,11 @@ async def run_watch(
 WATCH_SECONDS = 300
 
 
-def kube_sources(api: client.ApiClient, namespace: str, configmap: str) -> dict[str, Source]:
-    """The three sources, over one ApiClient: the rules ConfigMap (by name), Namespaces,
-    ImageVerdicts."""
+def kube_sources(
+    api: client.ApiClient, namespace: str, configmap: str, key_secret: str
+) -> dict[str, Source]:
+    """The four sources, over one ApiClient: the rules ConfigMap and the probe-key Secret
+    (each by name, which RBAC's resourceNames can limit), Namespaces, ImageVerdicts."""
     core = client.CoreV1Api(api)
     custom = client.CustomObjectsApi(api)
     by_name = f"metadata.name={configmap}"
@@ -353,6 +399,9 @@ def kube_sources(api: client.ApiClient, namespace: str, configmap: str) -> dict[
 
     return {
         "configmap": source(core.list_namespaced_config_map, namespace, field_selector=by_name),
+        "secret": source(
+            core.list_namespaced_secret, namespace, field_selector=f"metadata.name={key_secret}"
+        ),
         "namespace": source(core.list_namespace),
         "imageverdict": source(custom.list_cluster_custom_object, GROUP, VERSION, PLURAL),
     }

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
+import jsonpatch
 import pytest
 
 from webhook.injection import (
     COPY_CONTAINER,
     InjectionSettings,
-    label_patch,
+    metadata_patch,
     plan,
 )
 from webhook.namespaces import INJECT_KEY, opts_in, settings_from_labels
@@ -40,12 +40,9 @@ def worker(**extra: Any) -> dict[str, Any]:
 
 
 def apply(spec: dict[str, Any], patch: list[dict[str, Any]]) -> dict[str, Any]:
-    """Apply our add-only patch the way the API server does (add replaces a member)."""
-    out = copy.deepcopy({"spec": spec})
-    for op in patch:
-        assert op["op"] == "add"
-        assert op["path"].startswith("/spec/")
-        out["spec"][op["path"].removeprefix("/spec/")] = op["value"]
+    """Apply the patch as RFC 6902 says (the API server's semantics: add replaces a member)."""
+    assert all(op["path"].startswith("/spec/") for op in patch)
+    out: dict[str, Any] = jsonpatch.apply_patch({"spec": spec}, patch)
     return out["spec"]
 
 
@@ -64,7 +61,7 @@ def test_probe_runs_the_worker_image_with_the_worker_argv() -> None:
     new = apply({"containers": [worker()]}, plan({"containers": [worker()]}, SETTINGS).patch)
     probe = new["initContainers"][1]
     assert probe["image"] == IMAGE
-    assert probe["command"][:2] == ["python3", "/epguard/probe"]
+    assert probe["command"][:3] == ["python3", "-I", "/epguard/probe"]
     sep = probe["command"].index("--")
     assert probe["command"][sep + 1 :] == worker()["command"] + worker()["args"]
     assert probe["terminationMessagePolicy"] == "FallbackToLogsOnError"
@@ -90,8 +87,48 @@ def test_probe_inherits_env_but_no_model_volume() -> None:
 def test_injection_is_idempotent_on_reinvocation() -> None:
     spec = {"containers": [worker()]}
     once = apply(spec, plan(spec, SETTINGS).patch)
-    again = plan(once, SETTINGS)
-    assert not again.changed
+    again = apply(once, plan(once, SETTINGS).patch)
+    assert again == once
+    assert [c["name"] for c in again["initContainers"]] == [COPY_CONTAINER, "epguard-probe"]
+
+
+def test_a_probe_the_tenant_wrote_is_replaced_by_the_injected_one() -> None:
+    forged = {
+        "name": "epguard-probe",
+        "image": IMAGE,
+        "command": ["python3", "-c", "print('epguard: ... unusable'); raise SystemExit(1)"],
+    }
+    own_copy = {"name": COPY_CONTAINER, "image": SETTINGS.epguard_image, "command": ["true"]}
+    spec = {"containers": [worker()], "initContainers": [own_copy, forged, {"name": "fetch"}]}
+    new = apply(spec, plan(spec, SETTINGS).patch)
+    names = [c["name"] for c in new["initContainers"]]
+    assert names == [COPY_CONTAINER, "epguard-probe", "fetch"]
+    assert new["initContainers"][1]["command"][:3] == ["python3", "-I", "/epguard/probe"]
+    assert new["initContainers"][0]["command"] != ["true"]
+
+
+def test_a_volume_the_tenant_named_epguard_probe_becomes_an_empty_dir() -> None:
+    spec = {
+        "containers": [worker()],
+        "volumes": [{"name": "epguard-probe", "hostPath": {"path": "/"}}, {"name": "models"}],
+    }
+    new = apply(spec, plan(spec, SETTINGS).patch)
+    assert new["volumes"] == [
+        {"name": "models"},
+        {"name": "epguard-probe", "emptyDir": {"sizeLimit": "16Mi"}},
+    ]
+
+
+def test_a_pod_without_mooncake_loses_the_epguard_parts_it_brought() -> None:
+    plain = {"name": "web", "image": "nginx"}
+    spec = {
+        "containers": [plain],
+        "initContainers": [{"name": "epguard-probe", "image": "x"}],
+        "volumes": [{"name": "epguard-probe", "emptyDir": {}}],
+    }
+    result = plan(spec, SETTINGS)
+    assert result.removed and not result.probes
+    assert apply(spec, result.patch) == {"containers": [plain]}
 
 
 def test_pods_that_do_not_ask_for_mooncake_are_never_touched() -> None:
@@ -140,14 +177,26 @@ def test_probe_keeps_the_worker_user_so_the_image_runs_as_it_was_built() -> None
     assert probe["securityContext"] == {"runAsUser": 0}
 
 
-def test_label_patch_adds_the_map_when_the_pod_has_no_labels() -> None:
-    assert label_patch({"name": "x"}) == {
-        "op": "add",
-        "path": "/metadata/labels",
-        "value": {"epguard.io/probed": "true"},
+def test_metadata_patch_adds_the_maps_when_the_pod_has_no_labels_or_annotations() -> None:
+    assert metadata_patch({"name": "x"}, probed=True, signature="v1:k:s") == [
+        {"op": "add", "path": "/metadata/labels", "value": {"epguard.io/probed": "true"}},
+        {
+            "op": "add",
+            "path": "/metadata/annotations",
+            "value": {"epguard.io/probe-signature": "v1:k:s"},
+        },
+    ]
+
+
+def test_metadata_patch_escapes_the_slash_when_adding_beside_other_labels() -> None:
+    ops = metadata_patch({"labels": {"app": "sglang"}}, probed=True, signature=None)
+    assert ops == [{"op": "add", "path": "/metadata/labels/epguard.io~1probed", "value": "true"}]
+
+
+def test_metadata_patch_removes_a_label_and_signature_the_tenant_wrote() -> None:
+    meta = {
+        "labels": {"app": "x", "epguard.io/probed": "true"},
+        "annotations": {"epguard.io/probe-signature": "v1:forged:00"},
     }
-
-
-def test_label_patch_escapes_the_slash_when_adding_beside_other_labels() -> None:
-    op = label_patch({"labels": {"app": "sglang"}})
-    assert op == {"op": "add", "path": "/metadata/labels/epguard.io~1probed", "value": "true"}
+    pod = jsonpatch.apply_patch({"metadata": meta}, metadata_patch(meta, False, None))
+    assert pod["metadata"] == {"labels": {"app": "x"}, "annotations": {}}

@@ -2,6 +2,7 @@
 
 ``certificates``  self-managed TLS for the webhook (CA + serving cert in a Secret,
                   caBundle injection, rotation with an overlap)
+``probe_key``     the key that signs injected probes: created, rotated, held
 ``recorder``      probe outcomes in pod status → ImageVerdicts + Events on pod and owner
 ``backstop``      the outage backstop: ValidatingAdmissionPolicies compiled from the
                   deny rules and Unusable verdicts, and their parameter ConfigMap
@@ -17,6 +18,7 @@ one before kopf starts, which is all kopf needs to register the handlers.
 HANDLER_MODULES: tuple[str, ...] = (
     "webhook.controller.login",
     "webhook.controller.certificates",
+    "webhook.controller.probe_key",
     "webhook.controller.recorder",
     "webhook.controller.backstop",
 )

@@ -35,6 +35,8 @@ class ControllerConfig:
     rules_configmap: str = "epguard-rules"
     rules_key: str = "rules.yaml"
     tag_ttl: dt.timedelta = dt.timedelta(hours=24)
+    probe_key_secret: str = "epguard-probe-key"
+    probe_key_rotation: dt.timedelta = dt.timedelta(days=30)
 
 
 def parse(
@@ -102,4 +104,6 @@ def parse(
         rules_configmap=v["rules_configmap"],
         rules_key=v["rules_key"],
         tag_ttl=dt.timedelta(hours=v["verdict_ttl_hours"]),
+        probe_key_secret=v["probe_key_secret"],
+        probe_key_rotation=dt.timedelta(days=v["probe_key_rotation_days"]),
     )

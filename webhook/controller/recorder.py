@@ -30,6 +30,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from webhook.controller.config import ControllerConfig
+from webhook.controller.probe_key import ProbeKeyManager
 from webhook.kube import REQUEST_TIMEOUT, get_object, meta, resource_path
 from webhook.outcome import (
     PROBED_LABEL,
@@ -41,6 +42,7 @@ from webhook.outcome import (
     verdict_name,
     verdict_spec,
 )
+from webhook.signing import Verification, verify
 from webhook.verdicts import (
     GROUP,
     KIND,
@@ -209,6 +211,33 @@ class Recorder:
             # An Event is a courtesy: failing to post one must not stop the verdict.
             log.warning("could not post event on %s/%s: %s", about.kind, about.name, exc.reason)
 
+    def post_untrusted(self, about: client.V1ObjectReference, reason: str, uid: str) -> None:
+        """Once per pod: why nothing is learned from it."""
+        now = _now()
+        event = client.CoreV1Event(
+            metadata=client.V1ObjectMeta(
+                name=_event_name(about, f"{uid}/untrusted"), namespace=about.namespace
+            ),
+            involved_object=about,
+            reason="EpguardProbeNotTrusted",
+            message=(
+                f"epguard learns nothing from this pod's probe: {reason}. Only a probe that "
+                "epguard injected and signed, unchanged since, is evidence about an image"
+            )[:MAX_EVENT_MESSAGE],
+            type="Warning",
+            source=client.V1EventSource(component=COMPONENT),
+            first_timestamp=now,
+            last_timestamp=now,
+            count=1,
+        )
+        try:
+            self.core.create_namespaced_event(
+                str(about.namespace), event, _request_timeout=REQUEST_TIMEOUT
+            )
+        except ApiException as exc:
+            if exc.status != 409:
+                log.warning("could not post event on pod %s: %s", about.name, exc.reason)
+
 
 def _event_name(about: client.V1ObjectReference, run: str) -> str:
     """One name per (object, run): a second post of the same outcome is a 409."""
@@ -259,6 +288,15 @@ def record_probe_outcomes(body: Mapping[str, Any], memo: kopf.Memo, **_: Any) ->
         namespace=namespace,
         uid=uid,
     )
+    checked = _verified(body, namespace, memo.get("probe_keys"))
+    if not checked.ok:
+        # Anyone who can create a pod can write a "probe" that prints any verdict: only
+        # what epguard injected and signed, unchanged since, is evidence.
+        log.warning("not learned from pod %s/%s: %s", namespace, name, checked.reason)
+        recorder.post_untrusted(pod_ref, checked.reason, uid)
+        for _outcome, run in fresh:
+            recorder.mark_done(run)
+        return
     owner = recorder.top_owner(namespace, pod_meta.get("ownerReferences"))
     pod = f"{namespace}/{name}"
     for outcome, run in fresh:
@@ -279,6 +317,24 @@ def record_probe_outcomes(body: Mapping[str, Any], memo: kopf.Memo, **_: Any) ->
         if owner is not None:
             recorder.post_event(owner, outcome, message, run)
         recorder.mark_done(run)
+
+
+def _verified(
+    body: Mapping[str, Any], namespace: str, keys: ProbeKeyManager | None
+) -> Verification:
+    """The pod's signature checked against the keys held, and once more after re-reading
+    the Secret when it names a key not held (another replica may have rotated)."""
+    if keys is None:
+        return Verification(False, "the controller holds no probe-signing key")
+    ring = keys.holder.ring or keys.refresh()
+    if ring is None:
+        return Verification(False, "the controller holds no probe-signing key")
+    checked = verify(ring, namespace, body)
+    if not checked.ok and not checked.key_id:
+        fresh = keys.refresh()
+        if fresh is not None and fresh is not ring:
+            checked = verify(fresh, namespace, body)
+    return checked
 
 
 def watch_probed_pods_only(settings: kopf.OperatorSettings, **_: Any) -> None:

@@ -22,6 +22,8 @@
 {{/* The mutating configuration the injection feature adds; the controller keeps its caBundle. */}}
 {{- define "epguard.mutatingName" -}}{{ include "epguard.fullname" . | trunc 56 | trimSuffix "-" }}-inject{{- end -}}
 {{- define "epguard.rulesConfigMap" -}}epguard-rules{{- end -}}
+{{- /* The Secret with the keys that sign injected probes (the controller creates it). */ -}}
+{{- define "epguard.probeKeySecret" -}}{{ include "epguard.fullname" . | trunc 53 | trimSuffix "-" }}-probe-key{{- end -}}
 {{- /* The outage backstop's name: its parameter ConfigMap, and with -enforce/-warn/-audit
 its ValidatingAdmissionPolicies and their bindings (webhook/backstop.py). */ -}}
 {{- define "epguard.backstopName" -}}{{ include "epguard.fullname" . | trunc 46 | trimSuffix "-" }}-backstop{{- end -}}

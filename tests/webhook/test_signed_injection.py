@@ -1,0 +1,210 @@
+"""Signed injection over real TLS: /mutate signs the probe it injects, /validate refuses a
+pod whose epguard parts are not what was signed, and the controller's check (the same
+``signing.verify``) accepts only the signed pod, unchanged."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import datetime as dt
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonpatch
+import pytest
+from webhook_factory import TEST_RULES, container, pod, review
+from webhook_server import RunningServer, running_server
+
+from webhook.signing import (
+    MAX_KEYS,
+    SIGNATURE_ANNOTATION,
+    KeyringError,
+    keyring_from_secret,
+    new_keyring,
+    parse_keyring,
+    rotated,
+    verify,
+)
+
+INJECT = {"epguard.io/inject": "enabled"}
+NOW = dt.datetime(2026, 12, 1, tzinfo=dt.UTC)
+# A harmless image: no rule refuses it, so any refusal below is about the probe's parts.
+GOOD = "lmsysorg/sglang:v0.5.18-cu130"
+
+
+@pytest.fixture(scope="module")
+def signed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    with running_server(tmp_path_factory.mktemp("signed"), TEST_RULES) as s:
+        s.runtime.state.keys.set(new_keyring(NOW))
+        yield s
+
+
+def post(server: RunningServer, path: str, body: Any) -> dict[str, Any]:
+    with server.client() as client:
+        r = client.post(path, json=body)
+    assert r.status_code == 200, r.text
+    response: dict[str, Any] = r.json()["response"]
+    return response
+
+
+def injected(server: RunningServer, obj: dict[str, Any]) -> dict[str, Any]:
+    """The pod as the API server stores it after /mutate."""
+    response = post(server, "/mutate", review(obj))
+    ops = json.loads(base64.b64decode(response["patch"]))
+    out: dict[str, Any] = jsonpatch.apply_patch(obj, ops)
+    return out
+
+
+def worker_pod(**kw: Any) -> dict[str, Any]:
+    return pod([container(image=GOOD)], annotations=INJECT, **kw)
+
+
+def test_the_injected_probe_is_signed_and_verifies(signed: RunningServer) -> None:
+    stored = injected(signed, worker_pod())
+    assert stored["metadata"]["annotations"][SIGNATURE_ANNOTATION].startswith("v1:")
+    ring = signed.runtime.state.keys.ring
+    assert ring is not None and verify(ring, "ml", stored).ok
+    assert post(signed, "/validate", review(stored))["allowed"] is True
+
+
+def test_a_forged_probe_is_refused_naming_what_is_epguards(signed: RunningServer) -> None:
+    forged = {
+        "name": "epguard-probe",
+        "image": GOOD,
+        "command": [
+            "python3",
+            "-c",
+            "print('epguard: ...'); raise SystemExit(1)",
+            "/epguard/probe",
+        ],
+        "args": ["--", "python3", "-m", "sglang.launch_server", "--elastic-ep-backend", "mooncake"],
+    }
+    obj = pod([container(image=GOOD)], init=[forged])
+    obj["metadata"]["labels"] = {"epguard.io/probed": "true"}
+    response = post(signed, "/validate", review(obj))
+    assert response["allowed"] is False
+    message = response["status"]["message"]
+    assert "carry no epguard.io/probe-signature" in message
+    assert "epguard-*" in message and "epguard.io/inject=enabled" in message
+
+
+def test_a_signed_pod_with_its_probe_image_patched_is_refused(signed: RunningServer) -> None:
+    stored = injected(signed, worker_pod())
+    patched = copy.deepcopy(stored)
+    patched["spec"]["initContainers"][1]["image"] = "attacker/any:latest"
+    response = post(signed, "/validate", review(patched, operation="UPDATE", old=stored))
+    assert response["allowed"] is False
+    assert "differ from what epguard injected" in response["status"]["message"]
+    ring = signed.runtime.state.keys.ring
+    assert ring is not None and not verify(ring, "ml", patched).ok
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda p: (
+            p["spec"]["initContainers"][1]
+            .setdefault("env", [])
+            .append({"name": "PYTHONWARNINGS", "value": "error"})
+        ),
+        lambda p: p["spec"]["initContainers"][0].update(image="attacker/copy:1"),
+        lambda p: p["spec"]["initContainers"][1]["command"].append("--extra"),
+        lambda p: p["spec"]["volumes"][-1].update(emptyDir=None, hostPath={"path": "/"}),
+        lambda p: p["spec"]["initContainers"].append({"name": "epguard-extra", "image": "x"}),
+    ],
+    ids=["env", "copy-image", "command", "volume", "extra-container"],
+)
+def test_any_change_to_the_signed_parts_fails_verification(
+    signed: RunningServer, change: Any
+) -> None:
+    stored = injected(signed, worker_pod())
+    ring = signed.runtime.state.keys.ring
+    assert ring is not None and verify(ring, "ml", stored).ok
+    changed = copy.deepcopy(stored)
+    change(changed)
+    assert not verify(ring, "ml", changed).ok
+
+
+def test_a_signed_spec_copied_to_another_namespace_does_not_verify(signed: RunningServer) -> None:
+    stored = injected(signed, worker_pod())
+    ring = signed.runtime.state.keys.ring
+    assert ring is not None
+    assert not verify(ring, "other-team", stored).ok
+    copied = copy.deepcopy(stored)
+    copied["metadata"]["namespace"] = "other-team"
+    body = review(copied)
+    body["request"]["namespace"] = "other-team"
+    assert post(signed, "/validate", body)["allowed"] is False
+
+
+def test_the_label_added_to_an_unsigned_pod_is_refused(signed: RunningServer) -> None:
+    old = pod([container(image=GOOD)])
+    new = copy.deepcopy(old)
+    new["metadata"]["labels"] = {"epguard.io/probed": "true"}
+    assert post(signed, "/validate", review(new, operation="UPDATE", old=old))["allowed"] is False
+
+
+def test_an_update_that_leaves_the_parts_as_created_is_allowed(signed: RunningServer) -> None:
+    stored = injected(signed, worker_pod())
+    stale = copy.deepcopy(stored)
+    stale["metadata"]["annotations"][SIGNATURE_ANNOTATION] = "v1:rotated-away:00"
+    relabelled = copy.deepcopy(stale)
+    relabelled["metadata"]["labels"]["team"] = "a"
+    body = review(relabelled, operation="UPDATE", old=stale)
+    assert post(signed, "/validate", body)["allowed"] is True
+
+
+def test_mutate_removes_a_forged_probe_and_signs_its_own(signed: RunningServer) -> None:
+    forged = {"name": "epguard-probe", "image": GOOD, "command": ["sh", "-c", "echo forged"]}
+    obj = worker_pod()
+    obj["spec"]["initContainers"] = [forged]
+    obj["metadata"]["annotations"][SIGNATURE_ANNOTATION] = "v1:forged:00"
+    stored = injected(signed, obj)
+    probes = [c for c in stored["spec"]["initContainers"] if c["name"] == "epguard-probe"]
+    assert len(probes) == 1 and "-I" in probes[0]["command"]
+    ring = signed.runtime.state.keys.ring
+    assert ring is not None and verify(ring, "ml", stored).ok
+
+
+def test_without_a_key_the_probe_is_injected_unsigned_with_a_warning(
+    tmp_path: Path,
+) -> None:
+    with running_server(tmp_path, TEST_RULES) as unkeyed:
+        response = post(unkeyed, "/mutate", review(worker_pod()))
+        assert response["allowed"] is True and "patch" in response
+        assert any("injected unsigned" in w for w in response["warnings"])
+        with unkeyed.client() as client:
+            ready = client.get("/readyz").json()
+        assert ready["probe_key"] is None and ready["probe_key_error"]
+
+
+def test_the_keyring_round_trips_and_rotation_keeps_older_keys() -> None:
+    ring = new_keyring(NOW)
+    again = parse_keyring(ring.to_json())
+    assert again == ring
+    for i in range(MAX_KEYS + 2):
+        ring = rotated(ring, NOW + dt.timedelta(days=i))
+    assert len(ring.keys) == MAX_KEYS
+    secret = {"data": {"keys.json": base64.b64encode(ring.to_json().encode()).decode()}}
+    assert keyring_from_secret(secret) == ring
+    assert "secret" not in repr(ring.current) and ring.current.secret.hex() not in repr(ring)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "not json",
+        "[]",
+        '{"keys": []}',
+        '{"keys": [{"id": "a", "key": "!!"}]}',
+        '{"keys": [{"id": "a", "key": "c2hvcnQ="}]}',
+        "x" * 70_000,
+    ],
+)
+def test_a_keyring_that_does_not_parse_is_a_one_line_error(text: str) -> None:
+    with pytest.raises(KeyringError) as exc:
+        parse_keyring(text)
+    assert "\n" not in str(exc.value)
