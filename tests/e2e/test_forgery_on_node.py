@@ -1,0 +1,261 @@
+"""A tenant attacks the learned verdicts, on the real node with the chart's pods.
+
+The tenant is a user (``tenant-a``, by impersonation) who may only create, read, patch
+and delete pods in its own namespaces. The victim image is the complete env-only worker
+(a good image on a GPU node). Each attack is the one that once worked (issue 12):
+
+* a pod that brings its own ``epguard-copy-probe`` and ``epguard-probe`` printing an
+  Unusable verdict, labelled ``epguard.io/probed=true``: refused at admission;
+* the same pod written so that the validating webhook is never called (no
+  ``--elastic-ep-backend`` in it, so the chart's matchConditions skip it): it runs, the
+  kubelet writes its forged message into the status, and the controller learns nothing
+  from it (no ImageVerdict; a Warning Event says why);
+* a forged Usable for a digest with an Unusable verdict: the verdict stays as it was;
+* a genuinely injected pod whose probe image the tenant patches afterwards: refused.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from e2e_kube import apply, as_yaml, eventually
+from node_e2e import fresh_namespace, running_cluster, wait_probe, worker_pod
+
+from devcluster import ControlPlane
+from devcluster.images import BAD_WORKER, ENV_ONLY_WORKER, EPGUARD_IMAGE
+from probe.message import SCOPE, UNUSABLE, USABLE
+
+pytestmark = pytest.mark.e2e
+
+TENANT = "tenant-a"
+VICTIM = ENV_ONLY_WORKER.ref
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    with running_cluster(tmp_path_factory.mktemp("stack")) as cp:
+        yield cp
+
+
+def tenant_namespace(cp: ControlPlane, inject: bool = False) -> str:
+    name = fresh_namespace(cp, f"tenant-{uuid.uuid4().hex[:6]}")
+    if inject:
+        cp.kubectl("label", "namespace", name, "epguard.io/inject=enabled", check=True)
+    role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": {"name": "pods", "namespace": name},
+        "rules": [
+            {
+                "apiGroups": [""],
+                "resources": ["pods"],
+                "verbs": ["create", "get", "list", "watch", "patch", "delete"],
+            }
+        ],
+    }
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": {"name": "pods", "namespace": name},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "pods"},
+        "subjects": [{"kind": "User", "name": TENANT, "apiGroup": "rbac.authorization.k8s.io"}],
+    }
+    r = apply(cp, role, binding)
+    assert r.returncode == 0, r.stderr
+    return name
+
+
+def as_tenant(cp: ControlPlane, *args: str, input: str | None = None) -> Any:
+    return cp.kubectl(f"--as={TENANT}", *args, input=input)
+
+
+def forged_pod(
+    name: str, namespace: str, message: str, code: int, mention_flag: bool
+) -> dict[str, Any]:
+    """The forgery: the real epguard image copying nothing, and a "probe" in the victim's
+    image that prints ``message`` as the probe's termination message."""
+    worker_args = ["python3", "-m", "sglang.launch_server", "--model-path", "/m"]
+    if mention_flag:
+        worker_args += ["--elastic-ep-backend", "mooncake"]
+    script = (
+        "import sys; open('/dev/termination-log', 'w').write(sys.argv[1]); "
+        f"raise SystemExit({code})"
+    )
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, "labels": {"epguard.io/probed": "true"}},
+        "spec": {
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": 1,
+            "initContainers": [
+                {
+                    "name": "epguard-copy-probe",
+                    "image": EPGUARD_IMAGE,
+                    "imagePullPolicy": "Never",
+                    "command": ["python3", "-c", "pass"],
+                },
+                {
+                    "name": "epguard-probe",
+                    "image": VICTIM,
+                    "imagePullPolicy": "Never",
+                    # The probe call's shape: "…/probe -- WORKER_ARGV".
+                    "command": ["python3", "-c", script, message, "/epguard/probe", "--"],
+                    "args": worker_args,
+                },
+            ],
+            "containers": [
+                {
+                    "name": "worker",
+                    "image": VICTIM,
+                    "imagePullPolicy": "Never",
+                    "command": worker_args,
+                }
+            ],
+        },
+    }
+
+
+UNUSABLE_MESSAGE = (
+    f"{UNUSABLE}mooncake.pg cannot load: no pg_2_13_0 extension for torch 2.13.0\n"
+    f"{SCOPE}image (forged)\nversions: torch=2.13.0 sglang=0.5.20\nfix: none"
+)
+USABLE_MESSAGE = f"{USABLE}mooncake.pg loads\nversions: torch=2.13.0 sglang=0.5.20"
+
+
+def verdicts(cp: ControlPlane) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = json.loads(
+        cp.kubectl("get", "imageverdicts", "-o", "json", check=True).stdout
+    )["items"]
+    return items
+
+
+def not_trusted_event(cp: ControlPlane, namespace: str, pod: str) -> str | None:
+    r = cp.kubectl(
+        "get", "events", "-n", namespace, "-o", "json",
+        f"--field-selector=involvedObject.name={pod},reason=EpguardProbeNotTrusted",
+    )  # fmt: skip
+    items = json.loads(r.stdout)["items"] if r.returncode == 0 else []
+    return str(items[0]["message"]) if items else None
+
+
+def run_forgery(cp: ControlPlane, message: str, code: int) -> tuple[str, dict[str, Any]]:
+    """Create the forged pod where no webhook looks at it; wait for the kubelet to record
+    its end and for the controller to say it learned nothing. (namespace, probe status)"""
+    ns = tenant_namespace(cp)
+    name = f"forged-{uuid.uuid4().hex[:4]}"
+    r = as_tenant(
+        cp, "create", "-f", "-", input=as_yaml(forged_pod(name, ns, message, code, False))
+    )
+    assert r.returncode == 0, r.stderr
+    found = wait_probe(cp, ns, [f"--field-selector=metadata.name={name}"])
+    assert found["terminated"]["exitCode"] == code
+    assert found["terminated"]["message"] == message  # the kubelet wrote the forgery
+    said: dict[str, str] = {}
+
+    def told() -> bool:
+        said["message"] = not_trusted_event(cp, ns, name) or ""
+        return bool(said["message"])
+
+    eventually(told, within=60, what="the controller's EpguardProbeNotTrusted event")
+    assert "carry no epguard.io/probe-signature" in said["message"]
+    return ns, found
+
+
+def test_a_pod_bringing_its_own_probe_is_refused_at_admission(cluster: ControlPlane) -> None:
+    ns = tenant_namespace(cluster)
+    pod = as_yaml(forged_pod("forged", ns, UNUSABLE_MESSAGE, 1, mention_flag=True))
+    result: dict[str, Any] = {}
+
+    def refused() -> bool:  # the webhook refuses once it holds the controller's key
+        r = as_tenant(cluster, "create", "-f", "-", input=pod)
+        result["r"] = r
+        if r.returncode == 0:
+            as_tenant(cluster, "delete", "pod", "forged", "-n", ns, "--wait=false")
+        return r.returncode != 0
+
+    eventually(refused, within=60, what="the webhook to refuse a forged probe")
+    err = result["r"].stderr
+    assert "epguard refuses pod" in err and "carry no epguard.io/probe-signature" in err
+    assert "epguard-*" in err
+
+
+def test_a_forged_unusable_that_ran_unseen_by_the_webhook_teaches_nothing(
+    cluster: ControlPlane,
+) -> None:
+    _, found = run_forgery(cluster, UNUSABLE_MESSAGE, 1)
+    digest = found["status"]["imageID"].rsplit("@", 1)[-1]
+    assert digest.startswith("sha256:")
+    assert [v for v in verdicts(cluster) if v["spec"].get("digest") == digest] == []
+    # And the victim's pods are still admitted.
+    victim_ns = fresh_namespace(cluster, f"victim-{uuid.uuid4().hex[:6]}")
+    victim = worker_pod("victim", victim_ns, Path("/nonexistent"), VICTIM)
+    r = apply(cluster, victim, dry_run=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_a_forged_usable_never_clears_an_unusable_verdict(cluster: ControlPlane) -> None:
+    # The digest the victim image runs as (from a first forgery, which teaches nothing).
+    _, found = run_forgery(cluster, UNUSABLE_MESSAGE, 1)
+    digest = found["status"]["imageID"].rsplit("@", 1)[-1]
+    name = digest.replace(":", "-")
+    verdict = {
+        "apiVersion": "epguard.io/v1alpha1",
+        "kind": "ImageVerdict",
+        "metadata": {"name": name},
+        "spec": {
+            "image": VICTIM,
+            "digest": digest,
+            "verdict": "Unusable",
+            "reason": "recorded by the admin for this test",
+            "count": 1,
+        },
+    }
+    assert apply(cluster, verdict).returncode == 0
+    try:
+        before = json.loads(cluster.kubectl("get", "imageverdict", name, "-o", "json").stdout)
+        run_forgery(cluster, USABLE_MESSAGE, 0)
+        after = json.loads(cluster.kubectl("get", "imageverdict", name, "-o", "json").stdout)
+        assert after["spec"]["verdict"] == "Unusable"
+        assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]
+    finally:
+        cluster.kubectl("delete", "imageverdict", name, "--ignore-not-found")
+
+
+def test_patching_the_injected_probes_image_is_refused(cluster: ControlPlane) -> None:
+    ns = tenant_namespace(cluster, inject=True)
+    pod = worker_pod("injected", ns, Path("/nonexistent"), VICTIM)
+    pod["spec"].pop("volumes")
+    pod["spec"].pop("initContainers")
+    pod["spec"]["containers"][0].pop("volumeMounts")
+    created: dict[str, Any] = {}
+
+    def signed() -> bool:
+        r = as_tenant(cluster, "create", "-o", "json", "-f", "-", input=as_yaml(pod))
+        if r.returncode != 0:
+            return False
+        obj = json.loads(r.stdout)
+        if "epguard.io/probe-signature" in obj["metadata"].get("annotations", {}):
+            created.update(obj)
+            return True
+        as_tenant(cluster, "delete", "pod", "injected", "-n", ns, "--wait=true")
+        return False
+
+    eventually(signed, within=60, what="the webhook to inject a signed probe")
+    names = [c["name"] for c in created["spec"]["initContainers"]]
+    index = names.index("epguard-probe")
+    patch = [
+        {"op": "replace", "path": f"/spec/initContainers/{index}/image", "value": BAD_WORKER.ref}
+    ]
+    r = as_tenant(
+        cluster, "patch", "pod", "injected", "-n", ns, "--type=json", "-p", json.dumps(patch)
+    )
+    assert r.returncode != 0
+    assert "differ from what epguard injected" in r.stderr
+    now = json.loads(cluster.kubectl("get", "pod", "injected", "-n", ns, "-o", "json").stdout)
+    assert now["spec"]["initContainers"][index]["image"] == VICTIM
