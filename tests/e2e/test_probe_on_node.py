@@ -145,3 +145,38 @@ def test_on_a_complete_image_the_missing_driver_is_told_in_the_pod_and_never_lea
     verdicts = json.loads(cluster.kubectl("get", "imageverdicts", "-o", "json").stdout)["items"]
     learned = [v for v in verdicts if "sglang-env" in v["spec"].get("pod", "")]
     assert learned == [], learned
+
+
+def test_a_pod_without_gpus_and_with_poisoned_env_never_creates_a_verdict(
+    cluster: ControlPlane, opted_in: str, tmp_path: Path
+) -> None:
+    # The same complete image, from a pod that asks for no GPU and whose env carries
+    # interpreter variables that once made the genuine probe report "torch does not
+    # import": the probe runs without them and says so, the cause stays in the pod, and
+    # nothing is learned about the image.
+    pod = worker_pod("sglang-poisoned", opted_in, tmp_path / "models", ENV_ONLY_WORKER.ref)
+    pod["spec"]["restartPolicy"] = "Never"
+    worker = pod["spec"]["containers"][0]
+    worker.pop("resources")
+    worker["env"] = [
+        {"name": "PYTHONWARNINGS", "value": "error"},
+        {"name": "TORCH_LOGS", "value": "not_a_component"},
+    ]
+    r = apply(cluster, pod)
+    assert r.returncode == 0, r.stderr
+    found = wait_probe(cluster, opted_in, ["--field-selector=metadata.name=sglang-poisoned"])
+    message = found["terminated"]["message"]
+    assert message.startswith("epguard: mooncake elastic EP is unusable in this pod: ")
+    assert "torch does not import" not in message
+    assert "PYTHONWARNINGS" in message and "TORCH_LOGS" in message
+
+    def told() -> bool:
+        r = cluster.kubectl(
+            "get", "events", "-n", opted_in, "-o", "json",
+            "--field-selector=involvedObject.name=sglang-poisoned,reason=MooncakeProbeFailedInPod",
+        )  # fmt: skip
+        return r.returncode == 0 and bool(json.loads(r.stdout)["items"])
+
+    eventually(told, within=60, what="the controller's MooncakeProbeFailedInPod event")
+    verdicts = json.loads(cluster.kubectl("get", "imageverdicts", "-o", "json").stdout)["items"]
+    assert [v for v in verdicts if "sglang-poisoned" in v["spec"].get("pod", "")] == []
