@@ -57,6 +57,13 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.connections_cut = Counter(
+            "epguard_connections_cut",
+            "Connections closed before a request reached epguard: a request head over the "
+            "limit (head_size, answered 431) or not complete in time (head_deadline).",
+            ["reason"],
+            registry=r,
+        )
         self.rules_loaded = Gauge(
             "epguard_rules_loaded",
             "Rules in force, by source (file or configmap).",

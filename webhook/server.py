@@ -10,11 +10,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import functools
 import gc
 import hashlib
 import logging
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import uvicorn
 from fastapi import APIRouter, FastAPI
@@ -26,6 +27,7 @@ from webhook.kube import NoCredentials, api_client
 from webhook.metrics import Metrics
 from webhook.namespaces import NamespaceIndex
 from webhook.policy import PolicyConfig, PolicyState
+from webhook.protocol import BoundedHttpToolsProtocol, HeadLimits
 from webhook.rules import RulesError, RulesHolder, default_rules_path, load_rules_file
 from webhook.settings import Settings
 from webhook.tls import ReloadingTLS
@@ -259,6 +261,15 @@ class Runtime:
             ssl_certfile=s.tls_cert,
             ssl_keyfile=s.tls_key,
             ssl_context_factory=(lambda _cfg, _default: tls.server_context) if tls else None,
+            # Bounded request heads and a head deadline (webhook/protocol.py).
+            http=cast(
+                "type[asyncio.Protocol]",
+                functools.partial(
+                    BoundedHttpToolsProtocol,
+                    limits=HeadLimits(s.max_head_bytes, s.head_timeout_seconds),
+                    on_cut=lambda reason: self.metrics.connections_cut.labels(reason).inc(),
+                ),
+            ),
         )
 
 

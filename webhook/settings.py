@@ -284,6 +284,20 @@ WEBHOOK_OPTIONS: tuple[Option, ...] = (
         number(positive=True),
     ),
     Option(
+        "max_head_bytes",
+        "EPGUARD_MAX_HEAD_BYTES",
+        "largest request head (request line and headers) accepted, in bytes; over it: 431",
+        64 * 1024,
+        integer(1024, 1024 * 1024),
+    ),
+    Option(
+        "head_timeout_seconds",
+        "EPGUARD_HEAD_TIMEOUT_SECONDS",
+        "seconds a connection may take to send a request head before it is closed",
+        10.0,
+        number(positive=True),
+    ),
+    Option(
         "inject_image",
         "EPGUARD_INJECT_IMAGE",
         "image that carries the probe, for injected pods",
@@ -553,6 +567,8 @@ class Settings:
     log_level: str = _D["log_level"]
     max_body_bytes: int = _D["max_body_bytes"]
     deadline_seconds: float = _D["deadline_seconds"]
+    max_head_bytes: int = _D["max_head_bytes"]
+    head_timeout_seconds: float = _D["head_timeout_seconds"]
     inject_image: str = _D["inject_image"]
     probe_level: str = _D["probe_level"]
     extra_kinds: tuple[KindSpec, ...] = _D["extra_kinds"]

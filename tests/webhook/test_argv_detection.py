@@ -124,8 +124,11 @@ def test_a_doubling_env_chain_stops_at_the_budget_and_is_judged_requested() -> N
     # 1.5 KB of review that would expand to gigabytes: each variable doubles the last.
     env = [{"name": "V0", "value": "--elastic-ep-backend mooncake "}]
     env += [{"name": f"V{i}", "value": f"$(V{i - 1})$(V{i - 1})"} for i in range(1, 40)]
-    container = {"command": ["python3", "-m", "sglang.launch_server"], "args": ["$(V39)"],
-                 "env": env}
+    container = {
+        "command": ["python3", "-m", "sglang.launch_server"],
+        "args": ["$(V39)"],
+        "env": env,
+    }
     report = analyse_container(container)
     assert report.requests_mooncake and report.over_budget
     # Without the flag anywhere, the same chain is simply nothing to see.
@@ -135,14 +138,39 @@ def test_a_doubling_env_chain_stops_at_the_budget_and_is_judged_requested() -> N
 
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.text(max_size=12)
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.text(max_size=12)
     | st.sampled_from(["--elastic-ep-backend", "mooncake", "sh", "-c", "$(A)", "$A", "name"]),
-    lambda children: st.lists(children, max_size=4)
-    | st.dictionaries(st.sampled_from(["name", "value", "valueFrom", "command", "args", "env",
-                                       "image", "spec", "roles", "template", "containers",
-                                       "roleTemplates", "templateRef", "patch",
-                                       "standalonePattern", "runner", "engineConfig"]),
-                      children, max_size=5),
+    lambda children: (
+        st.lists(children, max_size=4)
+        | st.dictionaries(
+            st.sampled_from(
+                [
+                    "name",
+                    "value",
+                    "valueFrom",
+                    "command",
+                    "args",
+                    "env",
+                    "image",
+                    "spec",
+                    "roles",
+                    "template",
+                    "containers",
+                    "roleTemplates",
+                    "templateRef",
+                    "patch",
+                    "standalonePattern",
+                    "runner",
+                    "engineConfig",
+                ]
+            ),
+            children,
+            max_size=5,
+        )
+    ),
     max_leaves=30,
 )
 
@@ -157,11 +185,20 @@ def test_no_container_shape_crashes_the_reader(container: object) -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(json_values, st.sampled_from([
-    ("", "Pod"), ("apps", "Deployment"), ("workloads.x-k8s.io", "RoleBasedGroup"),
-    ("disaggregatedset.x-k8s.io", "DisaggregatedSet"), ("ome.io", "ClusterServingRuntime"),
-    ("nvidia.com", "DynamoGraphDeployment"), ("leaderworkerset.x-k8s.io", "LeaderWorkerSet"),
-]))
+@given(
+    json_values,
+    st.sampled_from(
+        [
+            ("", "Pod"),
+            ("apps", "Deployment"),
+            ("workloads.x-k8s.io", "RoleBasedGroup"),
+            ("disaggregatedset.x-k8s.io", "DisaggregatedSet"),
+            ("ome.io", "ClusterServingRuntime"),
+            ("nvidia.com", "DynamoGraphDeployment"),
+            ("leaderworkerset.x-k8s.io", "LeaderWorkerSet"),
+        ]
+    ),
+)
 def test_no_object_shape_crashes_the_template_walk(obj: object, kind: tuple[str, str]) -> None:
     from webhook.workloads import BUILTIN
 

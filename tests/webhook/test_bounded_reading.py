@@ -18,8 +18,12 @@ MAX_PEAK = 50 * 2**20
 @pytest.mark.parametrize(
     "obj",
     [nested_script_pod(), nested_script_pod(30 * 1024), many_words_pod(), doubling_env_pod()],
-    ids=["48 x 64 KB nested scripts", "48 x 30 KB nested scripts", "48 x 1000 words",
-         "doubling env chain"],
+    ids=[
+        "48 x 64 KB nested scripts",
+        "48 x 30 KB nested scripts",
+        "48 x 1000 words",
+        "doubling env chain",
+    ],
 )
 def test_hostile_pods_are_refused_with_bounded_memory(obj: dict[str, object]) -> None:
     state = make_state()

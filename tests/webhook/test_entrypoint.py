@@ -83,7 +83,6 @@ def test_rejects_bad_settings(env: dict[str, str], complaint: str) -> None:
         load([], env)
 
 
-
 def test_runs_as_a_process_and_stops_on_sigterm(tmp_path: Path) -> None:
     issued = issue(make_ca())
     cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"

@@ -44,8 +44,7 @@ def _count(server: RunningServer, endpoint: str, result: str) -> float:
     return sum(
         s.value
         for s in fam.samples
-        if s.name.endswith("_total")
-        and s.labels == {"endpoint": endpoint, "result": result}
+        if s.name.endswith("_total") and s.labels == {"endpoint": endpoint, "result": result}
     )
 
 
@@ -177,9 +176,7 @@ def test_every_admission_endpoint_gets_the_same_metric_families(server: RunningS
     assert _count(server, "validate", "bad_request") >= 1
     assert _count(server, "mutate", "bad_request") >= 1
     buckets = [
-        s
-        for s in fams["epguard_admission_duration_seconds"].samples
-        if s.name.endswith("_count")
+        s for s in fams["epguard_admission_duration_seconds"].samples if s.name.endswith("_count")
     ]
     assert {s.labels["endpoint"] for s in buckets} == {"validate", "mutate"}
 

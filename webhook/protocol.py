@@ -1,0 +1,154 @@
+"""The HTTP connection, bounded before any request reaches the app.
+
+uvicorn's httptools protocol keeps reading a request head for as long as the client
+sends one (a 64 MiB header once held every review for 4.9 s while it was parsed and
+stored), and a connection that never finishes its head stays open forever (50 slow
+sockets did). The API server sends a head of a few hundred bytes at once, so this
+protocol cuts both:
+
+* a head (request line and headers) over ``max_head_bytes`` is answered 431 and the
+  connection closed: counted as it is fed while the head is unfinished (so a huge
+  header is cut before the parser has buffered much more than the limit), and as the
+  parser hands over URL and headers (a head that arrives whole in one read);
+* a head not complete ``head_seconds`` after the connection opened, or after the first
+  byte of a keep-alive connection's next request, closes the connection.
+
+The body has its own limit and deadline (transport.py). Each cut is counted through
+``on_cut`` with its reason ("head_size" or "head_deadline").
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+CUT_REASONS = ("head_size", "head_deadline")
+
+
+@dataclass(frozen=True, slots=True)
+class HeadLimits:
+    # 64 KiB: 30x the largest head an API server sends (bearer token, audit IDs), and
+    # what one chunk of a socket read can hold, so the count is never far behind.
+    max_head_bytes: int = 64 * 1024
+    # 10 s: the API server writes its head in one go; its own timeout for the whole
+    # call is timeoutSeconds (at most 30 s).
+    head_seconds: float = 10.0
+
+
+class HeadTooLarge(Exception):
+    """Raised inside a parser callback: the head is over the limit."""
+
+
+_431 = (
+    b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+    b"content-type: text/plain; charset=utf-8\r\n"
+    b"content-length: 34\r\n"
+    b"connection: close\r\n\r\n"
+    b"epguard: request head over limit\r\n"
+)
+
+
+class BoundedHttpToolsProtocol(HttpToolsProtocol):
+    def __init__(
+        self,
+        *args: Any,
+        limits: HeadLimits,
+        on_cut: Callable[[str], None] = lambda _reason: None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.limits = limits
+        self.on_cut = on_cut
+        self._in_head = True
+        self._head_bytes = 0  # bytes fed since this head began (an unfinished head)
+        self._parsed = 0  # the head's URL and header bytes the parser handed over
+        self._too_large = False
+        self._head_timer: asyncio.TimerHandle | None = None
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._head_timer = self.loop.call_later(self.limits.head_seconds, self._head_deadline)
+
+    def _disarm(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_deadline(self) -> None:
+        self._head_timer = None
+        if self._in_head and not self.transport.is_closing():
+            self.on_cut("head_deadline")
+            self.transport.close()
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._in_head:
+            self._head_bytes += len(data)
+        super().data_received(data)
+        # Checked after the parser ran: a chunk that ends the head and carries body
+        # bytes leaves the head state, and only a head still open past the limit is cut.
+        if self._in_head and self._head_bytes > self.limits.max_head_bytes:
+            self._cut_for_size()
+
+    def _count(self, n: int) -> None:
+        # A head that arrives whole in one read never stays "in head" after a feed; its
+        # parsed size is checked here. Raising inside a parser callback makes uvicorn
+        # answer 400 through send_400_response, which answers 431 instead.
+        self._parsed += n
+        if self._parsed > self.limits.max_head_bytes:
+            self._too_large = True
+            raise HeadTooLarge
+
+    def on_url(self, url: bytes) -> None:
+        self._count(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value) + 4)
+        super().on_header(name, value)
+
+    def send_400_response(self, msg: str) -> None:
+        if not self._too_large:
+            super().send_400_response(msg)
+            return
+        self._cut_for_size()
+
+    def _cut_for_size(self) -> None:
+        if self.transport.is_closing():
+            return
+        self.on_cut("head_size")
+        self.transport.write(_431)
+        self.transport.close()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._parsed = 0
+        if not self._in_head:  # the next request on a keep-alive connection
+            self._in_head = True
+            self._head_bytes = 0
+            self._arm()
+        elif self._head_timer is None:
+            self._arm()
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._head_bytes = 0
+        self._disarm()
+        super().on_headers_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        # Between requests the keep-alive timeout (uvicorn's) applies, not ours; the
+        # next request's first byte arms ours again (on_message_begin).
+        self._in_head = False
