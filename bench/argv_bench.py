@@ -46,8 +46,10 @@ TARGET_MS = 100.0
 def main() -> int:
     state = make_state()
     failed = False
-    print(f"{'input':<34} {'review bytes':>12} {'best ms':>8} {'median ms':>9} "
-          f"{'peak MiB':>9} {'answer':>7}")
+    print(
+        f"{'input':<34} {'review bytes':>12} {'best ms':>8} {'median ms':>9} "
+        f"{'peak MiB':>9} {'answer':>7}"
+    )
     inputs = (
         ("48 x 64 KB nested sh -c scripts", nested_script_pod()),
         ("48 x 30 KB (inside the budget)", nested_script_pod(30 * 1024)),
@@ -69,12 +71,16 @@ def main() -> int:
         times.sort()
         ok = not d.allowed and times[len(times) // 2] < TARGET_MS
         failed |= not ok
-        print(f"{name:<34} {len(json.dumps(obj)):>12} {times[0]:>8.1f} "
-              f"{times[len(times) // 2]:>9.1f} {peak / 2**20:>9.2f} "
-              f"{'denied' if not d.allowed else 'ALLOWED':>7}")
+        print(
+            f"{name:<34} {len(json.dumps(obj)):>12} {times[0]:>8.1f} "
+            f"{times[len(times) // 2]:>9.1f} {peak / 2**20:>9.2f} "
+            f"{'denied' if not d.allowed else 'ALLOWED':>7}"
+        )
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"process max RSS {rss:.0f} MiB (includes the 4 MB review held in memory); "
-          f"target: under {TARGET_MS:.0f} ms each")
+    print(
+        f"process max RSS {rss:.0f} MiB (includes the 4 MB review held in memory); "
+        f"target: under {TARGET_MS:.0f} ms each"
+    )
     return 1 if failed else 0
 
 

@@ -49,8 +49,9 @@ def timed(cmd: list[str], env: dict[str, str], cwd: str) -> tuple[float, float, 
     """Wall seconds, CPU seconds (user + sys of the process tree), exit status."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL)
+    proc = subprocess.run(
+        cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -64,8 +65,12 @@ def bench(name: str, pythonpath: list[Path], runs: int, tmp: str) -> dict[str, f
     bare = [str(TORCH_PY), "-c", "import torch, mooncake.pg"]
     # The same import without interpreter teardown (torch's takes ~0.2 s): the moment
     # the worker itself would know. The probe kills its child once it has reported.
-    quick = [str(TORCH_PY), "-c", "import os\ntry:\n import torch, mooncake.pg\n"
-             "except BaseException:\n os._exit(1)\nos._exit(0)"]
+    quick = [
+        str(TORCH_PY),
+        "-c",
+        "import os\ntry:\n import torch, mooncake.pg\n"
+        "except BaseException:\n os._exit(1)\nos._exit(0)",
+    ]
     # One untimed run each: page cache and .pyc files, as on a node that pulled the image.
     for cmd in (probe, bare, quick):
         timed(cmd, env, tmp)
@@ -89,8 +94,10 @@ def bench(name: str, pythonpath: list[Path], runs: int, tmp: str) -> dict[str, f
         p, b = fig["probe_" + key], fig["bare_" + key]
         print(f"  {label:<12} probe {p:6.3f} s   bare {b:6.3f} s   ratio {p / b:5.3f}")
     p, q = fig["probe_median"], fig["quick_median"]
-    print(f"  {'no teardown':<12} probe {p:6.3f} s   bare {q:6.3f} s   ratio {p / q:5.3f}"
-          "   (bare import ending in os._exit, wall median)")
+    print(
+        f"  {'no teardown':<12} probe {p:6.3f} s   bare {q:6.3f} s   ratio {p / q:5.3f}"
+        "   (bare import ending in os._exit, wall median)"
+    )
     print(f"  verdict: {verdict[:120]}")
     return fig
 
@@ -103,18 +110,21 @@ def main() -> int:
         print("real-package envs missing: run `make tools` first", file=sys.stderr)
         return 2
     overlays = CACHE / "overlays"
-    print(f"probe time-to-verdict vs `python -c 'import torch, mooncake.pg'`, "
-          f"median of {args.runs} interleaved runs, torch 2.13.0+cu130, "
-          f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
+    print(
+        f"probe time-to-verdict vs `python -c 'import torch, mooncake.pg'`, "
+        f"median of {args.runs} interleaved runs, torch 2.13.0+cu130, "
+        f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
+    )
     figures = []
     with tempfile.TemporaryDirectory(prefix="epguard-bench-") as tmp:
         double = write_double(Path(tmp) / "double", pg=REGISTER_BOTH + PG_NAMES)
         cases = [
             ("usable (test double)", [double, overlays / SGLANG_PG[0]]),
-            ("cuda13 0.3.13.post1 (fails: libs)",
-             [overlays / MTE_CUDA13, overlays / SGLANG_PG[0]]),
-            ("cuda12 0.3.13.post1 (fails: cudart)",
-             [overlays / MTE_CUDA12, overlays / SGLANG_PG[0]]),
+            ("cuda13 0.3.13.post1 (fails: libs)", [overlays / MTE_CUDA13, overlays / SGLANG_PG[0]]),
+            (
+                "cuda12 0.3.13.post1 (fails: cudart)",
+                [overlays / MTE_CUDA12, overlays / SGLANG_PG[0]],
+            ),
         ]
         for name, paths in cases:
             figures.append(bench(name, paths, args.runs, tmp))

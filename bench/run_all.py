@@ -8,6 +8,7 @@ repository's interpreter so one command gives the figures the issues ask for:
 * ``admission_latency.py``  pod-create latency: no policy vs ValidatingAdmissionPolicy vs epguard
 * ``node_timings.py``       the real node: make up, apply -> termination message, memory, down
 * ``argv_bench.py``         hostile command lines (nested scripts, doubling $(VAR)): time, memory
+* ``hostile_bench.py``      the webhook process under issue 12's inputs: answer, stall, peak RSS
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ SCRIPTS = (
     "admission_latency.py",
     "node_timings.py",
     "argv_bench.py",
+    "hostile_bench.py",
 )
 
 

@@ -325,7 +325,6 @@ def _wait_port(port: int, proc: subprocess.Popen[bytes], what: str) -> None:
     raise SystemExit(f"{what} did not start")
 
 
-
 def _cpu_seconds(pid: int) -> float:
     """User + system CPU the process has used (from /proc), to compare cost per request
     independently of how busy the rest of the machine is."""
