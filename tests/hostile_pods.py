@@ -36,18 +36,30 @@ def nested_script_pod(size: int = SCRIPT_BYTES) -> dict[str, Any]:
         {"name": f"w{i}", "image": IMAGE, "command": ["sh", "-c", _nested_script(i, size)]}
         for i in range(CONTAINERS)
     ]
-    return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": "nested", "namespace": "ml"}, "spec": {"containers": containers}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "nested", "namespace": "ml"},
+        "spec": {"containers": containers},
+    }
 
 
 def doubling_env_pod(steps: int = 40) -> dict[str, Any]:
     env = [{"name": "V0", "value": "--elastic-ep-backend mooncake "}]
     env += [{"name": f"V{n}", "value": f"$(V{n - 1})$(V{n - 1})"} for n in range(1, steps)]
-    container = {"name": "worker", "image": IMAGE,
-                 "command": ["python3", "-m", "sglang.launch_server"],
-                 "args": [f"$(V{steps - 1})"], "env": env}
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "doubling", "namespace": "ml"},
-            "spec": {"containers": [container]}}
+    container = {
+        "name": "worker",
+        "image": IMAGE,
+        "command": ["python3", "-m", "sglang.launch_server"],
+        "args": [f"$(V{steps - 1})"],
+        "env": env,
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "doubling", "namespace": "ml"},
+        "spec": {"containers": [container]},
+    }
 
 
 def many_words_pod(words: int = 1000) -> dict[str, Any]:
@@ -55,9 +67,24 @@ def many_words_pod(words: int = 1000) -> dict[str, Any]:
     argparse's share of the work, which the per-review parse budget bounds."""
     containers = []
     for i in range(CONTAINERS):
-        args = ["--model-path", f"m{i}", *(["--tp", "1"] * (words // 2)),
-                "--elastic-ep-backend", "mooncake"]
-        containers.append({"name": f"w{i}", "image": IMAGE,
-                           "command": ["python3", "-m", "sglang.launch_server"], "args": args})
-    return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": "words", "namespace": "ml"}, "spec": {"containers": containers}}
+        args = [
+            "--model-path",
+            f"m{i}",
+            *(["--tp", "1"] * (words // 2)),
+            "--elastic-ep-backend",
+            "mooncake",
+        ]
+        containers.append(
+            {
+                "name": f"w{i}",
+                "image": IMAGE,
+                "command": ["python3", "-m", "sglang.launch_server"],
+                "args": args,
+            }
+        )
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "words", "namespace": "ml"},
+        "spec": {"containers": containers},
+    }

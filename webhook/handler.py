@@ -18,7 +18,7 @@ from webhook.namespaces import INJECT_KEY, opts_in
 from webhook.outcome import PROBED_LABEL
 from webhook.policy import SKIP_ANNOTATION, Decision, PolicyState, decide, describe_object
 from webhook.review import AdmissionRequest
-from webhook.rules import RulesError, load_rules_text
+from webhook.rules import RulesError, load_rules_text, rule_warnings
 from webhook.signing import (
     PREFIX,
     PROBE_VOLUME,
@@ -126,12 +126,13 @@ def rules_edit_outcome(req: AdmissionRequest, where: RulesConfigMap) -> Outcome:
     except RulesError as exc:
         message = f"epguard refuses this rules edit; the rules in use stay as they are: {exc}"
         return Outcome(False, "denied", message=message, note=f"refused a rules edit: {exc}")
-    if not len(rules):
+    warnings = tuple(f"epguard: {w}" for w in rule_warnings(rules))
+    if warnings:
         return Outcome(
             True,
             "warned",
-            warnings=(f"epguard: {source} holds no rules: no image is refused by rule",),
-            note="rules edit with no rules",
+            warnings=warnings,
+            note=f"rules edit accepted with {len(warnings)} warning(s): {warnings[0]}",
         )
     return Outcome(True, "allowed", rules=_ALLOWED_RULES, note=f"{len(rules)} rule(s) accepted")
 

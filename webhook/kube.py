@@ -14,6 +14,8 @@ forever.
 
 from __future__ import annotations
 
+import datetime as dt
+import hashlib
 import json
 import os
 from collections.abc import Callable, Mapping
@@ -122,3 +124,42 @@ def get_object(api: client.ApiClient, path: str) -> Json:
 def meta(obj: Mapping[str, Any]) -> Mapping[str, Any]:
     m = obj.get("metadata")
     return m if isinstance(m, Mapping) else {}
+
+
+def post_event(
+    api: client.ApiClient,
+    about: client.V1ObjectReference,
+    reason: str,
+    message: str,
+    *,
+    warning: bool,
+    component: str,
+    key: str,
+) -> bool:
+    """Post one Event about ``about``; False when it could not be posted (an Event is a
+    courtesy and never the reason something else fails). ``key`` names the Event, so the
+    same occurrence posted twice is one Event (the second create is a 409)."""
+    now = dt.datetime.now(dt.UTC)
+    digest = hashlib.sha256(f"{about.kind}/{about.name}/{key}".encode()).hexdigest()[:16]
+    event = client.CoreV1Event(
+        metadata=client.V1ObjectMeta(
+            name=f"{str(about.name)[:200]}.epguard.{digest}", namespace=about.namespace
+        ),
+        involved_object=about,
+        reason=reason,
+        message=message[:1000],
+        type="Warning" if warning else "Normal",
+        source=client.V1EventSource(component=component),
+        first_timestamp=now,
+        last_timestamp=now,
+        count=1,
+    )
+    try:
+        client.CoreV1Api(api).create_namespaced_event(
+            str(about.namespace), event, _request_timeout=REQUEST_TIMEOUT
+        )
+    except ApiException as exc:
+        return bool(exc.status == 409)
+    except Exception:
+        return False
+    return True

@@ -64,6 +64,13 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.rules_warnings = Gauge(
+            "epguard_rules_warnings",
+            "Problems in rules that loaded, by source: no rules at all, or an image glob "
+            "that can never match (each one is logged, and an Event on the ConfigMap).",
+            ["source"],
+            registry=r,
+        )
         self.rules_loaded = Gauge(
             "epguard_rules_loaded",
             "Rules in force, by source (file or configmap).",

@@ -184,6 +184,46 @@ def default_rules_path() -> str:
     return str(files("webhook") / "data" / "default-rules.yaml")
 
 
+_TAG_GLOB = re.compile(r"^[A-Za-z0-9_.\-*?\[\]!]*$")
+
+
+def unmatchable(pattern: str) -> str | None:
+    """Why an image glob can never match a normalized ``name:tag``, or None.
+
+    Such a rule loads (the file is valid YAML of the right shape) but refuses nothing,
+    which an admin would only notice on the day the image it meant got through."""
+    if any(ch.isspace() for ch in pattern):
+        return "it contains whitespace, which no image reference does"
+    if "@" in pattern:
+        return "it names a digest; the glob is matched against name:tag (use 'digest:')"
+    head, sep, tail = pattern.rpartition(":")
+    repository, tag = (head, tail) if sep and "/" not in tail else (pattern, "")
+    if any(":" in part for part in repository.split("/")[1:]):
+        return "a ':' belongs after the registry host or before the tag, nowhere else"
+    if repository != repository.lower():
+        return "repository names are lowercase, so an upper-case letter never matches"
+    if tag and not _TAG_GLOB.match(tag):
+        return "a tag holds only letters, digits, '_', '.' and '-'"
+    if len(tag.replace("*", "")) > 128:
+        return "a tag is at most 128 characters"
+    return None
+
+
+def rule_warnings(rules: RuleSet) -> list[str]:
+    """What an admin should hear about rules that load: none at all, or globs that can
+    never match. One line each."""
+    if not len(rules):
+        return [f"{rules.source} holds no rules: no image is refused by rule"]
+    out = []
+    for r in rules.rules:
+        why = unmatchable(r.image) if r.image is not None else None
+        if why:
+            out.append(
+                f"{rules.source}: rule {r.id!r}: image glob {r.image!r} can never match: {why}"
+            )
+    return out
+
+
 def rule_ids(rules: Iterable[Rule]) -> list[str]:
     return [r.id for r in rules]
 

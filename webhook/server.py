@@ -14,26 +14,36 @@ import functools
 import gc
 import hashlib
 import logging
+import threading
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, cast
 
 import uvicorn
 from fastapi import APIRouter, FastAPI
+from kubernetes import client
 
 from webhook.app import create_app
 from webhook.handler import RulesConfigMap
 from webhook.injection import InjectionSettings
-from webhook.kube import NoCredentials, api_client
+from webhook.kube import NoCredentials, api_client, post_event
 from webhook.metrics import Metrics
 from webhook.namespaces import NamespaceIndex
 from webhook.policy import PolicyConfig, PolicyState
 from webhook.protocol import BoundedHttpToolsProtocol, HeadLimits
-from webhook.rules import RulesError, RulesHolder, default_rules_path, load_rules_file
+from webhook.rules import (
+    RulesError,
+    RuleSet,
+    RulesHolder,
+    default_rules_path,
+    load_rules_file,
+    rule_warnings,
+)
 from webhook.settings import Settings
 from webhook.tls import ReloadingTLS
 from webhook.verdicts import VerdictStore
 from webhook.watch import (
     NamespaceSync,
+    Notify,
     ProbeKeySync,
     RulesConfigMapSync,
     Source,
@@ -45,6 +55,7 @@ from webhook.watch import (
 from webhook.workloads import KindRegistry
 
 log = logging.getLogger("epguard.server")
+COMPONENT = "epguard-webhook"  # the source of the Events the webhook posts
 
 
 def _file_digest(path: str) -> bytes | None:
@@ -92,6 +103,7 @@ class Runtime:
         else:
             self.metrics.rules_reloads.labels("file", "ok").inc()
         self.metrics.rules_loaded.labels("file").set(len(file_rules))
+        self._warn_about_file(file_rules)
         self.verdicts = VerdictStore(dt.timedelta(hours=settings.verdict_ttl_hours))
         self.state = PolicyState(
             rules=RulesHolder(file_rules),
@@ -174,7 +186,33 @@ class Runtime:
         self.metrics.rules_reloads.labels("file", "ok").inc()
         self.metrics.rules_loaded.labels("file").set(len(rules))
         log.info("rules file %s reloaded: %d rule(s)", self.rules_path, len(rules))
+        self._warn_about_file(rules)
         return True
+
+    def _warn_about_file(self, rules: RuleSet) -> None:
+        warnings = rule_warnings(rules) if rules.source != default_rules_path() else []
+        self.metrics.rules_warnings.labels("file").set(len(warnings))
+        for w in warnings:
+            log.warning("%s", w)
+
+    def _events_on_rules_configmap(self, api: client.ApiClient) -> Notify:
+        """Problems with the rules, told where the admin edits them: Events on the
+        rules ConfigMap (the chart mounts the same ConfigMap as the rules file)."""
+        about = client.V1ObjectReference(
+            api_version="v1",
+            kind="ConfigMap",
+            name=self.settings.rules_configmap,
+            namespace=self.settings.namespace,
+        )
+
+        def notify(reason: str, message: str, warning: bool) -> None:
+            key = hashlib.sha256(f"{reason}/{message}".encode()).hexdigest()
+            if not post_event(
+                api, about, reason, message, warning=warning, component=COMPONENT, key=key
+            ):
+                log.warning("could not post %s on the rules ConfigMap", reason)
+
+        return notify
 
     async def _poll_rules_file(self) -> None:
         while True:
@@ -204,6 +242,18 @@ class Runtime:
                 "cannot read cluster credentials (%s): running on the rules file alone", exc
             )
             return None
+        notify = self._events_on_rules_configmap(api)
+        self.rules_sync.notify = notify
+        if self.rules_file_error:
+            # Off the loop: the API may be slow to answer, and this is only a courtesy.
+            message = (
+                "epguard started on its built-in rules because the rules file (this "
+                f"ConfigMap) does not load; fix it and it is taken at once: "
+                f"{self.rules_file_error}"
+            )
+            threading.Thread(
+                target=notify, args=("EpguardRulesFileRejected", message, True), daemon=True
+            ).start()
         return kube_sources(
             api,
             self.settings.namespace,

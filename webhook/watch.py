@@ -30,7 +30,7 @@ from kubernetes import watch as kwatch
 from webhook.kube import REQUEST_TIMEOUT, list_all, meta, status_of
 from webhook.metrics import Metrics
 from webhook.namespaces import MODE_LABEL, NamespaceIndex
-from webhook.rules import RulesError, RulesHolder, load_rules_text
+from webhook.rules import RulesError, RulesHolder, load_rules_text, rule_warnings
 from webhook.signing import KeyringError, KeyringHolder, keyring_from_secret
 from webhook.verdicts import GROUP, PLURAL, VERSION, VerdictStore, verdict_from_object
 
@@ -41,6 +41,10 @@ def _meta_name(obj: Any) -> str | None:
     meta = obj.get("metadata") if isinstance(obj, Mapping) else None
     name = meta.get("name") if isinstance(meta, Mapping) else None
     return name if isinstance(name, str) else None
+
+
+# (reason, message, warning): an Event on the rules ConfigMap.
+Notify = Callable[[str, str, bool], None]
 
 
 class Sync(Protocol):
@@ -62,13 +66,21 @@ class RulesConfigMapSync:
     off_loop = True
 
     def __init__(
-        self, holder: RulesHolder, namespace: str, name: str, key: str, metrics: Metrics
+        self,
+        holder: RulesHolder,
+        namespace: str,
+        name: str,
+        key: str,
+        metrics: Metrics,
+        notify: Notify | None = None,
     ) -> None:
         self.holder = holder
         self.namespace = namespace
         self.name = name
         self.key = key
         self.metrics = metrics
+        # Where an admin looks (an Event on the ConfigMap); set once a cluster is known.
+        self.notify: Notify = notify or (lambda _reason, _message, _warning: None)
         self.last_error: str | None = None
 
     @property
@@ -110,12 +122,29 @@ class RulesConfigMapSync:
                 kept.source,
                 exc,
             )
+            self.notify(
+                "EpguardRulesRejected",
+                f"epguard rejected this rules edit and keeps the last good rules ({len(kept)} "
+                f"from {kept.source}): {exc}",
+                True,
+            )
             return
         self.last_error = None
         self.holder.set_live(rules)
         self.metrics.rules_reloads.labels("configmap", "ok").inc()
         self.metrics.rules_loaded.labels("configmap").set(len(rules))
         log.info("rules loaded from %s: %d rule(s)", self.source, len(rules))
+        warnings = rule_warnings(rules)
+        self.metrics.rules_warnings.labels("configmap").set(len(warnings))
+        for w in warnings:
+            log.warning("%s", w)
+        if warnings:
+            self.notify(
+                "EpguardRulesWarning",
+                f"epguard loaded {len(rules)} rule(s) with {len(warnings)} warning(s): "
+                + "; ".join(warnings),
+                True,
+            )
 
     def replace(self, objects: Iterable[Mapping[str, Any]]) -> None:
         ours = [o for o in objects if _meta_name(o) == self.name]

@@ -422,14 +422,21 @@ class TestRBAC:
                     for field in ("apiGroups", "resources", "verbs"):
                         assert "*" not in rule[field], (role["metadata"]["name"], rule)
 
-    def test_the_webhook_only_reads(self, defaults: Rendered) -> None:
-        for kind in ("Role", "ClusterRole"):
-            for rule in self.rules(defaults, kind, "epguard-webhook"):
+    def test_the_webhook_only_reads_and_posts_events_in_its_namespace(
+        self, defaults: Rendered
+    ) -> None:
+        for rule in self.rules(defaults, "ClusterRole", "epguard-webhook"):
+            assert set(rule["verbs"]) <= {"get", "list", "watch"}
+        for rule in self.rules(defaults, "Role", "epguard-webhook"):
+            if rule["resources"] == ["events"]:
+                assert rule["verbs"] == ["create"]
+            else:
                 assert set(rule["verbs"]) <= {"get", "list", "watch"}
         cluster = self.rules(defaults, "ClusterRole", "epguard-webhook")
         assert {r for rule in cluster for r in rule["resources"]} == {"namespaces", "imageverdicts"}
         ns = self.rules(defaults, "Role", "epguard-webhook")
-        assert all(rule["resourceNames"] for rule in ns)  # by name only (docs/rbac.md)
+        reads = [rule for rule in ns if rule["resources"] != ["events"]]
+        assert all(rule["resourceNames"] for rule in reads)  # by name only (docs/rbac.md)
 
     def test_the_controller_touches_only_its_own_secret_and_webhook_configurations(
         self, defaults: Rendered

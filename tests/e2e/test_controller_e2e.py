@@ -128,7 +128,6 @@ def controller(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> It
         print(log.read_text()[-4000:])
 
 
-
 def bundles(cluster: Cluster) -> set[str]:
     """The caBundle of every webhook of both configurations (validating and injection)."""
     found = set()

@@ -128,3 +128,30 @@ def test_a_rules_edit_that_does_not_load_is_refused_at_apply_naming_the_entry(
     # A valid edit still goes through.
     set_rules_text(control_plane, with_rule(live_rules, LIVE_RULE))
     assert "e2e-live-edit" in rules_text(control_plane)
+
+
+def test_a_glob_that_can_never_match_is_warned_at_apply_and_told_on_the_configmap(
+    control_plane: ControlPlane, live_rules: str
+) -> None:
+    typo = {**LIVE_RULE, "id": "e2e-typo", "image": "registry.example.com/E2E/live:*"}
+    patch = json.dumps({"data": {"rules.yaml": with_rule(live_rules, typo)}})
+    r = control_plane.kubectl(
+        "patch", "configmap", RULES_CONFIGMAP, "-n", RELEASE_NAMESPACE, "--type=merge",
+        "-p", patch,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    # kubectl prints the admission warning to the admin who made the edit ...
+    assert "rule 'e2e-typo'" in r.stderr and "can never match" in r.stderr
+    told: dict[str, str] = {}
+
+    def on_the_configmap() -> bool:  # ... and the webhook tells it where rules live
+        events = control_plane.kubectl(
+            "get", "events", "-n", RELEASE_NAMESPACE, "-o", "json",
+            f"--field-selector=involvedObject.name={RULES_CONFIGMAP},reason=EpguardRulesWarning",
+        )  # fmt: skip
+        items = json.loads(events.stdout)["items"] if events.returncode == 0 else []
+        told.update(message=" ".join(e["message"] for e in items))
+        return "e2e-typo" in told["message"]
+
+    eventually(on_the_configmap, within=WITHIN, what="an EpguardRulesWarning Event")
+    assert "lowercase" in told["message"]

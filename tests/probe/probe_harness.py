@@ -33,15 +33,23 @@ MTE_JIT = "mte-cuda13-0.3.14"
 SGLANG_EP = ("sglang-0.5.10.post1", "sglang-0.5.16", "sglang-0.5.13")  # import mooncake.ep
 SGLANG_PG = ("sglang-0.5.18", "sglang-0.5.23", "sglang-0.5.20")  # import mooncake.pg
 
-WORKER = ["python3", "-m", "sglang.launch_server", "--model-path", "m",
-          "--elastic-ep-backend", "mooncake"]
+WORKER = [
+    "python3",
+    "-m",
+    "sglang.launch_server",
+    "--model-path",
+    "m",
+    "--elastic-ep-backend",
+    "mooncake",
+]
 
 
 def overlay(name: str) -> Path:
     path = CACHE / "overlays" / name
     if not (path / ".done").exists() or not (TORCH_ENV / ".done").exists():
-        pytest.fail(f"real-package env {path} missing: run `make tools` "
-                    "(scripts/tools.d/30-realpkgs.sh)")
+        pytest.fail(
+            f"real-package env {path} missing: run `make tools` (scripts/tools.d/30-realpkgs.sh)"
+        )
     return path
 
 
@@ -68,8 +76,9 @@ class Result:
 
 
 def clean_env(pythonpath: list[Path] | None = None, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
+    }
     env["PYTHONNOUSERSITE"] = "1"
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(str(p) for p in pythonpath)
@@ -77,31 +86,53 @@ def clean_env(pythonpath: list[Path] | None = None, **extra: str) -> dict[str, s
     return env
 
 
-def run_probe(tmp_path: Path, *, python: Path | str | None = None,
-              pythonpath: list[Path] | None = None, worker: list[str] | None = None,
-              opts: list[str] | None = None, env: dict[str, str] | None = None,
-              probe_dir: Path = PROBE_DIR, as_module: bool = False,
-              timeout: float = 300) -> Result:
+def run_probe(
+    tmp_path: Path,
+    *,
+    python: Path | str | None = None,
+    pythonpath: list[Path] | None = None,
+    worker: list[str] | None = None,
+    opts: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    probe_dir: Path = PROBE_DIR,
+    as_module: bool = False,
+    timeout: float = 300,
+) -> Result:
     """``python probe --json --termination-log T [opts] -- worker``; parse what it wrote."""
     python = str(python or torch_python())
     log = tmp_path / "termination-log"
     if log.exists():
         log.unlink()
     head = [python, "-m", "probe"] if as_module else [python, str(probe_dir)]
-    cmd = [*head, "--json", "--termination-log", str(log), *(opts or []), "--",
-           *(WORKER if worker is None else worker)]
+    cmd = [
+        *head,
+        "--json",
+        "--termination-log",
+        str(log),
+        *(opts or []),
+        "--",
+        *(WORKER if worker is None else worker),
+    ]
     proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout,
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
         env=env if env is not None else clean_env(pythonpath),
-        cwd=str(probe_dir.parent) if as_module else str(tmp_path))
+        cwd=str(probe_dir.parent) if as_module else str(tmp_path),
+    )
     report = json.loads(proc.stdout) if proc.stdout.strip() else None
     message = log.read_text() if log.exists() else ""
     return Result(proc.returncode, message, report, proc.stderr)
 
 
-def write_double(root: Path, pg: str | None = None, ep: str | None = None,
-                 dist: str = "mooncake-transfer-engine-cuda13",
-                 version: str = "0.0.0.double") -> Path:
+def write_double(
+    root: Path,
+    pg: str | None = None,
+    ep: str | None = None,
+    dist: str = "mooncake-transfer-engine-cuda13",
+    version: str = "0.0.0.double",
+) -> Path:
     """A fake ``mooncake`` package (with dist-info) whose modules run ``pg``/``ep`` code."""
     pkg = root / "mooncake"
     pkg.mkdir(parents=True, exist_ok=True)
@@ -112,8 +143,7 @@ def write_double(root: Path, pg: str | None = None, ep: str | None = None,
         (pkg / "ep.py").write_text(textwrap.dedent(ep))
     info = root / f"{dist.replace('-', '_')}-{version}.dist-info"
     info.mkdir(exist_ok=True)
-    (info / "METADATA").write_text(
-        f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n\n")
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n\n")
     return root
 
 

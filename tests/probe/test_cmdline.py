@@ -25,12 +25,16 @@ def read(argv: list[str], **kw: object) -> cmdline.Reading:
 
 # --- what SGLang's parser decides ------------------------------------------------------------
 
-@pytest.mark.parametrize("flag", [
-    ["--elastic-ep-backend", "mooncake"],
-    ["--elastic-ep-backend=mooncake"],
-    ["--elastic-ep-b", "mooncake"],
-    ["--elastic-ep-ba=mooncake"],
-])
+
+@pytest.mark.parametrize(
+    "flag",
+    [
+        ["--elastic-ep-backend", "mooncake"],
+        ["--elastic-ep-backend=mooncake"],
+        ["--elastic-ep-b", "mooncake"],
+        ["--elastic-ep-ba=mooncake"],
+    ],
+)
 def test_reads_every_spelling_argparse_accepts(flag: list[str]) -> None:
     r = read([*LAUNCH, *flag], release=NEWEST)
     assert r.requested
@@ -40,8 +44,17 @@ def test_reads_every_spelling_argparse_accepts(flag: list[str]) -> None:
 
 def test_a_flag_without_a_value_does_not_swallow_the_backend() -> None:
     # The bug this reader replaces: --enable-dp-lm-head was taken to need a value.
-    argv = [*LAUNCH, "--enable-dp-attention", "--dp", "4", "--enable-dp-lm-head",
-            "--elastic-ep-backend", "mooncake", "--moe-dense-tp-size", "1"]
+    argv = [
+        *LAUNCH,
+        "--enable-dp-attention",
+        "--dp",
+        "4",
+        "--enable-dp-lm-head",
+        "--elastic-ep-backend",
+        "mooncake",
+        "--moe-dense-tp-size",
+        "1",
+    ]
     for table in cmdline.tables():
         assert read(argv, release=table.release).requested, table.release
 
@@ -55,10 +68,12 @@ def test_an_option_missing_its_value_makes_sglang_refuse_and_is_read_leniently()
 
 
 def test_last_occurrence_wins_like_argparse() -> None:
-    assert not read([*LAUNCH, "--elastic-ep-backend", "mooncake",
-                     "--elastic-ep-backend", "none"]).requested
-    assert read([*LAUNCH, "--elastic-ep-backend", "nixl",
-                 "--elastic-ep-backend=mooncake"]).requested
+    assert not read(
+        [*LAUNCH, "--elastic-ep-backend", "mooncake", "--elastic-ep-backend", "none"]
+    ).requested
+    assert read(
+        [*LAUNCH, "--elastic-ep-backend", "nixl", "--elastic-ep-backend=mooncake"]
+    ).requested
 
 
 def test_double_dash_ends_the_options() -> None:
@@ -84,8 +99,9 @@ def test_a_prefix_counts_where_one_release_accepts_it() -> None:
     assert exact.refusals and exact.refusals[0][0] == NEWEST
 
 
-@pytest.mark.parametrize("word", ["--e", "--en", "--elasticsearch-url", "-elastic-ep-backend",
-                                  "--elastic-ep-backendx"])
+@pytest.mark.parametrize(
+    "word", ["--e", "--en", "--elasticsearch-url", "-elastic-ep-backend", "--elastic-ep-backendx"]
+)
 def test_words_no_release_reads_as_the_flag(word: str) -> None:
     assert not read([*LAUNCH, word, "mooncake"]).requested
 
@@ -112,31 +128,44 @@ def test_a_release_without_a_table_uses_the_nearest_older_one_and_says_so() -> N
 FLAG = "--elastic-ep-backend mooncake"
 
 
-@pytest.mark.parametrize("line", [
-    f"python -m sglang.launch_server --tp 8 {FLAG}",
-    f"/app/venv/bin/python3.11 -u -X dev -m sglang.launch_server {FLAG}",
-    f"sglang serve --model-path m {FLAG}",
-    f"/usr/local/bin/sglang serve {FLAG}",
-    f"python3 -m dynamo.sglang {FLAG}",
-    f"python3 -m dynamo.sglang.elastic_ep_bootstrap {FLAG}",
-    f"exec python3 -m sglang.launch_server {FLAG}",
-    f"env -u HOME A=1 B=2 python3 -m sglang.launch_server {FLAG}",
-    f"CUDA_VISIBLE_DEVICES=0,1 nohup sglang serve {FLAG} > /tmp/log 2>&1 &",
-    f"timeout -s KILL 3600 python3 -m sglang.launch_server {FLAG}",
-    f"numactl --cpunodebind=0 -m 0 python3 -m sglang.launch_server {FLAG}",
-    f"taskset -c 0-31 python3 -m sglang.launch_server {FLAG}",
-    f"exec env X=1 nohup numactl -N 0 taskset 0xff python3 -m sglang.launch_server {FLAG}",
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        f"python -m sglang.launch_server --tp 8 {FLAG}",
+        f"/app/venv/bin/python3.11 -u -X dev -m sglang.launch_server {FLAG}",
+        f"sglang serve --model-path m {FLAG}",
+        f"/usr/local/bin/sglang serve {FLAG}",
+        f"python3 -m dynamo.sglang {FLAG}",
+        f"python3 -m dynamo.sglang.elastic_ep_bootstrap {FLAG}",
+        f"exec python3 -m sglang.launch_server {FLAG}",
+        f"env -u HOME A=1 B=2 python3 -m sglang.launch_server {FLAG}",
+        f"CUDA_VISIBLE_DEVICES=0,1 nohup sglang serve {FLAG} > /tmp/log 2>&1 &",
+        f"timeout -s KILL 3600 python3 -m sglang.launch_server {FLAG}",
+        f"numactl --cpunodebind=0 -m 0 python3 -m sglang.launch_server {FLAG}",
+        f"taskset -c 0-31 python3 -m sglang.launch_server {FLAG}",
+        f"exec env X=1 nohup numactl -N 0 taskset 0xff python3 -m sglang.launch_server {FLAG}",
+    ],
+)
 def test_reads_every_launcher_and_wrapper(line: str) -> None:
     assert read(shlex.split(line.split(" > ")[0])).requested
     assert read(["sh", "-c", line]).requested
 
 
-@pytest.mark.parametrize("shell_argv", [
-    ["sh", "-c"], ["/bin/bash", "-c"], ["bash", "-lc"], ["bash", "-euxc"], ["dash", "-c"],
-    ["bash", "-o", "pipefail", "-c"], ["busybox", "sh", "-c"], ["/bin/busybox", "ash", "-c"],
-    ["bash", "--login", "-c"], ["sh", "-e", "-c"],
-])
+@pytest.mark.parametrize(
+    "shell_argv",
+    [
+        ["sh", "-c"],
+        ["/bin/bash", "-c"],
+        ["bash", "-lc"],
+        ["bash", "-euxc"],
+        ["dash", "-c"],
+        ["bash", "-o", "pipefail", "-c"],
+        ["busybox", "sh", "-c"],
+        ["/bin/busybox", "ash", "-c"],
+        ["bash", "--login", "-c"],
+        ["sh", "-e", "-c"],
+    ],
+)
 def test_reads_the_script_of_every_shell_form(shell_argv: list[str]) -> None:
     script = f"python3 -m sglang.launch_server {FLAG} 2>&1 | tee /tmp/log"
     r = read([*shell_argv, script])
@@ -145,8 +174,10 @@ def test_reads_the_script_of_every_shell_form(shell_argv: list[str]) -> None:
 
 
 def test_any_launch_line_of_a_script_counts() -> None:
-    script = (f"python3 -m sglang.launch_server --elastic-ep-backend none &\n"
-              f"sleep 1 && python3 -m sglang.launch_server {FLAG}\n")
+    script = (
+        f"python3 -m sglang.launch_server --elastic-ep-backend none &\n"
+        f"sleep 1 && python3 -m sglang.launch_server {FLAG}\n"
+    )
     assert read(["bash", "-c", script]).requested
 
 
@@ -159,8 +190,10 @@ def test_nested_scripts_before_and_after_the_launch_line() -> None:
 
 
 def test_script_words_are_made_as_the_shell_makes_them() -> None:
-    script = ("cd /w && exec python3 -m sglang.launch_server --tp 16 \\\n"
-              "  --node-rank $POD_INDEX --elastic-ep-\"backend\" 'moon'cake  # trailing\n")
+    script = (
+        "cd /w && exec python3 -m sglang.launch_server --tp 16 \\\n"
+        "  --node-rank $POD_INDEX --elastic-ep-\"backend\" 'moon'cake  # trailing\n"
+    )
     assert read(["/bin/bash", "-c", script]).requested
     assert not read(["bash", "-c", f"python3 -m sglang.launch_server --tp 2  # {FLAG}"]).requested
     assert not read(["echo", FLAG]).requested  # one word with a space is not the flag
@@ -183,6 +216,7 @@ def test_args_without_a_command_are_read_as_the_entrypoints_arguments() -> None:
 
 # --- --config YAML -------------------------------------------------------------------------
 
+
 def _file_reader(path: str) -> str | None:
     try:
         return Path(path).read_text()
@@ -192,8 +226,9 @@ def _file_reader(path: str) -> str | None:
 
 def test_reads_the_backend_from_a_config_yaml(tmp_path: Path) -> None:
     cfg = tmp_path / "sglang.yaml"
-    cfg.write_text("model-path: m\nelastic_ep_backend: \"mooncake\"  # EP\n"
-                   "enable-dp-attention: true\n")
+    cfg.write_text(
+        'model-path: m\nelastic_ep_backend: "mooncake"  # EP\nenable-dp-attention: true\n'
+    )
     r = read([*LAUNCH, "--config", str(cfg)], read_config=_file_reader)
     assert r.requested and r.where == f"config {cfg}" and r.dp_attention
     assert r.config_file == str(cfg)
@@ -202,8 +237,9 @@ def test_reads_the_backend_from_a_config_yaml(tmp_path: Path) -> None:
 def test_the_command_line_overrides_the_config_file(tmp_path: Path) -> None:
     cfg = tmp_path / "sglang.yml"
     cfg.write_text("elastic-ep-backend: mooncake\nenable-dp-attention: false\n")
-    r = read([*LAUNCH, "--config", str(cfg), "--elastic-ep-backend", "none"],
-             read_config=_file_reader)
+    r = read(
+        [*LAUNCH, "--config", str(cfg), "--elastic-ep-backend", "none"], read_config=_file_reader
+    )
     assert not r.requested
     r = read([*LAUNCH, "--config", str(cfg)], read_config=_file_reader)
     assert r.requested and not r.dp_attention  # a false boolean is not passed on
@@ -224,6 +260,7 @@ def test_nested_yaml_keys_are_not_top_level_settings() -> None:
 
 
 # --- bounded work ------------------------------------------------------------------------
+
 
 def test_a_script_over_the_budget_is_judged_requested_without_reading_it() -> None:
     script = "echo " + "x " * shell.BUDGET + f"; run {FLAG}"
@@ -250,19 +287,31 @@ def test_a_line_that_never_mentions_the_flag_costs_nothing() -> None:
 P = "python3 -m sglang.launch_server --model m"
 
 
-@pytest.mark.parametrize("argv", [
-    ["bash", "-c", 'exec python3 -m sglang.launch_server "$@"', "--", *FLAG.split()],
-    ["sh", "-c", 'exec "$@"', "sh", *P.split(), *FLAG.split()],
-    ["sh", "-c", "exec python3 -m sglang.launch_server --model m $1 $2", "sh", *FLAG.split()],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bash", "-c", 'exec python3 -m sglang.launch_server "$@"', "--", *FLAG.split()],
+        ["sh", "-c", 'exec "$@"', "sh", *P.split(), *FLAG.split()],
+        ["sh", "-c", "exec python3 -m sglang.launch_server --model m $1 $2", "sh", *FLAG.split()],
+    ],
+)
 def test_arguments_passed_to_a_script_are_read_where_it_uses_them(argv: list[str]) -> None:
     assert read(argv).requested
 
 
-@pytest.mark.parametrize("prefix", [
-    ["uv", "run", "--"], ["sudo", "-E", "-u", "x", "--"], ["gosu", "sglang"], ["su-exec", "1000"],
-    ["chroot", "/"], ["mpirun", "-np", "2"], ["conda", "run", "-n", "e"], ["/usr/bin/time", "-v"],
-])
+@pytest.mark.parametrize(
+    "prefix",
+    [
+        ["uv", "run", "--"],
+        ["sudo", "-E", "-u", "x", "--"],
+        ["gosu", "sglang"],
+        ["su-exec", "1000"],
+        ["chroot", "/"],
+        ["mpirun", "-np", "2"],
+        ["conda", "run", "-n", "e"],
+        ["/usr/bin/time", "-v"],
+    ],
+)
 def test_a_launch_behind_a_program_epguard_does_not_know_is_still_read(prefix: list[str]) -> None:
     assert read([*prefix, *P.split(), *FLAG.split()]).requested
     assert read([*prefix, "bash", "-c", f"{P} {FLAG}"]).requested
@@ -273,11 +322,14 @@ def test_su_c_runs_its_command() -> None:
     assert read(["runuser", "-u", "sglang", "--", "bash", "-c", f"{P} {FLAG}"]).requested
 
 
-@pytest.mark.parametrize("script", [
-    f'FLAGS="{FLAG}"; {P} $FLAGS',
-    f"B=mooncake; {P} --elastic-ep-backend $B",
-    f"export B=mooncake\n{P} --elastic-ep-backend \"$B\"",
-])
+@pytest.mark.parametrize(
+    "script",
+    [
+        f'FLAGS="{FLAG}"; {P} $FLAGS',
+        f"B=mooncake; {P} --elastic-ep-backend $B",
+        f'export B=mooncake\n{P} --elastic-ep-backend "$B"',
+    ],
+)
 def test_variables_a_script_sets_itself_are_used(script: str) -> None:
     assert read(["sh", "-c", script]).requested
 
@@ -295,8 +347,9 @@ def test_an_unknown_variables_default_is_assumed_and_flagged() -> None:
     r = read(["sh", "-c", f"{P} --elastic-ep-backend ${{EP:-none}}"])
     assert not r.requested and r.unresolved == "${EP:-none}"
     # A known value wins over the default, empty env or not.
-    assert not read(["sh", "-c", f"{P} --elastic-ep-backend ${{EP:-mooncake}}"],
-                    env={"EP": "none"}).requested
+    assert not read(
+        ["sh", "-c", f"{P} --elastic-ep-backend ${{EP:-mooncake}}"], env={"EP": "none"}
+    ).requested
     assert read(["sh", "-c", f"{P} ${{EP:+{FLAG}}}"]).requested
 
 
@@ -316,13 +369,16 @@ def test_argparse_work_is_bounded_per_review() -> None:
     assert any("leniently" in n for n in r.notes)
 
 
-@pytest.mark.parametrize("text", [
-    '"elastic-ep-backend": mooncake\n',
-    "elastic-ep-backend: &backend mooncake\n",
-    "elastic_ep_backend: !!str mooncake\n",
-    "{elastic-ep-backend: mooncake, tp-size: 8}\n",
-    "elastic-ep-backend:\n  mooncake\n",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '"elastic-ep-backend": mooncake\n',
+        "elastic-ep-backend: &backend mooncake\n",
+        "elastic_ep_backend: !!str mooncake\n",
+        "{elastic-ep-backend: mooncake, tp-size: 8}\n",
+        "elastic-ep-backend:\n  mooncake\n",
+    ],
+)
 def test_config_yaml_forms_are_read(text: str, tmp_path: Path) -> None:
     cfg = tmp_path / "c.yaml"
     cfg.write_text(text)

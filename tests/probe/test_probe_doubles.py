@@ -29,17 +29,21 @@ def probe(tmp_path, double, *overlays, **kw):
 
 # --- usable -------------------------------------------------------------------------------
 
+
 def test_says_usable_when_the_module_imports_and_registers_both_backends(tmp_path):
     # Stands for mooncake-transfer-engine-cuda13 0.3.13.post1 on a GPU node with rdma-core.
     double = write_double(tmp_path / "img", pg=REGISTER_BOTH + PG_NAMES)
     r = probe(tmp_path, double, SGLANG_PG[0])
     assert r.rc == 0, r.stderr
-    assert r.lines[0].startswith("epguard: mooncake elastic EP is usable: mooncake.pg imports "
-                                 "with torch 2.13.0+cu130")
+    assert r.lines[0].startswith(
+        "epguard: mooncake elastic EP is usable: mooncake.pg imports with torch 2.13.0+cu130"
+    )
     assert r.lines[-1] == "fix: nothing to fix"
     assert "backends: mooncake=cuda mooncake-cpu=cpu" in r.lines
-    assert "versions: torch=2.13.0+cu130 sglang=0.5.18 " \
-           "mooncake-transfer-engine-cuda13=0.0.0.double" in r.lines
+    assert (
+        "versions: torch=2.13.0+cu130 sglang=0.5.18 "
+        "mooncake-transfer-engine-cuda13=0.0.0.double" in r.lines
+    )
     assert r.report["verdict"] == "usable"
     assert all(c["ok"] for c in r.report["checks"])
 
@@ -50,18 +54,22 @@ def test_without_sglang_the_first_module_that_works_is_enough(tmp_path):
     r = probe(tmp_path, double)
     assert r.rc == 0, r.message
     assert [c["name"] for c in r.report["checks"] if c["name"].startswith("import ")] == [
-        "import mooncake.pg", "import mooncake.ep"]
+        "import mooncake.pg",
+        "import mooncake.ep",
+    ]
     ep = next(c for c in r.report["checks"] if c["name"] == "import mooncake.ep")
     assert ep["detail"] == "not attempted"
 
 
 # --- registrations ------------------------------------------------------------------------
 
+
 def test_half_a_registration_is_unusable(tmp_path):
     # Stands for F11: a broken wheel that registers "mooncake" but not "mooncake-cpu";
     # SGLang creates both groups, so startup would fail.
     half = REGISTER_BOTH.replace(
-        'dist.Backend.register_backend("mooncake-cpu"', '# dist.Backend.register_backend("x"')
+        'dist.Backend.register_backend("mooncake-cpu"', '# dist.Backend.register_backend("x"'
+    )
     double = write_double(tmp_path / "img", pg=half + PG_NAMES)
     r = probe(tmp_path, double, SGLANG_PG[0])
     assert r.rc == 1
@@ -72,8 +80,10 @@ def test_half_a_registration_is_unusable(tmp_path):
 
 def test_an_import_that_registers_nothing_is_unusable(tmp_path):
     # Stands for a mooncake.ep of 0.3.14 (torch-independent _ep, no PG) under SGLang <= 0.5.16.
-    double = write_double(tmp_path / "img", ep=PG_NAMES + "\ndef set_host_ip(*a): pass\n"
-                                               "def set_device_filter(*a): pass\n")
+    double = write_double(
+        tmp_path / "img",
+        ep=PG_NAMES + "\ndef set_host_ip(*a): pass\ndef set_device_filter(*a): pass\n",
+    )
     r = probe(tmp_path, double, SGLANG_EP[1])
     assert r.rc == 1
     assert r.classification == "backends-missing"
@@ -81,6 +91,7 @@ def test_an_import_that_registers_nothing_is_unusable(tmp_path):
 
 
 # --- names the engine imports -------------------------------------------------------------
+
 
 def test_names_the_symbols_the_engine_imports_that_are_missing(tmp_path):
     # Stands for F3: mooncake 0.3.9-0.3.10.post2 has pg.py without set_transfer_engine,
@@ -134,17 +145,20 @@ def test_reports_a_hang_on_import_after_the_step_timeout(tmp_path):
 def test_falls_back_to_a_fresh_child_after_a_crash(tmp_path):
     # Without SGLang either module will do: when mooncake.pg kills the child, a new
     # child still tries mooncake.ep (a 0.3.9-0.3.13 wheel exposes the PG under both).
-    double = write_double(tmp_path / "img", pg=SEGFAULT,
-                          ep=REGISTER_BOTH + PG_NAMES)
+    double = write_double(tmp_path / "img", pg=SEGFAULT, ep=REGISTER_BOTH + PG_NAMES)
     r = probe(tmp_path, double)
     assert r.rc == 0, r.message
     checks = {c["name"]: c for c in r.report["checks"]}
     assert checks["import mooncake.pg"] == {
-        "name": "import mooncake.pg", "ok": False, "detail": "crashed with SIGSEGV"}
+        "name": "import mooncake.pg",
+        "ok": False,
+        "detail": "crashed with SIGSEGV",
+    }
     assert checks["import mooncake.ep"]["ok"]
 
 
 # --- --level smoke ----------------------------------------------------------------------------
+
 
 def test_smoke_level_reports_a_process_group_that_cannot_be_created(tmp_path):
     # Stands for a wheel that imports and registers but whose backend fails when

@@ -21,8 +21,9 @@ pytestmark = pytest.mark.realpkg
 
 
 def readelf(path: Path) -> tuple[list[str], list[str]]:
-    out = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        ["readelf", "-d", str(path)], capture_output=True, text=True, check=True
+    ).stdout
     needed = re.findall(r"\(NEEDED\)\s+Shared library: \[(.+?)\]", out)
     paths = re.findall(r"\((?:RPATH|RUNPATH)\)\s+Library r(?:un)?path: \[(.+?)\]", out)
     return needed, [p for entry in paths for p in entry.split(":")]
@@ -62,8 +63,9 @@ def test_resolves_origin_relative_libraries_of_the_wheel():
     # libmooncake_pg.so finds its bundled glog/yaml-cpp through $ORIGIN/../*.libs.
     roots = [str(p) for p in pg_files(MTE_CUDA13)]
     missing = {name for name, _ in elf.missing_libraries(roots)}
-    assert not any(name.startswith(("libglog", "libyaml-cpp", "libmooncake_pg_device"))
-                   for name in missing)
+    assert not any(
+        name.startswith(("libglog", "libyaml-cpp", "libmooncake_pg_device")) for name in missing
+    )
 
 
 def test_libraries_mapped_by_torch_count_as_present():
@@ -77,8 +79,9 @@ def test_libraries_mapped_by_torch_count_as_present():
     assert "libcudart.so.13" not in with_torch
 
 
-@pytest.mark.parametrize("lib", ["libcuda.so.1", "libibverbs.so.1", "libmlx5.so.1",
-                                 "libnuma.so.1", "libcurl.so.4"])
+@pytest.mark.parametrize(
+    "lib", ["libcuda.so.1", "libibverbs.so.1", "libmlx5.so.1", "libnuma.so.1", "libcurl.so.4"]
+)
 def test_system_library_is_missing_exactly_when_the_loader_cannot_open_it(lib):
     roots = [str(p) for p in pg_files(MTE_CUDA13)]
     missing = {n for n, _ in elf.missing_libraries(roots)}

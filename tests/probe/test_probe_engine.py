@@ -19,6 +19,7 @@ def scan(src: str) -> dict[str, set[str]]:
 
 # --- both spellings ---------------------------------------------------------------------
 
+
 def test_reads_from_mooncake_import_ep_as_alias_and_its_attributes():
     # SGLang <= 0.5.16: `from mooncake import ep as mooncake_ep` then mooncake_ep.set_host_ip(...)
     found = scan("""
@@ -70,12 +71,20 @@ def test_reads_imports_even_when_the_whole_file_does_not_parse():
 
 # --- real SGLang releases and odd installs -------------------------------------------------
 
+
 def requirement_in(pythonpath) -> dict:
-    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); from probe import engine; "
-            "r = engine.requirement(); print(json.dumps(dict(version=r.version, "
-            "modules=r.modules, names=r.names, either=r.either, source=r.source)))")
-    out = subprocess.run([sys.executable, "-c", code, str(REPO)], capture_output=True,
-                         text=True, check=True, env=clean_env(pythonpath)).stdout
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); from probe import engine; "
+        "r = engine.requirement(); print(json.dumps(dict(version=r.version, "
+        "modules=r.modules, names=r.names, either=r.either, source=r.source)))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(REPO)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=clean_env(pythonpath),
+    ).stdout
     return json.loads(out)
 
 
@@ -91,7 +100,8 @@ def test_real_releases_switch_from_ep_to_pg_at_0_5_17(sglang):
     else:
         assert r["modules"] == ["mooncake.pg"]
         assert {"MooncakeBackendOptions", "set_transfer_engine", "join_group"} <= set(
-            r["names"]["mooncake.pg"])
+            r["names"]["mooncake.pg"]
+        )
 
 
 def test_unreadable_sglang_sources_accept_either_module(tmp_path):
@@ -123,7 +133,8 @@ def test_never_imports_sglang(tmp_path):
     (pkg / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
     (pkg / "srt" / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
     (pkg / "srt" / "distributed" / "parallel_state.py").write_text(
-        "def f():\n    from mooncake.pg import MooncakeBackendOptions\n")
+        "def f():\n    from mooncake.pg import MooncakeBackendOptions\n"
+    )
     r = requirement_in([tmp_path])
     assert r["modules"] == ["mooncake.pg"]
     assert r["names"] == {"mooncake.pg": ["MooncakeBackendOptions"]}

@@ -25,8 +25,7 @@ def _loads(soname: str) -> bool:
 
 @pytest.fixture
 def healthy_image():
-    absent = [lib for lib in ("libibverbs.so.1", "libmlx5.so.1", "libnuma.so.1")
-              if not _loads(lib)]
+    absent = [lib for lib in ("libibverbs.so.1", "libmlx5.so.1", "libnuma.so.1") if not _loads(lib)]
     if absent:
         pytest.skip(f"the OS lacks rdma-core userspace: {', '.join(absent)}")
     return [overlay(MTE_CUDA13), overlay(SGLANG_PG[0])]

@@ -40,12 +40,14 @@ def _python38() -> str | None:
 
 # --- message shape ------------------------------------------------------------------------
 
+
 @pytest.mark.realpkg
 def test_message_has_verdict_first_versions_evidence_and_fix_last(tmp_path):
     r = run_probe(tmp_path, pythonpath=[overlay(MTE_CUDA12), overlay(SGLANG_PG[0])])
     assert r.lines[0].startswith("epguard: mooncake elastic EP is unusable in this image: ")
     assert [line for line in r.lines if VERSIONS_RE.match(line)] == [
-        "versions: torch=2.13.0+cu130 sglang=0.5.18 mooncake-transfer-engine=0.3.13.post1"]
+        "versions: torch=2.13.0+cu130 sglang=0.5.18 mooncake-transfer-engine=0.3.13.post1"
+    ]
     assert r.lines[-1].startswith("fix: ")
     # The same text goes to stderr, for `kubectl logs` of the init container.
     assert r.message.strip() in r.stderr
@@ -54,8 +56,11 @@ def test_message_has_verdict_first_versions_evidence_and_fix_last(tmp_path):
 @pytest.mark.realpkg
 @pytest.mark.parametrize("limit", [200, 400, 1000])
 def test_message_fits_max_message_bytes_and_keeps_verdict_and_fix(tmp_path, limit):
-    r = run_probe(tmp_path, pythonpath=[overlay(MTE_CUDA12), overlay(SGLANG_PG[0])],
-                  opts=["--max-message-bytes", str(limit)])
+    r = run_probe(
+        tmp_path,
+        pythonpath=[overlay(MTE_CUDA12), overlay(SGLANG_PG[0])],
+        opts=["--max-message-bytes", str(limit)],
+    )
     assert len(r.message.encode()) <= limit
     assert r.lines[0].startswith("epguard: mooncake elastic EP is unusable in this image: ")
     assert r.lines[-1].startswith("fix: ")
@@ -68,10 +73,13 @@ def test_message_fits_max_message_bytes_and_keeps_verdict_and_fix(tmp_path, limi
 def test_message_never_contains_an_environment_value(tmp_path):
     # Third-party error texts can quote the environment (a token in a URL, a path).
     secret = "hf_s3cr3t-t0ken-value"
-    double = write_double(tmp_path / "img", pg=(
-        "import os\nraise ImportError('cannot reach hub with ' + os.environ['HF_TOKEN'])\n"))
-    env = clean_env([double, overlay(SGLANG_PG[0])], HF_TOKEN=secret,
-                    IMAGE_DIR=str(tmp_path / "img"))
+    double = write_double(
+        tmp_path / "img",
+        pg=("import os\nraise ImportError('cannot reach hub with ' + os.environ['HF_TOKEN'])\n"),
+    )
+    env = clean_env(
+        [double, overlay(SGLANG_PG[0])], HF_TOKEN=secret, IMAGE_DIR=str(tmp_path / "img")
+    )
     r = run_probe(tmp_path, env=env)
     assert r.rc == 1
     everything = r.message + str(r.report)
@@ -92,6 +100,7 @@ def test_paths_from_the_environment_are_named_by_variable(tmp_path):
 
 # --- JSON report --------------------------------------------------------------------------
 
+
 @pytest.mark.realpkg
 def test_json_report_has_the_documented_fields(tmp_path):
     double = write_double(tmp_path / "img", pg=REGISTER_BOTH + PG_NAMES)
@@ -99,24 +108,32 @@ def test_json_report_has_the_documented_fields(tmp_path):
     doc = r.report
     assert doc["verdict"] == "usable"
     assert doc["required_modules"] == ["mooncake.pg"]
-    assert doc["versions"] == {"torch": "2.13.0+cu130", "sglang": "0.5.18",
-                               "mooncake-transfer-engine-cuda13": "0.0.0.double"}
+    assert doc["versions"] == {
+        "torch": "2.13.0+cu130",
+        "sglang": "0.5.18",
+        "mooncake-transfer-engine-cuda13": "0.0.0.double",
+    }
     assert isinstance(doc["cause"], str) and isinstance(doc["fix"], str)
     for check in doc["checks"]:
         assert set(check) == {"name", "ok", "detail"}
         assert isinstance(check["ok"], bool)
     assert {"torch", "import mooncake.pg", "names mooncake.pg", "backends"} <= {
-        c["name"] for c in doc["checks"]}
+        c["name"] for c in doc["checks"]
+    }
     assert doc["message"] == r.message
 
 
 # --- not requested ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("worker", [
-    ["python3", "-m", "sglang.launch_server", "--tp", "2"],
-    ["python3", "-m", "sglang.launch_server", "--elastic-ep-backend", "none"],
-    [],
-])
+
+@pytest.mark.parametrize(
+    "worker",
+    [
+        ["python3", "-m", "sglang.launch_server", "--tp", "2"],
+        ["python3", "-m", "sglang.launch_server", "--elastic-ep-backend", "none"],
+        [],
+    ],
+)
 def test_nothing_to_check_is_one_line_and_exit_zero(tmp_path, worker):
     # No torch is needed to decide this: run with the repo's venv, which has none.
     r = run_probe(tmp_path, python=sys.executable, worker=worker, env=clean_env())
@@ -138,9 +155,13 @@ def test_torch_missing_is_unusable_and_an_image_cause(tmp_path):
 
 # --- exit status --------------------------------------------------------------------------
 
+
 def test_usage_error_exits_two(tmp_path):
-    proc = subprocess.run([sys.executable, str(copy_probe(tmp_path)), "--no-such-option"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, str(copy_probe(tmp_path)), "--no-such-option"],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2
     assert "usage: python3 probe" in proc.stderr
 
@@ -149,8 +170,9 @@ def _broken_probe(tmp_path: Path) -> Path:
     # A real bug in the probe: diagnosis raises. Patched in a copy, never in the repo.
     probe = copy_probe(tmp_path)
     src = probe / "diagnosis.py"
-    text = src.read_text().replace("def diagnose(o):\n",
-                                   "def diagnose(o):\n    raise KeyError('bug')\n")
+    text = src.read_text().replace(
+        "def diagnose(o):\n", "def diagnose(o):\n    raise KeyError('bug')\n"
+    )
     src.write_text(text)
     return probe
 
@@ -158,8 +180,13 @@ def _broken_probe(tmp_path: Path) -> Path:
 @pytest.mark.parametrize(("policy", "rc"), [(None, 0), ("allow", 0), ("deny", 1)])
 def test_an_internal_error_does_not_block_the_worker_unless_told_to(tmp_path, policy, rc):
     opts = [] if policy is None else [f"--on-internal-error={policy}"]
-    r = run_probe(tmp_path, python=sys.executable, env=clean_env(),
-                  probe_dir=_broken_probe(tmp_path), opts=opts)
+    r = run_probe(
+        tmp_path,
+        python=sys.executable,
+        env=clean_env(),
+        probe_dir=_broken_probe(tmp_path),
+        opts=opts,
+    )
     assert r.rc == rc
     assert "Traceback" in r.stderr and "KeyError" in r.stderr
     assert r.lines[0].startswith("epguard: probe internal error: KeyError")
@@ -167,6 +194,7 @@ def test_an_internal_error_does_not_block_the_worker_unless_told_to(tmp_path, po
 
 
 # --- how it is run ------------------------------------------------------------------------
+
 
 @pytest.mark.realpkg
 def test_runs_from_a_copied_directory_and_as_a_module_with_the_same_result(tmp_path):
@@ -193,8 +221,13 @@ def test_runs_on_python_3_8(tmp_path):
 def test_does_not_write_the_default_termination_log_when_it_is_not_writable(tmp_path):
     # Outside Kubernetes /dev/termination-log does not exist; the probe must not fail.
     env = clean_env()
-    proc = subprocess.run([sys.executable, str(copy_probe(tmp_path)), "--", *WORKER],
-                          capture_output=True, text=True, env=env, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, str(copy_probe(tmp_path)), "--", *WORKER],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 1
     assert "cannot write" not in proc.stderr
     assert proc.stderr.startswith("epguard: mooncake elastic EP is unusable")

@@ -40,8 +40,7 @@ def loads(soname: str) -> bool:
 
 # What libmooncake_pg.so needs from the OS / the container runtime, and whether the
 # loader finds it on this machine.
-SYSTEM_LIBS = ("libcuda.so.1", "libibverbs.so.1", "libmlx5.so.1", "libnuma.so.1",
-               "libcurl.so.4")
+SYSTEM_LIBS = ("libcuda.so.1", "libibverbs.so.1", "libmlx5.so.1", "libnuma.so.1", "libcurl.so.4")
 ABSENT = {lib for lib in SYSTEM_LIBS if not loads(lib)}
 
 
@@ -61,6 +60,7 @@ def assert_contract(r, rc=1):
 
 # --- which module SGLang needs, from its real sources -------------------------------------
 
+
 @pytest.mark.parametrize("sglang", SGLANG_EP + SGLANG_PG)
 def test_requires_the_module_the_installed_sglang_imports(tmp_path, sglang):
     r = probe(tmp_path, MTE_CUDA13, sglang)
@@ -79,19 +79,23 @@ def test_requires_the_module_the_installed_sglang_imports(tmp_path, sglang):
 
 # --- CUDA 12 wheel over CUDA 13 torch -----------------------------------------------------
 
+
 @pytest.mark.parametrize("sglang", [SGLANG_PG[0], SGLANG_EP[1]])
 def test_names_libcudart_12_when_cuda12_wheel_meets_cuda13_torch(tmp_path, sglang):
     r = probe(tmp_path, MTE_CUDA12, sglang)
     assert_contract(r)
     assert r.classification == "cuda-mismatch"
     assert "libcudart.so.12" in r.report["missing_libraries"]
-    assert "built for CUDA 12 (needs libcudart.so.12) but torch 2.13.0+cu130 uses CUDA 13" \
+    assert (
+        "built for CUDA 12 (needs libcudart.so.12) but torch 2.13.0+cu130 uses CUDA 13"
         in r.lines[0]
+    )
     assert "mooncake-transfer-engine=0.3.13.post1" in r.message
     assert "install mooncake-transfer-engine-cuda13==0.3.13.post1" in r.lines[-1]
 
 
 # --- CUDA 13 wheel on a node without the driver (and maybe without rdma-core) -------------
+
 
 @pytest.mark.parametrize("sglang", [SGLANG_PG[0], SGLANG_EP[1]])
 def test_names_every_missing_system_library_not_only_the_first(tmp_path, sglang):
@@ -120,10 +124,14 @@ def test_the_loader_error_alone_names_one_library_the_probe_names_all(tmp_path):
 
 # --- wheel without an extension for this torch --------------------------------------------
 
-@pytest.mark.parametrize(("sglang", "said"), [
-    (SGLANG_PG[0], "Mooncake PG was not built against torch==2.13.0."),
-    (SGLANG_EP[1], "Mooncake EP was not built against torch==2.13.0."),
-])
+
+@pytest.mark.parametrize(
+    ("sglang", "said"),
+    [
+        (SGLANG_PG[0], "Mooncake PG was not built against torch==2.13.0."),
+        (SGLANG_EP[1], "Mooncake EP was not built against torch==2.13.0."),
+    ],
+)
 def test_names_torch_and_shipped_versions_when_no_extension_matches(tmp_path, sglang, said):
     r = probe(tmp_path, MTE_CUDA13_OLD, sglang)
     assert_contract(r)
@@ -137,10 +145,14 @@ def test_names_torch_and_shipped_versions_when_no_extension_matches(tmp_path, sg
 
 # --- the -non-cuda wheel ------------------------------------------------------------------
 
-@pytest.mark.parametrize(("sglang", "said"), [
-    (SGLANG_PG[0], "Mooncake PG was not built against torch==2.13.0."),
-    (SGLANG_EP[1], "Mooncake EP was not built. Please rebuild Mooncake with WITH_EP=ON."),
-])
+
+@pytest.mark.parametrize(
+    ("sglang", "said"),
+    [
+        (SGLANG_PG[0], "Mooncake PG was not built against torch==2.13.0."),
+        (SGLANG_EP[1], "Mooncake EP was not built. Please rebuild Mooncake with WITH_EP=ON."),
+    ],
+)
 def test_recognises_the_non_cuda_wheel_that_ships_loaders_only(tmp_path, sglang, said):
     r = probe(tmp_path, MTE_NON_CUDA, sglang)
     assert_contract(r)
@@ -148,11 +160,14 @@ def test_recognises_the_non_cuda_wheel_that_ships_loaders_only(tmp_path, sglang,
     assert "ships mooncake's loaders but no compiled PG extension" in r.lines[0]
     assert said in r.message
     assert "extensions: none" in r.lines
-    assert "install mooncake-transfer-engine-cuda13==0.3.13.post1 instead of " \
-           "mooncake-transfer-engine-non-cuda" in r.lines[-1]
+    assert (
+        "install mooncake-transfer-engine-cuda13==0.3.13.post1 instead of "
+        "mooncake-transfer-engine-non-cuda" in r.lines[-1]
+    )
 
 
 # --- 0.3.14's JIT loader ------------------------------------------------------------------
+
 
 def test_reports_the_missing_jit_prerequisites_of_0_3_14(tmp_path):
     r = probe(tmp_path, MTE_JIT, SGLANG_PG[0])
@@ -165,6 +180,7 @@ def test_reports_the_missing_jit_prerequisites_of_0_3_14(tmp_path):
 
 
 # --- nothing installed --------------------------------------------------------------------
+
 
 def test_says_mooncake_none_when_no_mooncake_is_installed(tmp_path):
     r = probe(tmp_path, SGLANG_PG[1])
@@ -186,6 +202,7 @@ def test_without_sglang_either_module_is_tried(tmp_path):
 
 # --- facts beside the failure -------------------------------------------------------------
 
+
 def test_records_torch_and_cuda_facts_beside_a_failed_import(tmp_path):
     r = probe(tmp_path, MTE_CUDA13_OLD, SGLANG_PG[0])
     checks = {c["name"]: c for c in r.report["checks"]}
@@ -205,6 +222,7 @@ def test_warns_that_0_3_14_no_longer_serves_sglang_that_imports_mooncake_ep(tmp_
 
 
 # --- the worker's interpreter settings are not facts about the image ---------------------
+
 
 def test_interpreter_variables_copied_from_the_worker_do_not_change_the_diagnosis(tmp_path):
     # Both once made the genuine probe report "torch does not import" in a good image;

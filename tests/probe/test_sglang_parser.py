@@ -76,8 +76,9 @@ def sglang(request: pytest.FixtureRequest) -> Iterator[tuple[str, SGLangParser]]
 
 def _options(release: str) -> list[tuple[object, str]]:
     table = next(t for t in cmdline.tables() if t.release == release)
-    return [(nargs, name) for nargs, names in table.options for name in names
-            if name.startswith("--")]
+    return [
+        (nargs, name) for nargs, names in table.options for name in names if name.startswith("--")
+    ]
 
 
 @st.composite
@@ -91,8 +92,12 @@ def server_args(draw: st.DrawFn, release: str) -> list[str]:
     # --model-path is required: without it SGLang refuses every line.
     out: list[str] = ["--model-path", "m"]
     for _ in range(draw(st.integers(0, 6))):
-        nargs, name = draw(st.sampled_from(backend) | st.sampled_from(near)
-                           | st.sampled_from(flags) | st.sampled_from(options))
+        nargs, name = draw(
+            st.sampled_from(backend)
+            | st.sampled_from(near)
+            | st.sampled_from(flags)
+            | st.sampled_from(options)
+        )
         if draw(st.integers(0, 7)) == 0:  # an abbreviation: argparse decides if it is one
             # Mostly long ones (often unique), sometimes short ones (often ambiguous).
             shortest = draw(st.sampled_from([3, max(3, len(name) - 8)]))
@@ -122,15 +127,23 @@ def wrapped(args: list[str]) -> list[tuple[str, list[str], dict[str, str]]]:
     line = shlex.join(launch)
     plain: list[tuple[str, list[str]]] = [
         ("python -m", launch),
-        ("abs interpreter", ["/opt/venv/bin/python3.11", "-u", "-m", "sglang.launch_server",
-                             *args]),
+        (
+            "abs interpreter",
+            ["/opt/venv/bin/python3.11", "-u", "-m", "sglang.launch_server", *args],
+        ),
         ("sglang serve", ["sglang", "serve", *args]),
         ("dynamo.sglang", ["python3", "-m", "dynamo.sglang", *args]),
         ("sh -c", ["sh", "-c", line]),
         ("bash -o pipefail -c", ["bash", "-o", "pipefail", "-c", line + " 2>&1 | tee /l"]),
         ("busybox sh -c", ["busybox", "sh", "-c", line]),
-        ("bash -euxc, wrappers", ["bash", "-euxc", "cd /w; exec env A=1 nohup timeout 9h "
-                                  "numactl -N 0 taskset -c 0-7 " + line]),
+        (
+            "bash -euxc, wrappers",
+            [
+                "bash",
+                "-euxc",
+                "cd /w; exec env A=1 nohup timeout 9h numactl -N 0 taskset -c 0-7 " + line,
+            ],
+        ),
         ("script with two commands", ["sh", "-c", "echo start && " + line + "\nwait"]),
         ("nested sh -c", ["sh", "-c", "sh -c 'true'; bash -lc " + shlex.quote(line)]),
         ("dash -c", ["dash", "-c", line]),
@@ -148,8 +161,12 @@ STATS: Counter[str] = Counter()
 def test_reader_agrees_with_sglangs_own_parser(sglang: tuple[str, SGLangParser]) -> None:
     release, parser = sglang
 
-    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(server_args(release))
     def check(args: list[str]) -> None:
         truth = parser.judge(args)
@@ -165,9 +182,11 @@ def test_reader_agrees_with_sglangs_own_parser(sglang: tuple[str, SGLangParser])
 
     check()
     cases = STATS[f"{release} cases"]
-    print(f"\nSGLang {release}: {cases} generated cases x {len(wrapped([]))} forms; "
-          f"{STATS[f'{release} refused by SGLang']} refused by SGLang, "
-          f"{STATS[f'{release} requested']} request mooncake")
+    print(
+        f"\nSGLang {release}: {cases} generated cases x {len(wrapped([]))} forms; "
+        f"{STATS[f'{release} refused by SGLang']} refused by SGLang, "
+        f"{STATS[f'{release} requested']} request mooncake"
+    )
     assert cases >= EXAMPLES // 2
     assert STATS[f"{release} requested"] > 0  # the corpus does exercise the question
 
@@ -176,6 +195,9 @@ def test_the_shipped_table_is_what_the_cached_releases_define() -> None:
     # scripts/sglang_options.py --check rebuilds the table from the cached releases.
     proc = subprocess.run(
         [sys.executable, sglang_options.__file__, "--check"],
-        capture_output=True, text=True, check=False, timeout=900,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stderr

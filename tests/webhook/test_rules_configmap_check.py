@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from webhook_factory import TEST_RULES
 
 from webhook.handler import RulesConfigMap, Validator
@@ -61,6 +62,33 @@ def test_an_edit_with_no_rules_is_admitted_with_a_warning() -> None:
     o = _validate(_edit({"rules.yaml": "rules: []\n"}))
     assert o.allowed and o.result == "warned"
     assert "holds no rules" in o.warnings[0]
+
+
+@pytest.mark.parametrize(
+    ("glob", "why"),
+    [
+        ("docker.io/LMSysOrg/sglang:*", "lowercase"),
+        ("docker.io/lmsysorg/sglang@sha256:abc*", "use 'digest:'"),
+        ("docker.io/lmsysorg/sglang:v0.5 *", "whitespace"),
+        ("docker.io/lmsysorg/sglang:v0.5/x", "nowhere else"),
+        ("docker.io/lmsysorg/sglang:v0.5,x", "a tag holds only"),
+    ],
+)
+def test_an_edit_with_a_glob_that_can_never_match_is_admitted_with_a_warning(
+    glob: str, why: str
+) -> None:
+    text = f"rules:\n  - {{id: typo, image: '{glob}', reason: r, remedy: m}}\n"
+    o = _validate(_edit({"rules.yaml": text}))
+    assert o.allowed and o.result == "warned", o
+    assert "rule 'typo'" in o.warnings[0] and "can never match" in o.warnings[0]
+    assert why in o.warnings[0]
+
+
+def test_an_edit_whose_globs_can_match_has_no_warning() -> None:
+    glob = "registry.local:5000/lmsysorg/sglang:v0.5.16-CU12*"
+    text = f"rules:\n  - {{id: ok, image: '{glob}', reason: r, remedy: m}}\n"
+    o = _validate(_edit({"rules.yaml": text}))
+    assert o.allowed and o.result == "allowed" and not o.warnings
 
 
 def test_other_configmaps_are_not_judged() -> None:

@@ -160,3 +160,9 @@ def test_every_shipped_rule_cites_rows_of_the_compatibility_evidence_in_the_repo
         cited = set(re.findall(r"\b([SMLD][0-9]+)\b", rule["evidence"]))
         assert cited, f"{rule['id']} cites no row of docs/compatibility.md"
         assert cited <= rows, f"{rule['id']} cites rows that do not exist: {cited - rows}"
+
+
+def test_the_built_in_rules_have_no_glob_that_can_never_match() -> None:
+    from webhook.rules import default_rules_path, load_rules_file, rule_warnings
+
+    assert rule_warnings(load_rules_file(default_rules_path())) == []

@@ -19,7 +19,6 @@ resourceVersion it read, so a race ends in a 409 and a re-read, not a lost updat
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import logging
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -31,7 +30,7 @@ from kubernetes.client.exceptions import ApiException
 
 from webhook.controller.config import ControllerConfig
 from webhook.controller.probe_key import ProbeKeyManager
-from webhook.kube import REQUEST_TIMEOUT, get_object, meta, resource_path
+from webhook.kube import REQUEST_TIMEOUT, get_object, meta, post_event, resource_path
 from webhook.outcome import (
     PROBED_LABEL,
     ProbeOutcome,
@@ -59,7 +58,6 @@ log = logging.getLogger("epguard.controller.recorder")
 # Runs this process already recorded: re-delivered events skip the API entirely.
 MAX_DONE = 10_000
 MAX_OWNER_DEPTH = 5
-MAX_EVENT_MESSAGE = 1000
 WRITE_ATTEMPTS = 5
 COMPONENT = "epguard-controller"
 
@@ -182,7 +180,6 @@ class Recorder:
     def post_event(
         self, about: client.V1ObjectReference, outcome: ProbeOutcome, message: str, run: str
     ) -> None:
-        now = _now()
         usable = outcome.verdict == "Usable"
         if usable:
             reason = "MooncakeProbePassed"
@@ -190,59 +187,29 @@ class Recorder:
             reason = "MooncakeProbeFailedInPod"  # fix the pod spec or the node
         else:
             reason = "MooncakeProbeFailed"
-        event = client.CoreV1Event(
-            metadata=client.V1ObjectMeta(name=_event_name(about, run), namespace=about.namespace),
-            involved_object=about,
-            reason=reason,
-            message=message[:MAX_EVENT_MESSAGE],
-            type="Normal" if usable else "Warning",
-            source=client.V1EventSource(component=COMPONENT),
-            first_timestamp=now,
-            last_timestamp=now,
-            count=1,
-        )
-        try:
-            self.core.create_namespaced_event(
-                str(about.namespace), event, _request_timeout=REQUEST_TIMEOUT
-            )
-        except ApiException as exc:
-            if exc.status == 409:
-                return  # posted for this run already (a re-delivered pod event)
-            # An Event is a courtesy: failing to post one must not stop the verdict.
-            log.warning("could not post event on %s/%s: %s", about.kind, about.name, exc.reason)
+        # One name per (object, run): posting the same outcome again is a 409. An Event
+        # is a courtesy: failing to post one must not stop the verdict.
+        if not post_event(
+            self.api, about, reason, message, warning=not usable, component=COMPONENT, key=run
+        ):
+            log.warning("could not post event on %s/%s", about.kind, about.name)
 
     def post_untrusted(self, about: client.V1ObjectReference, reason: str, uid: str) -> None:
         """Once per pod: why nothing is learned from it."""
-        now = _now()
-        event = client.CoreV1Event(
-            metadata=client.V1ObjectMeta(
-                name=_event_name(about, f"{uid}/untrusted"), namespace=about.namespace
-            ),
-            involved_object=about,
-            reason="EpguardProbeNotTrusted",
-            message=(
-                f"epguard learns nothing from this pod's probe: {reason}. Only a probe that "
-                "epguard injected and signed, unchanged since, is evidence about an image"
-            )[:MAX_EVENT_MESSAGE],
-            type="Warning",
-            source=client.V1EventSource(component=COMPONENT),
-            first_timestamp=now,
-            last_timestamp=now,
-            count=1,
+        message = (
+            f"epguard learns nothing from this pod's probe: {reason}. Only a probe that "
+            "epguard injected and signed, unchanged since, is evidence about an image"
         )
-        try:
-            self.core.create_namespaced_event(
-                str(about.namespace), event, _request_timeout=REQUEST_TIMEOUT
-            )
-        except ApiException as exc:
-            if exc.status != 409:
-                log.warning("could not post event on pod %s: %s", about.name, exc.reason)
-
-
-def _event_name(about: client.V1ObjectReference, run: str) -> str:
-    """One name per (object, run): a second post of the same outcome is a 409."""
-    digest = hashlib.sha256(f"{about.kind}/{about.name}/{run}".encode()).hexdigest()[:16]
-    return f"{str(about.name)[:200]}.epguard.{digest}"
+        if not post_event(
+            self.api,
+            about,
+            "EpguardProbeNotTrusted",
+            message,
+            warning=True,
+            component=COMPONENT,
+            key=f"{uid}/untrusted",
+        ):
+            log.warning("could not post event on pod %s", about.name)
 
 
 def _message(outcome: ProbeOutcome, pod: str) -> str:
