@@ -179,3 +179,56 @@ def test_the_controller_restarted_mid_recording_records_the_outcome_once(
         time.sleep(5)  # a second recording, if any, would land by now
         assert len(verdicts["items"]) == 1
         assert sum(e.get("count", 1) for e in events()) == 1
+
+
+def test_a_broken_rules_configmap_that_got_past_admission_survives_a_restart(
+    cluster: ControlPlane,
+) -> None:
+    # The rules edit check is failurePolicy Ignore (an epguard outage must never keep an
+    # admin from editing the rules), so with the webhook down a broken edit lands. The
+    # same ConfigMap is the file the webhook starts from: it must come up Ready on its
+    # built-in rules, say why on the ConfigMap, and keep judging.
+    get = ["get", "deployment", "epguard-webhook", "-n", RELEASE_NS, "-o", "json"]
+    replicas = json.loads(cluster.kubectl(*get, check=True).stdout)["spec"]["replicas"]
+    r = cluster.kubectl("get", "configmap", "epguard-rules", "-n", RELEASE_NS, "-o", "json")
+    original = json.loads(r.stdout)["data"]["rules.yaml"]
+    scale = ["scale", "deployment", "epguard-webhook", "-n", RELEASE_NS]
+    cluster.kubectl(*scale, "--replicas=0", check=True)
+    eventually(lambda: not _webhook_pods(cluster), within=120, what="the webhook pods to go")
+    broken = json.dumps({"data": {"rules.yaml": "rules:\n  - {id: a, action: explode\n"}})
+    patch = ["patch", "configmap", "epguard-rules", "-n", RELEASE_NS, "--type=merge", "-p"]
+    try:
+        r = cluster.kubectl(*patch, broken)
+        assert r.returncode == 0, r.stderr  # nobody checked it
+        cluster.kubectl(*scale, f"--replicas={replicas}", check=True)
+        r = cluster.kubectl(
+            "rollout", "status", "-n", RELEASE_NS, "deployment/epguard-webhook", "--timeout=180s"
+        )
+        assert r.returncode == 0, r.stderr  # Ready, not in a crash loop
+        pods = json.loads(
+            cluster.kubectl(
+                "get", "pods", "-n", RELEASE_NS, "-l", "app.kubernetes.io/component=webhook",
+                "-o", "json", check=True,
+            ).stdout
+        )["items"]  # fmt: skip
+        assert all(
+            s["restartCount"] == 0 for p in pods for s in p["status"]["containerStatuses"]
+        )
+
+        def told() -> bool:
+            r = cluster.kubectl(
+                "get", "events", "-n", RELEASE_NS, "-o", "json",
+                "--field-selector=involvedObject.name=epguard-rules,reason=EpguardRulesFileRejected",
+            )  # fmt: skip
+            return r.returncode == 0 and bool(json.loads(r.stdout)["items"])
+
+        eventually(told, within=60, what="an EpguardRulesFileRejected Event on the ConfigMap")
+        ns = fresh_namespace(cluster, "broken-rules")
+        eventually(
+            lambda: _answered_by_epguard(apply(cluster, _elastic("p", ns), dry_run=True)),
+            within=30,
+            what="the restarted webhook to judge on its built-in rules",
+        )
+    finally:
+        restore = json.dumps({"data": {"rules.yaml": original}})
+        cluster.kubectl(*patch, restore, check=True)
