@@ -16,6 +16,8 @@ import sys
 import time
 
 _CHILD_SOURCE = None
+# The whole child run is bounded by this many step timeouts (see Child.collect).
+MAX_STEPS = 8
 
 # Interpreter-level variables that change how Python or torch behave, not which files
 # the image holds: the worker's env is copied into the probe, and PYTHONWARNINGS=error
@@ -100,9 +102,13 @@ class Child:
         open_fds = {self._read_fd: b"", out_fd: b""}
         tail = b""
         deadline = time.monotonic() + self.timeout
+        # Each step's announcement renews ``deadline``; this one is never renewed, so a
+        # child that announces steps forever (code in a tenant's image can write to any
+        # inherited fd) still ends. A real plan has at most a handful of steps.
+        overall = time.monotonic() + self.timeout * MAX_STEPS
         try:
             while open_fds and not run.finished:
-                remaining = deadline - time.monotonic()
+                remaining = min(deadline, overall) - time.monotonic()
                 if remaining <= 0:
                     run.timed_out = True
                     self._kill()
