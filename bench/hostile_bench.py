@@ -255,6 +255,12 @@ def main() -> int:
             )
         watcher.stop.set()
         watcher.thread.join()
+        metrics = httpx.get(url + "/metrics", verify=ctx, timeout=10).text
+        counted = [
+            line
+            for line in metrics.splitlines()
+            if line.startswith(("epguard_bad_requests_total", "epguard_connections_cut_total"))
+        ]
     finally:
         proc.terminate()
         try:
@@ -280,6 +286,11 @@ def main() -> int:
             f"{r.name:<58} {r.answer:>16} {r.seconds:6.2f} {r.slowest_other:15.3f} "
             f"{r.peak_mib:9.1f}{'' if ok else '  MISSED'}"
         )
+    print("counted by the webhook (deadline = a review not judged in time, answered 500):")
+    for line in counted:
+        print("  " + line)
+    if not any('reason="deadline"' in line for line in counted):
+        print('  epguard_bad_requests_total{reason="deadline"} 0 (never counted: no overrun)')
     return 1 if failed else 0
 
 

@@ -256,3 +256,21 @@ def minimal_crd(group: str, kind: str, plural: str, versions: list[str]) -> dict
             ],
         },
     }
+
+
+def wait_event(
+    cp: ControlPlane, namespace: str, about: str, reason: str, within: float = 60.0
+) -> list[dict[str, Any]]:
+    """The Events with ``reason`` about the object named ``about``, once there is one."""
+    found: list[dict[str, Any]] = []
+
+    def posted() -> bool:
+        r = cp.kubectl(
+            "get", "events", "-n", namespace, "-o", "json",
+            f"--field-selector=involvedObject.name={about},reason={reason}",
+        )  # fmt: skip
+        found[:] = json.loads(r.stdout)["items"] if r.returncode == 0 else []
+        return bool(found)
+
+    eventually(posted, within=within, what=f"a {reason} Event on {about}")
+    return found

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_kube import apply, as_yaml, eventually
+from e2e_kube import apply, as_yaml, eventually, wait_event
 from node_e2e import fresh_namespace, running_cluster, wait_probe, worker_pod
 
 from devcluster import ControlPlane
@@ -135,15 +135,6 @@ def verdicts(cp: ControlPlane) -> list[dict[str, Any]]:
     return items
 
 
-def not_trusted_event(cp: ControlPlane, namespace: str, pod: str) -> str | None:
-    r = cp.kubectl(
-        "get", "events", "-n", namespace, "-o", "json",
-        f"--field-selector=involvedObject.name={pod},reason=EpguardProbeNotTrusted",
-    )  # fmt: skip
-    items = json.loads(r.stdout)["items"] if r.returncode == 0 else []
-    return str(items[0]["message"]) if items else None
-
-
 def run_forgery(cp: ControlPlane, message: str, code: int) -> tuple[str, dict[str, Any]]:
     """Create the forged pod where no webhook looks at it; wait for the kubelet to record
     its end and for the controller to say it learned nothing. (namespace, probe status)"""
@@ -156,14 +147,8 @@ def run_forgery(cp: ControlPlane, message: str, code: int) -> tuple[str, dict[st
     found = wait_probe(cp, ns, [f"--field-selector=metadata.name={name}"])
     assert found["terminated"]["exitCode"] == code
     assert found["terminated"]["message"] == message  # the kubelet wrote the forgery
-    said: dict[str, str] = {}
-
-    def told() -> bool:
-        said["message"] = not_trusted_event(cp, ns, name) or ""
-        return bool(said["message"])
-
-    eventually(told, within=60, what="the controller's EpguardProbeNotTrusted event")
-    assert "carry no epguard.io/probe-signature" in said["message"]
+    events = wait_event(cp, ns, name, "EpguardProbeNotTrusted")
+    assert "carry no epguard.io/probe-signature" in events[0]["message"]
     return ns, found
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_kube import apply, eventually, plain, pod, worker
+from e2e_kube import apply, eventually, plain, pod, wait_event, worker
 from node_e2e import (
     fresh_namespace,
     opted_in_namespace,
@@ -211,18 +211,9 @@ def test_a_broken_rules_configmap_that_got_past_admission_survives_a_restart(
                 "-o", "json", check=True,
             ).stdout
         )["items"]  # fmt: skip
-        assert all(
-            s["restartCount"] == 0 for p in pods for s in p["status"]["containerStatuses"]
-        )
+        assert all(s["restartCount"] == 0 for p in pods for s in p["status"]["containerStatuses"])
 
-        def told() -> bool:
-            r = cluster.kubectl(
-                "get", "events", "-n", RELEASE_NS, "-o", "json",
-                "--field-selector=involvedObject.name=epguard-rules,reason=EpguardRulesFileRejected",
-            )  # fmt: skip
-            return r.returncode == 0 and bool(json.loads(r.stdout)["items"])
-
-        eventually(told, within=60, what="an EpguardRulesFileRejected Event on the ConfigMap")
+        wait_event(cluster, RELEASE_NS, "epguard-rules", "EpguardRulesFileRejected")
         ns = fresh_namespace(cluster, "broken-rules")
         eventually(
             lambda: _answered_by_epguard(apply(cluster, _elastic("p", ns), dry_run=True)),

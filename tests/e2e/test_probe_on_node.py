@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_kube import apply, denied_by_epguard, eventually
+from e2e_kube import apply, denied_by_epguard, eventually, wait_event
 from node_e2e import opted_in_namespace, running_cluster, wait_probe, worker_pod, workload
 
 from devcluster import ControlPlane
@@ -134,14 +134,7 @@ def test_on_a_complete_image_the_missing_driver_is_told_in_the_pod_and_never_lea
     for image_fault in ("libcudart", "rdma-core", "libibverbs", "not built against"):
         assert image_fault not in first
 
-    def told() -> bool:
-        r = cluster.kubectl(
-            "get", "events", "-n", opted_in, "-o", "json",
-            "--field-selector=involvedObject.name=sglang-env,reason=MooncakeProbeFailedInPod",
-        )  # fmt: skip
-        return r.returncode == 0 and bool(json.loads(r.stdout)["items"])
-
-    eventually(told, within=60, what="the controller's MooncakeProbeFailedInPod event")
+    wait_event(cluster, opted_in, "sglang-env", "MooncakeProbeFailedInPod")
     verdicts = json.loads(cluster.kubectl("get", "imageverdicts", "-o", "json").stdout)["items"]
     learned = [v for v in verdicts if "sglang-env" in v["spec"].get("pod", "")]
     assert learned == [], learned
@@ -170,13 +163,6 @@ def test_a_pod_without_gpus_and_with_poisoned_env_never_creates_a_verdict(
     assert "torch does not import" not in message
     assert "PYTHONWARNINGS" in message and "TORCH_LOGS" in message
 
-    def told() -> bool:
-        r = cluster.kubectl(
-            "get", "events", "-n", opted_in, "-o", "json",
-            "--field-selector=involvedObject.name=sglang-poisoned,reason=MooncakeProbeFailedInPod",
-        )  # fmt: skip
-        return r.returncode == 0 and bool(json.loads(r.stdout)["items"])
-
-    eventually(told, within=60, what="the controller's MooncakeProbeFailedInPod event")
+    wait_event(cluster, opted_in, "sglang-poisoned", "MooncakeProbeFailedInPod")
     verdicts = json.loads(cluster.kubectl("get", "imageverdicts", "-o", "json").stdout)["items"]
     assert [v for v in verdicts if "sglang-poisoned" in v["spec"].get("pod", "")] == []
