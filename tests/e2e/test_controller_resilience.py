@@ -27,6 +27,7 @@ from devcluster.stack import CHART_DIR, NAMESPACE, REPO_ROOT, _child_env, instal
 from tests.cluster import running_control_plane
 from tests.loop.probe_pods import pod_with_probe_status, run_real_probe
 from webhook.outcome import PROBED_LABEL, verdict_name
+from webhook.signing import SIGNATURE_ANNOTATION, keyring_from_secret, parts_of, sign
 
 pytestmark = pytest.mark.e2e
 
@@ -92,11 +93,33 @@ def probe_pod(name: str, namespace: str, image: str, labelled: bool = True) -> d
     return pod
 
 
+def signed(cp: ControlPlane, obj: dict[str, Any], namespace: str) -> dict[str, Any]:
+    """``obj`` signed as /mutate signs what it injects, with the key the controllers keep
+    in the Secret they created: this control plane runs no webhook, and the controller
+    learns only from signed probes (webhook/signing.py)."""
+    got: dict[str, Any] = {}
+
+    def key_exists() -> bool:
+        r = cp.kubectl("get", "secret", "epguard-probe-key", "-n", NAMESPACE, "-o", "json")
+        if r.returncode == 0:
+            got.update(json.loads(r.stdout))
+        return r.returncode == 0
+
+    eventually(key_exists, within=60, what="the controller to create the probe-signing key")
+    ring = keyring_from_secret(got)
+    parts = parts_of(obj)
+    annotations = obj["metadata"].setdefault("annotations", {})
+    annotations[SIGNATURE_ANNOTATION] = sign(
+        ring.current, namespace, parts.containers, parts.volume, parts.label or ""
+    )
+    return obj
+
+
 def fail_probe(
     cp: ControlPlane, name: str, namespace: str, image: str, message: str, labelled: bool = True
 ) -> None:
-    """Create the pod and write its probe's termination as the kubelet would."""
-    obj = probe_pod(name, namespace, image, labelled)
+    """Create the (signed) pod and write its probe's termination as the kubelet would."""
+    obj = signed(cp, probe_pod(name, namespace, image, labelled), namespace)
     r = cp.kubectl("create", "-f", "-", input=as_yaml(obj))
     assert r.returncode == 0, r.stderr
     image_id = f"{image.rsplit(':', 1)[0]}@{digest_for(image)}"
