@@ -201,15 +201,15 @@ class InjectionResult:
     removed: bool = False  # the pod brought parts under epguard's names; they were removed
 
 
-def _strip_only(obj: Mapping[str, Any], result: str) -> InjectionResult:
-    """No probe for this pod; but whatever it carries under epguard's names goes."""
-    removal = plan_removal(obj)
+def _without_probe(
+    obj: Mapping[str, Any], result: str, spec_ops: list[dict[str, Any]] | None = None
+) -> InjectionResult:
+    """No probe for this pod; but whatever it carries under epguard's names goes.
+    ``spec_ops``: the spec's share when ``plan`` already computed it."""
+    if spec_ops is None:
+        spec_ops = plan_without_probe(obj.get("spec"))
+    removal = [*spec_ops, *metadata_patch(obj.get("metadata"), probed=False, signature=None)]
     return InjectionResult(result, removal, removed=bool(removal))
-
-
-def plan_removal(obj: Mapping[str, Any]) -> list[dict[str, Any]]:
-    spec_ops = plan_without_probe(obj.get("spec"))
-    return [*spec_ops, *metadata_patch(obj.get("metadata"), probed=False, signature=None)]
 
 
 def injection_for(
@@ -225,12 +225,12 @@ def injection_for(
     obj = as_map(req.object)
     annotations = annotations_of(obj)
     if not (state.namespaces.get(req.namespace).inject or opts_in(annotations.get(INJECT_KEY))):
-        return _strip_only(obj, "not_opted_in")
+        return _without_probe(obj, "not_opted_in")
     if state.config.allow_skip and SKIP_ANNOTATION in annotations:
-        return _strip_only(obj, "exempted")
+        return _without_probe(obj, "exempted")
     injection = plan(obj.get("spec"), settings)
     if not injection.containers:
-        return _strip_only(obj, "unchanged")
+        return _without_probe(obj, "unchanged", injection.patch)
     ring = state.keys.ring
     warnings: tuple[str, ...] = ()
     signature: str | None = None
@@ -264,8 +264,7 @@ class Injector:
         done = injection_for(request, self.state, self.settings)
         if not done.patch:
             return Outcome(True, done.result, warnings=done.warnings)
-        meta = as_map(as_map(request.object).get("metadata"))
-        name = meta.get("name") or meta.get("generateName") or "?"
+        name = _name_of(request.object)
         what = "injected the probe into" if done.result == "injected" else "left no probe in"
         removed = " (removed epguard-* parts it brought itself)" if done.removed else ""
         return Outcome(

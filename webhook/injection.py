@@ -38,7 +38,7 @@ from webhook.signing import PROBE_VOLUME, SIGNATURE_ANNOTATION, is_epguard_name
 from webhook.workloads import as_list, as_map
 
 COPY_UID = 65532  # the epguard image's user (Dockerfile)
-VOLUME = PROBE_VOLUME
+VOLUME = PROBE_VOLUME  # the emptyDir the probe is copied into
 MAX_NAME = 63
 
 # Copies the probe directory with the interpreter the epguard image surely has; a
@@ -156,19 +156,37 @@ def _set_list(path: str, items: list[Any]) -> dict[str, Any]:
     return {"op": "remove", "path": path}
 
 
-def plan_without_probe(pod_spec: Any, path: str = "/spec") -> list[dict[str, Any]]:
-    """The ops that remove what a spec carries under epguard's names, if anything."""
-    spec = as_map(pod_spec)
+@dataclass(frozen=True, slots=True)
+class _Kept:
+    """A spec's init containers and volumes without what carries epguard's names."""
+
+    inits: list[Mapping[str, Any]]
+    volumes: list[Mapping[str, Any]]
+    removed_inits: bool
+    removed_volume: bool
+
+
+def _kept(spec: Mapping[str, Any]) -> _Kept:
     present = [c for c in as_list(spec.get("initContainers")) if isinstance(c, Mapping)]
     inits = [c for c in present if not is_epguard_name(c.get("name"))]
     volumes = [v for v in as_list(spec.get("volumes")) if isinstance(v, Mapping)]
     kept_volumes = [v for v in volumes if v.get("name") != VOLUME]
+    return _Kept(inits, kept_volumes, len(inits) != len(present), len(kept_volumes) != len(volumes))
+
+
+def _removal(kept: _Kept, path: str) -> list[dict[str, Any]]:
     patch: list[dict[str, Any]] = []
-    if len(inits) != len(present):
-        patch.append(_set_list(f"{path}/initContainers", inits))
-    if len(kept_volumes) != len(volumes):
-        patch.append(_set_list(f"{path}/volumes", kept_volumes))
+    if kept.removed_inits:
+        patch.append(_set_list(f"{path}/initContainers", kept.inits))
+    if kept.removed_volume:
+        patch.append(_set_list(f"{path}/volumes", kept.volumes))
     return patch
+
+
+def plan_without_probe(pod_spec: Any, path: str = "/spec") -> list[dict[str, Any]]:
+    """The ops that remove what a spec carries under epguard's names, if anything (for a
+    pod the probe is not injected into)."""
+    return _removal(_kept(as_map(pod_spec)), path)
 
 
 def plan(pod_spec: Any, settings: InjectionSettings, path: str = "/spec") -> Injection:
@@ -182,10 +200,7 @@ def plan(pod_spec: Any, settings: InjectionSettings, path: str = "/spec") -> Inj
     the removal, if it needs one.
     """
     spec = as_map(pod_spec)
-    present = [c for c in as_list(spec.get("initContainers")) if isinstance(c, Mapping)]
-    inits = [c for c in present if not is_epguard_name(c.get("name"))]
-    volumes = [v for v in as_list(spec.get("volumes")) if isinstance(v, Mapping)]
-    kept_volumes = [v for v in volumes if v.get("name") != VOLUME]
+    kept = _kept(spec)
     budget = shell.Budget()
     workers = [
         c
@@ -195,22 +210,22 @@ def plan(pod_spec: Any, settings: InjectionSettings, path: str = "/spec") -> Inj
         and c.get("image")
     ]
     if not workers:
-        patch = plan_without_probe(spec, path)
+        patch = _removal(kept, path)
         return Injection(patch=patch, probes=(), removed=bool(patch))
     many = len(workers) > 1
     probes = [_probe_container(w, _probe_name(str(w.get("name")), many), settings) for w in workers]
     injected = (_copy_container(settings), *probes)
     volume = {"name": VOLUME, "emptyDir": {"sizeLimit": "16Mi"}}
     patch = [
-        {"op": "add", "path": f"{path}/initContainers", "value": [*injected, *inits]},
-        {"op": "add", "path": f"{path}/volumes", "value": [*kept_volumes, volume]},
+        {"op": "add", "path": f"{path}/initContainers", "value": [*injected, *kept.inits]},
+        {"op": "add", "path": f"{path}/volumes", "value": [*kept.volumes, volume]},
     ]
     return Injection(
         patch=patch,
         probes=tuple(p["name"] for p in probes),
         containers=injected,
         volume=volume,
-        removed=len(inits) != len(present) or len(kept_volumes) != len(volumes),
+        removed=kept.removed_inits or kept.removed_volume,
     )
 
 

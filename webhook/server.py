@@ -36,7 +36,6 @@ from webhook.rules import (
     RulesHolder,
     default_rules_path,
     load_rules_file,
-    rule_warnings,
 )
 from webhook.settings import Settings
 from webhook.tls import ReloadingTLS
@@ -50,6 +49,7 @@ from webhook.watch import (
     Sync,
     VerdictSync,
     kube_sources,
+    report_warnings,
     run_watch,
 )
 from webhook.workloads import KindRegistry
@@ -133,7 +133,7 @@ class Runtime:
         )
         self.syncs: dict[str, Sync] = {
             "configmap": self.rules_sync,
-            "secret": ProbeKeySync(self.state.keys, settings.probe_key_secret, self.metrics),
+            "secret": ProbeKeySync(self.state.keys, settings.probe_key_secret),
             "namespace": NamespaceSync(self.state.namespaces),
             "imageverdict": VerdictSync(self.verdicts, self.metrics),
         }
@@ -190,10 +190,10 @@ class Runtime:
         return True
 
     def _warn_about_file(self, rules: RuleSet) -> None:
-        warnings = rule_warnings(rules) if rules.source != default_rules_path() else []
-        self.metrics.rules_warnings.labels("file").set(len(warnings))
-        for w in warnings:
-            log.warning("%s", w)
+        if rules.source == default_rules_path():  # the built-in rules are checked by a test
+            self.metrics.rules_warnings.labels("file").set(0)
+        else:
+            report_warnings(rules, "file", self.metrics)
 
     def _events_on_rules_configmap(self, api: client.ApiClient) -> Notify:
         """Problems with the rules, told where the admin edits them: Events on the

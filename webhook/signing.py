@@ -268,7 +268,7 @@ def sign(
 class Verification:
     ok: bool
     reason: str  # why not, in words a tenant and an admin can act on; "" when ok
-    key_id: str = ""
+    key_id: str = ""  # the key the signature names, held or not ("" without a signature)
 
 
 def verify(ring: Keyring, namespace: str, pod: Mapping[str, Any]) -> Verification:
@@ -286,7 +286,9 @@ def verify(ring: Keyring, namespace: str, pod: Mapping[str, Any]) -> Verificatio
     key = ring.find(fields[1])
     if key is None:
         return Verification(
-            False, f"it was signed with key {fields[1][:16]!r}, which epguard does not hold"
+            False,
+            f"it was signed with key {fields[1][:16]!r}, which epguard does not hold",
+            fields[1],
         )
     expected = sign(key, namespace, parts.containers, parts.volume, parts.label or "")
     if not hmac.compare_digest(expected.encode(), parts.signature.encode()):

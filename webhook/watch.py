@@ -30,7 +30,7 @@ from kubernetes import watch as kwatch
 from webhook.kube import REQUEST_TIMEOUT, list_all, meta, status_of
 from webhook.metrics import Metrics
 from webhook.namespaces import MODE_LABEL, NamespaceIndex
-from webhook.rules import RulesError, RulesHolder, load_rules_text, rule_warnings
+from webhook.rules import RulesError, RuleSet, RulesHolder, load_rules_text, rule_warnings
 from webhook.signing import KeyringError, KeyringHolder, keyring_from_secret
 from webhook.verdicts import GROUP, PLURAL, VERSION, VerdictStore, verdict_from_object
 
@@ -47,6 +47,16 @@ def _meta_name(obj: Any) -> str | None:
 Notify = Callable[[str, str, bool], None]
 
 
+def report_warnings(rules: RuleSet, source: str, metrics: Metrics) -> list[str]:
+    """Rules that load but refuse nothing (rules.rule_warnings): logged and counted under
+    ``source`` (file or configmap); returned for whoever tells the admin more."""
+    warnings = rule_warnings(rules)
+    metrics.rules_warnings.labels(source).set(len(warnings))
+    for w in warnings:
+        log.warning("%s", w)
+    return warnings
+
+
 class Sync(Protocol):
     resource: str
     off_loop: bool
@@ -56,7 +66,25 @@ class Sync(Protocol):
     def event(self, kind: str, obj: Mapping[str, Any]) -> None: ...
 
 
-class RulesConfigMapSync:
+class OneObjectSync:
+    """A sync of one object, by name: the list and every event come down to "this is the
+    object now" (``_apply(obj)``) or "it is gone" (``_apply(None)``)."""
+
+    name: str
+
+    def _apply(self, obj: Mapping[str, Any] | None) -> None:
+        raise NotImplementedError
+
+    def replace(self, objects: Iterable[Mapping[str, Any]]) -> None:
+        ours = [o for o in objects if _meta_name(o) == self.name]
+        self._apply(ours[0] if ours else None)
+
+    def event(self, kind: str, obj: Mapping[str, Any]) -> None:
+        if _meta_name(obj) == self.name:
+            self._apply(None if kind == "DELETED" else obj)
+
+
+class RulesConfigMapSync(OneObjectSync):
     """The live rules: ``data[key]`` of one ConfigMap. A bad edit keeps the last good rules."""
 
     resource = "configmap"
@@ -72,7 +100,6 @@ class RulesConfigMapSync:
         name: str,
         key: str,
         metrics: Metrics,
-        notify: Notify | None = None,
     ) -> None:
         self.holder = holder
         self.namespace = namespace
@@ -80,7 +107,7 @@ class RulesConfigMapSync:
         self.key = key
         self.metrics = metrics
         # Where an admin looks (an Event on the ConfigMap); set once a cluster is known.
-        self.notify: Notify = notify or (lambda _reason, _message, _warning: None)
+        self.notify: Notify = lambda _reason, _message, _warning: None
         self.last_error: str | None = None
 
     @property
@@ -134,10 +161,7 @@ class RulesConfigMapSync:
         self.metrics.rules_reloads.labels("configmap", "ok").inc()
         self.metrics.rules_loaded.labels("configmap").set(len(rules))
         log.info("rules loaded from %s: %d rule(s)", self.source, len(rules))
-        warnings = rule_warnings(rules)
-        self.metrics.rules_warnings.labels("configmap").set(len(warnings))
-        for w in warnings:
-            log.warning("%s", w)
+        warnings = report_warnings(rules, "configmap", self.metrics)
         if warnings:
             self.notify(
                 "EpguardRulesWarning",
@@ -145,15 +169,6 @@ class RulesConfigMapSync:
                 + "; ".join(warnings),
                 True,
             )
-
-    def replace(self, objects: Iterable[Mapping[str, Any]]) -> None:
-        ours = [o for o in objects if _meta_name(o) == self.name]
-        self._apply(ours[0] if ours else None)
-
-    def event(self, kind: str, obj: Mapping[str, Any]) -> None:
-        if _meta_name(obj) != self.name:
-            return
-        self._apply(None if kind == "DELETED" else obj)
 
 
 class NamespaceSync:
@@ -226,16 +241,15 @@ class VerdictSync:
         self.metrics.verdicts_dropped.set(self.store.dropped)
 
 
-class ProbeKeySync:
+class ProbeKeySync(OneObjectSync):
     """The probe-signing keyring: one Secret, by name (webhook/signing.py)."""
 
     resource = "secret"
     off_loop = False
 
-    def __init__(self, holder: KeyringHolder, name: str, metrics: Metrics) -> None:
+    def __init__(self, holder: KeyringHolder, name: str) -> None:
         self.holder = holder
         self.name = name
-        self.metrics = metrics
 
     def _apply(self, obj: Mapping[str, Any] | None) -> None:
         if obj is None:
@@ -259,14 +273,6 @@ class ProbeKeySync:
         self.holder.set(ring)
         if changed:
             log.info("probe-signing key %s in use (%d held)", ring.current.id, len(ring.keys))
-
-    def replace(self, objects: Iterable[Mapping[str, Any]]) -> None:
-        ours = [o for o in objects if _meta_name(o) == self.name]
-        self._apply(ours[0] if ours else None)
-
-    def event(self, kind: str, obj: Mapping[str, Any]) -> None:
-        if _meta_name(obj) == self.name:
-            self._apply(None if kind == "DELETED" else obj)
 
 
 @dataclass

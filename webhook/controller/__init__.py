@@ -3,6 +3,7 @@
 ``certificates``  self-managed TLS for the webhook (CA + serving cert in a Secret,
                   caBundle injection, rotation with an overlap)
 ``probe_key``     the key that signs injected probes: created, rotated, held
+``background``    (a helper) the start/stop of a loop that lives as long as the operator
 ``recorder``      probe outcomes in pod status → ImageVerdicts + Events on pod and owner
 ``backstop``      the outage backstop: ValidatingAdmissionPolicies compiled from the
                   deny rules and Unusable verdicts, and their parameter ConfigMap

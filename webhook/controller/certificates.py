@@ -31,6 +31,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from webhook import certs
+from webhook.controller import background
 from webhook.controller.config import ControllerConfig
 from webhook.kube import REQUEST_TIMEOUT
 
@@ -358,10 +359,7 @@ async def start_certificate_manager(memo: kopf.Memo, **_: Any) -> None:
         return
     factory: ApiFactory | None = memo.get("tls_api_factory")
     api: TLSApi = await factory() if factory is not None else KubeTLSApi(memo["api"])
-    manager = CertificateManager(api, config)
-    stop = asyncio.Event()
-    memo["tls_stop"] = stop
-    memo["tls_task"] = asyncio.create_task(manager.run(stop), name="epguard-tls")
+    background.start(memo, "tls", CertificateManager(api, config).run)
     policy = config.policy
     names = [*policy.dns_names, *map(str, policy.ip_addresses)] if policy else []
     log.info(
@@ -370,12 +368,7 @@ async def start_certificate_manager(memo: kopf.Memo, **_: Any) -> None:
 
 
 async def stop_certificate_manager(memo: kopf.Memo, **_: Any) -> None:
-    stop: asyncio.Event | None = memo.get("tls_stop")
-    task: asyncio.Task[None] | None = memo.get("tls_task")
-    if stop is not None:
-        stop.set()
-    if task is not None:
-        await asyncio.gather(task, return_exceptions=True)
+    await background.stop(memo, "tls")
 
 
 # Registered without decorator syntax so the names keep their plain signatures (kopf's

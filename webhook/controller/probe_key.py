@@ -25,6 +25,7 @@ import kopf
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from webhook.controller import background
 from webhook.controller.config import ControllerConfig
 from webhook.kube import REQUEST_TIMEOUT
 from webhook.signing import (
@@ -136,12 +137,16 @@ class ProbeKeyManager:
         raise RuntimeError(f"Secret {self.name}: too many write conflicts")
 
     def refresh(self) -> Keyring | None:
-        """Read the keyring again (a pod names a key not held: another replica rotated)."""
+        """Read the keyring again (a pod names a key not held: another replica rotated).
+        Only a read: creating, repairing and rotating are ``run``'s, not a pod event's."""
         try:
-            return self.reconcile_once()
+            obj = self.core.read_namespaced_secret(
+                self.name, self.namespace, _request_timeout=REQUEST_TIMEOUT
+            )
+            self.holder.set(keyring_from_secret({"data": obj.data or {}}))
         except Exception as exc:
             log.warning("could not read probe-signing Secret %s: %s", self.name, exc)
-            return self.holder.ring
+        return self.holder.ring
 
     async def run(self, stop: asyncio.Event) -> None:
         delay = 1.0
@@ -159,23 +164,19 @@ class ProbeKeyManager:
 
 async def start_probe_key(memo: kopf.Memo, **_: Any) -> None:
     config: ControllerConfig = memo["config"]
-    holder = KeyringHolder()
     manager = ProbeKeyManager(
-        memo["api"], config.namespace, config.probe_key_secret, config.probe_key_rotation, holder
+        memo["api"],
+        config.namespace,
+        config.probe_key_secret,
+        config.probe_key_rotation,
+        KeyringHolder(),
     )
     memo["probe_keys"] = manager
-    stop = asyncio.Event()
-    memo["probe_key_stop"] = stop
-    memo["probe_key_task"] = asyncio.create_task(manager.run(stop), name="epguard-probe-key")
+    background.start(memo, "probe_key", manager.run)
 
 
 async def stop_probe_key(memo: kopf.Memo, **_: Any) -> None:
-    stop: asyncio.Event | None = memo.get("probe_key_stop")
-    task: asyncio.Task[None] | None = memo.get("probe_key_task")
-    if stop is not None:
-        stop.set()
-    if task is not None:
-        await asyncio.gather(task, return_exceptions=True)
+    await background.stop(memo, "probe_key")
 
 
 kopf.on.startup(id="epguard-probe-key-start")(start_probe_key)

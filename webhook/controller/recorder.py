@@ -297,7 +297,7 @@ def _verified(
     if ring is None:
         return Verification(False, "the controller holds no probe-signing key")
     checked = verify(ring, namespace, body)
-    if not checked.ok and not checked.key_id:
+    if not checked.ok and checked.key_id and ring.find(checked.key_id) is None:
         fresh = keys.refresh()
         if fresh is not None and fresh is not ring:
             checked = verify(fresh, namespace, body)
