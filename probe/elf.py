@@ -11,8 +11,8 @@ imported torch (torch preloads its nvidia-* libraries by full path, so
 ``libcudart.so.13`` resolves there and nowhere on disk).
 """
 
-import glob
 import os
+import posixpath
 import struct
 
 _DT_NEEDED = 1
@@ -56,6 +56,14 @@ def read_dynamic(path):
         with open(path, "rb") as f:
             return _read_dynamic(f, path)
     except (OSError, struct.error):
+        return None
+
+
+def read_dynamic_file(f, path):
+    """:func:`read_dynamic` of an open binary file (any object with seek and read)."""
+    try:
+        return _read_dynamic(f, path)
+    except (OSError, struct.error, ValueError):
         return None
 
 
@@ -141,66 +149,76 @@ def _expand(entry, origin):
     return entry.replace("${ORIGIN}", origin).replace("$ORIGIN", origin)
 
 
-def _ld_so_conf_dirs(conf="/etc/ld.so.conf", seen=None):
+def _ld_so_conf_dirs(fs, conf="/etc/ld.so.conf", seen=None):
     """Directories listed in ld.so.conf (with its includes): what ld.so.cache covers."""
     seen = set() if seen is None else seen
-    if conf in seen:
+    if conf in seen or len(seen) > 64:
         return []
     seen.add(conf)
     dirs = []
-    try:
-        with open(conf) as f:
-            lines = f.read().splitlines()
-    except OSError:
+    text = fs.read_text(conf)
+    if text is None:
         return dirs
+    lines = text.splitlines()
     for line in lines:
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
         if line.startswith("include"):
             pattern = line.split(None, 1)[1] if len(line.split(None, 1)) > 1 else ""
-            if not os.path.isabs(pattern):
-                pattern = os.path.join(os.path.dirname(conf), pattern)
-            for inc in sorted(glob.glob(pattern)):
-                dirs.extend(_ld_so_conf_dirs(inc, seen))
+            if not posixpath.isabs(pattern):
+                pattern = posixpath.join(posixpath.dirname(conf), pattern)
+            for inc in fs.glob(pattern):
+                dirs.extend(_ld_so_conf_dirs(fs, inc, seen))
         else:
             dirs.append(line)
     return dirs
 
 
-def system_dirs():
+def _live():
+    try:
+        from . import files
+    except ImportError:  # run as `python3 probe`
+        import files
+    return files.LIVE
+
+
+def system_dirs(fs=None, environ=None):
     """Search path after RPATH/RUNPATH: LD_LIBRARY_PATH, ld.so.conf dirs, defaults."""
-    env = [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d]
+    fs = fs or _live()
+    environ = os.environ if environ is None else environ
+    env = [d for d in environ.get("LD_LIBRARY_PATH", "").split(":") if d]
     out = []
-    for d in env + _ld_so_conf_dirs() + list(_DEFAULT_DIRS):
+    for d in env + _ld_so_conf_dirs(fs) + list(_DEFAULT_DIRS):
         if d not in out:
             out.append(d)
     return out
 
 
-def missing_libraries(roots, loaded=(), search=None, max_files=200):
+def missing_libraries(roots, loaded=(), search=None, max_files=200, fs=None):
     """Every DT_NEEDED name reachable from ``roots`` that the loader could not find.
 
     ``loaded`` are paths already mapped in the importing process (their basenames
     satisfy a DT_NEEDED of the same name, as ld.so matches on soname). Returns
     ``[(library, needed_by_basename)]`` in first-seen order.
     """
-    search = system_dirs() if search is None else search
-    loaded_names = {os.path.basename(p) for p in loaded}
+    fs = fs or _live()
+    search = system_dirs(fs) if search is None else search
+    loaded_names = {posixpath.basename(p) for p in loaded}
     missing = []
     seen_missing = set()
     visited = set()
     # (path, inherited DT_RPATH dirs of the objects that loaded it)
-    queue = [(os.path.realpath(r), []) for r in roots]
+    queue = [(fs.realpath(r), []) for r in roots]
     while queue and len(visited) < max_files:
         path, inherited = queue.pop(0)
         if path in visited:
             continue
         visited.add(path)
-        dyn = read_dynamic(path)
+        dyn = fs.dynamic(path)
         if dyn is None:
             continue
-        origin = os.path.dirname(path)
+        origin = posixpath.dirname(path)
         own_rpath = [_expand(e, origin) for e in dyn.rpath]
         own_runpath = [_expand(e, origin) for e in dyn.runpath]
         # ld.so ignores DT_RPATH when the object has DT_RUNPATH, and RUNPATH does
@@ -216,18 +234,18 @@ def missing_libraries(roots, loaded=(), search=None, max_files=200):
             if name in loaded_names:
                 continue
             if "/" in name:
-                found = name if os.path.exists(name) else None
+                found = name if fs.exists(name) else None
             else:
                 found = None
                 for d in first + after_env + search:
-                    cand = os.path.join(d, name)
-                    if os.path.exists(cand):
+                    cand = posixpath.join(d, name)
+                    if fs.exists(cand):
                         found = cand
                         break
             if found is None:
                 if name not in seen_missing:
                     seen_missing.add(name)
-                    missing.append((name, os.path.basename(path)))
+                    missing.append((name, posixpath.basename(path)))
                 continue
-            queue.append((os.path.realpath(found), passed_down))
+            queue.append((fs.realpath(found), passed_down))
     return missing

@@ -10,12 +10,13 @@ imported under an alias the attributes used through the alias count as names.
 
 import ast
 import importlib.util
-import os
+import posixpath
 import re
 
 try:
-    from . import inventory
+    from . import files, inventory
 except ImportError:  # run as `python3 probe`: the directory itself is on sys.path
+    import files
     import inventory
 
 MODULES = ("mooncake.pg", "mooncake.ep")
@@ -103,26 +104,37 @@ def scan_source(text):
     return found
 
 
-def requirement():
-    version = inventory.dist_version("sglang")
-    try:
-        spec = importlib.util.find_spec("sglang")
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None:
+def _sglang_roots(fs, path):
+    if fs is None:
+        try:
+            spec = importlib.util.find_spec("sglang")
+        except (ImportError, ValueError):
+            spec = None
+        return list(spec.submodule_search_locations or []) if spec else None
+    roots = inventory.package_dirs("sglang", path, fs)
+    return roots or None
+
+
+# SGLang's largest source that names mooncake (parallel_state.py) is ~100 KB.
+MAX_SOURCE_BYTES = 4 << 20
+
+
+def requirement(fs=None, path=None):
+    """What the installed SGLang imports; with ``fs``/``path``, the SGLang in another
+    root (an image's files) instead of this interpreter's."""
+    version = inventory.dist_version("sglang", path, fs)
+    roots = _sglang_roots(fs, path)
+    fs = fs or files.LIVE
+    if roots is None:
         return Requirement(None, list(MODULES), {}, "no SGLang installed: either module", True)
     if version is None:
         version = "unknown"
-    roots = list(spec.submodule_search_locations or [])
     found = {}
     read = 0
     for root in roots:
         for rel in SOURCES:
-            path = os.path.join(root, rel)
-            try:
-                with open(path, encoding="utf-8", errors="replace") as f:
-                    text = f.read()
-            except OSError:
+            text = fs.read_text(posixpath.join(root, rel), MAX_SOURCE_BYTES)
+            if text is None:
                 continue
             read += 1
             for mod, names in scan_source(text).items():

@@ -10,25 +10,29 @@ extensions exist for this interpreter, or whether it is 0.3.14's JIT loader.
 import importlib.machinery
 import importlib.util
 import os
+import posixpath
 import re
 import sys
+
+try:
+    from . import files
+except ImportError:  # run as `python3 probe`: the directory itself is on sys.path
+    import files
 
 _EXT_RE = re.compile(r"^(pg|ep)_(\d+(?:_\d+)*)(\..*)$")
 
 
-def _read_metadata(path):
+def _read_metadata(path, fs=None):
     name = version = None
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if not line.strip():
-                    break
-                if line.startswith("Name:"):
-                    name = line.split(":", 1)[1].strip()
-                elif line.startswith("Version:"):
-                    version = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    # The headers come first; 64 KiB is far more than any real header block.
+    text = (fs or files.LIVE).read_text(path, 64 * 1024)
+    for line in (text or "").splitlines():
+        if not line.strip():
+            break
+        if line.startswith("Name:"):
+            name = line.split(":", 1)[1].strip()
+        elif line.startswith("Version:"):
+            version = line.split(":", 1)[1].strip()
     return name, version
 
 
@@ -36,12 +40,13 @@ def _canonical(name):
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def mooncake_distributions(path=None):
+def mooncake_distributions(path=None, fs=None):
     """[(dist name, version)] for every mooncake* distribution, first on sys.path wins."""
+    fs = fs or files.LIVE
     out, seen = [], set()
     for entry in path if path is not None else sys.path:
         try:
-            names = os.listdir(entry or ".")
+            names = fs.listdir(entry or ".")
         except OSError:
             continue
         for n in sorted(names):
@@ -49,14 +54,14 @@ def mooncake_distributions(path=None):
             if not low.startswith("mooncake"):
                 continue
             if low.endswith(".dist-info"):
-                meta = os.path.join(entry or ".", n, "METADATA")
+                meta = posixpath.join(entry or ".", n, "METADATA")
             elif low.endswith(".egg-info"):
-                meta = os.path.join(entry or ".", n)
-                if os.path.isdir(meta):
-                    meta = os.path.join(meta, "PKG-INFO")
+                meta = posixpath.join(entry or ".", n)
+                if fs.isdir(meta):
+                    meta = posixpath.join(meta, "PKG-INFO")
             else:
                 continue
-            name, version = _read_metadata(meta)
+            name, version = _read_metadata(meta, fs)
             if name and _canonical(name) not in seen:
                 seen.add(_canonical(name))
                 out.append((_canonical(name), version or "unknown"))
@@ -84,19 +89,40 @@ def _torch_key(version):
     return tuple(int(p) for p in version.split("."))
 
 
-def mooncake_package():
+def package_dirs(name, path, fs):
+    """Where ``import name`` would find the package on ``path``: the first entry with a
+    regular package wins; namespace portions count only when there is none."""
+    portions = []
+    for entry in path:
+        d = posixpath.join(entry or ".", name)
+        if not fs.isdir(d):
+            continue
+        if fs.isfile(posixpath.join(d, "__init__.py")):
+            return [d]
+        portions.append(d)
+    return portions
+
+
+def mooncake_package(fs=None, path=None, suffixes=None):
+    """The package as ``import mooncake`` would find it: by importlib for this process,
+    or, with ``fs``/``path``, in another root (an image's files)."""
     pkg = Package()
-    try:
-        spec = importlib.util.find_spec("mooncake")
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None:
-        return pkg
-    pkg.dirs = list(spec.submodule_search_locations or [])
-    suffixes = importlib.machinery.EXTENSION_SUFFIXES
+    if fs is None:
+        try:
+            spec = importlib.util.find_spec("mooncake")
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None:
+            return pkg
+        pkg.dirs = list(spec.submodule_search_locations or [])
+        fs = files.LIVE
+    else:
+        pkg.dirs = package_dirs("mooncake", path, fs)
+    if suffixes is None:
+        suffixes = importlib.machinery.EXTENSION_SUFFIXES
     for d in pkg.dirs:
         try:
-            names = sorted(os.listdir(d))
+            names = sorted(fs.listdir(d))
         except OSError:
             continue
         for n in names:
@@ -107,13 +133,13 @@ def mooncake_package():
                 if ver not in bucket[kind]:
                     bucket[kind].append(ver)
                 if m.group(3) in suffixes:
-                    pkg.files.setdefault(f"{kind}_{m.group(2)}", os.path.join(d, n))
-            elif n == "_pg_jit" and os.path.isdir(os.path.join(d, n)):
+                    pkg.files.setdefault(f"{kind}_{m.group(2)}", posixpath.join(d, n))
+            elif n == "_pg_jit" and fs.isdir(posixpath.join(d, n)):
                 pkg.jit = True
             elif n.startswith("_ep.") and n.endswith(".so"):
-                pkg.ep_core.append(os.path.join(d, n))
+                pkg.ep_core.append(posixpath.join(d, n))
             elif n.startswith("libmooncake") and n.endswith(".so"):
-                pkg.libs.append(os.path.join(d, n))
+                pkg.libs.append(posixpath.join(d, n))
     for kind in ("pg", "ep"):
         for bucket in (pkg.extensions, pkg.other_abi):
             bucket[kind].sort(key=_torch_key)
@@ -131,16 +157,17 @@ def cuda_major(cuda_version):
     return int(m.group(1)) if m else None
 
 
-def dist_version(dist, path=None):
+def dist_version(dist, path=None, fs=None):
     """Version of an installed distribution, from its dist-info, first on sys.path.
 
     The same answer as importlib.metadata.version for ordinary installs, without
     importing importlib.metadata (tens of ms, spent while torch loads in the child).
     """
+    fs = fs or files.LIVE
     want = _canonical(dist)
     for entry in path if path is not None else sys.path:
         try:
-            names = os.listdir(entry or ".")
+            names = fs.listdir(entry or ".")
         except OSError:
             continue
         for n in names:
@@ -149,35 +176,46 @@ def dist_version(dist, path=None):
             stem = n.rsplit(".", 1)[0]
             if _canonical(stem.split("-", 1)[0]) != want:
                 continue
-            meta = os.path.join(entry or ".", n)
+            meta = posixpath.join(entry or ".", n)
             if n.endswith(".dist-info"):
-                meta = os.path.join(meta, "METADATA")
-            elif os.path.isdir(meta):
-                meta = os.path.join(meta, "PKG-INFO")
-            name, version = _read_metadata(meta)
+                meta = posixpath.join(meta, "METADATA")
+            elif fs.isdir(meta):
+                meta = posixpath.join(meta, "PKG-INFO")
+            name, version = _read_metadata(meta, fs)
             if name and _canonical(name) == want and version:
                 return version
     return None
 
 
-def jit_prerequisites(cuda_available):
+def which(name, fs, environ):
+    """``shutil.which`` in another root: the first PATH entry holding ``name``."""
+    for d in (environ.get("PATH") or os.defpath).split(":"):
+        cand = posixpath.join(d or ".", name)
+        if fs.isfile(cand):
+            return cand
+    return None
+
+
+def jit_prerequisites(cuda_available, fs=None, environ=None):
     """What 0.3.14's JIT loader needs to build its torch adapter, without building it.
 
     Mirrors mooncake/pg.py 0.3.14: ninja on PATH, ``CUDA_HOME/bin/nvcc`` (torch
     looks at CUDA_HOME, CUDA_PATH, then nvcc on PATH, then /usr/local/cuda), and a
     visible GPU or TORCH_CUDA_ARCH_LIST. Only whether variables are set is read.
+    ``cuda_available=None`` (an image read from its files) leaves the GPU out: only a
+    GPU node can say.
     """
-    import shutil
-
+    fs = fs or files.LIVE
+    environ = os.environ if environ is None else environ
     missing = []
-    if shutil.which("ninja") is None:
+    if which("ninja", fs, environ) is None:
         missing.append("ninja")
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    home = environ.get("CUDA_HOME") or environ.get("CUDA_PATH")
     if not home:
-        nvcc = shutil.which("nvcc")
-        home = os.path.dirname(os.path.dirname(nvcc)) if nvcc else "/usr/local/cuda"
-    if not os.path.isfile(os.path.join(home, "bin", "nvcc")):
+        nvcc = which("nvcc", fs, environ)
+        home = posixpath.dirname(posixpath.dirname(nvcc)) if nvcc else "/usr/local/cuda"
+    if not fs.isfile(posixpath.join(home, "bin", "nvcc")):
         missing.append("nvcc (CUDA toolkit)")
-    if not cuda_available and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+    if cuda_available is False and not environ.get("TORCH_CUDA_ARCH_LIST"):
         missing.append("a visible GPU or TORCH_CUDA_ARCH_LIST")
     return missing
