@@ -8,6 +8,7 @@ makes it exit 1 instead.
 
 import argparse
 import importlib
+import importlib.machinery
 import json
 import os
 import stat
@@ -90,6 +91,8 @@ def _parser():
                    help="exit status when the probe itself fails: allow=0 (default), deny=1")
     p.add_argument("--always", action="store_true",
                    help="check even if WORKER_ARGV does not request mooncake")
+    p.add_argument("--no-static", action="store_true",
+                   help="always import, even when the image's files already prove a cause")
     return p
 
 
@@ -143,10 +146,32 @@ def _plan(req, level, timeout, modules):
             "alternates": alternates, "level": level, "timeout": timeout}
 
 
+def live_image():
+    """This pod's root as static.py reads it: the child's sys.path (PYTHONPATH is kept
+    for the child, while this interpreter may run with -I), without the probe's own
+    directory."""
+    static = _sibling("static")
+    files = _sibling("files")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    path = env_path + [p for p in sys.path if p and os.path.abspath(p) != here]
+    return static.Image(files.LIVE, path, importlib.machinery.EXTENSION_SUFFIXES,
+                        os.environ, driver_mounted=False)
+
+
 def check(opts, req_argv):
+    """The outcome of the checks, and the verdict when the files alone decided it."""
     # Start the child first: it spends a second or more importing torch, while the
-    # inventory and SGLang's sources are read here.
+    # inventory and SGLang's sources are read here. When the image's files prove a
+    # cause, the child is stopped long before torch is in memory.
     child = sandbox.Child(opts.timeout)
+    if not opts.no_static:
+        static = _sibling("static")
+        facts = static.read(live_image(), req_argv)
+        found = static.first_proven(facts)
+        if found is not None:
+            child.stop()
+            return facts.outcome, found.verdict
     diagnosis = _sibling("diagnosis")
     engine = _sibling("engine")
     inventory = _sibling("inventory")
@@ -195,7 +220,7 @@ def check(opts, req_argv):
         elif step.startswith("smoke"):
             o.smoke.append(dict(rec, backend=step))
         break
-    return o
+    return o, None
 
 
 def _crash_site(tail):
@@ -252,10 +277,15 @@ def _run(opts, worker):
             sys.stdout.write(json.dumps(doc, indent=2) + "\n")
         return 0
 
-    o = check(opts, req_argv)
+    o, v = check(opts, req_argv)
     diagnosis = _sibling("diagnosis")
-    v = diagnosis.diagnose(o)
+    from_files = v is not None
+    if v is None:
+        v = diagnosis.diagnose(o)
     evidence = list(v.evidence)
+    if from_files:
+        evidence.insert(min(2, len(evidence)), "decided from the image's files, before "
+                        "import torch (the probe's --no-static imports anyway)")
     if v.classification == "crash" and o.output_tail:
         site = _crash_site(o.output_tail)
         if site:
@@ -278,6 +308,7 @@ def _run(opts, worker):
         doc = message.report(
             v.verdict, o.requirement.modules, v.checks, v.versions, v.cause, v.fix,
             classification=v.classification, scope=v.scope, checked_without=dropped,
+            decided_from="files" if from_files else "import",
             missing_libraries=v.missing_libraries,
             request={"backend": req_argv.backend, "where": req_argv.where,
                      "dp_attention": req_argv.dp_attention},

@@ -58,6 +58,10 @@ class Outcome:
         self.level = "import"
         self.timeout = None
         self.output_tail = ""
+        # Set by static.py for an outcome read from files: the root they are in, and
+        # the environment the worker would start with there.
+        self.fs = None
+        self.environ = None
 
 
 class Verdict:
@@ -166,8 +170,11 @@ _LIB_WORDS = {
 
 
 def _missing_libs(o, module, event):
+    if event.get("missing_libraries") is not None:  # static.py walked them already
+        return list(event["missing_libraries"])
     loaded = event.get("mapped") or []
-    found = elf.missing_libraries(_ext_roots(o, module), loaded=loaded)
+    search = elf.system_dirs(o.fs, o.environ) if o.fs is not None else None
+    found = elf.missing_libraries(_ext_roots(o, module), loaded=loaded, search=search, fs=o.fs)
     names = [n for n, _ in found]
     # The loader's own complaint first, even if our walk could not see it.
     m = _MISSING_LIB_RE.search(_all_error_text(event))
@@ -278,7 +285,10 @@ def _classify_import_failure(o, module, event, v):
         v.fix = f"{alt}, or use torch {' / '.join(shipped) if shipped else 'it was built for'}"
         return
     if "JIT compilation failed" in text:
-        need = inventory.jit_prerequisites(bool((o.cuda or {}).get("available")))
+        # Read from files (o.cuda is None): whether a GPU is visible is for the node to say.
+        cuda = None if o.cuda is None and o.fs is not None else bool(
+            (o.cuda or {}).get("available"))
+        need = inventory.jit_prerequisites(cuda, o.fs, o.environ)
         v.classification = "jit-prerequisites"
         inner = first.split("JIT compilation failed:", 1)[-1]
         v.cause = (f"{label} builds its PG torch adapter by JIT on import and cannot here: "
@@ -335,7 +345,9 @@ def diagnose(o):
     if o.torch is None:
         tdetail = "the check process ended without a report"
     elif torch_ok:
-        tdetail = "{} (CUDA {})".format(o.torch.get("version"), o.torch.get("cuda") or "none")
+        tdetail = "{} (CUDA {}){}".format(o.torch.get("version"), o.torch.get("cuda") or "none",
+                                          " read from torch/version.py" if o.torch.get("static")
+                                          else "")
     elif o.torch.get("crash"):
         tdetail = "crashed with {} while importing torch".format(o.torch["crash"])
     elif o.torch.get("timeout"):
@@ -349,11 +361,14 @@ def diagnose(o):
 
     evidence = [versions_line(v.versions)]
     if torch_ok:
+        if o.torch.get("static"):
+            seen = "not checked (read from files, before import torch)"
+        elif o.cuda and o.cuda.get("available"):
+            seen = "yes, {} device(s)".format(o.cuda.get("devices"))
+        else:
+            seen = "no"
         evidence.append("torch: built for CUDA {}; GPU visible: {}".format(
-            o.torch.get("cuda") or "none (CPU build)",
-            "yes, {} device(s)".format(o.cuda.get("devices"))
-            if o.cuda and o.cuda.get("available")
-            else "no"))
+            o.torch.get("cuda") or "none (CPU build)", seen))
     evidence.append("needs: {}{}".format(
         " or ".join(req.modules) if req.either else " and ".join(req.modules),
         "" if req.either else " ({}; names: {})".format(
@@ -367,8 +382,9 @@ def diagnose(o):
             evidence.insert(1, message.SCOPE + _SCOPE_WORDS[v.scope])
         for mod, ev in o.imports.items():
             if ev.get("ok") is False and v.classification not in (None,):
-                evidence.append("error ({}): {}".format(mod, _one_line(
-                    _first_error(ev) or v.cause, 300)))
+                evidence.append("{} ({}): {}".format(
+                    "from files, the import would raise" if ev.get("static") else "error",
+                    mod, _one_line(_first_error(ev) or v.cause, 300)))
                 break
         evidence.append("request: " + o.request.describe())
         v.evidence = evidence

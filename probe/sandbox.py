@@ -96,6 +96,16 @@ class Child:
         with contextlib.suppress(OSError):
             os.killpg(self.proc.pid, signal.SIGKILL)
 
+    def stop(self):
+        """End the child and everything it started, unheard (the files already told)."""
+        self._kill()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            with contextlib.suppress(OSError):
+                stream.close()
+        with contextlib.suppress(OSError):
+            os.close(self._read_fd)
+        self.proc.wait()
+
     def collect(self):
         run = Run()
         out_fd = self.proc.stdout.fileno()

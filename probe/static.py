@@ -1,0 +1,345 @@
+"""The diagnosis from an image's files alone: nothing is imported or executed.
+
+Used twice: ``epguard scan`` reads an image archive through its own view of the
+merged layers, and the init-container probe reads its own root first, so that a
+cause the files prove ends the probe before the slow ``import torch``.
+
+How it stays one implementation with the probe's: what the files say is turned into
+the step reports the child *would* have sent (torch's version from torch/version.py,
+the error mooncake's loader raises when ``pg_<torch>`` is absent, the loader's
+complaint about the first library ld.so cannot find, the names a module lacks), and
+:func:`diagnosis.diagnose` words each one. Those reports carry ``static: true`` so
+the evidence says they were read from files, not observed.
+
+What files prove beyond doubt (``Finding.proven``): no torch or no mooncake, a loader
+module missing, no ``pg_<torch>`` / ``ep_<torch>`` for the installed torch (mooncake's
+loaders build the module name from torch's version and nothing else), no compiled
+extension at all (the -non-cuda wheel), an extension needing ``libcudart.so.N`` of
+another CUDA major than torch's, and names SGLang imports that no module the loader
+merges defines. A library missing from the image's search path is an image cause
+too, but the loader's search at run time (LD_LIBRARY_PATH, what torch preloads) may
+differ, so only the import confirms it in a pod.
+
+Standard library only; Python 3.8 syntax.
+"""
+
+import posixpath
+import re
+
+try:
+    from . import diagnosis, files, inventory
+    from . import elf as elf_mod
+    from . import engine as engine_mod
+except ImportError:  # run as `python3 probe`: the directory itself is on sys.path
+    import diagnosis
+    import elf as elf_mod
+    import engine as engine_mod
+    import files
+    import inventory
+
+# Mounted into the container by the NVIDIA runtime on a GPU node, never in an image.
+DRIVER_LIBS = frozenset({"libcuda.so.1", "libnvidia-ml.so.1", "libnvidia-ptxjitcompiler.so.1"})
+# What only a GPU node can check; the scan lists these rather than guess.
+GPU_ONLY = (
+    "driver: libcuda.so.1, which the NVIDIA container runtime mounts on a GPU node",
+    "a visible GPU (torch.cuda.is_available)",
+    "that the import registers the mooncake and mooncake-cpu torch backends",
+    "the one-rank process-group smoke test (--level smoke)",
+)
+PROVEN = frozenset({"torch-not-installed", "mooncake-not-installed", "module-missing",
+                    "no-extension-for-torch", "non-cuda-wheel", "missing-names"})
+
+_LOADER_RE = re.compile(
+    r"import_module\(\s*[\"']mooncake\.([A-Za-z_]\w*)[\"']\s*(\+\s*version_suffix)?\s*\)")
+_RAISE_RE = re.compile(r"raise\s+ImportError\(\s*f?[\"']([^\"'\\\n]*)")
+_DEFINED_RE = re.compile(r"^(?:def|class)\s+([A-Za-z_]\w*)|^([A-Za-z_]\w*)\s*=", re.M)
+_CPP_NAME_RE = re.compile(r"\"([A-Za-z_]\w*)\"")
+_TORCH_VERSION_RE = re.compile(r"^__version__\s*(?::[^=\n]*)?=\s*[\"']([^\"']+)[\"']", re.M)
+_TORCH_CUDA_RE = re.compile(r"^cuda\s*(?::[^=\n]*)?=\s*(?:[\"']([^\"']*)[\"']|None)", re.M)
+_CUDART_RE = re.compile(r"libcudart\.so\.(\d+)$")
+
+
+class Image:
+    """Where an interpreter in some root would look: its files, ``sys.path``, the
+    suffixes of its compiled modules and the environment the worker starts with."""
+
+    def __init__(self, fs, path, suffixes, environ, driver_mounted):
+        self.fs = fs
+        self.path = list(path)
+        self.suffixes = list(suffixes)
+        self.environ = dict(environ)
+        # An image read by `epguard scan`: libcuda.so.1 comes from the node, so its
+        # absence in the files is no finding (it is one of the GPU_ONLY checks).
+        self.driver_mounted = driver_mounted
+
+
+class Finding:
+    def __init__(self, module, verdict, proven):
+        self.module = module  # None for torch / mooncake not installed
+        self.verdict = verdict  # diagnosis.Verdict, worded as the probe words it
+        self.proven = proven
+
+
+class Facts:
+    def __init__(self):
+        self.outcome = None  # diagnosis.Outcome, filled from files
+        self.findings = []
+        self.gpu_only = list(GPU_ONLY)
+        self.notes = []  # what could not be read, said rather than guessed
+
+
+def torch_facts(image):
+    """(``__version__``, CUDA version or None, installed) from torch/version.py."""
+    dirs = inventory.package_dirs("torch", image.path, image.fs)
+    meta = inventory.dist_version("torch", image.path, image.fs)
+    for d in dirs:
+        text = image.fs.read_text(posixpath.join(d, "version.py"), 64 * 1024)
+        if text is None:
+            continue
+        v = _TORCH_VERSION_RE.search(text)
+        c = _TORCH_CUDA_RE.search(text)
+        return (v.group(1) if v else meta), (c.group(1) if c and c.group(1) else None), True
+    return meta, None, bool(dirs or meta)
+
+
+def torch_provided(image, cuda_major):
+    """Libraries a process has mapped once ``import torch`` is done: torch/lib and the
+    nvidia-* wheels it preloads. ld.so matches later DT_NEEDED names against them. A
+    libcudart of another CUDA major is not torch's, so it never counts."""
+    out = []
+    fs = image.fs
+    for entry in image.path:
+        dirs = [posixpath.join(entry, "torch", "lib")]
+        nvidia = posixpath.join(entry, "nvidia")
+        try:
+            subs = sorted(fs.listdir(nvidia))
+        except OSError:
+            subs = []
+        dirs += [posixpath.join(nvidia, s, "lib") for s in subs[:64]]
+        for d in dirs:
+            try:
+                names = fs.listdir(d)
+            except OSError:
+                continue
+            for n in names:
+                m = _CUDART_RE.match(n)
+                if m and cuda_major is not None and int(m.group(1)) != cuda_major:
+                    continue
+                if ".so" in n:
+                    out.append(posixpath.join(d, n))
+    if image.driver_mounted:
+        out += ["/run/nvidia-driver/" + n for n in sorted(DRIVER_LIBS)]
+    return out
+
+
+class Loader:
+    """What ``mooncake/<leaf>.py`` imports: the compiled modules it merges, each with
+    the ImportError text it raises when one is absent."""
+
+    def __init__(self, path, text):
+        self.path = path
+        self.text = text or ""
+        self.targets = []  # [(module leaf name, raise text or None)]
+        for m in _LOADER_RE.finditer(self.text):
+            leaf = m.group(1) + ("{suffix}" if m.group(2) else "")
+            said = _RAISE_RE.search(self.text, m.end())
+            self.targets.append((leaf, said.group(1) if said else None))
+
+    def defined(self):
+        return {a or b for a, b in _DEFINED_RE.findall(self.text)}
+
+
+def _compiled(image, pkg, leaf):
+    """Path of ``mooncake.<leaf>`` as a compiled module, or None."""
+    for d in pkg.dirs:
+        for suffix in image.suffixes:
+            p = posixpath.join(d, leaf + suffix)
+            if image.fs.isfile(p):
+                return p
+    return None
+
+
+def _loader(image, pkg, leaf):
+    """The loader of ``mooncake.<leaf>``: (.py path or None, compiled path or None)."""
+    for d in pkg.dirs:
+        for rel in (leaf + ".py", posixpath.join(leaf, "__init__.py")):
+            p = posixpath.join(d, rel)
+            if image.fs.isfile(p):
+                return p, None
+    return None, _compiled(image, pkg, leaf)
+
+
+def _error(*chain):
+    return [{"type": t, "message": m} for t, m in chain]
+
+
+def _copy_outcome(base, module, event, alternates=None):
+    o = diagnosis.Outcome()
+    o.__dict__.update(base.__dict__)
+    req = base.requirement
+    # One module at a time: each finding is worded as if it were the one that failed.
+    o.requirement = engine_mod.Requirement(
+        req.version, [module], {module: req.names.get(module, [])} if req.names else {},
+        req.source, either=False)
+    o.imports = {module: event}
+    o.alternates = dict(alternates or {})
+    return o
+
+
+def _module_events(image, o, module, tag, cuda_major, mapped):
+    """[(event, proven)] for ``module``: what importing it would report, in the order
+    the import meets them."""
+    pkg = o.package
+    fs = image.fs
+    leaf = module.split(".", 1)[1]
+    py, so = _loader(image, pkg, leaf)
+    if py is None and so is None:
+        return [({"ok": False, "static": True, "error": _error(
+            ("ModuleNotFoundError", f"No module named '{module}'"))}, True)]
+    loader = Loader(py, fs.read_text(py) if py else None)
+    key = (tag or "").replace(".", "_")
+    targets, roots, known = [], [], bool(loader.targets)
+    for name, said in loader.targets:
+        name = name.replace("{suffix}", "_" + key)
+        path = _compiled(image, pkg, name)
+        if path is None:
+            text = (said or f"{module} cannot import mooncake.{name}").replace(
+                "{torch_version}", tag or "?")
+            return [({"ok": False, "static": True, "error": _error(
+                ("ImportError", text), ("ModuleNotFoundError", f"No module named 'mooncake.{name}'"))},
+                bool(said and "not built" in said))]
+        targets.append(path)
+    if so:
+        targets.append(so)
+    events = []
+    jit = pkg.jit and leaf == "pg" and not known
+    if jit:
+        need = _jit_missing(image)
+        if need:
+            events.append(({"ok": False, "static": True, "error": _error((
+                "ImportError", "Mooncake PG Torch adapter JIT compilation failed: "
+                "cannot build the adapter in this image"))}, False))
+    roots = list(targets) + (list(pkg.ep_core) if leaf == "ep" and not known else [])
+    roots += list(pkg.libs)
+    missing = [n for n, _ in elf_mod.missing_libraries(
+        roots, loaded=mapped, search=elf_mod.system_dirs(fs, image.environ), fs=fs)]
+    if missing:
+        cudart = [n for n in missing if _CUDART_RE.match(n)
+                  and cuda_major is not None and int(_CUDART_RE.match(n).group(1)) != cuda_major]
+        first = (cudart or missing)[0]
+        events.append(({"ok": False, "static": True, "missing_libraries": missing, "error": _error(
+            ("ImportError", f"{first}: cannot open shared object file: No such file or "
+                            "directory"))}, bool(cudart)))
+    names = (o.requirement.names or {}).get(module, [])
+    if names and (known or jit or so):
+        have = set(loader.defined())
+        for path in targets:
+            have |= fs.strings(path) or set()
+        if jit:
+            for d in pkg.dirs:
+                cpp = fs.read_text(posixpath.join(d, "_pg_jit", "pg_py.cpp"))
+                have |= set(_CPP_NAME_RE.findall(cpp or ""))
+        lacking = [n for n in names if n not in have]
+        if lacking:
+            events.append(({"ok": True, "static": True, "file": py or so,
+                            "missing_names": lacking}, not jit))
+    return events
+
+
+def _jit_missing(image):
+    """What 0.3.14's JIT build needs and the image lacks; [] when a prebuilt adapter is
+    in MOONCAKE_PG_JIT_DIR (the documented way to ship one)."""
+    cache = image.environ.get("MOONCAKE_PG_JIT_DIR")
+    if cache and _has_compiled(image.fs, cache, 3):
+        return []
+    return inventory.jit_prerequisites(None, image.fs, image.environ)
+
+
+def _has_compiled(fs, d, depth):
+    try:
+        names = fs.listdir(d)
+    except OSError:
+        return False
+    for n in names[:256]:
+        p = posixpath.join(d, n)
+        if n.endswith(".so") and fs.isfile(p):
+            return True
+        if depth > 0 and fs.isdir(p) and _has_compiled(fs, p, depth - 1):
+            return True
+    return False
+
+
+def read(image, request, requirement=None):
+    """Every image cause the files show for ``request`` (a cmdline.Request)."""
+    facts = Facts()
+    fs = image.fs
+    o = diagnosis.Outcome()
+    o.request = request
+    o.fs = fs
+    o.environ = image.environ
+    o.requirement = requirement or engine_mod.requirement(fs, image.path)
+    o.dists = inventory.mooncake_distributions(image.path, fs)
+    o.package = inventory.mooncake_package(fs, image.path, image.suffixes)
+    o.torch_metadata = inventory.dist_version("torch", image.path, fs)
+    version, cuda, installed = torch_facts(image)
+    facts.outcome = o
+    if not installed:
+        o.torch = {"ok": False, "static": True, "error": _error(
+            ("ModuleNotFoundError", "No module named 'torch'"))}
+        facts.findings.append(Finding(None, diagnosis.diagnose(o), True))
+        return facts
+    if version is None:
+        facts.notes.append("torch is installed but its version.py is unreadable: "
+                           "torch's version and CUDA build are checked in a pod")
+        return facts
+    o.torch = {"ok": True, "static": True, "version": version, "cuda": cuda}
+    if not o.dists and not o.package.found:
+        facts.findings.append(Finding(None, diagnosis.diagnose(o), True))
+        return facts
+    tag = inventory.torch_tag(version)
+    major = inventory.cuda_major(cuda)
+    mapped = torch_provided(image, major)
+    per_module = []
+    events = {m: _module_events(image, o, m, tag, major, mapped) for m in o.requirement.modules}
+    alternates = {}
+    if not o.requirement.either and any(e and e[0][0].get("error") and "No module named 'mooncake."
+                                        + m.split(".")[1] + "'" in e[0][0]["error"][0]["message"]
+                                        for m, e in events.items()):
+        # As the probe says after a failed import: whether the other module would load
+        # (for another SGLang), here judged from its files.
+        for m in engine_mod.MODULES:
+            if m not in events:
+                alternates[m] = not _module_events(image, o, m, tag, major, mapped)
+    for module in o.requirement.modules:
+        found = []
+        for event, proven in events[module]:
+            v = diagnosis.diagnose(_copy_outcome(o, module, event, alternates))
+            if v.verdict == diagnosis.USABLE or v.scope != diagnosis.message.IMAGE:
+                continue
+            found.append(Finding(module, v, proven and v.classification in PROVEN | {
+                "cuda-mismatch"}))
+        per_module.append(found)
+    req = o.requirement
+    # Any one module is enough when SGLang's needs are unknown: a cause only if all fail,
+    # worded over both as the probe words it after trying both.
+    if req.either:
+        if any(not f for f in per_module):
+            return facts
+        both = diagnosis.Outcome()
+        both.__dict__.update(o.__dict__)
+        both.imports = {m: events[m][0][0] for m in req.modules}
+        first = [f[0] for f in per_module]
+        facts.findings.append(Finding(None, diagnosis.diagnose(both),
+                                      all(f.proven for f in first)))
+        return facts
+    for found in per_module:
+        facts.findings.extend(found)
+    return facts
+
+
+def first_proven(facts):
+    """The finding that ends a probe early, if the files prove one; else None."""
+    for f in facts.findings:
+        if f.proven:
+            return f
+    return None
