@@ -27,14 +27,13 @@ import posixpath
 import re
 
 try:
-    from . import diagnosis, files, inventory
+    from . import diagnosis, inventory
     from . import elf as elf_mod
     from . import engine as engine_mod
 except ImportError:  # run as `python3 probe`: the directory itself is on sys.path
     import diagnosis
     import elf as elf_mod
     import engine as engine_mod
-    import files
     import inventory
 
 # Mounted into the container by the NVIDIA runtime on a GPU node, never in an image.
@@ -205,9 +204,10 @@ def _module_events(image, o, module, tag, cuda_major, mapped):
         if path is None:
             text = (said or f"{module} cannot import mooncake.{name}").replace(
                 "{torch_version}", tag or "?")
-            return [({"ok": False, "static": True, "error": _error(
-                ("ImportError", text), ("ModuleNotFoundError", f"No module named 'mooncake.{name}'"))},
-                bool(said and "not built" in said))]
+            absent = ("ModuleNotFoundError", f"No module named 'mooncake.{name}'")
+            return [({"ok": False, "static": True,
+                      "error": _error(("ImportError", text), absent)},
+                     bool(said and "not built" in said))]
         targets.append(path)
     if so:
         targets.append(so)
