@@ -3,7 +3,8 @@
 ``epguard check FILE|- ...`` judges manifests (multi-document YAML, ``List``
 objects, ``helm template`` output on stdin) exactly as the webhook would judge a
 CREATE of each object, prints the findings in the same words, and exits 1 when
-anything would be denied. ``epguard rules FILE`` validates a rules file.
+anything would be denied. ``epguard rules FILE`` validates a rules file. ``epguard scan IMAGE`` judges an
+image archive from its files (webhook/scan/).
 """
 
 from __future__ import annotations
@@ -186,6 +187,29 @@ def cmd_rules(args: argparse.Namespace) -> int:
     return status
 
 
+def cmd_scan(args: argparse.Namespace) -> int:
+    # Imported here: zstandard and the probe's modules are only the scan's business.
+    from webhook.scan import report, scanner
+
+    argv = list(args.argv or [])
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    try:
+        result = scanner.scan(args.image, argv=argv or None, ref=args.ref,
+                              platform=args.platform)
+    except scanner.ScanError as exc:
+        out = report.bad_input(str(exc), args.format)
+        (sys.stdout if args.format != "text" else sys.stderr).write(out)
+        return EXIT_ERROR
+    if args.format == "json":
+        sys.stdout.write(report.as_json(result))
+    elif args.format == "github":
+        sys.stdout.write(report.github(result))
+    else:
+        sys.stdout.write(report.text(result) + "\n")
+    return result.exit_code
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="epguard", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -210,6 +234,25 @@ def parser() -> argparse.ArgumentParser:
     r = sub.add_parser("rules", help="validate rules files")
     r.add_argument("files", nargs="+", metavar="FILE")
     r.set_defaults(func=cmd_rules)
+    s = sub.add_parser(
+        "scan",
+        help="judge an image archive from its files; exit 1 on an image cause",
+        description="Read an OCI image layout directory, an OCI or docker archive, or an "
+        "unpacked root filesystem, and report every cause in the image's files that stops "
+        "mooncake elastic EP. Nothing is executed, unpacked or written. Exit 0: no image "
+        "cause (a GPU node still checks the driver, the GPU and the smoke test); 1: an "
+        "image cause; 2: bad input.",
+    )
+    s.add_argument("image", metavar="IMAGE", help="layout directory, archive or rootfs")
+    s.add_argument("--ref", help="which image, when the archive holds several (name or tag)")
+    s.add_argument("--platform", default="linux/amd64", help="for multi-platform indexes")
+    s.add_argument("--format", choices=("text", "json", "github"), default="text")
+    s.add_argument("--json", dest="format", action="store_const", const="json",
+                   help="same as --format json")
+    s.add_argument("--argv", nargs=argparse.REMAINDER,
+                   help="the worker's command line (default: the image's Entrypoint/Cmd, "
+                   "else any SGLang launch with --elastic-ep-backend mooncake); put last")
+    s.set_defaults(func=cmd_scan)
     return p
 
 

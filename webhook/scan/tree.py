@@ -1,0 +1,376 @@
+"""An image's merged file tree, built from its layers as they stream past.
+
+Layers are applied bottom first, as a container runtime would: a later entry
+replaces an earlier one, ``.wh.NAME`` deletes ``NAME`` and ``.wh..wh..opq`` hides
+everything lower layers put in its directory. Every entry's name, type, size and
+link target is kept (a few hundred bytes each; the largest worker images hold some
+10^5 files); file *contents* only for the few paths the diagnosis reads
+(:func:`wanted`), and of an ELF file only what ``probe/elf.py`` parses: its
+DT_NEEDED / RPATH / RUNPATH, and, for mooncake's compiled modules, the identifier
+strings that tell which names they define. Nothing is written to disk.
+
+:class:`Tree` answers the read-only calls of ``probe/files.py`` so that the probe's
+own static diagnosis runs on it unchanged.
+"""
+
+from __future__ import annotations
+
+import io
+import posixpath
+import re
+import tarfile
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from probe import elf, engine, files
+
+# Limits on what one archive may make us hold, with the reason for each.
+# 2 million entries: ten times the largest SGLang images seen (~2e5 files), ~400 MB.
+MAX_ENTRIES = 2_000_000
+# PATH_MAX on Linux; a longer name cannot exist in a running container.
+MAX_PATH = 4096
+# What the kernel follows before ELOOP.
+MAX_SYMLINKS = 40
+# Contents kept in memory (texts, ELF headers): far above what a real image needs
+# (~10 MB), low enough that an archive of huge "METADATA" files cannot exhaust memory.
+MAX_KEPT_BYTES = 128 << 20
+# A file read whole to parse its ELF headers; larger ones are read through a window.
+WHOLE_ELF_BYTES = 32 << 20
+# The window: the headers and, for ordinary libraries, the dynamic string table.
+ELF_PREFIX_BYTES = 4 << 20
+TEXT_BYTES = 1 << 20
+CHUNK = 1 << 20
+
+OPAQUE = ".wh..wh..opq"
+WHITEOUT = ".wh."
+
+_DIST_RE = re.compile(r"^(torch|sglang|mooncake)[-_.a-z0-9]*\.(dist-info|egg-info)$", re.I)
+_EXT_RE = re.compile(r"^(pg_|ep_|_ep\.)")
+_SGLANG_SOURCES = frozenset("sglang/" + rel for rel in engine.SOURCES)
+# Libraries under these are torch's own (preloaded by `import torch`); their
+# dependencies are torch's concern, and they are the largest files in the image.
+_TORCH_TREES = ("/torch/", "/nvidia/", "/triton/")
+
+
+class TreeError(Exception):
+    """The layers are not a file tree we will read (too many entries, a bad name)."""
+
+
+@dataclass(slots=True)
+class Node:
+    kind: str  # "d" directory, "f" regular file, "l" symlink, "o" other (device, fifo)
+    layer: int
+    size: int = 0
+    link: str | None = None
+    children: dict[str, Node] | None = None
+    text: str | None = None
+    dynamic: Any = None  # probe.elf.Dynamic
+    strings: frozenset[str] | None = None
+
+
+@dataclass
+class Kept:
+    """What the diagnosis will read of one file, decided from its path alone."""
+
+    text: bool = False
+    elf: bool = False
+    strings: bool = False
+
+
+def wanted(path: str) -> Kept | None:
+    """Which parts of the file at ``path`` (absolute, normalised) the diagnosis reads."""
+    parent, base = posixpath.split(path)
+    pbase = posixpath.basename(parent)
+    if base in ("METADATA", "PKG-INFO") and _DIST_RE.match(pbase):
+        return Kept(text=True)
+    if base.endswith(".egg-info") and _DIST_RE.match(base):
+        return Kept(text=True)
+    if base == "version.py" and pbase == "torch":
+        return Kept(text=True)
+    if path == "/etc/ld.so.conf" or parent == "/etc/ld.so.conf.d":
+        return Kept(text=True)
+    if pbase == "mooncake":
+        if base.endswith(".py"):
+            return Kept(text=True)
+        if ".so" in base:
+            return Kept(elf=True, strings=bool(_EXT_RE.match(base)))
+    if base == "pg_py.cpp" and parent.endswith("/mooncake/_pg_jit"):
+        return Kept(text=True)
+    for rel in _SGLANG_SOURCES:
+        if path.endswith("/" + rel):
+            return Kept(text=True)
+    if base.startswith("lib") and ".so" in base and not any(t in path for t in _TORCH_TREES):
+        return Kept(elf=True)
+    return None
+
+
+class _Window(io.RawIOBase):
+    """A forward-only stream seen as a seekable file: the first ``prefix`` bytes are
+    kept, later ones can be reached only by reading on. ELF headers, the program
+    headers and (for most libraries) the string table sit in the prefix; the dynamic
+    section and (for auditwheel-patched ones) the string table lie further on."""
+
+    def __init__(self, stream: IO[bytes], prefix: int) -> None:
+        self._stream = stream
+        self._head = stream.read(prefix)
+        self._at = len(self._head)  # how far the stream has been read
+        self._pos = 0
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        if whence != 0:
+            raise OSError("only absolute seeks")
+        self._pos = offset
+        return offset
+
+    def tell(self) -> int:
+        return self._pos
+
+    def read(self, size: int = -1) -> bytes:
+        if size < 0:
+            raise OSError("unbounded read")
+        end = self._pos + size
+        if end <= len(self._head):
+            data = self._head[self._pos:end]
+        elif self._pos >= self._at:
+            while self._at < self._pos:
+                skipped = self._stream.read(min(CHUNK, self._pos - self._at))
+                if not skipped:
+                    return b""
+                self._at += len(skipped)
+            data = self._stream.read(size)
+            self._at += len(data)
+        else:
+            raise OSError("backward read outside the kept prefix")
+        self._pos += len(data)
+        return data
+
+
+def _normal(name: str) -> str | None:
+    """``./usr/lib/x`` -> ``/usr/lib/x``; None for a name that escapes the root."""
+    parts = []
+    for part in name.split("/"):
+        if part in ("", "."):
+            continue
+        if part == "..":
+            return None
+        parts.append(part)
+    return "/" + "/".join(parts)
+
+
+@dataclass
+class Tree:
+    """The merged tree; also the probe's ``files`` interface over it."""
+
+    root: Node = field(default_factory=lambda: Node("d", -1, children={}))
+    entries: int = 0
+    kept_bytes: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    # --- building ---------------------------------------------------------------------
+
+    def _dir(self, path: str, layer: int) -> Node:
+        node = self.root
+        for part in path.split("/")[1:] if path != "/" else []:
+            assert node.children is not None
+            child = node.children.get(part)
+            if child is None or child.kind != "d":
+                child = Node("d", layer, children={})
+                node.children[part] = child
+                self._count()
+            node = child
+        return node
+
+    def _count(self) -> None:
+        self.entries += 1
+        if self.entries > MAX_ENTRIES:
+            raise TreeError(f"more than {MAX_ENTRIES} entries: not an image we will read")
+
+    def apply(self, member: tarfile.TarInfo, data: IO[bytes] | None, layer: int) -> None:
+        """Apply one layer entry; ``data`` reads the file's contents (regular files)."""
+        if len(member.name) > MAX_PATH:
+            raise TreeError(f"an entry name longer than {MAX_PATH} bytes in layer {layer}")
+        path = _normal(member.name)
+        if path is None:
+            raise TreeError(f"entry {member.name[:200]!r} in layer {layer} leaves the root")
+        if path == "/":
+            return
+        parent_path, base = posixpath.split(path)
+        parent = self._dir(parent_path, layer)
+        assert parent.children is not None
+        if base == OPAQUE:
+            _hide_lower(parent, layer)
+            return
+        if base.startswith(WHITEOUT):
+            parent.children.pop(base[len(WHITEOUT):], None)
+            return
+        old = parent.children.get(base)
+        if member.isdir():
+            if old is not None and old.kind == "d":
+                old.layer = layer
+                return
+            parent.children[base] = Node("d", layer, children={})
+        elif member.issym():
+            parent.children[base] = Node("l", layer, link=member.linkname)
+        elif member.islnk():
+            target = _normal(member.linkname)
+            src = self._lookup(target, follow=False) if target else None
+            if src is None or src.kind != "f":
+                parent.children[base] = Node("o", layer)
+            else:
+                parent.children[base] = Node("f", layer, size=src.size, text=src.text,
+                                             dynamic=src.dynamic, strings=src.strings)
+        elif member.isreg():
+            node = Node("f", layer, size=member.size)
+            kept = wanted(path)
+            if kept is not None and data is not None:
+                self._keep(node, path, kept, data)
+            parent.children[base] = node
+        else:
+            parent.children[base] = Node("o", layer)
+        if old is None:
+            self._count()
+
+    def _keep(self, node: Node, path: str, kept: Kept, data: IO[bytes]) -> None:
+        if kept.text:
+            if node.size > TEXT_BYTES:
+                self.notes.append(f"{path}: {node.size} bytes, over the {TEXT_BYTES} read")
+                return
+            raw = data.read(TEXT_BYTES)
+            if not self._budget(len(raw), path):
+                return
+            node.text = raw.decode("utf-8", "replace")
+            return
+        if node.size <= WHOLE_ELF_BYTES:
+            raw = data.read(WHOLE_ELF_BYTES)
+            node.dynamic = elf.read_dynamic_file(io.BytesIO(raw), path)
+            if kept.strings:
+                names = frozenset(files.identifier_strings(raw))
+                if self._budget(sum(len(n) + 50 for n in names), path):
+                    node.strings = names
+        else:
+            node.dynamic = elf.read_dynamic_file(_Window(data, ELF_PREFIX_BYTES), path)
+            if node.dynamic is None:
+                self.notes.append(f"{path}: dynamic section not readable in one pass")
+        if node.dynamic is not None:
+            d = node.dynamic
+            self._budget(sum(len(s) + 50 for s in d.needed + d.rpath + d.runpath), path)
+
+    def _budget(self, n: int, path: str) -> bool:
+        if self.kept_bytes + n > MAX_KEPT_BYTES:
+            self.notes.append(f"{path}: not read, over the {MAX_KEPT_BYTES >> 20} MiB kept")
+            return False
+        self.kept_bytes += n
+        return True
+
+    # --- lookups ----------------------------------------------------------------------
+
+    def _lookup(self, path: str | None, follow: bool = True) -> Node | None:
+        resolved = self._resolve(path, follow) if path else None
+        return resolved[1] if resolved else None
+
+    def _resolve(self, path: str, follow: bool) -> tuple[str, Node] | None:
+        """(canonical path, node) of ``path``, symlinks followed inside the image root
+        (an absolute link target is the image's path, never this machine's)."""
+        hops = 0
+        todo = [p for p in path.split("/") if p]
+        node, parts = self.root, []
+        while todo:
+            part = todo.pop(0)
+            if part == ".":
+                continue
+            if part == "..":
+                if parts:
+                    parts.pop()
+                node = self._walk(parts)
+                continue
+            if node.kind != "d" or node.children is None:
+                return None
+            child = node.children.get(part)
+            if child is None:
+                return None
+            if child.kind == "l" and (follow or todo):
+                hops += 1
+                if hops > MAX_SYMLINKS:
+                    return None
+                target = child.link or ""
+                if target.startswith("/"):
+                    parts = []
+                todo = [p for p in target.split("/") if p] + todo
+                node = self._walk(parts)
+                continue
+            parts.append(part)
+            node = child
+        return "/" + "/".join(parts), node
+
+    def _walk(self, parts: list[str]) -> Node:
+        node = self.root
+        for p in parts:
+            assert node.children is not None
+            node = node.children[p]
+        return node
+
+    def listdir(self, path: str) -> list[str]:
+        node = self._lookup(path)
+        if node is None or node.children is None:
+            raise FileNotFoundError(path)
+        return list(node.children)
+
+    def isdir(self, path: str) -> bool:
+        node = self._lookup(path)
+        return node is not None and node.kind == "d"
+
+    def isfile(self, path: str) -> bool:
+        node = self._lookup(path)
+        return node is not None and node.kind == "f"
+
+    def exists(self, path: str) -> bool:
+        return self._lookup(path) is not None
+
+    def realpath(self, path: str) -> str:
+        resolved = self._resolve(path, True)
+        return resolved[0] if resolved else posixpath.normpath(path)
+
+    def read_text(self, path: str, limit: int = TEXT_BYTES) -> str | None:
+        node = self._lookup(path)
+        return None if node is None or node.text is None else node.text[:limit]
+
+    def dynamic(self, path: str) -> Any:
+        node = self._lookup(path)
+        return None if node is None else node.dynamic
+
+    def strings(self, path: str) -> set[str] | None:
+        node = self._lookup(path)
+        return None if node is None or node.strings is None else set(node.strings)
+
+    def glob(self, pattern: str) -> list[str]:
+        result: list[str] = files.glob_with(self, pattern)
+        return result
+
+
+def _hide_lower(directory: Node, layer: int) -> None:
+    """An opaque whiteout: what lower layers put in ``directory`` is gone; what this
+    layer already added (tar order is free) stays."""
+    assert directory.children is not None
+    for name, child in list(directory.children.items()):
+        if child.layer >= layer:
+            if child.kind == "d" and child.children is not None:
+                _hide_lower(child, layer)
+            continue
+        if child.kind == "d" and child.children and _has_layer(child, layer):
+            child.layer = layer
+            _hide_lower(child, layer)
+        else:
+            del directory.children[name]
+
+
+def _has_layer(node: Node, layer: int) -> bool:
+    for child in (node.children or {}).values():
+        if child.layer >= layer or (child.kind == "d" and _has_layer(child, layer)):
+            return True
+    return False
