@@ -9,6 +9,8 @@ which is the floor any reader pays.
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import os
 import tarfile
 import zlib
@@ -38,16 +40,41 @@ def compression(head: bytes) -> str:
 
 def _tar(f: IO[bytes], kind: str, seekable: bool) -> tarfile.TarFile:
     if kind == "gzip":
-        return tarfile.open(fileobj=f, mode="r|gz")
+        # GzipFile checks the CRC and length at the end of each member.
+        return tarfile.open(fileobj=gzip.GzipFile(fileobj=f, mode="rb"), mode="r|")
     if kind == "zstd":
         dctx = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW)
         return tarfile.open(fileobj=dctx.stream_reader(f), mode="r|")
     return tarfile.open(fileobj=f, mode="r:" if seekable else "r|")
 
 
+HASH_CHUNK = 8 << 20
+
+
+def verify(layer: Layer) -> None:
+    """Refuse a layer whose bytes do not match its digest: one sequential read, at
+    the speed of the disk (sha256 runs at ~1.7 GB/s here)."""
+    if layer.expect is None:
+        return
+    algo, _, want = layer.expect.partition(":")
+    if algo != "sha256":
+        raise SourceError(f"layer {layer.index}: unsupported digest {layer.expect[:80]!r}")
+    h = hashlib.sha256()
+    try:
+        with layer.open() as f:
+            while chunk := f.read(HASH_CHUNK):
+                h.update(chunk)
+    except OSError as exc:
+        raise SourceError(f"layer {layer.index}: cannot read: {exc}") from None
+    if h.hexdigest() != want:
+        raise SourceError(f"layer {layer.index} ({layer.digest[:80]}) is corrupt or truncated: "
+                          f"its content does not match {layer.expect}")
+
+
 def apply_layer(tree: Tree, layer: Layer) -> str:
     """Apply ``layer``; returns its compression. SourceError when it cannot be read."""
     what = f"layer {layer.index} ({layer.digest[:80]})"
+    verify(layer)
     try:
         f = layer.open()
     except OSError as exc:

@@ -52,6 +52,9 @@ class Layer:
     media_type: str
     open: Callable[[], IO[bytes]]
     seekable: bool  # opened as a file whose tar members can be skipped by seeking
+    # sha256 of the blob as stored: a layer that does not match is corrupt (or not the
+    # layer the manifest names), and is refused before a byte of it is parsed.
+    expect: str | None = None
 
 
 @dataclass
@@ -185,8 +188,9 @@ def _archive_members(path: str) -> dict[str, tarfile.TarInfo]:
                 if m.isreg():
                     members[name] = m
     except tarfile.ReadError as exc:
-        raise SourceError(f"not a tar archive ({exc}); a compressed archive must be "
-                          "decompressed first") from None
+        if "unexpected end" in str(exc):
+            raise SourceError(f"the archive is truncated ({exc})") from None
+        raise SourceError(f"not a tar archive ({exc})") from None
     except (EOFError, OSError) as exc:
         raise SourceError(f"the archive is truncated or unreadable: {exc}") from None
     return members
@@ -254,7 +258,7 @@ def _layers_from_manifest(manifest: Any, blobs: _Blobs) -> list[Layer]:
         if "nondistributable" in media or d.get("urls"):
             raise SourceError(f"layer {i} ({d['digest']}) is not in this image (foreign layer)")
         opener = blobs.layer_opener(d["digest"], f"layer {i}")
-        out.append(Layer(i, d["digest"], media, opener, seekable=True))
+        out.append(Layer(i, d["digest"], media, opener, seekable=True, expect=d["digest"]))
     return out
 
 
@@ -300,11 +304,17 @@ def _docker(path: str, blobs: _Blobs, ref: str | None) -> Source:
     config = _json(blobs.read_name(config_name, "image config"), "image config")
     if not isinstance(config, dict):
         raise SourceError("the image config is not an object")
+    rootfs = config.get("rootfs") if isinstance(config.get("rootfs"), dict) else {}
+    diff_ids = rootfs.get("diff_ids") if isinstance(rootfs.get("diff_ids"), list) else []
     layers = []
     for i, name in enumerate(layer_names):
         if not isinstance(name, str):
             raise SourceError(f"layer {i} is not a file name")
-        layers.append(Layer(i, name, "", blobs.opener(name, f"layer {i}"), seekable=True))
+        # docker save stores layers uncompressed: the config's diff_id is their digest.
+        # (Newer docker writes an OCI layout beside manifest.json and is read as OCI.)
+        expect = diff_ids[i] if i < len(diff_ids) and isinstance(diff_ids[i], str) else None
+        layers.append(Layer(i, name, "", blobs.opener(name, f"layer {i}"), seekable=True,
+                            expect=expect))
     tags = [t for t in e.get("RepoTags") or [] if isinstance(t, str)]
     # `docker save` keeps no manifest: the config digest is the image ID docker shows.
     image_id = "sha256:" + hashlib.sha256(json.dumps(config).encode()).hexdigest()

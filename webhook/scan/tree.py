@@ -207,7 +207,16 @@ class Tree:
             _hide_lower(parent, layer)
             return
         if base.startswith(WHITEOUT):
-            parent.children.pop(base[len(WHITEOUT):], None)
+            # A whiteout deletes what *lower* layers made; entries of its own layer stay,
+            # whatever their order in the tar (OCI image spec, "Whiteouts").
+            name = base[len(WHITEOUT):]
+            gone = parent.children.get(name)
+            if gone is None:
+                return
+            if gone.kind == "d" and (gone.layer >= layer or _has_layer(gone, layer)):
+                _hide_lower(gone, layer)
+            elif gone.layer < layer:
+                del parent.children[name]
             return
         old = parent.children.get(base)
         if member.isdir():
