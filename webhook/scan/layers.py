@@ -62,8 +62,10 @@ def verify(layer: Layer) -> None:
     h = hashlib.sha256()
     try:
         with layer.open() as f:
-            while chunk := f.read(HASH_CHUNK):
-                h.update(chunk)
+            buf = bytearray(HASH_CHUNK)
+            view = memoryview(buf)
+            while n := f.readinto(buf):
+                h.update(view[:n])
     except OSError as exc:
         raise SourceError(f"layer {layer.index}: cannot read: {exc}") from None
     if h.hexdigest() != want:

@@ -73,7 +73,7 @@ class _Range(io.RawIOBase):
     """Bytes [start, start+size) of an open file, as a file of its own."""
 
     def __init__(self, path: str, start: int, size: int) -> None:
-        self._f = open(path, "rb")  # noqa: SIM115 - closed by close()
+        self._f = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by close()
         self._start, self._size, self._pos = start, size, 0
 
     def readable(self) -> bool:
@@ -95,10 +95,9 @@ class _Range(io.RawIOBase):
         if n <= 0:
             return 0
         self._f.seek(self._start + self._pos)
-        data = self._f.read(n)
-        b[: len(data)] = data
-        self._pos += len(data)
-        return len(data)
+        got = self._f.readinto(memoryview(b)[:n])
+        self._pos += got
+        return got
 
     def close(self) -> None:
         self._f.close()
