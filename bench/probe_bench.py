@@ -7,7 +7,11 @@ For each environment it times, interleaved, N runs of
     probe:  python probe --termination-log <tmp> -- python3 -m sglang.launch_server ...
     bare:   python -c "import torch, mooncake.pg"
 
-and prints the medians and their ratio (target: ratio <= 1.15). On a machine
+and prints the medians and their ratio (target: ratio <= 1.15), and the peak memory of
+each process tree. Where the image's files prove the cause (probe/static.py: no
+pg_<torch>, a CUDA 12 extension beside CUDA 13 torch, the -non-cuda wheel), the probe
+stops before ``import torch``: targets there are time <= 0.2x and peak memory <= 0.3x
+the bare import (and the same case with --no-static shows the import path). On a machine
 without a GPU every real mooncake wheel fails to import, so the real environments
 measure a failing import on both sides; the "usable" environment is the test
 double from tests/probe (real torch, fake mooncake that registers both backends).
@@ -32,6 +36,8 @@ sys.path.insert(0, str(REPO / "tests" / "probe"))
 from probe_harness import (  # noqa: E402
     MTE_CUDA12,
     MTE_CUDA13,
+    MTE_CUDA13_OLD,
+    MTE_NON_CUDA,
     PG_NAMES,
     REGISTER_BOTH,
     SGLANG_PG,
@@ -45,23 +51,36 @@ from probe_harness import (  # noqa: E402
 CACHE = TORCH_ENV.parent
 
 
-def timed(cmd: list[str], env: dict[str, str], cwd: str) -> tuple[float, float, int]:
-    """Wall seconds, CPU seconds (user + sys of the process tree), exit status."""
+# Runs a command and prints the largest RSS among it and every descendant it reaped
+# (getrusage(RUSAGE_CHILDREN) in a fresh process: one command's tree, nothing else).
+_PEAK = (
+    "import resource, subprocess, sys\n"
+    "rc = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, "
+    "stderr=subprocess.DEVNULL).returncode\n"
+    "print(rc, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
+)
+
+
+def timed(cmd: list[str], env: dict[str, str], cwd: str) -> tuple[float, float, int, float]:
+    """Wall seconds, CPU seconds (user + sys of the process tree), exit status, peak MiB."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     proc = subprocess.run(
-        cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        [sys.executable, "-c", _PEAK, *cmd], env=env, cwd=cwd, capture_output=True, text=True
     )
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return wall, cpu, proc.returncode
+    rc, peak_kib = (int(x) for x in proc.stdout.split())
+    return wall, cpu, rc, peak_kib / 1024
 
 
-def bench(name: str, pythonpath: list[Path], runs: int, tmp: str) -> dict[str, float]:
+def bench(
+    name: str, pythonpath: list[Path], runs: int, tmp: str, opts: tuple[str, ...] = ()
+) -> dict[str, float]:
     env = clean_env(pythonpath)
     log = os.path.join(tmp, "termination-log")
-    probe = [str(TORCH_PY), str(REPO / "probe"), "--termination-log", log, "--", *WORKER]
+    probe = [str(TORCH_PY), str(REPO / "probe"), "--termination-log", log, *opts, "--", *WORKER]
     bare = [str(TORCH_PY), "-c", "import torch, mooncake.pg"]
     # The same import without interpreter teardown (torch's takes ~0.2 s): the moment
     # the worker itself would know. The probe kills its child once it has reported.
@@ -87,6 +106,8 @@ def bench(name: str, pythonpath: list[Path], runs: int, tmp: str) -> dict[str, f
         "bare_min": min(r[0] for r in bare_runs),
         "probe_cpu": statistics.median(r[1] for r in probe_runs),
         "bare_cpu": statistics.median(r[1] for r in bare_runs),
+        "probe_peak": statistics.median(r[3] for r in probe_runs),
+        "bare_peak": statistics.median(r[3] for r in bare_runs),
     }
     verdict = Path(log).read_text().splitlines()[0] if Path(log).exists() else "?"
     print(f"{name}  (probe exit {probe_runs[-1][2]}, bare exit {bare_runs[-1][2]})")
@@ -98,7 +119,11 @@ def bench(name: str, pythonpath: list[Path], runs: int, tmp: str) -> dict[str, f
         f"  {'no teardown':<12} probe {p:6.3f} s   bare {q:6.3f} s   ratio {p / q:5.3f}"
         "   (bare import ending in os._exit, wall median)"
     )
+    pm, bm = fig["probe_peak"], fig["bare_peak"]
+    print(f"  {'peak memory':<12} probe {pm:6.1f} MiB bare {bm:6.1f} MiB ratio {pm / bm:5.3f}")
     print(f"  verdict: {verdict[:120]}")
+    fig["from_files"] = float("decided from the image's files" in Path(log).read_text()
+                              if Path(log).exists() else False)
     return fig
 
 
@@ -121,18 +146,30 @@ def main() -> int:
         cases = [
             ("usable (test double)", [double, overlays / SGLANG_PG[0]]),
             ("cuda13 0.3.13.post1 (fails: libs)", [overlays / MTE_CUDA13, overlays / SGLANG_PG[0]]),
-            (
-                "cuda12 0.3.13.post1 (fails: cudart)",
-                [overlays / MTE_CUDA12, overlays / SGLANG_PG[0]],
-            ),
+        ]
+        # Causes the files prove: decided before import torch.
+        static_cases = [
+            ("cuda12 0.3.13.post1 (cudart 12)", [overlays / MTE_CUDA12, overlays / SGLANG_PG[0]]),
+            ("cuda13 0.3.10 (no pg_2_13_0)", [overlays / MTE_CUDA13_OLD, overlays / SGLANG_PG[0]]),
+            ("non-cuda 0.3.13.post1", [overlays / MTE_NON_CUDA, overlays / SGLANG_PG[0]]),
         ]
         for name, paths in cases:
             figures.append(bench(name, paths, args.runs, tmp))
+        fast = []
+        for name, paths in static_cases:
+            fast.append(bench(name, paths, args.runs, tmp))
+            figures.append(bench(name + " --no-static", paths, args.runs, tmp, ("--no-static",)))
     for key in ("median", "min"):
         worst = max(f["probe_" + key] / f["bare_" + key] for f in figures)
-        print(f"worst wall {key} ratio {worst:.3f} (target <= 1.15)")
+        print(f"worst wall {key} ratio, imports {worst:.3f} (target <= 1.15)")
     worst = max(f["probe_median"] / f["quick_median"] for f in figures)
     print(f"worst ratio against the bare import without teardown {worst:.3f}")
+    undecided = [f for f in fast if not f["from_files"]]
+    print(f"decided from files: {len(fast) - len(undecided)} of {len(fast)} proven-cause images")
+    worst_t = max(f["probe_median"] / f["bare_median"] for f in fast)
+    worst_m = max(f["probe_peak"] / f["bare_peak"] for f in fast)
+    print(f"worst from-files ratio: time {worst_t:.3f} (target <= 0.2), "
+          f"peak memory {worst_m:.3f} (target <= 0.3)")
     return 0
 
 

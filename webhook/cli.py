@@ -3,8 +3,8 @@
 ``epguard check FILE|- ...`` judges manifests (multi-document YAML, ``List``
 objects, ``helm template`` output on stdin) exactly as the webhook would judge a
 CREATE of each object, prints the findings in the same words, and exits 1 when
-anything would be denied. ``epguard rules FILE`` validates a rules file. ``epguard scan IMAGE`` judges an
-image archive from its files (webhook/scan/).
+anything would be denied. ``epguard rules FILE`` validates a rules file.
+``epguard scan IMAGE`` judges an image archive from its files (webhook/scan/).
 """
 
 from __future__ import annotations

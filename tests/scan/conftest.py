@@ -21,9 +21,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "probe"))
-from probe_harness import CACHE, TORCH_ENV  # noqa: E402
-
-from imagebuild import LayerSpec, write_layer  # noqa: E402
+from imagebuild import LayerSpec, write_layer
+from probe_harness import CACHE, TORCH_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 EPGUARD = REPO / ".venv" / "bin" / "epguard"

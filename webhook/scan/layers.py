@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import io
 import os
 import tarfile
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, cast
 
 import zstandard
 
@@ -62,9 +63,10 @@ def verify(layer: Layer) -> None:
     h = hashlib.sha256()
     try:
         with layer.open() as f:
+            raw = cast(io.RawIOBase, f)
             buf = bytearray(HASH_CHUNK)
             view = memoryview(buf)
-            while n := f.readinto(buf):
+            while n := raw.readinto(buf):
                 h.update(view[:n])
     except OSError as exc:
         raise SourceError(f"layer {layer.index}: cannot read: {exc}") from None
@@ -91,7 +93,7 @@ def apply_layer(tree: Tree, layer: Layer) -> str:
                     data = tar.extractfile(member) if member.isreg() else None
                     tree.apply(member, data, layer.index)
                     # tarfile keeps every header it read; the tree holds what matters.
-                    tar.members = []
+                    tar.members = []  # type: ignore[attr-defined]
         except TreeError:
             raise
         except (tarfile.TarError, EOFError, zlib.error, zstandard.ZstdError, OSError,

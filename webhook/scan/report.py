@@ -37,20 +37,20 @@ def text(r: Result) -> str:
             else "the command line does not request mooncake")
         if r.versions:
             head.insert(0, diagnosis.versions_line(r.versions))
-        return message.render(first, head + [gpu] + notes,
-                              "nothing to fix in the image", TEXT_BYTES)
+        return str(message.render(first, [*head, gpu, *notes],
+                                  "nothing to fix in the image", TEXT_BYTES))
     primary, others = r.causes[0], r.causes[1:]
     evidence = list(primary.evidence) + head
     for c in others:
         evidence.append(f"also ({c.classification}, {c.module or 'image'}): {c.cause}; "
                         f"fix: {c.fix}")
-    evidence += [gpu] + notes
+    evidence += [gpu, *notes]
     fixes = []
     for c in r.causes:
         if c.fix not in fixes:
             fixes.append(c.fix)
-    return message.render(message.UNUSABLE + primary.cause, evidence, "; ".join(fixes),
-                          TEXT_BYTES)
+    return str(message.render(message.UNUSABLE + primary.cause, evidence, "; ".join(fixes),
+                              TEXT_BYTES))
 
 
 def document(r: Result) -> dict[str, Any]:

@@ -83,8 +83,13 @@ def build_tree(source: Source) -> tuple[Tree, list[str]]:
     return tree, kinds
 
 
+def _section(config: dict[str, Any]) -> dict[str, Any]:
+    c = config.get("config")
+    return c if isinstance(c, dict) else {}
+
+
 def _env(config: dict[str, Any]) -> dict[str, str]:
-    c = config.get("config") if isinstance(config.get("config"), dict) else {}
+    c = _section(config)
     out: dict[str, str] = {}
     for item in c.get("Env") or []:
         if isinstance(item, str) and "=" in item:
@@ -95,7 +100,7 @@ def _env(config: dict[str, Any]) -> dict[str, str]:
 
 
 def _command(config: dict[str, Any]) -> list[str]:
-    c = config.get("config") if isinstance(config.get("config"), dict) else {}
+    c = _section(config)
     argv: list[str] = []
     for key in ("Entrypoint", "Cmd"):
         part = c.get(key)

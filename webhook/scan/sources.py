@@ -18,7 +18,7 @@ import tarfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 # Index, manifest and config are a few KB; 8 MiB is room for configs with a long
 # history, not for a document built to exhaust memory.
@@ -104,6 +104,10 @@ class _Range(io.RawIOBase):
         super().close()
 
 
+def _obj(x: Any) -> dict[str, Any]:
+    return x if isinstance(x, dict) else {}
+
+
 def _json(data: bytes, what: str) -> Any:
     try:
         return json.loads(data)
@@ -170,7 +174,8 @@ class _Blobs:
         start, size = m.offset_data, m.size
         if start + size > os.path.getsize(self.path):
             raise SourceError(f"{what}: the archive ends inside {name} (truncated)")
-        return lambda: _Range(self.path, start, size)
+        path = self.path
+        return lambda: cast(IO[bytes], _Range(path, start, size))
 
     def layer_opener(self, digest: str, what: str) -> Callable[[], IO[bytes]]:
         return self.opener(self._blob_name(digest), what)
@@ -207,7 +212,7 @@ def _pick(index: Any, blobs: _Blobs, ref: str | None, platform: str, depth: int 
     for d in manifests:
         if not isinstance(d, dict) or not isinstance(d.get("digest"), str):
             raise SourceError("index.json has a manifest entry without a digest")
-        ann = d.get("annotations") if isinstance(d.get("annotations"), dict) else {}
+        ann = _obj(d.get("annotations"))
         names = [ann[a] for a in _REF_ANNOTATIONS if isinstance(ann.get(a), str)]
         named.append((d, names))
     if ref is not None and depth == 0:
@@ -303,8 +308,8 @@ def _docker(path: str, blobs: _Blobs, ref: str | None) -> Source:
     config = _json(blobs.read_name(config_name, "image config"), "image config")
     if not isinstance(config, dict):
         raise SourceError("the image config is not an object")
-    rootfs = config.get("rootfs") if isinstance(config.get("rootfs"), dict) else {}
-    diff_ids = rootfs.get("diff_ids") if isinstance(rootfs.get("diff_ids"), list) else []
+    found = _obj(config.get("rootfs")).get("diff_ids")
+    diff_ids: list[Any] = found if isinstance(found, list) else []
     layers = []
     for i, name in enumerate(layer_names):
         if not isinstance(name, str):

@@ -20,7 +20,7 @@ import posixpath
 import re
 import tarfile
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, Any, cast
 
 from probe import elf, engine, files
 
@@ -288,7 +288,7 @@ class Tree:
         (an absolute link target is the image's path, never this machine's)."""
         hops = 0
         todo = [p for p in path.split("/") if p]
-        node, parts = self.root, []
+        node, parts = self.root, cast(list[str], [])
         while todo:
             part = todo.pop(0)
             if part == ".":
