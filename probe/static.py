@@ -338,8 +338,12 @@ def read(image, request, requirement=None):
 
 
 def first_proven(facts):
-    """The finding that ends a probe early, if the files prove one; else None."""
-    for f in facts.findings:
-        if f.proven:
-            return f
+    """The finding that ends a probe early, if the files prove it; else None.
+
+    Only the first finding, the one the import would meet first: a proven cause behind
+    an unproven one (a missing name behind a missing library) is still true, but the
+    probe would then report a different cause than the import does.
+    """
+    if facts.findings and facts.findings[0].proven:
+        return facts.findings[0]
     return None
