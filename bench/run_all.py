@@ -9,6 +9,7 @@ repository's interpreter so one command gives the figures the issues ask for:
 * ``node_timings.py``       the real node: make up, apply -> termination message, memory, down
 * ``argv_bench.py``         hostile command lines (nested scripts, doubling $(VAR)): time, memory
 * ``hostile_bench.py``      the webhook process under issue 12's inputs: answer, stall, peak RSS
+* ``scan_bench.py``         epguard scan of the real worker archives vs ``tar -xf``: time, RSS
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ SCRIPTS = (
     "node_timings.py",
     "argv_bench.py",
     "hostile_bench.py",
+    "scan_bench.py",
 )
 
 
