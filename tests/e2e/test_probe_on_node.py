@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +22,7 @@ from e2e_kube import apply, denied_by_epguard, eventually, wait_event
 from node_e2e import opted_in_namespace, running_cluster, wait_probe, worker_pod, workload
 
 from devcluster import ControlPlane
-from devcluster.images import ENV_ONLY_WORKER
+from devcluster.images import BAD_WORKER, ENV_ONLY_WORKER, WorkerImage, images_dir
 
 pytestmark = pytest.mark.e2e
 
@@ -166,3 +168,32 @@ def test_a_pod_without_gpus_and_with_poisoned_env_never_creates_a_verdict(
     wait_event(cluster, opted_in, "sglang-poisoned", "MooncakeProbeFailedInPod")
     verdicts = json.loads(cluster.kubectl("get", "imageverdicts", "-o", "json").stdout)["items"]
     assert [v for v in verdicts if "sglang-poisoned" in v["spec"].get("pod", "")] == []
+
+
+@pytest.mark.parametrize("image", [BAD_WORKER, ENV_ONLY_WORKER], ids=lambda i: i.name)
+def test_the_scan_of_the_archive_says_what_the_pod_says_about_the_image(
+    cluster: ControlPlane, opted_in: str, tmp_path: Path, image: WorkerImage
+) -> None:
+    # The archive make tools imported into containerd, scanned as a CI step would, and a
+    # real pod on the same image: the same image cause (or none), for the same digest.
+    archive = images_dir() / f"{image.name}.oci.tar"
+    scanned = subprocess.run(
+        [sys.executable, "-m", "webhook.cli", "scan", str(archive), "--json"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    doc = json.loads(scanned.stdout)
+    pod = worker_pod("sglang-scan", opted_in, tmp_path / "models", image.ref)
+    pod["spec"]["restartPolicy"] = "Never"
+    assert apply(cluster, pod).returncode == 0
+    found = wait_probe(cluster, opted_in, ["--field-selector=metadata.name=sglang-scan"])
+    first = found["terminated"]["message"].splitlines()[0]
+    assert found["status"]["imageID"].endswith(doc["digest"])
+    if image is BAD_WORKER:
+        assert scanned.returncode == 1
+        [cause] = [c for c in doc["causes"] if c["classification"] == "cuda-mismatch"]
+        shared = cause["cause"].split("; also missing")[0]
+        assert first.startswith("epguard: mooncake elastic EP is unusable in this image: "
+                                + shared)
+    else:
+        assert scanned.returncode == 0, doc["causes"]
+        assert first.startswith("epguard: mooncake elastic EP is unusable in this pod: ")

@@ -22,7 +22,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "probe"))
 from imagebuild import LayerSpec, write_layer
-from probe_harness import CACHE, TORCH_ENV
+from probe_harness import TORCH_ENV, overlay
 
 REPO = Path(__file__).resolve().parents[2]
 EPGUARD = REPO / ".venv" / "bin" / "epguard"
@@ -36,13 +36,6 @@ SGLANG_SOURCES = (
     "srt/model_executor/model_runner.py",
     "srt/distributed/device_communicators/mooncake_transfer_engine.py",
 )
-
-
-def overlay(name: str) -> Path:
-    path = CACHE / "overlays" / name
-    if not (path / ".done").is_file():
-        pytest.fail(f"{path} missing: run `make tools` (scripts/tools.d/30-realpkgs.sh)")
-    return path
 
 
 def base_rootfs() -> Path:
