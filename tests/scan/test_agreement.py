@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import IMAGES, REPO, TORCH_SITE, overlay, scan
 from imagebuild import ImageSpec, LayerSpec, pack, write_layer, write_layout
 from probe_harness import (
     MTE_CUDA12,
@@ -37,6 +36,7 @@ from probe_harness import (
     SGLANG_EP,
     SGLANG_PG,
 )
+from scan_harness import IMAGES, REPO, TORCH_SITE, overlay, scan
 
 pytestmark = [
     pytest.mark.realpkg,

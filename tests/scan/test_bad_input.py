@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import zstandard
-from conftest import Pieces, mooncake_spec, scan
 from imagebuild import ImageSpec, compress, pack, write_layer, write_layout
+from scan_harness import Pieces, mooncake_spec, scan
 
 from webhook.scan import scanner, tree
 

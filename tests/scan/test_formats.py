@@ -11,8 +11,8 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from conftest import Pieces, mooncake_spec, scan
 from imagebuild import ImageSpec, compress, pack, write_docker, write_layer, write_layout
+from scan_harness import Pieces, mooncake_spec, scan
 
 pytestmark = pytest.mark.realpkg
 

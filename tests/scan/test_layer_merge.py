@@ -8,8 +8,8 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from conftest import SITE, Pieces, mooncake_spec, scan
 from imagebuild import ImageSpec, LayerSpec, write_layer, write_layout
+from scan_harness import SITE, Pieces, mooncake_spec, scan
 
 from webhook.scan.tree import Tree
 
