@@ -48,7 +48,8 @@ class Result:
     image: str
     kind: str
     ref: str | None
-    digest: str | None
+    digest: str | None  # the manifest's: a registry's and a pulled image's digest
+    config_digest: str | None  # the image ID: what the kubelet shows for imported images
     argv: list[str]
     argv_from: str  # "--argv" | "image config" | "any SGLang launch"
     request: str
@@ -214,7 +215,8 @@ def scan(image: str, argv: list[str] | None = None, ref: str | None = None,
             causes.append(Cause(f.module, v.classification, v.cause, v.fix, f.proven,
                                 list(v.missing_libraries), list(v.evidence)))
     return Result(
-        image=image, kind=source.kind, ref=source.ref, digest=source.digest, argv=chosen,
+        image=image, kind=source.kind, ref=source.ref, digest=source.digest,
+        config_digest=source.config_digest, argv=chosen,
         argv_from=said, request=request.describe() if request.requested else "not requested",
         python=version, site=site, versions=versions, causes=causes, gpu_only=gpu_only,
         notes=notes, layers=kinds, entries=tree.entries,

@@ -66,6 +66,9 @@ class Source:
     config: dict[str, Any]
     layers: list[Layer] = field(default_factory=list)
     rootfs: Path | None = None  # kind == "rootfs": the directory itself
+    # The image ID: what the kubelet reports as imageID for an image with no registry
+    # digest (imported with `ctr images import`), where pulled ones show the manifest's.
+    config_digest: str | None = None
     close: Callable[[], None] = lambda: None
 
 
@@ -283,7 +286,8 @@ def _oci(path: str, blobs: _Blobs, kind: str, ref: str | None, platform: str) ->
     index = _json(blobs.read_name("index.json", "index.json"), "index.json")
     digest, manifest, name = _pick(index, blobs, ref, platform)
     config = _config(manifest, blobs)
-    return Source(kind, path, name, digest, config, _layers_from_manifest(manifest, blobs))
+    return Source(kind, path, name, digest, config, _layers_from_manifest(manifest, blobs),
+                  config_digest=_obj(_obj(manifest).get("config")).get("digest"))
 
 
 def _docker(path: str, blobs: _Blobs, ref: str | None) -> Source:
@@ -305,7 +309,8 @@ def _docker(path: str, blobs: _Blobs, ref: str | None) -> Source:
         raise SourceError("manifest.json entry lacks Config or Layers")
     if len(layer_names) > MAX_LAYERS:
         raise SourceError(f"{len(layer_names)} layers, over {MAX_LAYERS}")
-    config = _json(blobs.read_name(config_name, "image config"), "image config")
+    config_bytes = blobs.read_name(config_name, "image config")
+    config = _json(config_bytes, "image config")
     if not isinstance(config, dict):
         raise SourceError("the image config is not an object")
     found = _obj(config.get("rootfs")).get("diff_ids")
@@ -324,7 +329,8 @@ def _docker(path: str, blobs: _Blobs, ref: str | None) -> Source:
     image_id = "sha256:" + hashlib.sha256(json.dumps(config).encode()).hexdigest()
     cfg_digest = config_name.rsplit("/", 1)[-1].removesuffix(".json")
     digest = f"sha256:{cfg_digest}" if len(cfg_digest) == 64 else image_id
-    return Source("docker-archive", path, tags[0] if tags else None, digest, config, layers)
+    return Source("docker-archive", path, tags[0] if tags else None, digest, config, layers,
+                  config_digest="sha256:" + hashlib.sha256(config_bytes).hexdigest())
 
 
 def open_source(path: str, ref: str | None = None, platform: str = "linux/amd64") -> Source:
