@@ -45,8 +45,11 @@ GPU_ONLY = (
     "that the import registers the mooncake and mooncake-cpu torch backends",
     "the one-rank process-group smoke test (--level smoke)",
 )
+# cuda-mismatch counts only when the event itself was proven (a libcudart of another
+# major is what is missing), which _module_events decides.
 PROVEN = frozenset({"torch-not-installed", "mooncake-not-installed", "module-missing",
-                    "no-extension-for-torch", "non-cuda-wheel", "missing-names"})
+                    "no-extension-for-torch", "non-cuda-wheel", "missing-names",
+                    "cuda-mismatch"})
 
 _LOADER_RE = re.compile(
     r"import_module\(\s*[\"']mooncake\.([A-Za-z_]\w*)[\"']\s*(\+\s*version_suffix)?\s*\)")
@@ -172,17 +175,31 @@ def _error(*chain):
     return [{"type": t, "message": m} for t, m in chain]
 
 
-def _copy_outcome(base, module, event, alternates=None):
+def _outcome_with(base, imports, requirement=None, alternates=None):
+    """``base`` with these import reports (and requirement, alternates) in place."""
     o = diagnosis.Outcome()
     o.__dict__.update(base.__dict__)
-    req = base.requirement
-    # One module at a time: each finding is worded as if it were the one that failed.
-    o.requirement = engine_mod.Requirement(
-        req.version, [module], {module: req.names.get(module, [])} if req.names else {},
-        req.source, either=False)
-    o.imports = {module: event}
+    o.imports = imports
+    o.requirement = requirement or base.requirement
     o.alternates = dict(alternates or {})
     return o
+
+
+def _one_module(base, module, event, alternates):
+    """Worded as if ``module`` were the one that failed, with ``event`` its report."""
+    req = base.requirement
+    only = engine_mod.Requirement(
+        req.version, [module], {module: req.names.get(module, [])} if req.names else {},
+        req.source, either=False)
+    return _outcome_with(base, {module: event}, only, alternates)
+
+
+def _absent(module, events):
+    """Whether the first thing importing ``module`` meets is that it does not exist."""
+    if not events:
+        return False
+    chain = events[0][0].get("error") or []
+    return bool(chain) and chain[0]["message"] == f"No module named '{module}'"
 
 
 def _module_events(image, o, module, tag, cuda_major, mapped):
@@ -197,7 +214,7 @@ def _module_events(image, o, module, tag, cuda_major, mapped):
             ("ModuleNotFoundError", f"No module named '{module}'"))}, True)]
     loader = Loader(py, fs.read_text(py) if py else None)
     key = (tag or "").replace(".", "_")
-    targets, roots, known = [], [], bool(loader.targets)
+    targets, known = [], bool(loader.targets)
     for name, said in loader.targets:
         name = name.replace("{suffix}", "_" + key)
         path = _compiled(image, pkg, name)
@@ -302,9 +319,7 @@ def read(image, request, requirement=None):
     per_module = []
     events = {m: _module_events(image, o, m, tag, major, mapped) for m in o.requirement.modules}
     alternates = {}
-    if not o.requirement.either and any(e and e[0][0].get("error") and "No module named 'mooncake."
-                                        + m.split(".")[1] + "'" in e[0][0]["error"][0]["message"]
-                                        for m, e in events.items()):
+    if not o.requirement.either and any(_absent(m, e) for m, e in events.items()):
         # As the probe says after a failed import: whether the other module would load
         # (for another SGLang), here judged from its files.
         for m in engine_mod.MODULES:
@@ -313,11 +328,10 @@ def read(image, request, requirement=None):
     for module in o.requirement.modules:
         found = []
         for event, proven in events[module]:
-            v = diagnosis.diagnose(_copy_outcome(o, module, event, alternates))
+            v = diagnosis.diagnose(_one_module(o, module, event, alternates))
             if v.verdict == diagnosis.USABLE or v.scope != diagnosis.message.IMAGE:
                 continue
-            found.append(Finding(module, v, proven and v.classification in PROVEN | {
-                "cuda-mismatch"}))
+            found.append(Finding(module, v, proven and v.classification in PROVEN))
         per_module.append(found)
     req = o.requirement
     # Any one module is enough when SGLang's needs are unknown: a cause only if all fail,
@@ -325,12 +339,9 @@ def read(image, request, requirement=None):
     if req.either:
         if any(not f for f in per_module):
             return facts
-        both = diagnosis.Outcome()
-        both.__dict__.update(o.__dict__)
-        both.imports = {m: events[m][0][0] for m in req.modules}
-        first = [f[0] for f in per_module]
+        both = _outcome_with(o, {m: events[m][0][0] for m in req.modules})
         facts.findings.append(Finding(None, diagnosis.diagnose(both),
-                                      all(f.proven for f in first)))
+                                      all(f[0].proven for f in per_module)))
         return facts
     for found in per_module:
         facts.findings.extend(found)

@@ -170,8 +170,10 @@ def write_docker(root: Path, img: ImageSpec) -> Path:
         d = root / f"layer{i}"
         d.mkdir()
         target = d / "layer.tar"
-        os.link(blob, target) if blob.stat().st_dev == root.stat().st_dev else shutil.copyfile(
-            blob, target)
+        if blob.stat().st_dev == root.stat().st_dev:
+            os.link(blob, target)
+        else:
+            shutil.copyfile(blob, target)
         names.append(f"layer{i}/layer.tar")
         diff_ids.append("sha256:" + _sha(blob))
     cfg = image_config(img.config, diff_ids)

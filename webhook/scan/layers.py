@@ -22,7 +22,7 @@ from typing import IO, cast
 import zstandard
 
 from webhook.scan.sources import Layer, SourceError
-from webhook.scan.tree import Tree, TreeError
+from webhook.scan.tree import Tree, TreeError, wanted
 
 _GZIP = b"\x1f\x8b"
 _ZSTD = b"\x28\xb5\x2f\xfd"
@@ -106,18 +106,13 @@ def apply_layer(tree: Tree, layer: Layer) -> str:
 def walk_rootfs(tree: Tree, root: Path) -> None:
     """An unpacked root filesystem read as one layer (symlinks stay inside ``root``)."""
     for info, full in _rootfs_entries(root):
-        data = open(full, "rb") if info.isreg() and _wanted(info) else None  # noqa: SIM115
+        keep = info.isreg() and wanted("/" + info.name) is not None
+        data = open(full, "rb") if keep else None  # noqa: SIM115
         try:
             tree.apply(info, data, 0)
         finally:
             if data is not None:
                 data.close()
-
-
-def _wanted(info: tarfile.TarInfo) -> bool:
-    from webhook.scan.tree import wanted
-
-    return wanted("/" + info.name) is not None
 
 
 def _rootfs_entries(root: Path) -> Iterator[tuple[tarfile.TarInfo, str]]:

@@ -25,6 +25,8 @@ from webhook.scan.tree import Tree, TreeError
 ANY_LAUNCH = ("python3", "-m", "sglang.launch_server", "--elastic-ep-backend", "mooncake")
 _ARCH = {"amd64": "x86_64", "arm64": "aarch64", "ppc64le": "powerpc64le", "s390x": "s390x"}
 _PY_RE = re.compile(r"^python3\.(\d+)$")
+# SGLang's --config is read as the probe reads it (probe/cli.py MAX_CONFIG_BYTES).
+MAX_CONFIG_BYTES = 256 * 1024
 _DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -77,9 +79,7 @@ def build_tree(source: Source) -> tuple[Tree, list[str]]:
             kinds.append("directory")
         for layer in source.layers:
             kinds.append(layers.apply_layer(tree, layer))
-    except TreeError as exc:
-        raise ScanError(str(exc)) from None
-    except SourceError as exc:
+    except (TreeError, SourceError) as exc:
         raise ScanError(str(exc)) from None
     return tree, kinds
 
@@ -164,13 +164,6 @@ def suffixes(version: str | None, config: dict[str, Any]) -> list[str]:
     return [f".cpython-{tag}-{arch}-linux-gnu.so", ".abi3.so", ".so"]
 
 
-def _read_config_in(tree: Tree) -> Any:
-    def read(path: str) -> str | None:
-        return tree.read_text(path, 256 * 1024)
-
-    return read
-
-
 def scan(image: str, argv: list[str] | None = None, ref: str | None = None,
          platform: str = "linux/amd64") -> Result:
     started = time.monotonic()
@@ -186,7 +179,8 @@ def scan(image: str, argv: list[str] | None = None, ref: str | None = None,
         chosen, said = list(argv), "--argv"
     else:
         chosen, said = _command(source.config), "image config"
-    request = cmdline.read(chosen, env=env, release=release, read_config=_read_config_in(tree))
+    request = cmdline.read(chosen, env=env, release=release,
+                           read_config=lambda p: tree.read_text(p, MAX_CONFIG_BYTES))
     if not request.requested and said != "--argv":
         chosen, said = list(ANY_LAUNCH), "any SGLang launch"
         request = cmdline.read(chosen, env=env, release=release)
