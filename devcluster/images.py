@@ -240,6 +240,10 @@ def build_epguard() -> Path:
     )
     tmp_archive.replace(archive)
     _stamp(archive, key)
+    # The archive is the product; buildah's vfs copy of it (and of every earlier build,
+    # untagged by this one) is ~0.5 GB each and would fill the disk build after build.
+    subprocess.run(buildah("rmi", EPGUARD_IMAGE), capture_output=True, check=False)
+    subprocess.run(buildah("rmi", "--prune"), capture_output=True, check=False)
     return archive
 
 

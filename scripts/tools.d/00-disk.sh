@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Fail in the first second, not after an hour, when the disk cannot hold the run.
+# What a run writes (measured on the 2-core machine; the README's `make tools` table):
+#   a fresh cache, ~60 GiB: torch environments 7 GiB, worker and scan-matrix archives
+#   19 GiB, containerd's unpacked copies 24 GiB, buildah 1 GiB, Go build cache 4 GiB;
+#   every run, ~8 GiB more: the epguard image rebuild and the tests' tmp_path trees.
+# EPGUARD_MIN_FREE_GIB overrides the floor (e.g. on a machine whose cache is elsewhere).
+set -euo pipefail
+cache="${EPGUARD_CACHE:-$HOME/.cache/epguard}"
+mkdir -p "$cache"
+if [ -f "$cache/realpkgs/torch-2.13.0/.done" ] && [ -f "$cache/images/scan-matrix.oci.key" ]; then
+    need="${EPGUARD_MIN_FREE_GIB:-10}"; what="a warm cache"
+else
+    need="${EPGUARD_MIN_FREE_GIB:-70}"; what="an empty or partial cache"
+fi
+fail=0
+for dir in "$cache" "${TMPDIR:-/tmp}"; do
+    free=$(( $(df -Pk "$dir" | awk 'NR==2 {print $4}') / 1024 / 1024 ))
+    echo "00-disk: ${free} GiB free under $dir (need ${need} GiB with $what)"
+    [ "$free" -ge "$need" ] || fail=1
+done
+if [ "$fail" -ne 0 ]; then
+    echo "00-disk: not enough free disk; the biggest users:" >&2
+    du -xsh "$cache"/* "${TMPDIR:-/tmp}"/pytest-of-* 2>/dev/null | sort -h | tail -8 >&2 || true
+    echo "00-disk: free space (old pytest-of-* trees can go) or set EPGUARD_MIN_FREE_GIB" >&2
+    exit 1
+fi
