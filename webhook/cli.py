@@ -14,7 +14,7 @@ import json
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import yaml
 
@@ -24,7 +24,15 @@ from webhook.review import AdmissionRequest, GroupVersionKind
 from webhook.rules import RulesError, RulesHolder, default_rules_path, load_rules_file
 from webhook.workloads import KindError, KindRegistry, as_map, group_of, parse_kinds
 
+if TYPE_CHECKING:  # imported where used: only `epguard scan` needs them
+    from webhook.scan.record import Target
+    from webhook.scan.scanner import Result
+
 EXIT_OK, EXIT_DENIED, EXIT_ERROR = 0, 1, 2
+# `epguard scan --record` only: the scan ran (its report is printed) but the API server
+# did not take the record. Not 1 or 2, so a pipeline can tell "bad image" and "bad input"
+# from "the cluster was not told".
+EXIT_NOT_RECORDED = 3
 
 
 @dataclass(frozen=True)
@@ -194,20 +202,61 @@ def cmd_scan(args: argparse.Namespace) -> int:
     argv = list(args.argv or [])
     if argv and argv[0] == "--":
         argv = argv[1:]
+
+    def bad_input(error: str) -> int:
+        out = report.bad_input(error, args.format)
+        (sys.stdout if args.format != "text" else sys.stderr).write(out)
+        return EXIT_ERROR
+
+    if args.record and not args.record_image:
+        return bad_input("--record needs --image REF: the reference pods use for this image")
     try:
         result = scanner.scan(args.image, argv=argv or None, ref=args.ref,
                               platform=args.platform)
     except scanner.ScanError as exc:
-        out = report.bad_input(str(exc), args.format)
-        (sys.stdout if args.format != "text" else sys.stderr).write(out)
-        return EXIT_ERROR
+        return bad_input(str(exc))
+    subject = None
+    if args.record:
+        from webhook.scan import record
+
+        try:
+            subject = record.target(result, args.record_image)
+        except record.TargetError as exc:
+            return bad_input(str(exc))
     if args.format == "json":
         sys.stdout.write(report.as_json(result))
     elif args.format == "github":
         sys.stdout.write(report.github(result))
     else:
         sys.stdout.write(report.text(result) + "\n")
-    return result.exit_code
+    if subject is None:
+        return result.exit_code
+    return _record_scan(result, subject, args.kubeconfig) or result.exit_code
+
+
+def _record_scan(result: Result, subject: Target, kubeconfig: str | None) -> int:
+    """Write the scan's verdict; EXIT_NOT_RECORDED (and why, on stderr) if not written."""
+    import datetime as dt
+
+    from kubernetes.config.config_exception import ConfigException
+
+    from webhook.kube import NoCredentials, api_client
+    from webhook.scan import record
+
+    try:
+        api = api_client(kubeconfig, home_kubeconfig=True)
+    except (NoCredentials, ConfigException, OSError) as exc:
+        print(f"epguard scan --record: no cluster credentials: {exc}", file=sys.stderr)
+        return EXIT_NOT_RECORDED
+    try:
+        done = record.record(api, result, subject, dt.datetime.now(dt.UTC))
+    except record.RecordError as exc:
+        print(f"epguard scan --record: not recorded: {exc}", file=sys.stderr)
+        return EXIT_NOT_RECORDED
+    finally:
+        api.close()  # type: ignore[no-untyped-call]  # the client is untyped
+    print(done.line(), file=sys.stderr)
+    return 0
 
 
 def parser() -> argparse.ArgumentParser:
@@ -241,7 +290,7 @@ def parser() -> argparse.ArgumentParser:
         "unpacked root filesystem, and report every cause in the image's files that stops "
         "mooncake elastic EP. Nothing is executed, unpacked or written. Exit 0: no image "
         "cause (a GPU node still checks the driver, the GPU and the smoke test); 1: an "
-        "image cause; 2: bad input.",
+        "image cause; 2: bad input; 3 (--record): the API server did not take the record.",
     )
     s.add_argument("image", metavar="IMAGE", help="layout directory, archive or rootfs")
     s.add_argument("--ref", help="which image, when the archive holds several (name or tag)")
@@ -249,6 +298,15 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--format", choices=("text", "json", "github"), default="text")
     s.add_argument("--json", dest="format", action="store_const", const="json",
                    help="same as --format json")
+    s.add_argument("--record", action="store_true",
+                   help="write an image cause as an ImageVerdict (source scan) for the "
+                   "manifest digest, so the webhook refuses the image; a passing scan deletes "
+                   "an earlier scan verdict of the same bytes. Exit 3: not recorded")
+    s.add_argument("--image", dest="record_image", metavar="REF",
+                   help="with --record: the reference pods use (registry/name:tag; a digest "
+                   "in it must be the scanned manifest's)")
+    s.add_argument("--kubeconfig", help="with --record (default: in-cluster, $KUBECONFIG, "
+                   "~/.kube/config)")
     s.add_argument("--argv", nargs=argparse.REMAINDER,
                    help="the worker's command line (default: the image's Entrypoint/Cmd, "
                    "else any SGLang launch with --elastic-ep-backend mooncake); put last")

@@ -24,7 +24,7 @@ from typing import Any, Literal
 from probe.message import IMAGE, SCOPE, UNUSABLE, UNUSABLE_HERE, USABLE
 from webhook.argv import ExpansionTooLarge, container_argv
 from webhook.imageref import ImageRefError, parse
-from webhook.verdicts import ImageVerdictSpec
+from webhook.verdicts import SOURCE_PROBE, ImageVerdictSpec
 from webhook.workloads import as_list, as_map
 
 PROBE_CONTAINER = "epguard-probe"
@@ -300,6 +300,7 @@ def verdict_spec(
         "firstSeen": first_seen if isinstance(first_seen, str) and first_seen else stamp,
         "lastSeen": stamp,
         "pod": pod,
+        "source": SOURCE_PROBE,
         "count": (count if isinstance(count, int) and count > 0 else 0) + 1,
         "runs": runs,
     }

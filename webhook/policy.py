@@ -124,10 +124,21 @@ def rule_denial(rule: Rule) -> str:
 def verdict_denial(hit: VerdictHit) -> str:
     """What an Unusable verdict says after ``<subject> requests <flag> mooncake, ``."""
     v = hit.verdict
-    reason = _strip_period(v.reason) or "its epguard probe failed"
+    if v.from_scan:
+        reason = _strip_period(v.reason) or "epguard scan found an image cause"
+        fix = (
+            f"{_strip_period(v.fix) + ', then r' if v.fix else 'R'}ebuild the image so that "
+            f"`epguard scan` passes (a passing `epguard scan --record` of these bytes deletes "
+            f"ImageVerdict {v.object_name})"
+        )
+    else:
+        reason = _strip_period(v.reason) or "its epguard probe failed"
+        fix = (
+            f"use an image whose epguard probe passes; once this one is fixed, delete "
+            f"ImageVerdict {v.object_name}"
+        )
     return (
-        f"which this image cannot serve: {reason} ({hit.where()}). Fix: use an image whose "
-        f"epguard probe passes; once this one is fixed, delete ImageVerdict {v.object_name}. "
+        f"which this image cannot serve: {reason} ({hit.where()}). Fix: {fix}. "
         f"[epguard verdict {v.object_name}]"
     )
 
@@ -146,17 +157,22 @@ def _rule_finding(subject: str, rule: Rule, key: tuple[str, ...]) -> Finding:
 
 def _verdict_finding(subject: str, hit: VerdictHit, key: tuple[str, ...]) -> Finding:
     v = hit.verdict
-    reason = _strip_period(v.reason) or "its epguard probe failed"
     src = f"verdict:{v.object_name}"
     if hit.trust == "deny":
         return Finding(
             "deny", f"{subject} requests {FLAG} mooncake, {verdict_denial(hit)}", src, (*key, src)
         )
+    if v.from_scan:
+        earlier = "an earlier epguard scan of this tag's image found"
+        reason = _strip_period(v.reason) or "an image cause"
+    else:
+        earlier = "an earlier pod on this tag failed its epguard probe:"
+        reason = _strip_period(v.reason) or "its epguard probe failed"
     return Finding(
         "warn",
-        f"{subject} requests {FLAG} mooncake; an earlier pod on this tag failed its epguard "
-        f"probe: {reason} ({hit.where()}), but tags move and that verdict is older than the "
-        f"TTL. Pin the image by digest to be sure. [epguard verdict {v.object_name}, warn]",
+        f"{subject} requests {FLAG} mooncake; {earlier} {reason} ({hit.where()}), but tags "
+        f"move and that verdict is older than the TTL. Pin the image by digest to be sure. "
+        f"[epguard verdict {v.object_name}, warn]",
         src,
         (*key, src),
     )

@@ -13,7 +13,10 @@ Trust depends on how the pod names its image:
 The ImageVerdict fields read here (from ``spec``, falling back to ``status``):
 ``image`` (as written in the pod), ``digest`` (resolved from the pod's
 ``imageID``), ``verdict`` (``Usable``/``Unusable``), ``reason``, ``lastSeen``
-(RFC 3339) and ``pod`` (``namespace/name`` of the pod that saw it).
+(RFC 3339) and ``pod`` (``namespace/name`` of the pod that saw it); ``source`` says
+who found it: ``probe`` (the controller, from a signed probe in a pod; the default for
+objects written before the field existed) or ``scan`` (``epguard scan --record``, from
+the image's files, by ``recordedBy``, the API server's name for the caller).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import datetime as dt
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, TypedDict
+from typing import Any, Literal, NotRequired, Protocol, TypedDict
 
 from webhook.imageref import ImageRef, ImageRefError, parse
 
@@ -31,6 +34,10 @@ Trust = Literal["deny", "warn", "usable"]
 # The ImageVerdict custom resource (cluster-scoped), as the chart's CRD defines it.
 GROUP, VERSION, KIND, PLURAL = "epguard.io", "v1alpha1", "ImageVerdict", "imageverdicts"
 DEFAULT_TAG_TTL = dt.timedelta(hours=24)
+# Who found a verdict (``spec.source``). Each writer has its own object names, so one
+# never overwrites the other's: ``<digest>`` / ``ref-<hash>`` for the probe, ``scan-<digest>``
+# for the scan (webhook/scan/record.py; the chart's scan-recorder policy enforces it).
+SOURCE_PROBE, SOURCE_SCAN = "probe", "scan"
 
 
 # The JSON epguard writes (the chart's CRD schema). What it *reads* back is walked
@@ -50,9 +57,12 @@ class ImageVerdictSpec(TypedDict):
     versions: VerdictVersions
     firstSeen: str  # RFC 3339, UTC
     lastSeen: str
-    pod: str  # namespace/name of the pod whose probe saw it
+    pod: NotRequired[str]  # namespace/name of the pod whose probe saw it (probe only)
     count: int
-    runs: list[str]  # the last probe terminations counted (pod uid/container/run/time)
+    runs: NotRequired[list[str]]  # the last probe terminations counted (probe only)
+    source: NotRequired[str]  # SOURCE_PROBE | SOURCE_SCAN
+    recordedBy: NotRequired[str]  # the API server's username of the scan's caller (scan only)
+    fix: NotRequired[str]  # what to change in the image, as the scan said it (scan only)
 
 
 class ImageVerdictMeta(TypedDict, total=False):
@@ -78,6 +88,13 @@ class Verdict:
     reason: str
     last_seen: dt.datetime | None
     pod: str | None
+    source: str = SOURCE_PROBE
+    recorded_by: str | None = None
+    fix: str = ""
+
+    @property
+    def from_scan(self) -> bool:
+        return self.source == SOURCE_SCAN
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +104,11 @@ class VerdictHit:
     by_digest: bool
 
     def where(self) -> str:
+        v = self.verdict
+        if v.from_scan:
+            by = f" by {v.recorded_by}" if v.recorded_by else ""
+            at = f" at {v.last_seen.strftime('%Y-%m-%dT%H:%M:%SZ')}" if v.last_seen else ""
+            return f"found in the image's files by epguard scan, recorded{by}{at}"
         bits = []
         if self.verdict.pod:
             bits.append(f"in pod {self.verdict.pod}")
@@ -146,6 +168,9 @@ def verdict_from_object(obj: Any) -> Verdict | None:
         digest = ref.digest.lower()
     reason = _field(obj, "reason")
     pod = _field(obj, "pod")
+    source = _field(obj, "source")
+    recorded_by = _field(obj, "recordedBy")
+    fix = _field(obj, "fix")
     return Verdict(
         object_name=name,
         image=image,
@@ -155,6 +180,9 @@ def verdict_from_object(obj: Any) -> Verdict | None:
         reason=reason.strip().splitlines()[0] if isinstance(reason, str) and reason.strip() else "",
         last_seen=_time(_field(obj, "lastSeen")),
         pod=pod if isinstance(pod, str) and pod else None,
+        source=SOURCE_SCAN if source == SOURCE_SCAN else SOURCE_PROBE,
+        recorded_by=recorded_by if isinstance(recorded_by, str) and recorded_by else None,
+        fix=fix.strip().splitlines()[0] if isinstance(fix, str) and fix.strip() else "",
     )
 
 

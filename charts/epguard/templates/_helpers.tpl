@@ -33,10 +33,16 @@ capabilities list every served kind; an offline render (`helm template`) knows o
 group/versions (no kind at all, not even apps/v1/Deployment), so there the group/version
 and the Kubernetes version decide. */ -}}
 {{- define "epguard.backstopOn" -}}
-{{- $api := .Capabilities.APIVersions -}}
-{{- $served := or ($api.Has "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy") (and ($api.Has "admissionregistration.k8s.io/v1") (not ($api.Has "apps/v1/Deployment"))) -}}
-{{- if and .Values.backstop.enabled $served (semverCompare ">=1.34-0" .Capabilities.KubeVersion.Version) -}}true{{- end -}}
+{{- if and .Values.backstop.enabled (eq (include "epguard.vapServed" .) "true") (semverCompare ">=1.34-0" .Capabilities.KubeVersion.Version) -}}true{{- end -}}
 {{- end -}}
+{{- /* "true" when the API server serves admissionregistration.k8s.io/v1
+ValidatingAdmissionPolicy (GA in 1.30); offline, the group/version and the version do. */ -}}
+{{- define "epguard.vapServed" -}}
+{{- $api := .Capabilities.APIVersions -}}
+{{- if or ($api.Has "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy") (and ($api.Has "admissionregistration.k8s.io/v1") (not ($api.Has "apps/v1/Deployment")) (semverCompare ">=1.30-0" .Capabilities.KubeVersion.Version)) -}}true{{- end -}}
+{{- end -}}
+{{- /* The ClusterRole, binding and policy that let scanRecorder.serviceAccounts record. */ -}}
+{{- define "epguard.scanRecorderName" -}}{{ include "epguard.fullname" . | trunc 49 | trimSuffix "-" }}-scan-recorder{{- end -}}
 
 {{- define "epguard.labels" -}}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
