@@ -3,14 +3,16 @@
 
 from __future__ import annotations
 
-from tests.chart.chartlib import REPO, Rendered
+from tests.chart.chartlib import CHART, REPO, Rendered, render
 
 Grant = tuple[str, str, str, str, str, str]  # account, scope, group, resource, names, verb
 
 
-def table() -> tuple[set[Grant], list[str]]:
+def table(which: str = "") -> tuple[set[Grant], list[str]]:
+    """The grants of one table in docs/rbac.md: the default one, or ``which``."""
     text = (REPO / "docs" / "rbac.md").read_text()
-    body = text.split("<!-- rbac-table -->", 1)[1].split("<!-- /rbac-table -->", 1)[0]
+    start = f"<!-- rbac-table {which} -->" if which else "<!-- rbac-table -->"
+    body = text.split(start, 1)[1].split("<!-- /rbac-table -->", 1)[0]
     grants: set[Grant] = set()
     unexplained: list[str] = []
     for line in body.strip().splitlines()[2:]:  # after the header and its rule
@@ -58,8 +60,17 @@ def test_every_row_of_the_table_is_granted(defaults: Rendered) -> None:
 
 
 def test_every_row_says_why() -> None:
-    _, unexplained = table()
-    assert not unexplained
+    for which in ("", "scan-recorder"):
+        _, unexplained = table(which)
+        assert not unexplained, which
+
+
+def test_the_scan_recorder_grants_exactly_its_written_table(defaults: Rendered) -> None:
+    with_recorder = render("-f", str(CHART / "ci" / "scan-recorder-values.yaml"))
+    added = rendered(with_recorder) - rendered(defaults)
+    assert rendered(defaults) <= rendered(with_recorder)
+    written, _ = table("scan-recorder")
+    assert added == written, (sorted(added - written), sorted(written - added))
 
 
 def test_neither_component_may_write_pods_or_read_other_secrets(defaults: Rendered) -> None:
