@@ -624,7 +624,9 @@ class TestCRDs:
         (v,) = crd["spec"]["versions"]
         assert v["name"] == "v1alpha1" and crd["spec"]["names"]["kind"] == "ImageVerdict"
         cols = [c["name"].upper() for c in v["additionalPrinterColumns"] if "priority" not in c]
-        assert cols == ["IMAGE", "DIGEST", "VERDICT", "SOURCE", "SGLANG", "TORCH", "MOONCAKE", "LAST SEEN"]
+        assert cols == [
+            "IMAGE", "DIGEST", "VERDICT", "SOURCE", "SGLANG", "TORCH", "MOONCAKE", "LAST SEEN"
+        ]  # fmt: skip
         spec = v["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
         assert spec["verdict"]["enum"] == ["Usable", "Unusable"]
         assert set(spec) >= {
