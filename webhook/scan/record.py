@@ -30,8 +30,8 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
-from webhook.imageref import ImageRefError, parse
 from probe.diagnosis import versions_line
+from webhook.imageref import ImageRefError, parse
 from webhook.kube import REQUEST_TIMEOUT, meta
 from webhook.outcome import parse_versions
 from webhook.scan.report import text
