@@ -25,6 +25,8 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
+from webhook.verdicts import GROUP, PLURAL, VERSION
+
 # Seconds: (connect, read). Generous for a loaded API server, short against a dead one.
 REQUEST_TIMEOUT = (5.0, 30.0)
 
@@ -119,6 +121,20 @@ def get_object(api: client.ApiClient, path: str) -> Json:
     if not 200 <= resp.status <= 299:
         raise ApiException(status=resp.status, reason=resp.reason, body=resp.data)
     return raw(resp)
+
+
+def get_verdict(custom: client.CustomObjectsApi, name: str) -> dict[str, Any] | None:
+    """The ImageVerdict ``name`` as raw JSON, None when there is none (other API errors
+    raise)."""
+    try:
+        got = custom.get_cluster_custom_object(
+            GROUP, VERSION, PLURAL, name, _request_timeout=REQUEST_TIMEOUT
+        )
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+        return None
+    return got if isinstance(got, dict) else None
 
 
 def meta(obj: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -78,6 +78,20 @@ class ImageVerdictObject(TypedDict):
     spec: ImageVerdictSpec
 
 
+def verdict_object(
+    name: str, spec: ImageVerdictSpec, manager: str, existing: Mapping[str, Any] | None
+) -> ImageVerdictObject:
+    """The whole ImageVerdict to create (``existing`` None) or replace. The resourceVersion
+    read goes with it, so a write that raced another ends in a 409 and a re-read, not in
+    a lost update."""
+    metadata: ImageVerdictMeta = {"name": name, "labels": {"app.kubernetes.io/managed-by": manager}}
+    old_meta = existing.get("metadata") if existing is not None else None
+    rv = old_meta.get("resourceVersion") if isinstance(old_meta, Mapping) else None
+    if isinstance(rv, str):
+        metadata["resourceVersion"] = rv
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "metadata": metadata, "spec": spec}
+
+
 @dataclass(frozen=True, slots=True)
 class Verdict:
     object_name: str

@@ -30,7 +30,14 @@ from kubernetes.client.exceptions import ApiException
 
 from webhook.controller.config import ControllerConfig
 from webhook.controller.probe_key import ProbeKeyManager
-from webhook.kube import REQUEST_TIMEOUT, get_object, meta, post_event, resource_path
+from webhook.kube import (
+    REQUEST_TIMEOUT,
+    get_object,
+    get_verdict,
+    meta,
+    post_event,
+    resource_path,
+)
 from webhook.outcome import (
     PROBED_LABEL,
     ProbeOutcome,
@@ -44,12 +51,10 @@ from webhook.outcome import (
 from webhook.signing import Verification, verify
 from webhook.verdicts import (
     GROUP,
-    KIND,
     PLURAL,
     VERSION,
-    ImageVerdictMeta,
-    ImageVerdictObject,
     ImageVerdictSpec,
+    verdict_object,
 )
 from webhook.workloads import as_list, as_map
 
@@ -99,33 +104,12 @@ class Recorder:
         """Count this run on the image's ImageVerdict; None when it was counted already."""
         name = verdict_name(outcome.image, outcome.digest)
         for _ in range(WRITE_ATTEMPTS):
-            existing: dict[str, Any] | None
-            try:
-                got = self.custom.get_cluster_custom_object(
-                    GROUP, VERSION, PLURAL, name, _request_timeout=REQUEST_TIMEOUT
-                )
-                existing = got if isinstance(got, dict) else None
-            except ApiException as exc:
-                if exc.status != 404:
-                    raise
-                existing = None
+            existing = get_verdict(self.custom, name)
             previous = existing.get("spec") if existing else None
             if run in recorded_runs(previous):
                 return None
             spec = verdict_spec(outcome, pod, _now(), previous, run)
-            metadata: ImageVerdictMeta = {
-                "name": name,
-                "labels": {"app.kubernetes.io/managed-by": COMPONENT},
-            }
-            rv = meta(existing).get("resourceVersion") if existing is not None else None
-            if isinstance(rv, str):
-                metadata["resourceVersion"] = rv
-            body: ImageVerdictObject = {
-                "apiVersion": f"{GROUP}/{VERSION}",
-                "kind": KIND,
-                "metadata": metadata,
-                "spec": spec,
-            }
+            body = verdict_object(name, spec, COMPONENT, existing)
             try:
                 if existing is None:
                     self.custom.create_cluster_custom_object(

@@ -32,19 +32,17 @@ from urllib3.exceptions import HTTPError
 
 from probe.diagnosis import versions_line
 from webhook.imageref import ImageRefError, parse
-from webhook.kube import REQUEST_TIMEOUT, meta
+from webhook.kube import REQUEST_TIMEOUT, get_verdict
 from webhook.outcome import parse_versions
 from webhook.scan.report import text
 from webhook.scan.scanner import Result
 from webhook.verdicts import (
     GROUP,
-    KIND,
     PLURAL,
     SOURCE_SCAN,
     VERSION,
-    ImageVerdictMeta,
-    ImageVerdictObject,
     ImageVerdictSpec,
+    verdict_object,
 )
 
 NAME_PREFIX = "scan-"
@@ -217,14 +215,9 @@ def _record(api: client.ApiClient, result: Result, subject: Target, now: dt.date
     name = subject.name
     for _ in range(WRITE_ATTEMPTS):
         try:
-            got = custom.get_cluster_custom_object(
-                GROUP, VERSION, PLURAL, name, _request_timeout=REQUEST_TIMEOUT
-            )
-            existing: dict[str, Any] | None = got if isinstance(got, dict) else None
+            existing = get_verdict(custom, name)
         except ApiException as exc:
-            if exc.status != 404:
-                raise _failure(exc, f"reading ImageVerdict {name}", identity) from None
-            existing = None
+            raise _failure(exc, f"reading ImageVerdict {name}", identity) from None
         try:
             if not result.causes:
                 if existing is None:
@@ -234,17 +227,9 @@ def _record(api: client.ApiClient, result: Result, subject: Target, now: dt.date
                 )
                 return Recorded(name, "deleted", identity)
             previous = existing.get("spec") if existing is not None else None
-            metadata: ImageVerdictMeta = {"name": name, "labels": {
-                "app.kubernetes.io/managed-by": MANAGER}}  # fmt: skip
-            rv = meta(existing).get("resourceVersion") if existing is not None else None
-            if isinstance(rv, str):
-                metadata["resourceVersion"] = rv
-            body: ImageVerdictObject = {
-                "apiVersion": f"{GROUP}/{VERSION}",
-                "kind": KIND,
-                "metadata": metadata,
-                "spec": spec(result, subject, identity, now, previous),
-            }
+            body = verdict_object(
+                name, spec(result, subject, identity, now, previous), MANAGER, existing
+            )
             if existing is None:
                 custom.create_cluster_custom_object(
                     GROUP, VERSION, PLURAL, dict(body), _request_timeout=REQUEST_TIMEOUT
