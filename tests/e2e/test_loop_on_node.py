@@ -25,6 +25,7 @@ PRINTER_COLUMNS = [
     "IMAGE",
     "DIGEST",
     "VERDICT",
+    "SOURCE",
     "SGLANG",
     "TORCH",
     "MOONCAKE",
@@ -105,7 +106,7 @@ def test_kubectl_get_imageverdicts_reads_as_a_compatibility_table(
     out = cluster.kubectl("get", "imageverdicts", name, check=True).stdout
     header, row = out.splitlines()
     assert header.split() == PRINTER_COLUMNS
-    assert row.split()[:4] == [name, BAD_WORKER.ref, recorded["digest"], "Unusable"]
+    assert row.split()[:5] == [name, BAD_WORKER.ref, recorded["digest"], "Unusable", "probe"]
     assert " 0.5.23 " in row and " 2.13.0+cu130 " in row
     assert "mooncake-transfer-engine 0.3.13.post1" in row
     assert re.search(r"\s\d+s$", row)  # LAST SEEN: seconds ago
