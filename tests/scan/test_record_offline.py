@@ -97,6 +97,13 @@ def test_the_record_names_the_digest_the_cause_and_the_caller(result: scanner.Re
     assert again["lastSeen"] != spec["lastSeen"]
 
 
+def test_an_image_claiming_a_huge_version_still_fits_the_crd(result: scanner.Result) -> None:
+    huge = scanner.Result(**{**result.__dict__, "versions": {**result.versions,
+                                                             "torch": "9" * 5000}})  # fmt: skip
+    spec = record.spec(huge, record.target(result, IMAGE), WHO, NOW)
+    assert len(spec["versions"]["torch"] or "") == record.MAX_VERSION
+
+
 def test_a_passing_scan_has_no_verdict_to_write(result: scanner.Result) -> None:
     clean = scanner.Result(**{**result.__dict__, "causes": []})
     with pytest.raises(ValueError, match="records no verdict"):

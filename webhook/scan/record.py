@@ -50,6 +50,8 @@ MANAGER = "epguard-scan"
 # The CRD caps ``report`` at 16384 characters; the scan's text may run to 64 KiB.
 MAX_REPORT = 16_000
 MAX_FIX = 4_000
+# The CRD's limit on each version string: an image's METADATA may claim any version.
+MAX_VERSION = 128
 WRITE_ATTEMPTS = 5
 
 Action = Literal["created", "updated", "deleted", "nothing"]
@@ -147,9 +149,9 @@ def spec(
         "fix": _first_line(primary.fix, MAX_FIX),
         "report": report,
         "versions": {
-            "sglang": versions.sglang or None,
-            "torch": versions.torch or None,
-            "mooncake": versions.mooncake or None,
+            "sglang": _first_line(versions.sglang, MAX_VERSION) or None,
+            "torch": _first_line(versions.torch, MAX_VERSION) or None,
+            "mooncake": _first_line(versions.mooncake, MAX_VERSION) or None,
         },
         "firstSeen": first_seen if isinstance(first_seen, str) and first_seen else stamp,
         "lastSeen": stamp,
