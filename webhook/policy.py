@@ -126,11 +126,11 @@ def verdict_denial(hit: VerdictHit) -> str:
     v = hit.verdict
     if v.from_scan:
         reason = _strip_period(v.reason) or "epguard scan found an image cause"
-        fix = (
-            f"{_strip_period(v.fix) + ', then r' if v.fix else 'R'}ebuild the image so that "
-            f"`epguard scan` passes (a passing `epguard scan --record` of these bytes deletes "
-            f"ImageVerdict {v.object_name})"
+        rebuild = (
+            f"rebuild the image so that `epguard scan` passes (a passing `epguard scan "
+            f"--record` of these bytes deletes ImageVerdict {v.object_name})"
         )
+        fix = f"{_strip_period(v.fix)}, then {rebuild}" if v.fix else "R" + rebuild[1:]
     else:
         reason = _strip_period(v.reason) or "its epguard probe failed"
         fix = (

@@ -49,7 +49,7 @@ NAME_PREFIX = "scan-"
 MANAGER = "epguard-scan"
 # The CRD caps ``report`` at 16384 characters; the scan's text may run to 64 KiB.
 MAX_REPORT = 16_000
-MAX_FIX = 4_000
+MAX_REASON = MAX_FIX = 4_000
 # The CRD's limit on each version string: an image's METADATA may claim any version.
 MAX_VERSION = 128
 WRITE_ATTEMPTS = 5
@@ -145,7 +145,7 @@ def spec(
         "image": subject.image,
         "digest": subject.digest,
         "verdict": "Unusable",
-        "reason": _first_line(primary.cause, 4_000),
+        "reason": _first_line(primary.cause, MAX_REASON),
         "fix": _first_line(primary.fix, MAX_FIX),
         "report": report,
         "versions": {

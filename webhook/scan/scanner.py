@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from probe import cmdline, diagnosis, inventory, static
+from probe.cli import MAX_CONFIG_BYTES  # SGLang's --config, read as the probe reads it
 from webhook.scan import layers
 from webhook.scan.sources import Source, SourceError, open_source
 from webhook.scan.tree import Tree, TreeError
@@ -25,8 +26,6 @@ from webhook.scan.tree import Tree, TreeError
 ANY_LAUNCH = ("python3", "-m", "sglang.launch_server", "--elastic-ep-backend", "mooncake")
 _ARCH = {"amd64": "x86_64", "arm64": "aarch64", "ppc64le": "powerpc64le", "s390x": "s390x"}
 _PY_RE = re.compile(r"^python3\.(\d+)$")
-# SGLang's --config is read as the probe reads it (probe/cli.py MAX_CONFIG_BYTES).
-MAX_CONFIG_BYTES = 256 * 1024
 _DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
