@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractAsyncContextManager
 from functools import partial
 from typing import Any
@@ -24,13 +23,13 @@ from typing import Any
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from webhook.completion import complete
+from webhook.completion import Answer, Review, complete, unjudged
 from webhook.handler import Handler, Injector, RulesConfigMap, Validator
 from webhook.injection import InjectionSettings
 from webhook.instrumentation import Instrumented
 from webhook.metrics import Metrics
 from webhook.policy import PolicyState
-from webhook.transport import POOL_THREADS, AdmissionEndpoint
+from webhook.transport import PODS_LANE, RULES_LANE, AdmissionEndpoint, Bounds, Limits
 
 # epguard's metrics are Prometheus (instrumentation.py), not OpenTelemetry. FastAPI
 # releases with native OTel support ask three provider globals (and os.environ) on every
@@ -43,16 +42,57 @@ _NO_OTEL: dict[str, Any] = (
 )
 
 
+def _rules_lane(review: Review) -> str:
+    kind = review.request.kind
+    return RULES_LANE.name if kind.kind == "ConfigMap" and not kind.group else PODS_LANE.name
+
+
+def _pods_lane(_review: Review) -> str:
+    return PODS_LANE.name
+
+
 def admission_route(
     app: FastAPI,
     handler: Handler,
     metrics: Metrics,
-    max_body_bytes: int,
-    deadline: float,
-    pool: ThreadPoolExecutor | None = None,
+    bounds: Bounds,
+    state: PolicyState | None = None,
+    rules: RulesConfigMap | None = None,
 ) -> None:
-    """Serve ``handler`` at ``POST /<handler.endpoint>`` through the four layers."""
-    endpoint = AdmissionEndpoint(partial(complete, handler), max_body_bytes, deadline, pool)
+    """Serve ``handler`` at ``POST /<handler.endpoint>`` through the four layers.
+
+    ``/validate`` sends every ConfigMap review (the API server sends only edits of the
+    rules ConfigMap) to the rules lane, whatever its size, so none takes a pod review's
+    place nor holds the loop; everything else large goes to the pods lane
+    (transport.py). A review that
+    cannot be judged is answered by the namespace's mode (completion.unjudged)."""
+    validating = handler.endpoint == "validate"
+
+    def by_mode(review: Review, reason: str, why: str) -> Answer:
+        req = review.request
+        mode = (
+            (state.namespaces.get(req.namespace).mode or state.config.default_mode)
+            if state is not None
+            else "enforce"
+        )
+        rules_edit = (
+            validating
+            and rules is not None
+            and req.kind.kind == "ConfigMap"
+            and not req.kind.group
+            and req.namespace == rules.namespace
+            and req.name == rules.name
+        )
+        return unjudged(
+            review, reason, why, endpoint=handler.endpoint, mode=mode, rules_edit=rules_edit
+        )
+
+    endpoint = AdmissionEndpoint(
+        partial(complete, handler),
+        by_mode,
+        bounds,
+        _rules_lane if validating else _pods_lane,
+    )
     app.add_route(
         f"/{handler.endpoint}",
         Instrumented(metrics, handler, endpoint),  # type: ignore[arg-type]
@@ -65,8 +105,7 @@ def create_app(
     state: PolicyState,
     metrics: Metrics,
     *,
-    max_body_bytes: int,
-    deadline: float = 3.0,
+    limits: Limits,
     injection: InjectionSettings | None = None,
     rules_configmap: RulesConfigMap | None = None,
     ready: Callable[[], bool] = lambda: True,
@@ -84,13 +123,14 @@ def create_app(
         openapi_url=None,
         **_NO_OTEL,
     )
-    # One pool for the large reviews of every endpoint (transport.POOL_THREADS in all).
-    pool = ThreadPoolExecutor(POOL_THREADS, thread_name_prefix="epguard-judge")
+    # One memory budget and one set of lanes for every endpoint (transport.py).
+    bounds = Bounds.make(limits)
+    app.state.bounds = bounds
     validator = Validator(state, rules_configmap)
-    admission_route(app, validator, metrics, max_body_bytes, deadline, pool)
+    admission_route(app, validator, metrics, bounds, state, rules_configmap)
     if injection is not None:
         injector = Injector(state, injection)
-        admission_route(app, injector, metrics, max_body_bytes, deadline, pool)
+        admission_route(app, injector, metrics, bounds, state)
 
     @app.get("/healthz")
     async def healthz() -> Response:

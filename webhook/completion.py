@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 
 from webhook.handler import Handler, Outcome
+from webhook.namespaces import Mode
 from webhook.review import AdmissionRequest
 
 log = logging.getLogger("epguard.admission")
@@ -50,6 +51,8 @@ class Answer:
     request: AdmissionRequest | None = None
     reason: str | None = None  # why a request was refused or failed (a bounded word)
     detail: str | None = None  # the same, in words
+    # Why a review was answered by mode without being judged (transport.UNJUDGED_REASONS).
+    unjudged: str | None = None
 
 
 def problem(
@@ -96,3 +99,65 @@ def complete(handler: Handler, review: Review) -> Answer:
             req,
         )
     return Answer(200, body, outcome.result, outcome, req)
+
+
+# Operations epguard never judges: answered "ignored" whether judged or not.
+_NEVER_JUDGED = frozenset({"DELETE", "CONNECT"})
+
+
+def unjudged(
+    review: Review, reason: str, why: str, *, endpoint: str, mode: Mode, rules_edit: bool
+) -> Answer:
+    """The answer to a review epguard could not judge (too busy, too late, too large),
+    by what is safer for each case, as an AdmissionReview the API server obeys whatever
+    the webhook's ``failurePolicy`` (a 500 would be admitted under ``Ignore``):
+
+    * a pod or workload under ``enforce``: refused, saying that epguard could not judge
+      it: refusing a good pod costs a retry, admitting a bad image costs a node's worth
+      of GPUs and the model download before the probe stops it;
+    * under ``warn``: allowed with that warning; under ``audit``: allowed, logged,
+      counted and annotated (``unjudged: <reason>``): the admin chose never to refuse;
+    * an edit of the rules ConfigMap: refused (the rules in use stay; the admin
+      retries), in every mode: an unchecked edit could be one no restart will load;
+    * ``/mutate``: allowed unchanged with a warning, as its ``Ignore`` would (the pod
+      is then judged by ``/validate``);
+    * DELETE and CONNECT: allowed, as always.
+    """
+    req = review.request
+    tag = f"[epguard unjudged: {reason}]"
+    where = f"{req.namespace}/{req.name}" if req.namespace else (req.name or "")
+    what = f"{req.operation} of {req.kind.kind} {where}".rstrip()
+    if endpoint == "mutate":
+        outcome = Outcome(
+            True,
+            "unchanged",
+            warnings=(f"epguard could not inject its probe ({why}) {tag}",),
+            note=f"unjudged ({reason}) {what}: {why}",
+        )
+    elif req.operation in _NEVER_JUDGED:
+        outcome = Outcome(True, "ignored")
+    elif rules_edit:
+        message = (
+            f"epguard could not check this rules edit ({why}); the rules in use stay as "
+            f"they are: retry the edit {tag}"
+        )
+        outcome = Outcome(False, "denied", message=message, note=message)
+    elif mode == "enforce":
+        message = (
+            f"epguard could not judge this request in time ({why}), so it refuses it "
+            "rather than admit an image it has not checked (mode enforce): retry; if it "
+            f"persists, the webhook is overloaded or flooded {tag}"
+        )
+        outcome = Outcome(False, "denied", message=message, note=f"{what}: {message}")
+    elif mode == "warn":
+        warning = f"epguard (warn mode) could not judge this request ({why}): not checked {tag}"
+        outcome = Outcome(True, "warned", warnings=(warning,), note=f"{what}: {warning}")
+    else:
+        outcome = Outcome(
+            True,
+            "audited",
+            audit_annotations={"unjudged": reason},
+            note=f"audit mode: not judged ({why}): {what}",
+        )
+    body = encode(review.api_version, req.uid, outcome)
+    return Answer(200, body, outcome.result, outcome, req, reason, why, unjudged=reason)

@@ -8,6 +8,8 @@ For each request to ``/<endpoint>``:
 * ``epguard_admission_duration_seconds{endpoint}``: from the request reaching the
   endpoint to the answer sent;
 * ``epguard_bad_requests_total{reason}``: why a request was refused or failed;
+* ``epguard_admission_unjudged_total{endpoint, reason, result}``: a review answered by
+  mode without being judged (transport.py says when), and what that answer was;
 * for policy decisions, ``epguard_admission_decisions_total{result, rule}`` and
   ``epguard_admission_warnings_total{rule}``; ``rule`` is an admin's rule id (bounded by
   the rules) or ``verdict`` for any learned ImageVerdict (not its name: one per image).
@@ -89,6 +91,8 @@ class Instrumented:
             self.metrics.bad_requests.labels("internal_error").inc()
             log.error(_logfmt({"endpoint": self.endpoint, "result": ERROR, "status": 500}))
             return
+        if answer.unjudged is not None:
+            self.metrics.unjudged.labels(self.endpoint, answer.unjudged, result).inc()
         outcome = answer.outcome
         if outcome is not None:
             if outcome.rules is not None:
@@ -96,7 +100,7 @@ class Instrumented:
                     self._decision(result, rule_label(rule)).inc()
             for source in outcome.warned_by:
                 self._warning(rule_label(source)).inc()
-            if result in ROUTINE:
+            if result in ROUTINE and answer.unjudged is None:
                 return
         elif answer.reason is not None:
             self.metrics.bad_requests.labels(answer.reason).inc()
@@ -117,7 +121,10 @@ class Instrumented:
             if outcome.rules and outcome.rules != ("none",):
                 fields["rules"] = ",".join(outcome.rules)
             fields["message"] = outcome.note or ""
-            log.info(_logfmt(fields), extra={"epguard": fields})
+            if answer.unjudged is not None:
+                fields["unjudged"] = answer.unjudged
+            level = logging.INFO if answer.unjudged is None else logging.WARNING
+            log.log(level, _logfmt(fields), extra={"epguard": fields})
         else:
             fields["reason"] = answer.reason or ""
             fields["message"] = answer.detail or ""

@@ -57,10 +57,20 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.unjudged = Counter(
+            "epguard_admission_unjudged",
+            "Admission reviews answered by mode without being judged, by endpoint, reason "
+            "(busy: its lane or the memory for reviews in flight was full; deadline: not "
+            "judged in time; too_large: over the body or memory limit) and the answer's "
+            "result (denied under enforce, warned, audited; unchanged for mutate).",
+            ["endpoint", "reason", "result"],
+            registry=r,
+        )
         self.connections_cut = Counter(
             "epguard_connections_cut",
-            "Connections closed before a request reached epguard: a request head over the "
-            "limit (head_size, answered 431) or not complete in time (head_deadline).",
+            "Connections closed by epguard's own limits: a request head over the limit "
+            "(head_size, answered 431), a head not complete in time (head_deadline), a "
+            "body not complete in time (body_deadline).",
             ["reason"],
             registry=r,
         )

@@ -13,8 +13,12 @@ protocol cuts both:
 * a head not complete ``head_seconds`` after the connection opened, or after the first
   byte of a keep-alive connection's next request, closes the connection.
 
-The body has its own limit and deadline (transport.py). Each cut is counted through
-``on_cut`` with its reason ("head_size" or "head_deadline").
+* a body not complete ``body_seconds`` after its head ended closes the connection
+  (30 sockets sending a byte a second once stayed open for good): the whole body, not
+  the gap between two reads, so a trickle cannot keep it alive.
+
+The body's size is bounded by the app (transport.py). Each cut is counted through
+``on_cut`` with its reason ("head_size", "head_deadline" or "body_deadline").
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-CUT_REASONS = ("head_size", "head_deadline")
+CUT_REASONS = ("head_size", "head_deadline", "body_deadline")
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +41,10 @@ class HeadLimits:
     # 10 s: the API server writes its head in one go; its own timeout for the whole
     # call is timeoutSeconds (at most 30 s).
     head_seconds: float = 10.0
+    # 10 s for the whole body: the API server writes it at once (19 MiB, the largest
+    # review it can send, takes well under a second inside a cluster), and gives up on
+    # the whole call after timeoutSeconds (5 s by default, at most 30 s) anyway.
+    body_seconds: float = 10.0
 
 
 class HeadTooLarge(Exception):
@@ -68,6 +76,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._parsed = 0  # the head's URL and header bytes the parser handed over
         self._too_large = False
         self._head_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
 
     def _arm(self) -> None:
         self._disarm()
@@ -84,12 +93,24 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self.on_cut("head_deadline")
             self.transport.close()
 
+    def _disarm_body(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _body_deadline(self) -> None:
+        self._body_timer = None
+        if not self.transport.is_closing():
+            self.on_cut("body_deadline")
+            self.transport.close()
+
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._disarm_body()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -145,7 +166,13 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._in_head = False
         self._head_bytes = 0
         self._disarm()
+        self._disarm_body()
+        self._body_timer = self.loop.call_later(self.limits.body_seconds, self._body_deadline)
         super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._disarm_body()
+        super().on_message_complete()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()

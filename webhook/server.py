@@ -39,6 +39,7 @@ from webhook.rules import (
 )
 from webhook.settings import Settings
 from webhook.tls import ReloadingTLS
+from webhook.transport import Limits
 from webhook.verdicts import VerdictStore
 from webhook.watch import (
     NamespaceSync,
@@ -143,8 +144,11 @@ class Runtime:
         self.app: FastAPI = create_app(
             self.state,
             self.metrics,
-            max_body_bytes=settings.max_body_bytes,
-            deadline=settings.deadline_seconds,
+            limits=Limits(
+                max_body_bytes=settings.max_body_bytes,
+                deadline=settings.deadline_seconds,
+                inflight_bytes=settings.max_inflight_bytes,
+            ),
             rules_configmap=RulesConfigMap(
                 settings.namespace, settings.rules_configmap, settings.rules_key
             ),
@@ -316,7 +320,9 @@ class Runtime:
                 "type[asyncio.Protocol]",
                 functools.partial(
                     BoundedHttpToolsProtocol,
-                    limits=HeadLimits(s.max_head_bytes, s.head_timeout_seconds),
+                    limits=HeadLimits(
+                        s.max_head_bytes, s.head_timeout_seconds, s.body_timeout_seconds
+                    ),
                     on_cut=lambda reason: self.metrics.connections_cut.labels(reason).inc(),
                 ),
             ),

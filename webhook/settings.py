@@ -31,11 +31,17 @@ from webhook.workloads import KindError, KindSpec, parse_kinds
 TRUE = frozenset({"1", "true", "yes", "on"})
 FALSE = frozenset({"0", "false", "no", "off"})
 LOG_LEVELS = ("debug", "info", "warning", "error")
-# An object is at most 3 MiB (the API server's request limit), but the review the API
-# server sends for an UPDATE carries the object and the old object, JSON-escaped again
-# (a 600 KB pod full of "<" is 3.6 MB in a review): a valid review must never be refused
-# for its size (a 413 fails open), so the limit is well above two objects.
-MAX_BODY_BYTES = 7 * 1024 * 1024
+# The largest review the API server can send: an UPDATE carries the object and the old
+# object. A stored object is at most 1.5 MiB (etcd's default --max-request-bytes; the
+# old object was stored, and a new one over it cannot be), and the API server writes
+# the review with Go's JSON encoder, which escapes <, >, &, U+2028/9, control bytes and
+# invalid UTF-8 as 6-byte \uXXXX: up to 6x. 2 x 1.5 MiB x 6 = 18 MiB, plus 1 MiB for
+# the envelope (userInfo, options): 19 MiB. (A CREATE's object can be up to the API
+# server's 3 MiB request limit: 18 MiB escaped, inside it too.) A review over it is
+# still answered by mode, never 413 (webhook/transport.py).
+MAX_BODY_BYTES = 19 * 1024 * 1024
+# Memory charged to the reviews in flight (bodies and decoded objects), all together.
+MAX_INFLIGHT_BYTES = 64 * 1024 * 1024
 
 
 class SettingsError(ValueError):
@@ -270,16 +276,24 @@ WEBHOOK_OPTIONS: tuple[Option, ...] = (
     Option(
         "max_body_bytes",
         "EPGUARD_MAX_BODY_BYTES",
-        "largest AdmissionReview accepted, in bytes",
+        "largest AdmissionReview judged, in bytes; a larger one is answered by mode "
+        "(refused under enforce)",
         MAX_BODY_BYTES,
         integer(1, 64 * 1024 * 1024),
     ),
     Option(
+        "max_inflight_bytes",
+        "EPGUARD_MAX_INFLIGHT_BYTES",
+        "memory, in bytes, for all reviews being read and judged together (bodies and "
+        "decoded objects); a review that does not fit is answered by mode",
+        MAX_INFLIGHT_BYTES,
+        integer(1024 * 1024, 1024 * 1024 * 1024),
+    ),
+    Option(
         "deadline_seconds",
         "EPGUARD_DEADLINE_SECONDS",
-        "seconds a large review may take to judge before the answer is an error (500: the "
-        "webhook's failurePolicy applies); below the webhooks' timeoutSeconds (the chart "
-        "gives 60% of it)",
+        "seconds a large review may take to judge before it is answered by mode (refused "
+        "under enforce); below the webhooks' timeoutSeconds (the chart gives 60% of it)",
         3.0,
         number(positive=True),
     ),
@@ -294,6 +308,14 @@ WEBHOOK_OPTIONS: tuple[Option, ...] = (
         "head_timeout_seconds",
         "EPGUARD_HEAD_TIMEOUT_SECONDS",
         "seconds a connection may take to send a request head before it is closed",
+        10.0,
+        number(positive=True),
+    ),
+    Option(
+        "body_timeout_seconds",
+        "EPGUARD_BODY_TIMEOUT_SECONDS",
+        "seconds a request may take to send its whole body, from the end of its head, "
+        "before the connection is closed",
         10.0,
         number(positive=True),
     ),
@@ -569,6 +591,8 @@ class Settings:
     deadline_seconds: float = _D["deadline_seconds"]
     max_head_bytes: int = _D["max_head_bytes"]
     head_timeout_seconds: float = _D["head_timeout_seconds"]
+    max_inflight_bytes: int = _D["max_inflight_bytes"]
+    body_timeout_seconds: float = _D["body_timeout_seconds"]
     inject_image: str = _D["inject_image"]
     probe_level: str = _D["probe_level"]
     extra_kinds: tuple[KindSpec, ...] = _D["extra_kinds"]

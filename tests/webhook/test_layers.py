@@ -220,7 +220,7 @@ def test_an_extra_admission_handler_gets_the_same_instrumentation(tmp_path: Path
             return Outcome(True, "allowed")
 
     with running_server(tmp_path, TEST_RULES) as s:
-        admission_route(s.runtime.app, Echo(), s.runtime.metrics, 1024 * 1024, 3.0)
+        admission_route(s.runtime.app, Echo(), s.runtime.metrics, s.runtime.app.state.bounds)
         with s.client() as c:
             assert c.post("/echo", json=review(pod())).json()["response"]["allowed"] is True
         assert _count(s, "echo", "allowed") == 1
