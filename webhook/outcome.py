@@ -24,7 +24,7 @@ from typing import Any, Literal
 from probe.message import IMAGE, SCOPE, UNUSABLE, UNUSABLE_HERE, USABLE
 from webhook.argv import ExpansionTooLarge, container_argv
 from webhook.imageref import ImageRefError, parse
-from webhook.verdicts import SOURCE_PROBE, ImageVerdictSpec
+from webhook.verdicts import SOURCE_PROBE, ImageVerdictSpec, version_value
 from webhook.workloads import as_list, as_map
 
 PROBE_CONTAINER = "epguard-probe"
@@ -293,9 +293,9 @@ def verdict_spec(
         "reason": outcome.reason,
         "report": outcome.report,
         "versions": {
-            "sglang": outcome.versions.sglang,
-            "torch": outcome.versions.torch,
-            "mooncake": outcome.versions.mooncake,
+            "sglang": version_value(outcome.versions.sglang),
+            "torch": version_value(outcome.versions.torch),
+            "mooncake": version_value(outcome.versions.mooncake),
         },
         "firstSeen": first_seen if isinstance(first_seen, str) and first_seen else stamp,
         "lastSeen": stamp,

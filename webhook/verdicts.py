@@ -65,6 +65,21 @@ class ImageVerdictSpec(TypedDict):
     fix: NotRequired[str]  # what to change in the image, as the scan said it (scan only)
 
 
+# The CRD's limit on each ``spec.versions`` value (``maxLength: 128``). The versions come
+# from the image (a METADATA file may claim any version, on either path: the probe's
+# ``versions:`` line or the scan's files), and one value over the limit makes the API
+# server refuse the whole verdict, so every writer cuts them with ``version_value``.
+MAX_VERSION = 128
+
+
+def version_value(value: str) -> str:
+    """One ``spec.versions`` value as the CRD takes it: the first line, cut to
+    MAX_VERSION characters (the last one an ellipsis, so a cut value says so)."""
+    lines = value.strip().splitlines()
+    line = lines[0] if lines else ""
+    return line if len(line) <= MAX_VERSION else line[: MAX_VERSION - 1] + "…"
+
+
 class ImageVerdictMeta(TypedDict, total=False):
     name: str
     labels: dict[str, str]

@@ -12,6 +12,7 @@ back the scan's verdict of its bytes.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import subprocess
 import uuid
@@ -27,6 +28,7 @@ from devcluster import ControlPlane, binaries
 from devcluster.images import BAD_WORKER, ENV_ONLY_WORKER, images_dir
 from devcluster.stack import Stack
 from tests.chart.chartlib import CHART, NAMESPACE, RELEASE, run_helm
+from webhook.scan import record
 
 pytestmark = [pytest.mark.e2e, pytest.mark.realpkg]
 
@@ -73,7 +75,10 @@ def _verdict(cp: ControlPlane, name: str) -> dict[str, Any] | None:
 def _as(
     cp: ControlPlane, kubeconfig: Path, *args: str, input: str | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """The real kubectl with the ServiceAccount's kubeconfig instead of the admin's."""
+    """The real kubectl with the ServiceAccount's kubeconfig instead of the admin's, and the
+    recorder's field manager on writes (as epguard scan --record sends it)."""
+    if args and args[0] in ("create", "replace"):
+        args = (args[0], f"--field-manager={record.MANAGER}", *args[1:])
     return subprocess.run(
         [str(binaries.find("kubectl")), "--kubeconfig", str(kubeconfig), *args],
         input=input, capture_output=True, text=True, timeout=60,
@@ -123,9 +128,13 @@ def _policy_in_force(cp: ControlPlane, rec: Recorders) -> None:
 
 
 def _scan_verdict(digest: str, by: str, **spec: Any) -> dict[str, Any]:
+    """A scan verdict written by hand, dated now as the recorder dates its own (the policy
+    checks the times against the API server's clock: test_verdict_writes.py)."""
+    now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     body: dict[str, Any] = {
         "image": BAD_WORKER.ref, "digest": digest, "verdict": "Unusable",
         "reason": "written by hand", "source": "scan", "recordedBy": by,
+        "firstSeen": now, "lastSeen": now,
     }  # fmt: skip
     body.update(spec)
     return {

@@ -15,7 +15,7 @@ from scan_harness import Pieces, mooncake_spec, scan
 from webhook import policy
 from webhook.imageref import parse
 from webhook.scan import record, scanner
-from webhook.verdicts import SOURCE_SCAN, VerdictStore, verdict_from_object
+from webhook.verdicts import MAX_VERSION, SOURCE_SCAN, VerdictStore, verdict_from_object
 
 pytestmark = pytest.mark.realpkg
 
@@ -101,7 +101,7 @@ def test_an_image_claiming_a_huge_version_still_fits_the_crd(result: scanner.Res
     huge = scanner.Result(**{**result.__dict__, "versions": {**result.versions,
                                                              "torch": "9" * 5000}})  # fmt: skip
     spec = record.spec(huge, record.target(result, IMAGE), WHO, NOW)
-    assert len(spec["versions"]["torch"] or "") == record.MAX_VERSION
+    assert len(spec["versions"]["torch"] or "") == MAX_VERSION
 
 
 def test_a_passing_scan_has_no_verdict_to_write(result: scanner.Result) -> None:

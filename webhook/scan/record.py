@@ -43,15 +43,16 @@ from webhook.verdicts import (
     VERSION,
     ImageVerdictSpec,
     verdict_object,
+    version_value,
 )
 
 NAME_PREFIX = "scan-"
+# Also the field manager of every write: the chart's policy checks lastSeen against the
+# API server's time of this manager's write (templates/rbac-scan-recorder.yaml).
 MANAGER = "epguard-scan"
 # The CRD caps ``report`` at 16384 characters; the scan's text may run to 64 KiB.
 MAX_REPORT = 16_000
 MAX_REASON = MAX_FIX = 4_000
-# The CRD's limit on each version string: an image's METADATA may claim any version.
-MAX_VERSION = 128
 WRITE_ATTEMPTS = 5
 
 Action = Literal["created", "updated", "deleted", "nothing"]
@@ -149,9 +150,9 @@ def spec(
         "fix": _first_line(primary.fix, MAX_FIX),
         "report": report,
         "versions": {
-            "sglang": _first_line(versions.sglang, MAX_VERSION) or None,
-            "torch": _first_line(versions.torch, MAX_VERSION) or None,
-            "mooncake": _first_line(versions.mooncake, MAX_VERSION) or None,
+            "sglang": version_value(versions.sglang) or None,
+            "torch": version_value(versions.torch) or None,
+            "mooncake": version_value(versions.mooncake) or None,
         },
         "firstSeen": first_seen if isinstance(first_seen, str) and first_seen else stamp,
         "lastSeen": stamp,
@@ -234,11 +235,22 @@ def _record(api: client.ApiClient, result: Result, subject: Target, now: dt.date
             )
             if existing is None:
                 custom.create_cluster_custom_object(
-                    GROUP, VERSION, PLURAL, dict(body), _request_timeout=REQUEST_TIMEOUT
+                    GROUP,
+                    VERSION,
+                    PLURAL,
+                    dict(body),
+                    field_manager=MANAGER,
+                    _request_timeout=REQUEST_TIMEOUT,
                 )
                 return Recorded(name, "created", identity)
             custom.replace_cluster_custom_object(
-                GROUP, VERSION, PLURAL, name, dict(body), _request_timeout=REQUEST_TIMEOUT
+                GROUP,
+                VERSION,
+                PLURAL,
+                name,
+                dict(body),
+                field_manager=MANAGER,
+                _request_timeout=REQUEST_TIMEOUT,
             )
             return Recorded(name, "updated", identity)
         except ApiException as exc:
