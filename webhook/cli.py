@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -196,25 +196,89 @@ def cmd_rules(args: argparse.Namespace) -> int:
 
 
 def cmd_scan(args: argparse.Namespace) -> int:
+    """`epguard scan`: exit 0/1 is the image's verdict; anything that stops the scan
+    (bad input, a spent budget, a failure of epguard itself) is exit 2 with one line,
+    never a traceback and never 1 ("an image cause")."""
     # Imported here: zstandard and the probe's modules are only the scan's business.
-    from webhook.scan import report, scanner
+    from webhook.scan import report
 
-    argv = list(args.argv or [])
-    if argv and argv[0] == "--":
-        argv = argv[1:]
+    # A name or config string that is not valid UTF-8 is printed escaped, not raised.
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
 
     def bad_input(error: str) -> int:
         out = report.bad_input(error, args.format)
         (sys.stdout if args.format != "text" else sys.stderr).write(out)
         return EXIT_ERROR
 
+    try:
+        return _scan(args, bad_input)
+    except RecursionError:
+        return bad_input("internal error: RecursionError (an input nested too deep for "
+                         "epguard; this is a bug in epguard, not a cause in the image)")
+    except MemoryError:
+        return bad_input("out of memory (an input over epguard's limits, or a machine with "
+                         "too little memory; not a cause in the image)")
+    except Exception as exc:  # the last line of defence: one line and exit 2
+        said = " ".join(str(exc).split())[:300]
+        return bad_input(f"internal error: {type(exc).__name__}: {said} (a bug in epguard, "
+                         "not a cause in the image)")
+
+
+def _deadline(seconds: float) -> Callable[[], None]:
+    """A hard stop behind the scan's own deadline checks: SIGALRM at ``seconds`` + 5
+    raises BudgetError wherever the scan is; 10 s later, if that was swallowed, the
+    process says so and exits 2. Returns the function that disarms it."""
+    import os
+    import signal
+
+    from webhook.scan.tarstream import BudgetError
+
+    if not hasattr(signal, "setitimer"):
+        return lambda: None
+    state = {"fired": False}
+
+    def fire(signum: int, frame: object) -> None:
+        if state["fired"]:
+            sys.stderr.write(f"epguard: cannot scan: the scan took more than {seconds:g} s: "
+                             "over the --timeout budget\n")
+            sys.stderr.flush()
+            os._exit(EXIT_ERROR)
+        state["fired"] = True
+        signal.setitimer(signal.ITIMER_REAL, 10)
+        raise BudgetError(f"the scan took more than {seconds:g} s: over the --timeout budget")
+
+    previous = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, seconds + 5)
+
+    def disarm() -> None:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+    return disarm
+
+
+def _scan(args: argparse.Namespace, bad_input: Callable[[str], int]) -> int:
+    from webhook.scan import report, scanner
+    from webhook.scan.tarstream import Budget, BudgetError
+
+    argv = list(args.argv or [])
+    if argv and argv[0] == "--":
+        argv = argv[1:]
     if args.record and not args.record_image:
         return bad_input("--record needs --image REF: the reference pods use for this image")
+    if args.timeout <= 0 or args.max_bytes <= 0:
+        return bad_input("--timeout and --max-bytes must be positive")
+    disarm = _deadline(args.timeout)
     try:
         result = scanner.scan(args.image, argv=argv or None, ref=args.ref,
-                              platform=args.platform)
-    except scanner.ScanError as exc:
+                              platform=args.platform,
+                              budget=Budget(args.max_bytes, args.timeout))
+    except (scanner.ScanError, BudgetError) as exc:
         return bad_input(str(exc))
+    finally:
+        disarm()
     subject = None
     if args.record:
         from webhook.scan import record
@@ -232,6 +296,18 @@ def cmd_scan(args: argparse.Namespace) -> int:
     if subject is None:
         return result.exit_code
     return _record_scan(result, subject, args.kubeconfig) or result.exit_code
+
+
+def _size(value: str) -> int:
+    """``64G``, ``512M``, ``1T`` or a plain number of bytes."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    v = value.strip().upper().removesuffix("IB").removesuffix("B")
+    try:
+        if v and v[-1] in units:
+            return int(float(v[:-1]) * units[v[-1]])
+        return int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {value!r} (e.g. 64G)") from None
 
 
 def _record_scan(result: Result, subject: Target, kubeconfig: str | None) -> int:
@@ -307,6 +383,11 @@ def parser() -> argparse.ArgumentParser:
                    "in it must be the scanned manifest's)")
     s.add_argument("--kubeconfig", help="with --record (default: in-cluster, $KUBECONFIG, "
                    "~/.kube/config)")
+    s.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="give up (exit 2) after this long (default 600)")
+    s.add_argument("--max-bytes", type=_size, default=64 << 30, metavar="SIZE",
+                   help="give up (exit 2) after reading this much decompressed tar from "
+                   "the layers: a decompression bomb's budget (default 64G)")
     s.add_argument("--argv", nargs=argparse.REMAINDER,
                    help="the worker's command line (default: the image's Entrypoint/Cmd, "
                    "else any SGLang launch with --elastic-ep-backend mooncake); put last")

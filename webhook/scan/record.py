@@ -109,6 +109,13 @@ def target(result: Result, image: str) -> Target:
             f"--record needs the image's manifest digest, and a {result.kind} has none (it "
             "is not the bytes a registry serves): scan the OCI archive or layout you push"
         )
+    if ref.digest and result.platform_digest \
+            and ref.digest.lower() == result.platform_digest.lower():
+        raise TargetError(
+            f"--image pins {ref.digest}, the {result.kind}'s platform manifest inside the "
+            f"image index {result.digest}: pods that pull the tag run, and the kubelet "
+            f"reports, the index digest; pin {result.digest}"
+        )
     if ref.digest and ref.digest.lower() != result.digest.lower():
         raise TargetError(
             f"--image pins {ref.digest}, but the scanned manifest is {result.digest}: "

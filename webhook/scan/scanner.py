@@ -19,7 +19,8 @@ from probe import cmdline, diagnosis, inventory, static
 from probe.cli import MAX_CONFIG_BYTES  # SGLang's --config, read as the probe reads it
 from webhook.scan import layers
 from webhook.scan.sources import Source, SourceError, open_source
-from webhook.scan.tree import Tree, TreeError
+from webhook.scan.tarstream import Budget, BudgetError
+from webhook.scan.tree import MAX_NOTE_CHARS, MAX_NOTES, Tree, TreeError
 
 # What the scan judges when neither --argv nor the image's own command asks for
 # mooncake: any SGLang launch with the flag (the image is meant for such workers).
@@ -27,6 +28,21 @@ ANY_LAUNCH = ("python3", "-m", "sglang.launch_server", "--elastic-ep-backend", "
 _ARCH = {"amd64": "x86_64", "arm64": "aarch64", "ppc64le": "powerpc64le", "s390x": "s390x"}
 _PY_RE = re.compile(r"^python3\.(\d+)$")
 _DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# Directories of PATH / LD_LIBRARY_PATH / PYTHONPATH searched: those that exist in the
+# image, each once, in order (what the search finds is unchanged: a directory that
+# is not there holds nothing), then at most 64 of them, with a note. A real image
+# names fewer than ten; an image config of 100,000 entries would make every library
+# lookup of the diagnosis walk all of them.
+MAX_SEARCH_DIRS = 64
+# Interpreter prefixes tried (a PATH entry's parent, then /usr/local, /usr, /opt/conda).
+MAX_PREFIXES = 32
+# What the report repeats of the command line, the versions and each cause: a 8 MiB
+# image config or a METADATA claiming a 1 MB version cannot make a huge report.
+MAX_ARGV_CHARS = 64 * 1024
+MAX_ARG_CHARS = 1024
+MAX_FIELD_CHARS = 4096
+MAX_VERSION_CHARS = 128
+MAX_LIBRARIES = 100
 
 
 class ScanError(Exception):
@@ -60,6 +76,8 @@ class Result:
     causes: list[Cause]
     gpu_only: list[str]
     notes: list[str] = field(default_factory=list)
+    # A multi-platform image: the platform's manifest inside the index (``digest``).
+    platform_digest: str | None = None
     layers: list[str] = field(default_factory=list)  # compression of each, bottom first
     entries: int = 0
     seconds: float = 0.0
@@ -69,16 +87,16 @@ class Result:
         return 1 if self.causes else 0
 
 
-def build_tree(source: Source) -> tuple[Tree, list[str]]:
-    tree = Tree()
+def build_tree(source: Source, budget: Budget | None = None) -> tuple[Tree, list[str]]:
+    tree = Tree(budget=budget) if budget is not None else Tree()
     kinds = []
     try:
         if source.rootfs is not None:
-            layers.walk_rootfs(tree, source.rootfs)
+            layers.walk_rootfs(tree, source.rootfs, tree.budget)
             kinds.append("directory")
         for layer in source.layers:
-            kinds.append(layers.apply_layer(tree, layer))
-    except (TreeError, SourceError) as exc:
+            kinds.append(layers.apply_layer(tree, layer, tree.budget))
+    except (TreeError, SourceError, BudgetError) as exc:
         raise ScanError(str(exc)) from None
     return tree, kinds
 
@@ -111,6 +129,34 @@ def _command(config: dict[str, Any]) -> list[str]:
     return argv
 
 
+def _dirs(value: str) -> list[str]:
+    """The absolute entries of a ``:`` list, each once, in order (linear)."""
+    seen: set[str] = set()
+    out = []
+    for d in value.split(":"):
+        if d.startswith("/") and d not in seen:
+            seen.add(d)
+            out.append(d)
+    return out
+
+
+def search_env(env: dict[str, str], tree: Tree) -> tuple[dict[str, str], list[str]]:
+    """``env`` as the diagnosis searches it: PATH and LD_LIBRARY_PATH reduced to the
+    directories that exist in the image, each once (what a search finds is the same),
+    at most MAX_SEARCH_DIRS of them; and notes on what was cut."""
+    out, notes = dict(env), []
+    for key in ("PATH", "LD_LIBRARY_PATH"):
+        if key not in env:
+            continue
+        dirs = [d for d in _dirs(env[key]) if tree.isdir(d)]
+        if len(dirs) > MAX_SEARCH_DIRS:
+            notes.append(f"{key} names {len(dirs)} directories of the image; the first "
+                         f"{MAX_SEARCH_DIRS} are searched")
+            dirs = dirs[:MAX_SEARCH_DIRS]
+        out[key] = ":".join(dirs)
+    return out, notes
+
+
 def python_site(tree: Tree, env: dict[str, str]) -> tuple[str | None, list[str]]:
     """The worker's Python (``3.N``) and its ``sys.path`` entries that hold packages.
 
@@ -119,16 +165,17 @@ def python_site(tree: Tree, env: dict[str, str]) -> tuple[str | None, list[str]]
     version chosen is the first whose site directory holds torch, SGLang or mooncake.
     """
     prefixes: list[str] = []
-    for d in env.get("PATH", _DEFAULT_PATH).split(":"):
-        if d.startswith("/"):
-            p = posixpath.dirname(posixpath.normpath(d))
-            if p not in prefixes:
-                prefixes.append(p)
-    for p in ("/usr/local", "/usr", "/opt/conda"):
-        if p not in prefixes:
+    seen: set[str] = set()
+    for d in [*_dirs(env.get("PATH", _DEFAULT_PATH)), "/usr/local/bin", "/usr/bin",
+              "/opt/conda/bin"]:
+        p = posixpath.dirname(posixpath.normpath(d))
+        if p not in seen:
+            seen.add(p)
             prefixes.append(p)
+    if len(prefixes) > MAX_PREFIXES:
+        prefixes = [*prefixes[:MAX_PREFIXES - 3], "/usr/local", "/usr", "/opt/conda"]
     candidates: list[tuple[str, str]] = []  # (version, dir)
-    for prefix in prefixes[:32]:
+    for prefix in prefixes:
         lib = posixpath.join(prefix, "lib")
         try:
             names = sorted(tree.listdir(lib))
@@ -153,7 +200,7 @@ def python_site(tree: Tree, env: dict[str, str]) -> tuple[str | None, list[str]]
     if version and tree.isdir(f"/usr/lib/python{version}") and tree.isdir(
             "/usr/lib/python3/dist-packages"):
         site.append("/usr/lib/python3/dist-packages")  # Debian's python3
-    extra = [p for p in env.get("PYTHONPATH", "").split(":") if p.startswith("/")]
+    extra = [p for p in _dirs(env.get("PYTHONPATH", "")) if tree.isdir(p)][:MAX_SEARCH_DIRS]
     return version, extra + site
 
 
@@ -163,14 +210,50 @@ def suffixes(version: str | None, config: dict[str, Any]) -> list[str]:
     return [f".cpython-{tag}-{arch}-linux-gnu.so", ".abi3.so", ".so"]
 
 
+def _cut(s: str, limit: int) -> str:
+    return s if len(s) <= limit else s[:limit - 1] + "…"
+
+
+def _shown_argv(argv: list[str]) -> tuple[list[str], str | None]:
+    """The command line as the report repeats it: each argument and the whole cut."""
+    out: list[str] = []
+    total = 0
+    for a in argv:
+        a = _cut(a, MAX_ARG_CHARS)
+        total += len(a)
+        if total > MAX_ARGV_CHARS:
+            return out, (f"the command line has {len(argv)} arguments; the report shows "
+                         f"the first {len(out)}")
+        out.append(a)
+    return out, None
+
+
+def cap_notes(notes: list[str]) -> list[str]:
+    """At most MAX_NOTES notes of MAX_NOTE_CHARS each, then one that counts the rest."""
+    kept = [_cut(n, MAX_NOTE_CHARS) for n in notes[:MAX_NOTES]]
+    if len(notes) > MAX_NOTES:
+        kept.append(f"{len(notes) - MAX_NOTES} more notes not shown")
+    return kept
+
+
 def scan(image: str, argv: list[str] | None = None, ref: str | None = None,
-         platform: str = "linux/amd64") -> Result:
+         platform: str = "linux/amd64", budget: Budget | None = None) -> Result:
+    """Judge ``image``; ScanError (exit 2) for bad input or a spent budget."""
     started = time.monotonic()
+    budget = budget or Budget()
     try:
-        source = open_source(image, ref, platform)
-    except SourceError as exc:
+        source = open_source(image, ref, platform, budget)
+    except (SourceError, BudgetError) as exc:
         raise ScanError(str(exc)) from None
-    tree, kinds = build_tree(source)
+    tree, kinds = build_tree(source, budget)
+    try:
+        return _judge(image, source, tree, kinds, argv, started)
+    except (TreeError, BudgetError) as exc:
+        raise ScanError(str(exc)) from None
+
+
+def _judge(image: str, source: Source, tree: Tree, kinds: list[str],
+           argv: list[str] | None, started: float) -> Result:
     env = _env(source.config)
     version, site = python_site(tree, env)
     release = inventory.dist_version("sglang", site, tree) if site else None
@@ -183,7 +266,8 @@ def scan(image: str, argv: list[str] | None = None, ref: str | None = None,
     if not request.requested and said != "--argv":
         chosen, said = list(ANY_LAUNCH), "any SGLang launch"
         request = cmdline.read(chosen, env=env, release=release)
-    notes = list(tree.notes)
+    tree.budget.check()
+    notes = tree.all_notes()
     causes: list[Cause] = []
     versions: dict[str, str] = {}
     gpu_only = list(static.GPU_ONLY)
@@ -196,21 +280,31 @@ def scan(image: str, argv: list[str] | None = None, ref: str | None = None,
                             "/opt/conda)", "install SGLang's Python environment in the image",
                             True, [], []))
     else:
-        img = static.Image(tree, site, suffixes(version, source.config), env,
+        searched, cut = search_env(env, tree)
+        notes += cut
+        img = static.Image(tree, site, suffixes(version, source.config), searched,
                            driver_mounted=True)
         facts = static.read(img, request)
+        tree.budget.check()
         notes += facts.notes
-        gpu_only = list(facts.gpu_only)
+        gpu_only = [_cut(g, MAX_FIELD_CHARS) for g in facts.gpu_only[:MAX_LIBRARIES]]
         if facts.outcome is not None:
-            versions = dict(diagnosis.versions(facts.outcome))
-        for f in facts.findings:
+            versions = {_cut(k, MAX_VERSION_CHARS): _cut(v, MAX_VERSION_CHARS)
+                        for k, v in list(dict(diagnosis.versions(facts.outcome)).items())[:16]}
+        for f in facts.findings[:MAX_LIBRARIES]:
             v = f.verdict
-            causes.append(Cause(f.module, v.classification, v.cause, v.fix, f.proven,
-                                list(v.missing_libraries), list(v.evidence)))
+            libs = [_cut(x, MAX_ARG_CHARS) for x in list(v.missing_libraries)[:MAX_LIBRARIES]]
+            evidence = [_cut(x, MAX_FIELD_CHARS) for x in list(v.evidence)[:MAX_LIBRARIES]]
+            causes.append(Cause(f.module, v.classification, _cut(v.cause, MAX_FIELD_CHARS),
+                                _cut(v.fix, MAX_FIELD_CHARS), f.proven, libs, evidence))
+    shown, cut_argv = _shown_argv(chosen)
+    if cut_argv:
+        notes.append(cut_argv)
     return Result(
         image=image, kind=source.kind, ref=source.ref, digest=source.digest,
-        config_digest=source.config_digest, argv=chosen,
-        argv_from=said, request=request.describe() if request.requested else "not requested",
+        config_digest=source.config_digest, argv=shown,
+        argv_from=said, request=_cut(request.describe(), MAX_FIELD_CHARS)
+        if request.requested else "not requested",
         python=version, site=site, versions=versions, causes=causes, gpu_only=gpu_only,
-        notes=notes, layers=kinds, entries=tree.entries,
-        seconds=round(time.monotonic() - started, 3))
+        notes=cap_notes(notes), layers=kinds, entries=tree.entries,
+        seconds=round(time.monotonic() - started, 3), platform_digest=source.platform_digest)

@@ -14,11 +14,12 @@ import hashlib
 import io
 import json
 import os
-import tarfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, cast
+
+from webhook.scan.tarstream import Budget, BudgetError, TarError, TarReader, unlimited
 
 # Index, manifest and config are a few KB; 8 MiB is room for configs with a long
 # history, not for a document built to exhaust memory.
@@ -27,6 +28,9 @@ MAX_DOCUMENT_BYTES = 8 << 20
 MAX_LAYERS = 500
 # Entries of the outer archive itself: blobs and a few documents.
 MAX_ARCHIVE_MEMBERS = 100_000
+# Their names (blobs/sha256/<64 hex>, <id>/layer.tar: under 100 bytes each): what the
+# member table may hold, so 100,000 names of 4 KB cannot take 400 MB.
+MAX_ARCHIVE_NAME_BYTES = 16 << 20
 # How deep an index may nest indexes (multi-platform images nest one level).
 MAX_INDEX_DEPTH = 4
 
@@ -62,7 +66,10 @@ class Source:
     kind: str  # "oci-layout" | "oci-archive" | "docker-archive" | "rootfs"
     path: str
     ref: str | None
-    digest: str | None  # manifest digest: the image's digest in a registry or containerd
+    # The digest pods pin and the kubelet reports: the manifest's, or for a
+    # multi-platform image the index's (a registry serves the index under the tag).
+    # None for a docker archive or a rootfs: they keep no manifest.
+    digest: str | None
     config: dict[str, Any]
     layers: list[Layer] = field(default_factory=list)
     rootfs: Path | None = None  # kind == "rootfs": the directory itself
@@ -70,6 +77,8 @@ class Source:
     # digest (imported with `ctr images import`), where pulled ones show the manifest's.
     config_digest: str | None = None
     close: Callable[[], None] = lambda: None
+    # A multi-platform image: the manifest of the platform read, inside the index.
+    platform_digest: str | None = None
 
 
 class _Range(io.RawIOBase):
@@ -129,7 +138,7 @@ def _check_digest(digest: str, data: bytes, what: str) -> None:
 class _Blobs:
     """Blob access by digest: a directory (OCI layout) or members of an archive."""
 
-    def __init__(self, path: str, members: dict[str, tarfile.TarInfo] | None) -> None:
+    def __init__(self, path: str, members: dict[str, tuple[int, int]] | None) -> None:
         self.path = path
         self.members = members
 
@@ -152,11 +161,12 @@ class _Blobs:
         m = self.members.get(name)
         if m is None:
             raise SourceError(f"{what}: {name} is not in the archive")
-        if m.size > MAX_DOCUMENT_BYTES:
-            raise SourceError(f"{what} is {m.size} bytes, over {MAX_DOCUMENT_BYTES}")
-        with _Range(self.path, m.offset_data, m.size) as f:
-            data = f.read(m.size)
-        if len(data) != m.size:
+        start, size = m
+        if size > MAX_DOCUMENT_BYTES:
+            raise SourceError(f"{what} is {size} bytes, over {MAX_DOCUMENT_BYTES}")
+        with _Range(self.path, start, size) as f:
+            data = f.read(size)
+        if len(data) != size:
             raise SourceError(f"{what}: the archive ends inside {name} (truncated)")
         return data
 
@@ -174,7 +184,7 @@ class _Blobs:
         m = self.members.get(name)
         if m is None:
             raise SourceError(f"{what}: {name} is not in the archive")
-        start, size = m.offset_data, m.size
+        start, size = m
         if start + size > os.path.getsize(self.path):
             raise SourceError(f"{what}: the archive ends inside {name} (truncated)")
         path = self.path
@@ -184,28 +194,44 @@ class _Blobs:
         return self.opener(self._blob_name(digest), what)
 
 
-def _archive_members(path: str) -> dict[str, tarfile.TarInfo]:
-    members: dict[str, tarfile.TarInfo] = {}
+def _archive_members(path: str, budget: Budget) -> dict[str, tuple[int, int]]:
+    """(offset, size) of each regular member, read with the scan's own tar reader
+    (``tarstream``: a hostile header cannot make it loop or read a huge name)."""
+    members: dict[str, tuple[int, int]] = {}
+    count = names = 0
     try:
-        with tarfile.open(path, "r:") as tar:
-            for m in tar:
-                if len(members) >= MAX_ARCHIVE_MEMBERS:
+        with open(path, "rb") as f:
+            reader = TarReader(f, budget, seekable=True, length=os.fstat(f.fileno()).st_size,
+                               what="the archive")
+            for m in reader:
+                count += 1
+                if count > MAX_ARCHIVE_MEMBERS:
                     raise SourceError(f"more than {MAX_ARCHIVE_MEMBERS} entries: not an image")
-                name = m.name.lstrip("./") if m.name.startswith("./") else m.name
-                if m.isreg():
-                    members[name] = m
-    except tarfile.ReadError as exc:
-        if "unexpected end" in str(exc):
-            raise SourceError(f"the archive is truncated ({exc})") from None
-        raise SourceError(f"not a tar archive ({exc})") from None
+                name = m.name[2:] if m.name.startswith("./") else m.name
+                if m.isreg() and not m.sparse:
+                    names += len(name) + 100
+                    if names > MAX_ARCHIVE_NAME_BYTES:
+                        raise SourceError(f"the archive's member names take more than "
+                                          f"{MAX_ARCHIVE_NAME_BYTES >> 20} MiB: not an image")
+                    members[name] = (m.offset_data, m.stored)
+    except TarError as exc:
+        said = str(exc)
+        if "truncated" in said:
+            raise SourceError(said) from None
+        raise SourceError(f"not a tar archive ({said})") from None
+    except BudgetError:
+        raise
     except (EOFError, OSError) as exc:
         raise SourceError(f"the archive is truncated or unreadable: {exc}") from None
+    if count == 0:
+        raise SourceError("not a tar archive (no member in it)")
     return members
 
 
 def _pick(index: Any, blobs: _Blobs, ref: str | None, platform: str, depth: int = 0
-          ) -> tuple[str, Any, str | None]:
-    """(manifest digest, manifest, ref name) chosen from an OCI index."""
+          ) -> tuple[str, Any, str | None, str]:
+    """(digest listed in ``index``, the platform manifest, ref name, that manifest's
+    digest) chosen from an OCI index."""
     if depth > MAX_INDEX_DEPTH:
         raise SourceError("indexes nested too deep")
     manifests = index.get("manifests") if isinstance(index, dict) else None
@@ -228,6 +254,10 @@ def _pick(index: Any, blobs: _Blobs, ref: str | None, platform: str, depth: int 
     else:
         chosen = [d for d, _ in named]
         plat = [d for d in chosen if _platform(d) in (platform, None)]
+        if not plat and depth > 0:
+            have = sorted({str(_platform(d)) for d in chosen})
+            raise SourceError(f"the image index has no {platform} image (it holds "
+                              f"{', '.join(have)[:400]}): name one with --platform")
         chosen = plat or chosen
         if len(chosen) > 1 and depth == 0 and not any(d.get("platform") for d in chosen):
             have = sorted({n for _, names in named for n in names})
@@ -239,9 +269,12 @@ def _pick(index: Any, blobs: _Blobs, ref: str | None, platform: str, depth: int 
     doc = _json(data, "manifest")
     media = doc.get("mediaType") or d.get("mediaType") if isinstance(doc, dict) else None
     if media in _INDEX_TYPES or (isinstance(doc, dict) and "manifests" in doc):
-        digest, manifest, name = _pick(doc, blobs, None, platform, depth + 1)
-        return digest, manifest, name or (names[0] if names else None)
-    return d["digest"], doc, names[0] if names else None
+        _, manifest, name, inner = _pick(doc, blobs, None, platform, depth + 1)
+        # The image's digest is this descriptor's, the index's: the one a registry
+        # serves under the tag, pods pin, and the kubelet reports as imageID. The
+        # platform manifest inside is kept beside it.
+        return d["digest"], manifest, name or (names[0] if names else None), inner
+    return d["digest"], doc, names[0] if names else None, d["digest"]
 
 
 def _platform(d: dict[str, Any]) -> str | None:
@@ -284,10 +317,11 @@ def _oci(path: str, blobs: _Blobs, kind: str, ref: str | None, platform: str) ->
     if not isinstance(layout, dict) or "imageLayoutVersion" not in layout:
         raise SourceError("oci-layout has no imageLayoutVersion")
     index = _json(blobs.read_name("index.json", "index.json"), "index.json")
-    digest, manifest, name = _pick(index, blobs, ref, platform)
+    digest, manifest, name, inner = _pick(index, blobs, ref, platform)
     config = _config(manifest, blobs)
     return Source(kind, path, name, digest, config, _layers_from_manifest(manifest, blobs),
-                  config_digest=_obj(_obj(manifest).get("config")).get("digest"))
+                  config_digest=_obj(_obj(manifest).get("config")).get("digest"),
+                  platform_digest=inner if inner != digest else None)
 
 
 def _docker(path: str, blobs: _Blobs, ref: str | None) -> Source:
@@ -325,15 +359,22 @@ def _docker(path: str, blobs: _Blobs, ref: str | None) -> Source:
         layers.append(Layer(i, name, "", blobs.opener(name, f"layer {i}"), seekable=True,
                             expect=expect))
     tags = [t for t in e.get("RepoTags") or [] if isinstance(t, str)]
-    # `docker save` keeps no manifest: the config digest is the image ID docker shows.
-    image_id = "sha256:" + hashlib.sha256(json.dumps(config).encode()).hexdigest()
-    cfg_digest = config_name.rsplit("/", 1)[-1].removesuffix(".json")
-    digest = f"sha256:{cfg_digest}" if len(cfg_digest) == 64 else image_id
-    return Source("docker-archive", path, tags[0] if tags else None, digest, config, layers,
-                  config_digest="sha256:" + hashlib.sha256(config_bytes).hexdigest())
+    # `docker save` keeps no manifest, so there is no digest a registry would serve or
+    # a pod could pin (None: `--record` refuses it). The config's sha256 is the image
+    # ID docker shows; the file is named after it, and a name that says otherwise is
+    # a forgery (it would let the report name any digest).
+    image_id = "sha256:" + hashlib.sha256(config_bytes).hexdigest()
+    named = config_name.rsplit("/", 1)[-1].removesuffix(".json")
+    if len(named) == 64 and all(c in "0123456789abcdef" for c in named) \
+            and f"sha256:{named}" != image_id:
+        raise SourceError(f"image config: {config_name[:200]} is named after sha256:{named} "
+                          f"but its content is {image_id}")
+    return Source("docker-archive", path, tags[0] if tags else None, None, config, layers,
+                  config_digest=image_id)
 
 
-def open_source(path: str, ref: str | None = None, platform: str = "linux/amd64") -> Source:
+def open_source(path: str, ref: str | None = None, platform: str = "linux/amd64",
+                budget: Budget | None = None) -> Source:
     """The image at ``path``; SourceError with the reason when it is not one."""
     p = Path(path)
     if p.is_dir():
@@ -354,7 +395,7 @@ def open_source(path: str, ref: str | None = None, platform: str = "linux/amd64"
     if magic[:2] == b"\x1f\x8b" or magic == b"\x28\xb5\x2f\xfd":
         raise SourceError(f"{path} is a compressed file; decompress the archive first "
                           "(its layers may stay compressed)")
-    members = _archive_members(path)
+    members = _archive_members(path, budget or unlimited())
     blobs = _Blobs(path, members)
     if "oci-layout" in members and "index.json" in members:
         return _oci(path, blobs, "oci-archive", ref, platform)

@@ -18,16 +18,26 @@ from __future__ import annotations
 import io
 import posixpath
 import re
-import tarfile
+import struct
+import sys
+from collections import deque
 from dataclasses import dataclass, field
-from typing import IO, Any, cast
+from typing import IO, Any, Protocol
 
 from probe import elf, engine, files
+from webhook.scan.tarstream import Budget, unlimited
 
 # Limits on what one archive may make us hold, with the reason for each.
-# 2 million entries: ten times the largest SGLang images seen (~2e5 files), ~400 MB.
-MAX_ENTRIES = 2_000_000
-# PATH_MAX on Linux; a longer name cannot exist in a running container.
+# 1 million entries: five times the largest SGLang images seen (~2e5 files).
+MAX_ENTRIES = 1_000_000
+# What the tree itself may hold: every entry is charged its node (measured: ~200
+# bytes, a directory ~260), its name and its link target, and the charge is never
+# given back (an entry deleted by a whiteout and made again is charged twice). A real
+# worker image (48,000 entries) takes ~15 MB; 256 MiB is room for ~900,000 entries of
+# ordinary names, and what 200,000 names of 4,000 bytes would take is refused.
+MAX_TREE_BYTES = 256 << 20
+ENTRY_BYTES = 256
+# PATH_MAX on Linux; a longer name or link target cannot exist in a running container.
 MAX_PATH = 4096
 # What the kernel follows before ELOOP.
 MAX_SYMLINKS = 40
@@ -38,8 +48,19 @@ MAX_KEPT_BYTES = 128 << 20
 WHOLE_ELF_BYTES = 32 << 20
 # The window: the headers and, for ordinary libraries, the dynamic string table.
 ELF_PREFIX_BYTES = 4 << 20
-TEXT_BYTES = 1 << 20
+# A text the diagnosis reads: the probe's own limit (probe/files.py), so that the scan
+# and the probe read the same first bytes of a loader, a METADATA or a source, and
+# agree on what an oversized one says.
+TEXT_BYTES = files.MAX_TEXT_BYTES
 CHUNK = 1 << 20
+# Notes (what could not be read): the first 100, each cut to 1,000 characters, then one
+# line that counts the rest; 200,000 unreadable files cannot make a 216 MB report.
+MAX_NOTES = 100
+MAX_NOTE_CHARS = 1000
+# Nodes visited to apply whiteouts and to resolve paths, over the whole scan: ~50x
+# what a real image needs; the deadline is checked every CHECK_EVERY of them.
+MAX_VISITS = 50_000_000
+CHECK_EVERY = 1 << 16
 
 OPAQUE = ".wh..wh..opq"
 WHITEOUT = ".wh."
@@ -54,6 +75,19 @@ _TORCH_TREES = ("/torch/", "/nvidia/", "/triton/")
 
 class TreeError(Exception):
     """The layers are not a file tree we will read (too many entries, a bad name)."""
+
+
+class Member(Protocol):
+    """A layer entry: ``tarstream.Entry`` (or ``tarfile.TarInfo``, in tests)."""
+
+    name: str
+    size: int
+    linkname: str
+
+    def isreg(self) -> bool: ...
+    def isdir(self) -> bool: ...
+    def issym(self) -> bool: ...
+    def islnk(self) -> bool: ...
 
 
 @dataclass(slots=True)
@@ -104,14 +138,29 @@ def wanted(path: str) -> Kept | None:
     return None
 
 
+class _Bytes(io.BytesIO):
+    """A file read whole, as the ELF reader sees it: a read or a seek past its end is
+    cut at the end (a DT_STRSZ of 2^64-1 reads what there is, never overflows)."""
+
+    def read(self, size: int | None = -1) -> bytes:
+        n = len(self.getbuffer())
+        return super().read(n if size is None or size < 0 or size > n else size)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return super().seek(max(0, min(offset, len(self.getbuffer()) + 1)), whence)
+
+
 class _Window(io.RawIOBase):
     """A forward-only stream seen as a seekable file: the first ``prefix`` bytes are
     kept, later ones can be reached only by reading on. ELF headers, the program
     headers and (for most libraries) the string table sit in the prefix; the dynamic
-    section and (for auditwheel-patched ones) the string table lie further on."""
+    section and (for auditwheel-patched ones) the string table lie further on. A read
+    past the prefix returns at most ``prefix`` bytes, and the stream (the member's
+    contents) ends where the member does."""
 
     def __init__(self, stream: IO[bytes], prefix: int) -> None:
         self._stream = stream
+        self._limit = prefix
         self._head = stream.read(prefix)
         self._at = len(self._head)  # how far the stream has been read
         self._pos = 0
@@ -123,7 +172,7 @@ class _Window(io.RawIOBase):
         return True
 
     def seek(self, offset: int, whence: int = 0) -> int:
-        if whence != 0:
+        if whence != 0 or offset < 0:
             raise OSError("only absolute seeks")
         self._pos = offset
         return offset
@@ -131,9 +180,10 @@ class _Window(io.RawIOBase):
     def tell(self) -> int:
         return self._pos
 
-    def read(self, size: int = -1) -> bytes:
-        if size < 0:
+    def read(self, size: int | None = -1) -> bytes:
+        if size is None or size < 0:
             raise OSError("unbounded read")
+        size = min(size, self._limit)
         end = self._pos + size
         if end <= len(self._head):
             data = self._head[self._pos:end]
@@ -163,6 +213,11 @@ def _normal(name: str) -> str | None:
     return "/" + "/".join(parts)
 
 
+def _str_bytes(s: str) -> int:
+    """What a str of ``s`` costs: one byte a character if ASCII, up to four if not."""
+    return 49 + (len(s) if s.isascii() else 4 * len(s))
+
+
 @dataclass
 class Tree:
     """The merged tree; also the probe's ``files`` interface over it."""
@@ -170,7 +225,45 @@ class Tree:
     root: Node = field(default_factory=lambda: Node("d", -1, children={}))
     entries: int = 0
     kept_bytes: int = 0
+    tree_bytes: int = 0  # what the nodes, names and link targets are charged
     notes: list[str] = field(default_factory=list)
+    dropped_notes: int = 0
+    budget: Budget = field(default_factory=unlimited)
+    visits: int = 0
+    _cache: dict[tuple[str, bool], tuple[str, Node] | None] = field(default_factory=dict)
+
+    # --- limits -----------------------------------------------------------------------
+
+    def note(self, text: str) -> None:
+        """Say what could not be read; past MAX_NOTES, only count it."""
+        if len(self.notes) >= MAX_NOTES:
+            self.dropped_notes += 1
+            return
+        self.notes.append(text if len(text) <= MAX_NOTE_CHARS
+                          else text[:MAX_NOTE_CHARS - 1] + "…")
+
+    def all_notes(self) -> list[str]:
+        more = [f"{self.dropped_notes} more notes not shown"] if self.dropped_notes else []
+        return self.notes + more
+
+    def _charge(self, name: str, link: str | None = None, directory: bool = False) -> None:
+        n = ENTRY_BYTES + (64 if directory else 0) + _str_bytes(name)
+        if link:
+            n += _str_bytes(link)
+        self.tree_bytes += n
+        if self.tree_bytes > MAX_TREE_BYTES:
+            raise TreeError(f"the entries' names, link targets and nodes take more than "
+                            f"{MAX_TREE_BYTES >> 20} MiB (after {self.entries} entries): "
+                            "not an image we will read")
+
+    def _visit(self, n: int = 1) -> None:
+        before = self.visits
+        self.visits += n
+        if self.visits > MAX_VISITS:
+            raise TreeError(f"more than {MAX_VISITS} nodes visited to merge layers and "
+                            "resolve paths: not an image we will read")
+        if before // CHECK_EVERY != self.visits // CHECK_EVERY:
+            self.budget.check()
 
     # --- building ---------------------------------------------------------------------
 
@@ -180,6 +273,7 @@ class Tree:
             assert node.children is not None
             child = node.children.get(part)
             if child is None or child.kind != "d":
+                self._charge(part, directory=True)
                 child = Node("d", layer, children={})
                 node.children[part] = child
                 self._count()
@@ -191,10 +285,14 @@ class Tree:
         if self.entries > MAX_ENTRIES:
             raise TreeError(f"more than {MAX_ENTRIES} entries: not an image we will read")
 
-    def apply(self, member: tarfile.TarInfo, data: IO[bytes] | None, layer: int) -> None:
+    def apply(self, member: Member, data: IO[bytes] | None, layer: int) -> None:
         """Apply one layer entry; ``data`` reads the file's contents (regular files)."""
+        if self._cache:
+            self._cache.clear()
         if len(member.name) > MAX_PATH:
             raise TreeError(f"an entry name longer than {MAX_PATH} bytes in layer {layer}")
+        if len(member.linkname) > MAX_PATH:
+            raise TreeError(f"a link target longer than {MAX_PATH} bytes in layer {layer}")
         path = _normal(member.name)
         if path is None:
             raise TreeError(f"entry {member.name[:200]!r} in layer {layer} leaves the root")
@@ -204,7 +302,7 @@ class Tree:
         parent = self._dir(parent_path, layer)
         assert parent.children is not None
         if base == OPAQUE:
-            _hide_lower(parent, layer)
+            self._hide_lower(parent, layer)
             return
         if base.startswith(WHITEOUT):
             # A whiteout deletes what *lower* layers made; entries of its own layer stay,
@@ -213,8 +311,8 @@ class Tree:
             gone = parent.children.get(name)
             if gone is None:
                 return
-            if gone.kind == "d" and (gone.layer >= layer or _has_layer(gone, layer)):
-                _hide_lower(gone, layer)
+            if gone.kind == "d" and (gone.layer >= layer or self._has_layer(gone, layer)):
+                self._hide_lower(gone, layer)
             elif gone.layer < layer:
                 del parent.children[name]
             return
@@ -223,10 +321,13 @@ class Tree:
             if old is not None and old.kind == "d":
                 old.layer = layer
                 return
+            self._charge(base, directory=True)
             parent.children[base] = Node("d", layer, children={})
         elif member.issym():
+            self._charge(base, member.linkname)
             parent.children[base] = Node("l", layer, link=member.linkname)
         elif member.islnk():
+            self._charge(base)
             target = _normal(member.linkname)
             src = self._lookup(target, follow=False) if target else None
             if src is None or src.kind != "f":
@@ -235,12 +336,16 @@ class Tree:
                 parent.children[base] = Node("f", layer, size=src.size, text=src.text,
                                              dynamic=src.dynamic, strings=src.strings)
         elif member.isreg():
+            self._charge(base)
             node = Node("f", layer, size=member.size)
             kept = wanted(path)
             if kept is not None and data is not None:
                 self._keep(node, path, kept, data)
+            elif kept is not None and getattr(member, "sparse", False):
+                self.note(f"{path}: a sparse file in the layer; its contents are not read")
             parent.children[base] = node
         else:
+            self._charge(base)
             parent.children[base] = Node("o", layer)
         if old is None:
             self._count()
@@ -248,34 +353,78 @@ class Tree:
     def _keep(self, node: Node, path: str, kept: Kept, data: IO[bytes]) -> None:
         if kept.text:
             if node.size > TEXT_BYTES:
-                self.notes.append(f"{path}: {node.size} bytes, over the {TEXT_BYTES} read")
-                return
-            raw = data.read(TEXT_BYTES)
-            if not self._budget(len(raw), path):
-                return
-            node.text = raw.decode("utf-8", "replace")
+                # The probe reads the first TEXT_BYTES of any file (probe/files.py): so
+                # does the scan, and both judge the same bytes.
+                self.note(f"{path}: {node.size} bytes; only the first {TEXT_BYTES} read, "
+                          "as the probe reads it")
+            text = data.read(TEXT_BYTES).decode("utf-8", "replace")
+            if self._budget(sys.getsizeof(text), path):
+                node.text = text
             return
-        if node.size <= WHOLE_ELF_BYTES:
-            raw = data.read(WHOLE_ELF_BYTES)
-            node.dynamic = elf.read_dynamic_file(io.BytesIO(raw), path)
-            if kept.strings:
-                names = frozenset(files.identifier_strings(raw))
-                if self._budget(sum(len(n) + 50 for n in names), path):
-                    node.strings = names
-        else:
-            node.dynamic = elf.read_dynamic_file(_Window(data, ELF_PREFIX_BYTES), path)
-            if node.dynamic is None:
-                self.notes.append(f"{path}: dynamic section not readable in one pass")
+        try:
+            if node.size <= WHOLE_ELF_BYTES:
+                raw = data.read(WHOLE_ELF_BYTES)
+                node.dynamic = elf.read_dynamic_file(_Bytes(raw), path)
+                if kept.strings:
+                    names = frozenset(files.identifier_strings(raw))
+                    if self._budget(sum(len(n) + 90 for n in names), path):
+                        node.strings = names
+            else:
+                node.dynamic = elf.read_dynamic_file(_Window(data, ELF_PREFIX_BYTES), path)
+                if node.dynamic is None:
+                    self.note(f"{path}: dynamic section not readable in one pass")
+        except (OverflowError, MemoryError, IndexError, KeyError, TypeError, ValueError,
+                UnicodeError, struct.error) as exc:
+            # The probe's ELF reader gave up on this file in a way it does not expect:
+            # bad input, said as such (exit 2), never a traceback or a guess.
+            raise TreeError(f"{path}: its ELF headers cannot be read "
+                            f"({type(exc).__name__}: {str(exc)[:200]})") from None
         if node.dynamic is not None:
             d = node.dynamic
-            self._budget(sum(len(s) + 50 for s in d.needed + d.rpath + d.runpath), path)
+            if not self._budget(sum(len(s) + 50 for s in d.needed + d.rpath + d.runpath),
+                                path):
+                node.dynamic = None
 
     def _budget(self, n: int, path: str) -> bool:
         if self.kept_bytes + n > MAX_KEPT_BYTES:
-            self.notes.append(f"{path}: not read, over the {MAX_KEPT_BYTES >> 20} MiB kept")
+            self.note(f"{path}: not read, over the {MAX_KEPT_BYTES >> 20} MiB kept")
             return False
         self.kept_bytes += n
         return True
+
+    def _hide_lower(self, directory: Node, layer: int) -> None:
+        """An opaque whiteout: what lower layers put in ``directory`` is gone; what this
+        layer already added (tar order is free) stays. Iterative: a directory 2,000
+        levels deep costs no recursion."""
+        todo = [directory]
+        while todo:
+            d = todo.pop()
+            assert d.children is not None
+            self._visit(len(d.children) + 1)
+            for name, child in list(d.children.items()):
+                if child.layer >= layer:
+                    if child.kind == "d" and child.children is not None:
+                        todo.append(child)
+                    continue
+                if child.kind == "d" and child.children and self._has_layer(child, layer):
+                    child.layer = layer
+                    todo.append(child)
+                else:
+                    del d.children[name]
+
+    def _has_layer(self, node: Node, layer: int) -> bool:
+        """Whether anything under ``node`` comes from ``layer`` or above (iterative)."""
+        todo = [node]
+        while todo:
+            n = todo.pop()
+            children = n.children or {}
+            self._visit(len(children) + 1)
+            for child in children.values():
+                if child.layer >= layer:
+                    return True
+                if child.kind == "d":
+                    todo.append(child)
+        return False
 
     # --- lookups ----------------------------------------------------------------------
 
@@ -285,19 +434,33 @@ class Tree:
 
     def _resolve(self, path: str, follow: bool) -> tuple[str, Node] | None:
         """(canonical path, node) of ``path``, symlinks followed inside the image root
-        (an absolute link target is the image's path, never this machine's)."""
+        (an absolute link target is the image's path, never this machine's). Linear in
+        the components met (at most MAX_SYMLINKS targets of MAX_PATH bytes each), and
+        remembered: the diagnosis asks for the same paths many times."""
+        key = (path, follow)
+        if key in self._cache:
+            return self._cache[key]
+        found = self._walk_path(path, follow)
+        if len(self._cache) < 100_000:
+            self._cache[key] = found
+        return found
+
+    def _walk_path(self, path: str, follow: bool) -> tuple[str, Node] | None:
         hops = 0
-        todo = [p for p in path.split("/") if p]
-        node, parts = self.root, cast(list[str], [])
+        todo = deque(p for p in path.split("/") if p)
+        nodes: list[Node] = [self.root]
+        parts: list[str] = []
         while todo:
-            part = todo.pop(0)
+            self._visit()
+            part = todo.popleft()
             if part == ".":
                 continue
             if part == "..":
                 if parts:
                     parts.pop()
-                node = self._walk(parts)
+                    nodes.pop()
                 continue
+            node = nodes[-1]
             if node.kind != "d" or node.children is None:
                 return None
             child = node.children.get(part)
@@ -309,20 +472,12 @@ class Tree:
                     return None
                 target = child.link or ""
                 if target.startswith("/"):
-                    parts = []
-                todo = [p for p in target.split("/") if p] + todo
-                node = self._walk(parts)
+                    nodes, parts = [self.root], []
+                todo.extendleft(reversed([p for p in target.split("/") if p]))
                 continue
             parts.append(part)
-            node = child
-        return "/" + "/".join(parts), node
-
-    def _walk(self, parts: list[str]) -> Node:
-        node = self.root
-        for p in parts:
-            assert node.children is not None
-            node = node.children[p]
-        return node
+            nodes.append(child)
+        return "/" + "/".join(parts), nodes[-1]
 
     def listdir(self, path: str) -> list[str]:
         node = self._lookup(path)
@@ -360,26 +515,3 @@ class Tree:
     def glob(self, pattern: str) -> list[str]:
         result: list[str] = files.glob_with(self, pattern)
         return result
-
-
-def _hide_lower(directory: Node, layer: int) -> None:
-    """An opaque whiteout: what lower layers put in ``directory`` is gone; what this
-    layer already added (tar order is free) stays."""
-    assert directory.children is not None
-    for name, child in list(directory.children.items()):
-        if child.layer >= layer:
-            if child.kind == "d" and child.children is not None:
-                _hide_lower(child, layer)
-            continue
-        if child.kind == "d" and child.children and _has_layer(child, layer):
-            child.layer = layer
-            _hide_lower(child, layer)
-        else:
-            del directory.children[name]
-
-
-def _has_layer(node: Node, layer: int) -> bool:
-    for child in (node.children or {}).values():
-        if child.layer >= layer or (child.kind == "d" and _has_layer(child, layer)):
-            return True
-    return False
