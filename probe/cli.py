@@ -62,7 +62,8 @@ def read_config(path):
 def read_request(worker):
     """The one reader (cmdline.py), with the option table of the SGLang in this image."""
     version = _sibling("inventory").dist_version("sglang")
-    return cmdline.read(worker, env=os.environ, release=version or None,
+    # The worker's argv is read as its own shell would, with the worker's variables.
+    return cmdline.read(worker, env=sandbox.worker_environment(), release=version or None,
                         read_config=read_config)
 
 
@@ -146,28 +147,34 @@ def _plan(req, level, timeout, modules):
             "alternates": alternates, "level": level, "timeout": timeout}
 
 
-def live_image():
+def live_image(environ=None):
     """This pod's root as static.py reads it: the child's sys.path (PYTHONPATH is kept
     for the child, while this interpreter may run with -I), without the probe's own
-    directory."""
+    directory; in the image's own environment unless ``environ`` is given."""
     static = _sibling("static")
     files = _sibling("files")
+    environ = sandbox.image_environment() if environ is None else environ
     here = os.path.dirname(os.path.abspath(__file__))
-    env_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env_path = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     path = env_path + [p for p in sys.path if p and os.path.abspath(p) != here]
     return static.Image(files.LIVE, path, importlib.machinery.EXTENSION_SUFFIXES,
-                        os.environ, driver_mounted=False)
+                        environ, driver_mounted=False)
 
 
-def check(opts, req_argv):
-    """The outcome of the checks, and the verdict when the files alone decided it."""
+def check(opts, req_argv, environ=None, executable=None):
+    """The outcome of the checks, and the verdict when the files alone decided it.
+
+    By default in the image's own environment, with the image's interpreter; with
+    ``environ`` (the worker's) the child runs there, with ``executable``, and the files
+    are consulted only when that is this interpreter (whose sys.path they are read for)."""
     # Start the child first: it spends a second or more importing torch, while the
     # inventory and SGLang's sources are read here. When the image's files prove a
     # cause, the child is stopped long before torch is in memory.
-    child = sandbox.Child(opts.timeout)
-    if not opts.no_static:
+    child = sandbox.Child(opts.timeout, environ, executable)
+    same_interpreter = executable is None or executable == sys.executable
+    if not opts.no_static and same_interpreter:
         static = _sibling("static")
-        facts = static.read(live_image(), req_argv)
+        facts = static.read(live_image(environ), req_argv)
         found = static.first_proven(facts)
         if found is not None:
             child.stop()
@@ -211,7 +218,7 @@ def check(opts, req_argv):
             pending = pending[pending.index(mod) + 1:]
             if not pending:
                 break
-            child = sandbox.Child(opts.timeout)
+            child = sandbox.Child(opts.timeout, environ, executable)
             continue
         if mod:
             o.alternates[mod] = False
@@ -221,6 +228,49 @@ def check(opts, req_argv):
             o.smoke.append(dict(rec, backend=step))
         break
     return o, None
+
+
+def _judged(opts, req_argv, environ=None):
+    """(outcome, verdict, decided from files) in the image's environment, or in
+    ``environ`` with the interpreter its PATH finds."""
+    executable = sandbox.interpreter_for(environ) if environ is not None else None
+    o, v = check(opts, req_argv, environ, executable)
+    if v is not None:
+        return o, v, True
+    return o, _sibling("diagnosis").diagnose(o), False
+
+
+def _with_pod_environment(o, v, evidence, o_w, v_w, names):
+    """The image's verdict ``v`` (its own environment) and the worker's ``v_w`` (the pod's
+    variables restored) as one: a failure about the image stands only when the image
+    fails in its own environment; a failure only the pod's variables cause is this pod's
+    (environment scope), and a pass only they bring is not a fact about the image.
+    Returns (outcome, verdict, evidence, usable only in this pod)."""
+    usable = _sibling("diagnosis").USABLE
+    image_cause = v.verdict != usable and v.scope == message.IMAGE
+    if v.verdict == usable and v_w.verdict == usable:
+        evidence.insert(min(2, len(evidence)), "environment: usable in the image's own "
+                        "environment and with the pod's variables ({})".format(names))
+        return o, v, evidence, False
+    if v_w.verdict == usable:
+        ev = list(v_w.evidence)
+        ev.insert(min(1, len(ev)), "environment: usable only with the pod's variables "
+                  "({}); the image's own environment fails: {}".format(names, v.cause))
+        return o_w, v_w, ev, True
+    if image_cause:
+        evidence.insert(min(2, len(evidence)), "environment: decided in the image's own "
+                        "environment, without the pod's variables ({}); with them it fails "
+                        "too".format(names))
+        return o, v, evidence, False
+    # The image's own environment has no image cause: whatever fails is this pod's (the
+    # worker run's own scope line, which may say "image", is replaced by this one).
+    v_w.scope = message.ENVIRONMENT
+    ev = [e for e in v_w.evidence if not e.startswith(message.SCOPE)]
+    ev.insert(min(1, len(ev)), "{}environment (fails with the pod's variables: {}; in the "
+              "image's own environment: {})".format(
+                  message.SCOPE, names,
+                  "usable" if v.verdict == usable else v.cause))
+    return o_w, v_w, ev, False
 
 
 def _crash_site(tail):
@@ -277,11 +327,8 @@ def _run(opts, worker):
             sys.stdout.write(json.dumps(doc, indent=2) + "\n")
         return 0
 
-    o, v = check(opts, req_argv)
     diagnosis = _sibling("diagnosis")
-    from_files = v is not None
-    if v is None:
-        v = diagnosis.diagnose(o)
+    o, v, from_files = _judged(opts, req_argv)
     evidence = list(v.evidence)
     if from_files:
         evidence.insert(min(2, len(evidence)), "decided from the image's files, before "
@@ -290,11 +337,17 @@ def _run(opts, worker):
         site = _crash_site(o.output_tail)
         if site:
             evidence.insert(1, "crash site: " + site)
+    pod_vars = sandbox.pod_variables()
+    usable_here = False
+    if pod_vars:
+        o_w, v_w, _ = _judged(opts, req_argv, sandbox.worker_environment())
+        o, v, evidence, usable_here = _with_pod_environment(
+            o, v, evidence, o_w, v_w, sandbox.said_names(pod_vars))
     if v.verdict == diagnosis.USABLE:
-        head = message.USABLE
+        head = message.USABLE_HERE if usable_here else message.USABLE
     else:
         head = message.UNUSABLE if v.scope == message.IMAGE else message.UNUSABLE_HERE
-    dropped = sandbox.interpreter_variables()
+    dropped = sandbox.interpreter_variables(sandbox.worker_environment())
     if dropped:
         # Early in the message: evidence is dropped from the end when space is short.
         said = ("environment: checked without {} (interpreter settings copied from the "
@@ -307,7 +360,9 @@ def _run(opts, worker):
     if opts.json:
         doc = message.report(
             v.verdict, o.requirement.modules, v.checks, v.versions, v.cause, v.fix,
-            classification=v.classification, scope=v.scope, checked_without=dropped,
+            classification=v.classification,
+            scope=message.ENVIRONMENT if usable_here else v.scope,
+            checked_without=dropped, pod_variables=pod_vars,
             decided_from="files" if from_files else "import",
             missing_libraries=v.missing_libraries,
             request={"backend": req_argv.backend, "where": req_argv.where,

@@ -19,6 +19,9 @@ UNUSABLE_HERE = PREFIX + "mooncake elastic EP is unusable in this pod: "
 SCOPE = "scope: "
 IMAGE, ENVIRONMENT = "image", "environment"
 USABLE = PREFIX + "mooncake elastic EP is usable: "
+# Usable only with the pod's own variables (the image's environment fails): this pod
+# starts, but it is no verdict about the image (webhook/outcome.py learns nothing).
+USABLE_HERE = PREFIX + "mooncake elastic EP is usable in this pod: "
 NOTHING = PREFIX + "nothing to check: "
 
 # Values shorter than this are words like "1", "true", "cuda" that occur everywhere;

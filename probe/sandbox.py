@@ -30,6 +30,61 @@ _DROP = frozenset({"TORCH_LOGS", "TORCH_COMPILE_DEBUG", "TORCHDYNAMO_VERBOSE",
                    "TORCH_SHOW_CPP_STACKTRACES", "TORCH_DISABLE_ADDR2LINE"})
 
 
+# The pod's own variables reach the probe under this prefix (webhook/injection.py renames
+# every ``env`` entry and prefixes every ``envFrom``), so the probe, its interpreter
+# (``python3`` through the image's own PATH) and its verdict about the image depend only
+# on the image. The worker's environment is the image's with these restored.
+POD_PREFIX = "EPGUARD_POD_"
+# How many of the pod's variable names a message lists before "and N more".
+MAX_NAMES_SAID = 12
+
+
+def image_environment(environ=None):
+    """The environment the image itself gives (and the node: the device plugin's
+    variables), without anything the pod set."""
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in environ.items() if not k.startswith(POD_PREFIX)}
+
+
+def worker_environment(environ=None):
+    """The worker container's environment: the image's, then the pod's variables (the
+    kubelet already resolved env over envFrom among the prefixed names)."""
+    environ = os.environ if environ is None else environ
+    out = image_environment(environ)
+    for k, v in environ.items():
+        if k.startswith(POD_PREFIX) and len(k) > len(POD_PREFIX):
+            out[k[len(POD_PREFIX):]] = v
+    return out
+
+
+def pod_variables(environ=None):
+    """The names the pod set (env and envFrom), sorted."""
+    environ = os.environ if environ is None else environ
+    return sorted(k[len(POD_PREFIX):] for k in environ
+                  if k.startswith(POD_PREFIX) and len(k) > len(POD_PREFIX))
+
+
+def said_names(names):
+    """Names for a message: the first MAX_NAMES_SAID, then how many more."""
+    names = list(names)
+    head = ", ".join(names[:MAX_NAMES_SAID])
+    more = len(names) - MAX_NAMES_SAID
+    return head + (" and {} more".format(more) if more > 0 else "")
+
+
+def interpreter_for(environ):
+    """The ``python3`` the worker's PATH finds: this interpreter (the one the image's PATH
+    found) unless the pod set another PATH, and then the first ``python3`` on it."""
+    path = environ.get("PATH")
+    if path is None or path == image_environment().get("PATH") or len(path) > 64 * 1024:
+        return sys.executable
+    for entry in path.split(os.pathsep)[:256]:
+        candidate = os.path.join(entry or ".", "python3")
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    return sys.executable
+
+
 def interpreter_variables(environ=None):
     """The names in ``environ`` the child runs without, sorted."""
     environ = os.environ if environ is None else environ
@@ -68,19 +123,22 @@ class Run:
 class Child:
     """A started child; ``send_plan`` then ``collect``."""
 
-    def __init__(self, timeout):
+    def __init__(self, timeout, environ=None, executable=None):
+        """``environ``: the environment to check in (default: the image's own);
+        ``executable``: the interpreter (default: this one, the image's ``python3``)."""
         self.timeout = timeout
+        environ = image_environment() if environ is None else environ
         read_fd, write_fd = os.pipe()
         self._read_fd = read_fd
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", _child_source(), str(write_fd)],
+                [executable or sys.executable, "-c", _child_source(), str(write_fd)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 pass_fds=(write_fd,),
                 start_new_session=True,
-                env=child_environment(),
+                env=child_environment(environ),
             )
         finally:
             os.close(write_fd)

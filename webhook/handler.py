@@ -9,7 +9,8 @@ the API server's failurePolicy decides on.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import datetime as dt
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -20,13 +21,17 @@ from webhook.policy import SKIP_ANNOTATION, Decision, PolicyState, decide, descr
 from webhook.review import AdmissionRequest
 from webhook.rules import RulesError, load_rules_text, rule_warnings
 from webhook.signing import (
+    FRESH_SECONDS,
     PREFIX,
     PROBE_VOLUME,
     SIGNATURE_ANNOTATION,
     KeyringHolder,
+    Verification,
+    check_signature,
+    exposure,
+    fresh,
     parts_of,
     sign,
-    verify,
 )
 from webhook.workloads import annotations_of, as_map
 
@@ -35,6 +40,13 @@ VALIDATE_RESULTS = ("allowed", "denied", "warned", "audited", "exempted", "ignor
 MUTATE_RESULTS = ("injected", "unchanged", "not_opted_in", "exempted")
 # Results that are the everyday case: nothing to log.
 ROUTINE = frozenset({"allowed", "ignored", "unchanged", "not_opted_in"})
+
+
+Clock = Callable[[], dt.datetime]
+
+
+def _utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,10 +154,13 @@ def _name_of(obj: Any) -> str:
     return str(meta.get("name") or meta.get("generateName") or "?")
 
 
-def forged_parts_outcome(req: AdmissionRequest, keys: KeyringHolder) -> Outcome | None:
+def forged_parts_outcome(
+    req: AdmissionRequest, keys: KeyringHolder, now: dt.datetime | None = None
+) -> Outcome | None:
     """A pod whose parts under epguard's names are not exactly what epguard signed is
     refused, in every mode: this is not a judgement of the image but a pod impersonating
-    epguard, whose "probe" could print any verdict. None: nothing to say.
+    epguard, whose "probe" could print any verdict. So is a pod created with a signature
+    made for another pod (older than FRESH_SECONDS: copied). None: nothing to say.
 
     Without a key (none loaded yet) nothing is refused here: the controller verifies
     every pod before it learns anything, so an unsigned probe is never evidence. On
@@ -159,9 +174,22 @@ def forged_parts_outcome(req: AdmissionRequest, keys: KeyringHolder) -> Outcome 
     parts = parts_of(obj)
     if not parts.present or keys.ring is None:
         return None
-    checked = verify(keys.ring, req.namespace or "", obj)
+    checked = check_signature(keys.ring, req.namespace or "", obj)
+    stale = (
+        checked.ok
+        and req.operation == "CREATE"
+        and checked.signed_at is not None
+        and not fresh(checked.signed_at, now or _utcnow())
+    )
+    if stale:
+        checked = Verification(
+            False,
+            f"its {SIGNATURE_ANNOTATION} was made for another pod (signed more than "
+            f"{FRESH_SECONDS} s before this one was created; a signature is used once)",
+            checked.key_id,
+        )
     if checked.ok:
-        return None
+        return _exposure_warning(req, obj)
     if req.operation == "UPDATE" and parts_of(as_map(req.oldObject)) == parts:
         return None
     message = (
@@ -173,6 +201,20 @@ def forged_parts_outcome(req: AdmissionRequest, keys: KeyringHolder) -> Outcome 
     return Outcome(False, "denied", message=message, rules=("forged-probe",), note=message)
 
 
+def _exposure_warning(req: AdmissionRequest, obj: Mapping[str, Any]) -> Outcome | None:
+    """A signed pod whose other parts can reach the probe is admitted (refusing it would
+    make a mesh's first init container an outage), but its probe teaches nothing: the
+    controller checks the same (signing.verify) and says so; the tenant is told now."""
+    exposed = exposure(obj)
+    if exposed is None:
+        return None
+    warning = (
+        f"epguard: the probe's result in pod {req.namespace}/{_name_of(obj)} will not be "
+        f"learned: {exposed}"
+    )
+    return Outcome(True, "warned", warnings=(warning,), rules=("probe-exposed",), note=warning)
+
+
 class Validator:
     """``/validate``: the policy engine's decision; for the rules ConfigMap, whether its
     rules load."""
@@ -180,17 +222,33 @@ class Validator:
     endpoint: str = "validate"
     results: tuple[str, ...] = VALIDATE_RESULTS
 
-    def __init__(self, state: PolicyState, rules: RulesConfigMap | None = None) -> None:
+    def __init__(
+        self, state: PolicyState, rules: RulesConfigMap | None = None, clock: Clock = _utcnow
+    ) -> None:
         self.state = state
         self.rules = rules
+        self.clock = clock
 
     def __call__(self, request: AdmissionRequest) -> Outcome:
         if self.rules is not None and request.kind.kind == "ConfigMap" and not request.kind.group:
             return rules_edit_outcome(request, self.rules)
-        forged = forged_parts_outcome(request, self.state.keys)
-        if forged is not None:
+        now = self.clock()
+        forged = forged_parts_outcome(request, self.state.keys, now)
+        if forged is not None and not forged.allowed:
             return forged
-        return outcome_of(request, decide(request, self.state))
+        decided = outcome_of(request, decide(request, self.state, now))
+        if forged is not None and decided.allowed:
+            return Outcome(
+                True,
+                decided.result if decided.result != "allowed" else forged.result,
+                message=decided.message,
+                warnings=(*decided.warnings, *forged.warnings),
+                audit_annotations=decided.audit_annotations,
+                rules=decided.rules,
+                warned_by=(*decided.warned_by, *(forged.rules or ())),
+                note=forged.note if decided.note is None else decided.note,
+            )
+        return decided
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,7 +271,10 @@ def _without_probe(
 
 
 def injection_for(
-    req: AdmissionRequest, state: PolicyState, settings: InjectionSettings
+    req: AdmissionRequest,
+    state: PolicyState,
+    settings: InjectionSettings,
+    now: dt.datetime | None = None,
 ) -> InjectionResult:
     """The result and patch for one request. Opt-in is the namespace label or the pod
     annotation ``epguard.io/inject: enabled``; the chart's MutatingWebhookConfiguration
@@ -242,7 +303,8 @@ def injection_for(
             f"{state.keys.error}); its result will not be learned",
         )
     else:
-        signature = sign(ring.current, req.namespace or "", injection.containers, injection.volume)
+        stored = {"metadata": {"labels": {PROBED_LABEL: "true"}}, "spec": injection.spec}
+        signature = sign(ring.current, req.namespace or "", stored, now or _utcnow())
     patch = [*injection.patch, *metadata_patch(obj.get("metadata"), True, signature)]
     return InjectionResult("injected", patch, warnings, injection.removed)
 
@@ -256,12 +318,15 @@ class Injector:
     endpoint: str = "mutate"
     results: tuple[str, ...] = MUTATE_RESULTS
 
-    def __init__(self, state: PolicyState, settings: InjectionSettings) -> None:
+    def __init__(
+        self, state: PolicyState, settings: InjectionSettings, clock: Clock = _utcnow
+    ) -> None:
         self.state = state
         self.settings = settings
+        self.clock = clock
 
     def __call__(self, request: AdmissionRequest) -> Outcome:
-        done = injection_for(request, self.state, self.settings)
+        done = injection_for(request, self.state, self.settings, self.clock())
         if not done.patch:
             return Outcome(True, done.result, warnings=done.warnings)
         name = _name_of(request.object)

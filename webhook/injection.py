@@ -16,9 +16,15 @@ What the probe container inherits from its worker, and why:
   NVIDIA driver libraries (``libcuda.so.1``) mounted when it requests GPUs; init
   containers' requests are max'ed with the app containers', so this costs no extra
   GPUs — the device plugin hands the same ones to the worker afterwards;
-* ``env`` and ``envFrom``: CUDA/NCCL/``MC_*``/``MOONCAKE_*`` settings change what loads,
-  and the kubelet expands ``$(VAR)`` in the copied argv from the same variables only if
-  they exist in this container too. The probe never prints a variable's value;
+* ``env`` and ``envFrom``, **renamed** under ``EPGUARD_POD_`` (``probe.sandbox.POD_PREFIX``;
+  ``envFrom`` gets the prefix, ``$(VAR)`` references to renamed variables in the argv and
+  in other values are rewritten so the kubelet still expands them). The probe itself,
+  its interpreter (``python3`` found through the image's own ``PATH``) and its verdict
+  about the image therefore depend only on the image: a pod cannot steer the image's
+  verdict with ``PATH``, ``HOME``, ``CUDA_HOME``, ``MOONCAKE_PG_JIT_DIR`` … The probe
+  then checks again with the worker's variables restored, and a failure only they cause
+  is an environment cause of this pod (probe/sandbox.py). The probe never prints a
+  variable's value;
 * ``securityContext`` and ``imagePullPolicy``: the image may only work as its own user.
 
 Nothing else (volume mounts in particular) is copied: the probe needs no model.
@@ -32,6 +38,7 @@ from typing import Any
 
 from probe import shell
 from probe.cli import PROBE_LEVELS
+from probe.sandbox import POD_PREFIX
 from webhook.argv import analyse_container
 from webhook.outcome import COPY_CONTAINER, PROBE_CONTAINER, PROBED_LABEL
 from webhook.signing import PROBE_VOLUME, SIGNATURE_ANNOTATION, is_epguard_name
@@ -63,6 +70,7 @@ class Injection:
     containers: tuple[dict[str, Any], ...] = ()
     volume: dict[str, Any] | None = None
     removed: bool = False  # parts under epguard's names that the spec brought were removed
+    spec: dict[str, Any] | None = None  # the pod spec as the patch leaves it (what is signed)
 
     @property
     def changed(self) -> bool:
@@ -83,10 +91,64 @@ def _probe_name(worker: str, many: bool) -> str:
     return PROBE_CONTAINER if not many else f"{PROBE_CONTAINER}-{worker}"[:MAX_NAME].rstrip("-")
 
 
+def _renamed_refs(text: str, names: frozenset[str]) -> str:
+    """``text`` with each kubelet reference ``$(NAME)`` to a renamed variable rewritten to
+    ``$(EPGUARD_POD_NAME)``; ``$$`` (the kubelet's escape) and other references kept.
+    One pass, linear in the text."""
+    if "$(" not in text:
+        return text
+    out: list[str] = []
+    i, n = 0, len(text)
+    end = -1  # the first ")" at or after the last search (reused: linear, not quadratic)
+    longest = max(map(len, names), default=0)
+    while i < n:
+        if text.startswith("$$", i):
+            out.append("$$")
+            i += 2
+            continue
+        if text.startswith("$(", i):
+            if end < i + 2:
+                end = text.find(")", i + 2)
+                if end == -1:
+                    out.append(text[i:])
+                    break
+            if end - i - 2 <= longest and text[i + 2 : end] in names:
+                out.append(f"$({POD_PREFIX}{text[i + 2 : end]})")
+                i = end + 1
+                continue
+        out.append(text[i])
+        i += 1
+    return "".join(out)
+
+
+def _renamed_env(worker: Mapping[str, Any]) -> tuple[list[Any], list[Any], frozenset[str]]:
+    """The worker's ``env`` and ``envFrom`` under POD_PREFIX, and the names renamed."""
+    env = [e for e in as_list(worker.get("env")) if isinstance(e, Mapping)]
+    names = frozenset(str(e.get("name")) for e in env if isinstance(e.get("name"), str))
+    renamed: list[Any] = []
+    for e in env:
+        item = dict(e)
+        item["name"] = f"{POD_PREFIX}{e.get('name')}"
+        if isinstance(item.get("value"), str):
+            item["value"] = _renamed_refs(item["value"], names)
+        renamed.append(item)
+    sources: list[Any] = []
+    for source in as_list(worker.get("envFrom")):
+        if isinstance(source, Mapping):
+            item = dict(source)
+            item["prefix"] = f"{POD_PREFIX}{source.get('prefix') or ''}"
+            sources.append(item)
+    return renamed, sources, names
+
+
 def _probe_container(
     worker: Mapping[str, Any], name: str, settings: InjectionSettings
 ) -> dict[str, Any]:
-    argv = [str(a) for a in as_list(worker.get("command")) + as_list(worker.get("args"))]
+    env, env_from, names = _renamed_env(worker)
+    argv = [
+        _renamed_refs(str(a), names)
+        for a in as_list(worker.get("command")) + as_list(worker.get("args"))
+    ]
     resources = _extended(worker.get("resources"))
     resources.setdefault("requests", {}).update({"cpu": "100m", "memory": "512Mi"})
     resources.setdefault("limits", {}).setdefault("memory", "4Gi")
@@ -112,7 +174,11 @@ def _probe_container(
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "volumeMounts": [{"name": VOLUME, "mountPath": settings.mount_path, "readOnly": True}],
     }
-    for key in ("env", "envFrom", "securityContext", "imagePullPolicy"):
+    if env:
+        container["env"] = env
+    if env_from:
+        container["envFrom"] = env_from
+    for key in ("securityContext", "imagePullPolicy"):
         if worker.get(key):
             container[key] = worker[key]
     return container
@@ -226,6 +292,7 @@ def plan(pod_spec: Any, settings: InjectionSettings, path: str = "/spec") -> Inj
         containers=injected,
         volume=volume,
         removed=kept.removed_inits or kept.removed_volume,
+        spec={**spec, "initContainers": patch[0]["value"], "volumes": patch[1]["value"]},
     )
 
 

@@ -188,7 +188,10 @@ def _template_findings(
     findings: list[Finding] = []
     # Each container is asked once (the question splits the probe's argv).
     probes = [_is_probe(c) for c in t.containers]
-    probe_present = namespace_injects or opts_in(t.annotations.get(INJECT_KEY)) or any(probes)
+    injects = namespace_injects or opts_in(t.annotations.get(INJECT_KEY))
+    # A probe speaks only for the image it ran in: a worker whose image is not one the
+    # pod's probes checked (an UPDATE swapped it, or a hand-made pod) is not probed.
+    probed_images = {c.image for c, p in zip(t.containers, probes, strict=True) if p}
     rules = state.rules.current
     for c, c_is_probe in zip(t.containers, probes, strict=True):
         if c_is_probe:
@@ -236,6 +239,20 @@ def _template_findings(
         hit = state.verdicts.lookup(ref, now)
         if hit is not None and hit.trust != "usable":
             findings.append(_verdict_finding(subject, hit, key))
+        if probed_images and c.image not in probed_images:
+            findings.append(
+                Finding(
+                    "deny",
+                    f"{subject} requests {FLAG} mooncake but the pod's epguard probe checked "
+                    f"another image ({', '.join(sorted(str(i) for i in probed_images))[:300]}), "
+                    "so its result says nothing about this one. Fix: recreate the pod (delete "
+                    "it; a new one gets a probe of its own image) instead of changing its "
+                    "image in place. [epguard stale-probe]",
+                    "stale-probe",
+                    (*key, "stale-probe"),
+                )
+            )
+        probe_present = injects or c.image in probed_images
         if not matched and hit is None and not probe_present:
             findings.append(
                 Finding(

@@ -3,21 +3,26 @@
 A learned verdict refuses other people's pods, so the controller may learn only from a
 probe epguard itself put in the pod. Anyone who can create a pod can also write an
 ``epguard-probe`` init container that prints a verdict of its choosing, so a name, a
-label or a command line proves nothing. ``/mutate`` therefore signs what it injects —
-every ``epguard-*`` init container (image, command, args, env, envFrom, resources,
-securityContext, mounts), the probe's volume and the ``epguard.io/probed`` label — with
-HMAC-SHA256 under a key held in a Secret that only the webhook and the controller can
-read (the controller creates and rotates it, ``controller/probe_key.py``). The signature
-goes in the ``epguard.io/probe-signature`` annotation; it also covers the namespace, so
-a signed spec copied into another namespace does not verify there.
+label or a command line proves nothing. ``/mutate`` therefore signs what it injects, as
+it will be stored — every field of every ``epguard-*`` init container (but those the API
+server defaults), the probe's volume, the ``epguard.io/probed`` label, the pod-level
+fields that decide what can reach the probe's process (process, host and security
+settings), the namespace and the time — with HMAC-SHA256 under a key held in a Secret
+that only the webhook and the controller can read (the controller creates and rotates
+it, ``controller/probe_key.py``). The signature goes in the
+``epguard.io/probe-signature`` annotation.
+
+A signature binds epguard's parts; it cannot bind the rest of the pod, which a tenant
+writes. So a signed pod is evidence only while the rest keeps away from the probe
+(:func:`exposure`): epguard's init containers first and together, no other container on
+the probe's volume, no ephemeral container. And a signature is used once, by the pod it
+was made for: /validate refuses a stale one at CREATE, and the controller learns only
+from a pod created within :data:`FRESH_SECONDS` of its signature, once per signature.
+Copying a signed pod's parts into a hand-made pod therefore proves nothing.
 
 ``/validate`` refuses a pod whose epguard parts are not exactly what was signed, and the
 controller records an outcome only when the signature verifies against the pod's
 *current* spec (an init container's image can be patched after creation).
-
-Why a projection, not the raw containers: the API server defaults fields after a
-mutating webhook's patch (``terminationMessagePolicy``, ``imagePullPolicy``, …). The
-signed fields are those epguard sets and the defaulting leaves alone.
 
 Pure: no I/O. The key material arrives as a :class:`Keyring`.
 """
@@ -31,7 +36,7 @@ import hashlib
 import hmac
 import json
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +48,7 @@ from webhook.workloads import as_list, as_map
 PREFIX = "epguard-"
 SIGNATURE_ANNOTATION = "epguard.io/probe-signature"
 PROBE_VOLUME = "epguard-probe"
-FORMAT = "v1"
+FORMAT = "v2"
 
 # The Secret's one data key: JSON {"keys": [{"id", "key" (base64), "created"}, ...]},
 # newest first. Two keys are kept after a rotation so pods signed just before it verify.
@@ -54,7 +59,26 @@ MAX_KEYS = 3
 # not ours and is not parsed.
 MAX_SECRET_BYTES = 64 * 1024
 
-_CONTAINER_FIELDS = ("name", "image", "command", "args", "env", "envFrom", "securityContext")
+# Container fields the API server fills in after /mutate's patch (defaulting) or that
+# epguard signs in a projection of its own (resources: quantities are canonicalised;
+# volumeMounts: below). Every other field of an epguard container is signed as it is, so
+# one that a tenant adds (``workingDir``, ``restartPolicy: Always``, a lifecycle hook …)
+# breaks the signature.
+_DEFAULTED_FIELDS = frozenset(
+    {"terminationMessagePath", "terminationMessagePolicy", "imagePullPolicy", "resources",
+     "volumeMounts"}
+)
+# Pod-level fields that decide what can reach the probe's process or files while it runs:
+# signed with the probe, so a signed probe copied into a pod with other values does not
+# verify.
+_POD_FIELDS = ("shareProcessNamespace", "hostPID", "hostIPC", "hostNetwork", "hostUsers",
+               "securityContext", "runtimeClassName")
+# A signature is used once, by the pod it was made for: /validate refuses a CREATE whose
+# signature is older than this, and the controller learns only from a pod created within
+# this of its signature (``metadata.creationTimestamp``, set by the API server). It covers
+# the time between /mutate and the write (a few seconds) plus clock skew between the
+# webhook's replicas and the API server.
+FRESH_SECONDS = 120
 
 
 class KeyringError(ValueError):
@@ -182,7 +206,11 @@ def is_epguard_name(name: object) -> bool:
 
 
 def _project_container(c: Mapping[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {f: c[f] for f in _CONTAINER_FIELDS if c.get(f)}
+    out: dict[str, Any] = {
+        str(f): v
+        for f, v in c.items()
+        if f not in _DEFAULTED_FIELDS and v not in (None, "", [], {})
+    }
     resources = as_map(c.get("resources"))
     out["resources"] = {
         section: {str(k): str(v) for k, v in as_map(resources.get(section)).items()}
@@ -195,6 +223,9 @@ def _project_container(c: Mapping[str, Any]) -> dict[str, Any]:
             "mountPath": m.get("mountPath"),
             "readOnly": bool(m.get("readOnly")),
             "subPath": m.get("subPath") or "",
+            "subPathExpr": m.get("subPathExpr") or "",
+            "mountPropagation": m.get("mountPropagation") or "",
+            "recursiveReadOnly": m.get("recursiveReadOnly") or "",
         }
         for m in map(as_map, as_list(c.get("volumeMounts")))
     ]
@@ -236,32 +267,78 @@ def parts_of(pod: Mapping[str, Any]) -> EpguardParts:
     )
 
 
+def exposure(pod: Mapping[str, Any]) -> str | None:
+    """Why something the pod holds besides epguard's parts could reach the probe's files
+    or process while it runs, in words; None when nothing can.
+
+    The signature binds the probe's containers, volume and the pod-level fields above;
+    these are the pod's *other* parts, which it cannot bind (a tenant may add any
+    container to its pod): so they must keep away from the probe. No other container
+    mounts the probe's volume; epguard's init containers run together, with nothing of
+    the tenant's between them (where it would run after the copy and before the probe);
+    nothing runs beside or before the probe in a shared process namespace (a mesh's init
+    container or sidecar before epguard's is fine otherwise: it cannot reach the probe's
+    files, which the copy container writes after it); no ephemeral container (``kubectl
+    debug``, which can join the probe's process namespace) was added."""
+    spec = as_map(pod.get("spec"))
+    inits = [as_map(c) for c in as_list(spec.get("initContainers"))]
+    ours = [i for i, c in enumerate(inits) if is_epguard_name(c.get("name"))]
+    others = [
+        (kind, as_map(c))
+        for kind in ("initContainers", "containers", "ephemeralContainers")
+        for c in as_list(spec.get(kind))
+        if not (kind == "initContainers" and is_epguard_name(as_map(c).get("name")))
+    ]
+    for kind, c in others:
+        if any(as_map(m).get("name") == PROBE_VOLUME for m in as_list(c.get("volumeMounts"))):
+            return (
+                f"{kind[:-1]} {str(c.get('name'))[:63]!r} mounts the {PROBE_VOLUME} volume, "
+                "which is epguard's alone"
+            )
+    if ours and ours[-1] - ours[0] + 1 != len(ours):
+        between = next(
+            inits[i] for i in range(ours[0], ours[-1]) if not is_epguard_name(inits[i].get("name"))
+        )
+        return (
+            f"init container {str(between.get('name'))[:63]!r} runs between epguard's "
+            f"{PREFIX}* init containers, which must run together"
+        )
+    shared = spec.get("shareProcessNamespace") is True or spec.get("hostPID") is True
+    if shared and ours and ours[0] > 0:
+        return (
+            f"init container {str(inits[0].get('name'))[:63]!r} runs before or beside "
+            "epguard's probe in a shared process namespace"
+        )
+    if as_list(spec.get("ephemeralContainers")):
+        return "an ephemeral container was added to it, which can reach the probe's process"
+    return None
+
+
 def _payload(
     namespace: str,
-    containers: Sequence[Mapping[str, Any]],
-    volume: Mapping[str, Any] | None,
-    label: str | None,
+    pod: Mapping[str, Any],
+    signed_at: int,
 ) -> bytes:
+    parts = parts_of(pod)
+    spec = as_map(pod.get("spec"))
     doc = {
         "format": FORMAT,
         "namespace": namespace,
-        "containers": [_project_container(c) for c in containers],
-        "volume": dict(volume) if volume is not None else None,
-        "label": label,
+        "signedAt": signed_at,
+        "containers": [_project_container(c) for c in parts.containers],
+        "volume": dict(parts.volume) if parts.volume is not None else None,
+        "label": parts.label,
+        "pod": {f: spec[f] for f in _POD_FIELDS if spec.get(f) not in (None, False, {}, "")},
     }
     return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
-def sign(
-    key: Key,
-    namespace: str,
-    containers: Sequence[Mapping[str, Any]],
-    volume: Mapping[str, Any] | None,
-    label: str = "true",
-) -> str:
-    """The annotation value for these injected parts: ``v1:<key id>:<hex HMAC>``."""
-    mac = hmac.new(key.secret, _payload(namespace, containers, volume, label), hashlib.sha256)
-    return f"{FORMAT}:{key.id}:{mac.hexdigest()}"
+def sign(key: Key, namespace: str, pod: Mapping[str, Any], now: dt.datetime) -> str:
+    """The annotation value for a pod as it will be stored (after /mutate's patch, with
+    its probed label): ``v2:<key id>:<unix seconds>:<hex HMAC>``."""
+    signed_at = int(now.timestamp())
+    mac = hmac.new(key.secret, _payload(namespace, pod, signed_at), hashlib.sha256)
+    return f"{FORMAT}:{key.id}:{signed_at}:{mac.hexdigest()}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,10 +346,25 @@ class Verification:
     ok: bool
     reason: str  # why not, in words a tenant and an admin can act on; "" when ok
     key_id: str = ""  # the key the signature names, held or not ("" without a signature)
+    signed_at: int | None = None  # when /mutate signed it (unix seconds), once verified
 
 
 def verify(ring: Keyring, namespace: str, pod: Mapping[str, Any]) -> Verification:
-    """Whether the pod's epguard parts are exactly what epguard signed, now."""
+    """Whether the pod's epguard parts are exactly what epguard signed, in a pod whose other
+    parts cannot reach the probe, now. Freshness is the caller's (:func:`fresh`): /validate
+    against the clock, the controller against the pod's creation time."""
+    checked = check_signature(ring, namespace, pod)
+    if not checked.ok:
+        return checked
+    exposed = exposure(pod)
+    if exposed is not None:
+        return Verification(False, exposed, checked.key_id, checked.signed_at)
+    return checked
+
+
+def check_signature(ring: Keyring, namespace: str, pod: Mapping[str, Any]) -> Verification:
+    """Whether the pod's epguard parts are exactly what epguard signed (not whether the
+    rest of the pod keeps away from them: :func:`exposure`)."""
     parts = parts_of(pod)
     if not parts.containers:
         return Verification(False, "it carries no epguard probe container")
@@ -281,7 +373,7 @@ def verify(ring: Keyring, namespace: str, pod: Mapping[str, Any]) -> Verificatio
             False, f"its epguard-* init containers carry no {SIGNATURE_ANNOTATION} annotation"
         )
     fields = parts.signature.split(":")
-    if len(fields) != 3 or fields[0] != FORMAT:
+    if len(fields) != 4 or fields[0] != FORMAT or not fields[2].isdigit() or len(fields[2]) > 12:
         return Verification(False, f"its {SIGNATURE_ANNOTATION} annotation is malformed")
     key = ring.find(fields[1])
     if key is None:
@@ -290,12 +382,57 @@ def verify(ring: Keyring, namespace: str, pod: Mapping[str, Any]) -> Verificatio
             f"it was signed with key {fields[1][:16]!r}, which epguard does not hold",
             fields[1],
         )
-    expected = sign(key, namespace, parts.containers, parts.volume, parts.label or "")
-    if not hmac.compare_digest(expected.encode(), parts.signature.encode()):
+    signed_at = int(fields[2])
+    expected = hmac.new(key.secret, _payload(namespace, pod, signed_at), hashlib.sha256)
+    if not hmac.compare_digest(expected.hexdigest().encode(), fields[3].encode()):
         return Verification(
             False,
-            "its epguard-* init containers, the epguard-probe volume or the "
-            f"{PROBED_LABEL} label differ from what epguard injected",
+            "its epguard-* init containers, the epguard-probe volume, the "
+            f"{PROBED_LABEL} label or the pod's process, host or security settings differ "
+            "from what epguard signed",
             key.id,
         )
-    return Verification(True, "", key.id)
+    return Verification(True, "", key.id, signed_at)
+
+
+def fresh(signed_at: int, moment: dt.datetime) -> bool:
+    """Whether a signature made at ``signed_at`` may belong to a pod written at ``moment``
+    (within FRESH_SECONDS either way: the clocks of two machines)."""
+    return abs(moment.timestamp() - signed_at) <= FRESH_SECONDS
+
+
+def created_at(pod: Mapping[str, Any]) -> dt.datetime | None:
+    """The pod's ``metadata.creationTimestamp`` (the API server's clock), if readable."""
+    stamp = as_map(pod.get("metadata")).get("creationTimestamp")
+    if isinstance(stamp, dt.datetime):
+        return stamp if stamp.tzinfo else stamp.replace(tzinfo=dt.UTC)
+    if not isinstance(stamp, str):
+        return None
+    try:
+        return dt.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.UTC)
+    except ValueError:
+        return None
+
+
+# Signatures the controller has learned from, each with the pod that used it. Bounded:
+# a pod can only use a signature within FRESH_SECONDS of it, so a replay is near its
+# original in time and in this (oldest-first) order; 50k entries are ~10 MB.
+MAX_LEDGER = 50_000
+
+
+class SignatureLedger:
+    """Each signature counts once: the first pod (by uid) that presents it owns it."""
+
+    def __init__(self, limit: int = MAX_LEDGER) -> None:
+        self.limit = limit
+        self.owners: dict[str, str] = {}  # signature -> pod uid, insertion ordered
+
+    def claim(self, signature: str, uid: str) -> str | None:
+        """None when ``uid`` may use ``signature``; else the uid that used it first."""
+        owner = self.owners.get(signature)
+        if owner is not None:
+            return None if owner == uid else owner
+        self.owners[signature] = uid
+        while len(self.owners) > self.limit:
+            del self.owners[next(iter(self.owners))]
+        return None

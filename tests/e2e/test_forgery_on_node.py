@@ -241,6 +241,6 @@ def test_patching_the_injected_probes_image_is_refused(cluster: ControlPlane) ->
         cluster, "patch", "pod", "injected", "-n", ns, "--type=json", "-p", json.dumps(patch)
     )
     assert r.returncode != 0
-    assert "differ from what epguard injected" in r.stderr
+    assert "differ from what epguard signed" in r.stderr
     now = json.loads(cluster.kubectl("get", "pod", "injected", "-n", ns, "-o", "json").stdout)
     assert now["spec"]["initContainers"][index]["image"] == VICTIM

@@ -77,11 +77,38 @@ def test_probe_requests_the_worker_gpus_and_rdma_but_not_its_cpu_and_memory() ->
     assert "cpu" not in resources["limits"]
 
 
-def test_probe_inherits_env_but_no_model_volume() -> None:
+def test_probe_inherits_env_renamed_but_no_model_volume() -> None:
     new = apply({"containers": [worker()]}, plan({"containers": [worker()]}, SETTINGS).patch)
     probe = new["initContainers"][1]
-    assert {e["name"] for e in probe["env"]} == {"MC_FORCE_TCP", "NCCL_DEBUG"}
+    # Renamed: the probe's interpreter and its verdict about the image see only the image.
+    assert {e["name"] for e in probe["env"]} == {
+        "EPGUARD_POD_MC_FORCE_TCP",
+        "EPGUARD_POD_NCCL_DEBUG",
+    }
     assert [m["name"] for m in probe["volumeMounts"]] == ["epguard-probe"]
+
+
+def test_the_pods_path_and_envfrom_never_reach_the_probes_interpreter() -> None:
+    w = worker()
+    w["env"] = [
+        {"name": "PATH", "value": "/usr/bin:/bin"},
+        {"name": "MODEL", "value": "/models/$(PATH)/x"},
+        {"name": "HOME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+    ]
+    w["envFrom"] = [{"configMapRef": {"name": "c"}}, {"prefix": "X_", "secretRef": {"name": "s"}}]
+    w["args"] = [*w.get("args", []), "--tokenizer-path", "$(MODEL)", "$$(MODEL)", "$(OTHER)"]
+    probe = apply({"containers": [w]}, plan({"containers": [w]}, SETTINGS).patch)["initContainers"][
+        1
+    ]
+    names = [e["name"] for e in probe["env"]]
+    assert names == ["EPGUARD_POD_PATH", "EPGUARD_POD_MODEL", "EPGUARD_POD_HOME"]
+    assert probe["env"][1]["value"] == "/models/$(EPGUARD_POD_PATH)/x"
+    assert probe["env"][2]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert [s.get("prefix") for s in probe["envFrom"]] == ["EPGUARD_POD_", "EPGUARD_POD_X_"]
+    # The kubelet still expands the worker's own references, and nothing else changes.
+    argv = probe["command"][probe["command"].index("--") + 1 :]
+    assert argv[-3:] == ["$(EPGUARD_POD_MODEL)", "$$(MODEL)", "$(OTHER)"]
+    assert probe["command"][0] == "python3"
 
 
 def test_injection_is_idempotent_on_reinvocation() -> None:

@@ -25,6 +25,7 @@ from webhook.signing import (
     new_keyring,
     parse_keyring,
     rotated,
+    sign,
     verify,
 )
 
@@ -63,7 +64,7 @@ def worker_pod(**kw: Any) -> dict[str, Any]:
 
 def test_the_injected_probe_is_signed_and_verifies(signed: RunningServer) -> None:
     stored = injected(signed, worker_pod())
-    assert stored["metadata"]["annotations"][SIGNATURE_ANNOTATION].startswith("v1:")
+    assert stored["metadata"]["annotations"][SIGNATURE_ANNOTATION].startswith("v2:")
     ring = signed.runtime.state.keys.ring
     assert ring is not None and verify(ring, "ml", stored).ok
     assert post(signed, "/validate", review(stored))["allowed"] is True
@@ -96,7 +97,7 @@ def test_a_signed_pod_with_its_probe_image_patched_is_refused(signed: RunningSer
     patched["spec"]["initContainers"][1]["image"] = "attacker/any:latest"
     response = post(signed, "/validate", review(patched, operation="UPDATE", old=stored))
     assert response["allowed"] is False
-    assert "differ from what epguard injected" in response["status"]["message"]
+    assert "differ from what epguard signed" in response["status"]["message"]
     ring = signed.runtime.state.keys.ring
     assert ring is not None and not verify(ring, "ml", patched).ok
 
@@ -208,3 +209,159 @@ def test_a_keyring_that_does_not_parse_is_a_one_line_error(text: str) -> None:
     with pytest.raises(KeyringError) as exc:
         parse_keyring(text)
     assert "\n" not in str(exc.value)
+
+
+# --- issue 21.1: signed parts replayed around an unsigned neighbour ---------------------
+
+
+def _hand_made_copy(stored: dict[str, Any]) -> dict[str, Any]:
+    """The tenant's pod: the signed parts copied verbatim, without the injection
+    annotation (so /mutate never sees it)."""
+    copied = copy.deepcopy(stored)
+    copied["metadata"]["annotations"].pop("epguard.io/inject", None)
+    return copied
+
+
+_REWRITER = {
+    "name": "rewrite",
+    "image": GOOD,
+    "command": ["sh", "-c", "echo 'print(\"usable\")' > /epguard/probe/__main__.py"],
+    "volumeMounts": [{"name": "epguard-probe", "mountPath": "/epguard"}],
+}
+
+
+def _between(p: dict[str, Any]) -> None:
+    p["spec"]["initContainers"].insert(1, dict(_REWRITER))
+
+
+def _between_without_mount(p: dict[str, Any]) -> None:
+    p["spec"]["initContainers"].insert(
+        1, {k: v for k, v in _REWRITER.items() if k != "volumeMounts"}
+    )
+
+
+def _sidecar_on_the_volume(p: dict[str, Any]) -> None:
+    p["spec"]["initContainers"].append(dict(_REWRITER, restartPolicy="Always"))
+
+
+def _worker_on_the_volume(p: dict[str, Any]) -> None:
+    p["spec"]["containers"][0]["volumeMounts"] = _REWRITER["volumeMounts"]
+
+
+def _ephemeral(p: dict[str, Any]) -> None:
+    p["spec"]["ephemeralContainers"] = [{"name": "debug", "image": GOOD}]
+
+
+def _shared_pid_behind_a_sidecar(p: dict[str, Any]) -> None:
+    p["spec"]["initContainers"].insert(
+        0, {"name": "mesh", "image": GOOD, "restartPolicy": "Always"}
+    )
+    p["spec"]["shareProcessNamespace"] = True
+
+
+@pytest.mark.parametrize(
+    "route",
+    [
+        _between,
+        _between_without_mount,
+        _sidecar_on_the_volume,
+        _worker_on_the_volume,
+        _ephemeral,
+        _shared_pid_behind_a_sidecar,
+    ],
+    ids=[
+        "neighbour-between-copy-and-probe",
+        "neighbour-between-without-mount",
+        "native-sidecar-on-the-probe-volume",
+        "worker-on-the-probe-volume",
+        "ephemeral-container",
+        "shared-process-namespace",
+    ],
+)
+def test_signed_parts_around_an_unsigned_neighbour_are_no_evidence(
+    signed: RunningServer, route: Any
+) -> None:
+    """The controller (signing.verify) learns nothing from such a pod, and /validate says
+    so (or refuses it when a signed field itself changed)."""
+    stored = injected(signed, worker_pod())
+    ring = signed.runtime.state.keys.ring
+    assert ring is not None and verify(ring, "ml", stored).ok
+    hand = _hand_made_copy(stored)
+    route(hand)
+    checked = verify(ring, "ml", hand)
+    assert not checked.ok and checked.reason
+    response = post(signed, "/validate", review(hand))
+    said = " ".join(response.get("warnings") or []) + (response.get("status") or {}).get(
+        "message", ""
+    )
+    assert "will not be learned" in said or response["allowed"] is False
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda p: p["spec"]["initContainers"][1].update(workingDir="/tmp/evil"),
+        lambda p: p["spec"].update(shareProcessNamespace=True),
+        lambda p: p["spec"].update(hostPID=True),
+        lambda p: p["spec"].update(securityContext={"runAsUser": 1234}),
+        lambda p: p["spec"]["initContainers"][1].update(restartPolicy="Always"),
+    ],
+    ids=["working-dir", "share-process-namespace", "host-pid", "pod-user", "sidecar-probe"],
+)
+def test_the_pods_process_settings_and_the_probes_working_dir_are_signed(
+    signed: RunningServer, change: Any
+) -> None:
+    stored = injected(signed, worker_pod())
+    ring = signed.runtime.state.keys.ring
+    assert ring is not None
+    hand = _hand_made_copy(stored)
+    change(hand)
+    assert "differ from what epguard signed" in verify(ring, "ml", hand).reason
+    assert post(signed, "/validate", review(hand))["allowed"] is False
+
+
+def test_a_mesh_init_container_before_the_probe_is_still_evidence(signed: RunningServer) -> None:
+    """What a service mesh does after epguard (its own init container first, no shared
+    process namespace, not on the probe's volume) cannot reach the probe."""
+    stored = injected(signed, worker_pod())
+    ring = signed.runtime.state.keys.ring
+    assert ring is not None
+    meshed = copy.deepcopy(stored)
+    meshed["spec"]["initContainers"].insert(0, {"name": "istio-init", "image": "proxy:1"})
+    assert verify(ring, "ml", meshed).ok
+
+
+def test_a_signature_made_for_another_pod_is_refused_at_create(signed: RunningServer) -> None:
+    stored = injected(signed, worker_pod())
+    ring = signed.runtime.state.keys.ring
+    assert ring is not None
+    old = _hand_made_copy(stored)
+    an_hour_ago = dt.datetime.now(dt.UTC) - dt.timedelta(hours=1)
+    old["metadata"]["annotations"][SIGNATURE_ANNOTATION] = sign(
+        ring.current, "ml", old, an_hour_ago
+    )
+    assert verify(ring, "ml", old).ok  # genuinely signed, only not for this pod
+    response = post(signed, "/validate", review(old))
+    assert response["allowed"] is False
+    assert "a signature is used once" in response["status"]["message"]
+    # An UPDATE of a pod created with it long ago (a label) is not a new use.
+    relabelled = copy.deepcopy(old)
+    relabelled["metadata"]["labels"]["team"] = "a"
+    assert post(signed, "/validate", review(relabelled, operation="UPDATE", old=old))["allowed"]
+
+
+# --- issue 21.3: an UPDATE that swaps the worker's image under a signed probe ------------
+
+
+def test_an_update_that_changes_the_probed_workers_image_is_refused(signed: RunningServer) -> None:
+    stored = injected(signed, worker_pod())
+    swapped = copy.deepcopy(stored)
+    swapped["spec"]["containers"][0]["image"] = "registry.example/team/other:1"
+    response = post(signed, "/validate", review(swapped, operation="UPDATE", old=stored))
+    assert response["allowed"] is False
+    message = response["status"]["message"]
+    assert "probe checked another image" in message and "recreate the pod" in message
+    # The same pod, unchanged image, updates freely.
+    relabelled = copy.deepcopy(stored)
+    relabelled["metadata"]["labels"]["team"] = "a"
+    assert post(signed, "/validate", review(relabelled, operation="UPDATE", old=stored))["allowed"]

@@ -48,7 +48,15 @@ from webhook.outcome import (
     verdict_name,
     verdict_spec,
 )
-from webhook.signing import Verification, verify
+from webhook.signing import (
+    FRESH_SECONDS,
+    SIGNATURE_ANNOTATION,
+    SignatureLedger,
+    Verification,
+    created_at,
+    fresh,
+    verify,
+)
 from webhook.verdicts import (
     GROUP,
     PLURAL,
@@ -239,7 +247,11 @@ def record_probe_outcomes(body: Mapping[str, Any], memo: kopf.Memo, **_: Any) ->
         namespace=namespace,
         uid=uid,
     )
-    checked = _verified(body, namespace, memo.get("probe_keys"))
+    ledger: SignatureLedger | None = memo.get("signatures")
+    if ledger is None:
+        ledger = SignatureLedger()
+        memo["signatures"] = ledger
+    checked = _verified(body, namespace, memo.get("probe_keys"), ledger)
     if not checked.ok:
         # Anyone who can create a pod can write a "probe" that prints any verdict: only
         # what epguard injected and signed, unchanged since, is evidence.
@@ -271,10 +283,44 @@ def record_probe_outcomes(body: Mapping[str, Any], memo: kopf.Memo, **_: Any) ->
 
 
 def _verified(
+    body: Mapping[str, Any],
+    namespace: str,
+    keys: ProbeKeyManager | None,
+    ledger: SignatureLedger,
+) -> Verification:
+    """The pod's signature checked against the keys held (and once more after re-reading
+    the Secret when it names a key not held: another replica may have rotated), made for
+    this pod (signed within FRESH_SECONDS of its creation, which the API server stamps)
+    and not used by another pod before."""
+    checked = _signature_holds(body, namespace, keys)
+    if not checked.ok or checked.signed_at is None:
+        return checked
+    created = created_at(body)
+    if created is None or not fresh(checked.signed_at, created):
+        return Verification(
+            False,
+            f"its {SIGNATURE_ANNOTATION} was made for another pod: signed at "
+            f"{checked.signed_at} (unix), more than {FRESH_SECONDS} s from this pod's "
+            "creation; a signature is used once",
+            checked.key_id,
+        )
+    meta = as_map(body.get("metadata"))
+    owner = ledger.claim(
+        str(as_map(meta.get("annotations")).get(SIGNATURE_ANNOTATION)), str(meta.get("uid"))
+    )
+    if owner is not None:
+        return Verification(
+            False,
+            f"its {SIGNATURE_ANNOTATION} was used by pod uid {owner[:40]} first; a signature "
+            "is used once",
+            checked.key_id,
+        )
+    return checked
+
+
+def _signature_holds(
     body: Mapping[str, Any], namespace: str, keys: ProbeKeyManager | None
 ) -> Verification:
-    """The pod's signature checked against the keys held, and once more after re-reading
-    the Secret when it names a key not held (another replica may have rotated)."""
     if keys is None:
         return Verification(False, "the controller holds no probe-signing key")
     ring = keys.holder.ring or keys.refresh()
