@@ -10,13 +10,17 @@ keeps it in the cluster); the webhook stays the judge of everything else.
 too, with the same reason, remedy and id. Everything here leans that way: when a form
 cannot be read exactly in CEL, the policy leaves it to the webhook.
 
-* Images. A deny rule's glob and an Unusable verdict's tag become regular expressions
-  over the image *as written* in the pod (the policy cannot normalize
-  ``lmsysorg/sglang`` into ``docker.io/lmsysorg/sglang``, so each spelling the runtime
-  accepts is listed); a glob that starts with a wildcard or uses ``[...]``, and a rule
-  that pins a digest beside a glob, stay with the webhook. Verdict digests match the
-  ``@sha256:…`` the pod pins. Tag verdicts leave the list a minute before the webhook
-  stops trusting them (CEL has no clock: the controller removes them).
+* Images. The policy normalizes the image *as written* the way ``webhook/imageref.py``
+  does (``lmsysorg/sglang:v1`` is ``docker.io/lmsysorg/sglang:v1``, ``ubuntu`` is
+  ``docker.io/library/ubuntu:latest``), only for images the reference grammar accepts.
+  A deny rule's glob becomes a regular expression over that normalized ``name:tag``,
+  compiled into the policy (a constant pattern: the API server compiles it once); a
+  glob using ``[...]`` and a rule pinning a digest beside a glob stay with the webhook.
+* Verdicts. An Unusable verdict is a map key in the parameters: a digest verdict by the
+  first 128 bits of its sha256 (hex), a tag verdict by repository then tag, so a lookup
+  costs the same with one verdict or 100,000. A tag verdict refuses only an image not
+  pinned by digest, and leaves the parameters a minute before the webhook stops trusting
+  it (CEL has no clock: the controller removes it).
 * Command lines. Only two forms: an argv ``python[3] -m sglang.launch_server …`` or
   ``sglang serve …`` of plain words, and an ``sh -c`` script line of that shape made of
   plain words (no quotes, no ``$(…)``, no redirection, no comment). In both, the flag
@@ -28,21 +32,37 @@ cannot be read exactly in CEL, the policy leaves it to the webhook.
   Dynamo and RoleBasedGroup objects (whose templates the engine merges from patches)
   stay with the webhook.
 
-The parameters are one RefusedImageList (a cluster-scoped epguard.io object holding
-``data.entries``) the controller rewrites, one line per refused image
-(``kind TAB pattern TAB message``), so a new verdict takes effect without touching the
-policy. The CEL uses ``flatten()`` (Kubernetes 1.34's list library).
+**The parameters** are RefusedImageLists (a cluster-scoped epguard.io kind), sharded: the
+bindings' ``paramRef.selector`` selects every shard, and the API server evaluates the
+policy once per shard, each with its own CEL cost budget; a refusal by any shard refuses
+(k8s.io/apiserver, policy/validating/dispatcher.go: one ``Validate`` per selected param,
+every Deny decision collected). An entry's shard is a hash of its key, so an entry stays
+in its shard while the others change. Each shard holds a reason table (``r``: each
+distinct denial text once) and maps whose values are an index into it, plus the verdict's
+object name where the name is not ``sha256-<digest>``/``scan-sha256-<digest>``. The
+webhook's message also says where and when the verdict was seen; the backstop's says
+"seen failing in this cluster" (per-verdict times would not fit 100,000 verdicts).
+
+**Cost per create.** One policy and three bindings (one per mode; a namespace's mode is
+its binding's namespaceSelector), so an object is evaluated once per shard, not once per
+mode. The whole judgement is one matchCondition: an object with no container that
+mentions ``mooncake`` is let go after a substring test, and an admitted elastic-EP pod
+never reaches the validation or its message (the API server evaluates a
+messageExpression for every object that reaches the validations, refused or not).
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import functools
+import hashlib
+import itertools
+import json
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from webhook.imageref import DEFAULT_DOMAIN, LEGACY_DEFAULT_DOMAIN, OFFICIAL_REPO_PREFIX
 from webhook.namespaces import MODE_LABEL, MODES, Mode
 from webhook.policy import SKIP_ANNOTATION, rule_denial, verdict_denial
 from webhook.rules import Rule, RuleSet
@@ -50,48 +70,97 @@ from webhook.verdicts import Verdict, VerdictHit, VerdictStore
 from webhook.workloads import KindSpec, TemplatePath
 
 FLAG = "--elastic-ep-backend"
-PARAMS_KEY = "entries"
-# The parameters' kind (the chart's CRD): cluster-scoped, ``data.entries`` as a ConfigMap
-# would hold it. Not a ConfigMap: a policy's paramKind must be readable cluster-wide by
-# whoever creates the policy, and the controller must not read every ConfigMap.
+# The parameters' kind (the chart's CRD): cluster-scoped. Not a ConfigMap: a policy's
+# paramKind must be readable cluster-wide by whoever creates the policy, the controller
+# must not read every ConfigMap, and the API server converts a typed ConfigMap to CEL by
+# reflection on every evaluation, where a custom resource is handed over as it is.
 PARAMS_GROUP, PARAMS_VERSION = "epguard.io", "v1alpha1"
 PARAMS_KIND, PARAMS_PLURAL = "RefusedImageList", "refusedimagelists"
+# Every shard carries this label (value: the backstop's name); the bindings select by it.
+SHARD_LABEL = "epguard.io/backstop"
 ACTIONS: dict[Mode, str] = {"enforce": "Deny", "warn": "Warn", "audit": "Audit"}
-# A ConfigMap holds at most 1 MiB; the lines stop well before it. An image refused by a
-# line that did not fit is still refused by the webhook: the policy is only a backstop.
-MAX_PARAMS_BYTES = 768 * 1024
+
+# --- limits, each with its reason ------------------------------------------------------
+# A shard's ``data`` as JSON. etcd refuses a request over 1.5 MiB (its default
+# --max-request-bytes); the object's metadata and managedFields come on top (the maps are
+# ``x-kubernetes-map-type: atomic``, so managedFields name the map, not each key).
+SHARD_BYTES = 1024 * 1024
+# Shards the controller may write: each one is one more policy evaluation per create, so
+# the count is bounded (64 MiB of parameters: far past 100,000 verdicts, ~4 MiB).
+MAX_SHARDS = 64
+# One denial text, as the webhook cuts it.
 MAX_MESSAGE = 1024
+# Deny rules compiled into the policy (each one is a constant regex or comparison, all
+# evaluated per requesting container): a rules ConfigMap beyond this leaves the rest to
+# the webhook, counted in the controller's log.
+MAX_POLICY_RULES = 200
+# A sha256 digest's key: its first 128 bits. Finding another digest with the same first
+# 128 bits as a refused one is a second-preimage search of 2^128 (per entry): never.
+DIGEST_KEY = 32
+# In a reason template, where the verdict's name (or its digest) goes. Removed from the
+# texts it is put into, so only the compiler writes it.
+NAME_SLOT = "\ue000"
 # A tag verdict leaves the list this long before the webhook stops trusting it, so the
 # policy is never the stricter of the two while the controller catches up.
 TAG_MARGIN = dt.timedelta(minutes=1)
 
-EntryKind = Literal["name", "tag", "digest"]
+EntryKind = Literal["tag", "digest"]
 
 
 @dataclass(frozen=True, slots=True)
 class Entry:
-    """One refused image: ``name`` (a regex over the image's name:tag as written),
-    ``tag`` (the same, only for images not pinned by digest) or ``digest``."""
+    """One refused image: a digest verdict (``key``: 32 hex characters) or a tag
+    verdict (``key``: the normalized repository, ``tag``). ``template`` is the denial
+    text with NAME_SLOT where ``name`` (or, when None, the pod's own digest) goes."""
 
     kind: EntryKind
-    pattern: str
-    message: str
+    key: str
+    tag: str
+    template: str
+    name: str | None
 
-    def line(self) -> str:
-        text = " ".join(self.message.split())[:MAX_MESSAGE]
-        return f"{self.kind}\t{self.pattern}\t{text}"
+    def message(self, digest_hex: str = "") -> str:
+        return self.template.replace(NAME_SLOT, self.name if self.name is not None else digest_hex)
+
+    def shard_key(self) -> bytes:
+        return f"{self.kind}\0{self.key}\0{self.tag}".encode()
+
+
+@dataclass
+class Shard:
+    """One RefusedImageList's ``data``."""
+
+    reasons: list[str] = field(default_factory=list)
+    digests: dict[str, str] = field(default_factory=dict)
+    tags: dict[str, dict[str, str]] = field(default_factory=dict)
+    _index: dict[str, int] = field(default_factory=dict, repr=False)
+
+    def add(self, e: Entry) -> None:
+        i = self._index.get(e.template)
+        if i is None:
+            i = self._index[e.template] = len(self.reasons)
+            self.reasons.append(e.template)
+        value = str(i) if e.name is None else f"{i} {e.name}"
+        if e.kind == "digest":
+            self.digests[e.key] = value
+        else:
+            self.tags.setdefault(e.key, {})[e.tag] = value
+
+    def data(self) -> dict[str, Any]:
+        return {"r": self.reasons, "d": self.digests, "t": self.tags}
+
+    def size(self) -> int:
+        return len(json.dumps(self.data(), separators=(",", ":"), ensure_ascii=False).encode())
 
 
 @dataclass(frozen=True, slots=True)
 class Params:
-    entries: tuple[Entry, ...]
-    # Entries that did not fit in the ConfigMap (still refused by the webhook).
+    shards: tuple[dict[str, Any], ...]  # each shard's ``data``, shard i at index i
+    kept: int
+    # Entries that did not fit in MAX_SHARDS shards (still refused by the webhook).
     dropped: int
     # When a tag verdict leaves the list: the controller recompiles then.
     next_change: dt.datetime | None
-
-    def data(self) -> dict[str, str]:
-        return {PARAMS_KEY: "\n".join(e.line() for e in self.entries)}
 
 
 # --- images as written -------------------------------------------------------------
@@ -104,77 +173,111 @@ VALID_IMAGE = (
     rf"^({_DOMAIN_C}(\.{_DOMAIN_C})*(:[0-9]+)?/)?{_PATH_C}(/{_PATH_C})*"
     r"(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(@sha256:[0-9a-f]{64})?$"
 )
-_ANY = "[A-Za-z0-9_.:/-]"
-_ANY_BUT_SLASH = "[A-Za-z0-9_.:-]"
-_DOCKER = rf"({re.escape(DEFAULT_DOMAIN)}/|{re.escape(LEGACY_DEFAULT_DOMAIN)}/)"
+# imageref.MAX_NAME_LENGTH: a longer normalized name is not a reference.
+MAX_NAME = 255
+_SHA256 = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 
-def _glob_regex(glob: str, one_component: bool) -> str | None:
+def glob_regex(glob: str) -> str | None:
+    """fnmatch's ``*`` and ``?`` over a normalized ``name:tag`` as an anchored RE2; None
+    for a class (``[...]``), whose fnmatch reading RE2 does not share exactly."""
     out: list[str] = []
     for ch in glob:
         if ch == "*":
-            out.append((_ANY_BUT_SLASH if one_component else _ANY) + "*")
+            out.append(".*")
         elif ch == "?":
-            out.append(_ANY_BUT_SLASH if one_component else _ANY)
+            out.append(".")
         elif ch in "[]":
             return None
         else:
             out.append(re.escape(ch))
-    return "".join(out)
+    return "^" + "".join(out) + "$"
 
 
-def _looks_like_domain(component: str) -> bool:
-    return "." in component or ":" in component or component == "localhost"
+def _one_line(text: str) -> str:
+    return " ".join(text.split())[:MAX_MESSAGE]
 
 
-def spelling_regex(name_tag_glob: str) -> str | None:
-    """A regex over an image's ``name:tag`` *as written* that matches only spellings
-    whose normalized ``name:tag`` the glob matches; None when that cannot be exact."""
-    if not name_tag_glob or name_tag_glob[0] in "*?[":
-        return None
-    domain, sep, rest = name_tag_glob.partition("/")
-    if not sep or any(ch in domain for ch in "*?["):
-        return None
-    if domain != DEFAULT_DOMAIN:
-        body = _glob_regex(rest, one_component=False)
-        return None if body is None else f"^{re.escape(domain)}/{body}$"
-    if rest.startswith(OFFICIAL_REPO_PREFIX):
-        # docker.io/library/x: written "x", "library/x", "docker.io/x", … A written name
-        # without "library/" is one path component, so its wildcards must not cross "/".
-        tail = rest[len(OFFICIAL_REPO_PREFIX) :]
-        full = _glob_regex(tail, one_component=False)
-        short = _glob_regex(tail, one_component=True)
-        if full is None or short is None:
-            return None
-        return f"^({_DOCKER}?{re.escape(OFFICIAL_REPO_PREFIX)}{full}|{_DOCKER}?{short})$"
-    first, slash, _ = rest.partition("/")
-    # docker.io/org/x: written "org/x" only if "org" is written out and cannot be read
-    # as a registry host; otherwise only with the domain in front.
-    body = _glob_regex(rest, one_component=False)
-    if body is None:
-        return None
-    if slash and not any(ch in first for ch in "*?[") and not _looks_like_domain(first):
-        return f"^{_DOCKER}?{body}$"
-    return f"^{_DOCKER}{body}$" if slash else None
+@dataclass(frozen=True, slots=True)
+class RuleCheck:
+    """A deny rule as the policy tests it: ``regex`` over the normalized name:tag, or
+    ``digest`` (64 hex) equal to the pinned one."""
+
+    regex: str | None
+    digest: str | None
+    message: str
 
 
-def rule_entries(rules: RuleSet) -> list[Entry]:
-    out: list[Entry] = []
+def rule_checks(rules: RuleSet) -> tuple[list[RuleCheck], int]:
+    """The deny rules the policy can hold exactly, and how many it cannot."""
+    out: list[RuleCheck] = []
+    left = 0
     for rule in rules.rules:
-        entry = _rule_entry(rule)
-        if entry is not None:
-            out.append(entry)
-    return out
+        if rule.action != "deny":
+            continue
+        check = _rule_check(rule)
+        if check is None or len(out) >= MAX_POLICY_RULES:
+            left += 1
+            continue
+        out.append(check)
+    return out, left
 
 
-def _rule_entry(rule: Rule) -> Entry | None:
-    if rule.action != "deny":
-        return None
+def _rule_check(rule: Rule) -> RuleCheck | None:
+    message = _one_line(rule_denial(rule))
     if rule.digest is not None:
-        # A digest beside a glob narrows the rule to both; a digest alone is exact.
-        return Entry("digest", rule.digest, rule_denial(rule)) if rule.image is None else None
-    pattern = spelling_regex(rule.image or "")
-    return None if pattern is None else Entry("name", pattern, rule_denial(rule))
+        # A digest beside a glob narrows the rule to both (the webhook's); alone, exact.
+        if rule.image is not None or not _SHA256.match(rule.digest):
+            return None
+        return RuleCheck(None, rule.digest.removeprefix("sha256:"), message)
+    regex = glob_regex(rule.image or "")
+    return None if regex is None else RuleCheck(regex, None, message)
+
+
+def _clean(text: str | None) -> str | None:
+    return None if text is None else text.replace(NAME_SLOT, "?")
+
+
+def _template(v: Verdict, by_digest: bool, derived: str | None) -> str:
+    """The verdict's denial with NAME_SLOT for its name (after ``derived``, when the name
+    is that prefix and the digest); no pod and no time (the webhook says them; they would
+    make every text distinct)."""
+    return _template_of(v.source, v.reason, v.fix, v.recorded_by, by_digest, derived)
+
+
+@functools.lru_cache(maxsize=4096)
+def _template_of(
+    source: str,
+    reason: str,
+    fix: str,
+    recorded_by: str | None,
+    by_digest: bool,
+    derived: str | None,
+) -> str:
+    bare = Verdict(
+        object_name=(derived or "") + NAME_SLOT,
+        image="",
+        ref=None,
+        digest=None,
+        usable=False,
+        reason=_clean(reason) or "",
+        last_seen=None,
+        pod=None,
+        source=source,
+        recorded_by=_clean(recorded_by),
+        fix=_clean(fix) or "",
+    )
+    return " ".join(verdict_denial(VerdictHit(bare, "deny", by_digest)).split())[:MAX_MESSAGE]
+
+
+def _derived_prefix(v: Verdict, digest: str) -> str | None:
+    """``sha256-`` or ``scan-sha256-`` when the verdict's name is that plus the digest's
+    hex (the probe's and the scan's own names), so the name need not be stored."""
+    hexd = digest.removeprefix("sha256:")
+    for prefix in ("sha256-", "scan-sha256-"):
+        if v.object_name == prefix + hexd:
+            return prefix
+    return None
 
 
 def verdict_entries(
@@ -187,33 +290,106 @@ def verdict_entries(
         if v.usable:
             continue
         if kind == "digest":
-            out.append(Entry("digest", key, verdict_denial(VerdictHit(v, "deny", True))))
+            if not _SHA256.match(key):
+                continue  # the policy reads sha256 digests only
+            prefix = _derived_prefix(v, key)
+            out.append(
+                Entry(
+                    "digest",
+                    key[len("sha256:") : len("sha256:") + DIGEST_KEY],
+                    "",
+                    _template(v, True, prefix),
+                    None if prefix is not None else v.object_name,
+                )
+            )
             continue
         if v.last_seen is None:
             continue
         leaves = v.last_seen + store.tag_ttl - TAG_MARGIN
         if leaves <= now:
             continue
-        pattern = spelling_regex(key)
-        if pattern is None:
+        repo, sep, tag = key.rpartition(":")
+        if not sep or "/" in tag or len(repo) > MAX_NAME:
             continue
-        out.append(Entry("tag", pattern, verdict_denial(VerdictHit(v, "deny", False))))
+        out.append(Entry("tag", repo, tag, _template(v, False, None), v.object_name))
         next_change = leaves if next_change is None else min(next_change, leaves)
     return out, next_change
 
 
-def compile_params(rules: RuleSet, store: VerdictStore, now: dt.datetime) -> Params:
-    entries = rule_entries(rules)
-    learned, next_change = verdict_entries(store, now)
-    entries.extend(sorted(learned, key=lambda e: (e.kind, e.pattern)))
-    kept: list[Entry] = []
-    size = 0
-    for e in entries:
-        size += len(e.line()) + 1
-        if size > MAX_PARAMS_BYTES:
-            break
-        kept.append(e)
-    return Params(tuple(kept), len(entries) - len(kept), next_change)
+def _bucket(e: Entry) -> int:
+    """The entry's place among MAX_SHARDS (a power of two): with ``count`` shards (a
+    power of two too) its shard is ``bucket % count``."""
+    digest = hashlib.blake2b(e.shard_key(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % MAX_SHARDS
+
+
+def _json_bytes(text: str) -> int:
+    if text.isascii() and text.isprintable() and '"' not in text and "\\" not in text:
+        return len(text) + 2
+    return len(json.dumps(text, ensure_ascii=False).encode())
+
+
+def shard_entries(entries: Sequence[Entry]) -> tuple[list[Shard], int]:
+    """The fewest shards (a power of two, so an entry's shard changes only when the count
+    does) under SHARD_BYTES each; entries past MAX_SHARDS are dropped and counted."""
+    # What each entry and each shared part (a template, a repository) adds to a shard's
+    # JSON, summed per bucket, so the count is chosen without placing every entry again.
+    shared: dict[str, int] = {}
+    buckets = [_bucket(e) for e in entries]
+    costs: list[int] = []
+    bucket_bytes = [0] * MAX_SHARDS
+    bucket_shared: list[set[str]] = [set() for _ in range(MAX_SHARDS)]
+    for e, b in zip(entries, buckets, strict=True):
+        value = 4 + (len(e.name) + 1 if e.name is not None else 0)
+        if e.kind == "digest":
+            cost = len(e.key) + value + 6
+        else:
+            cost = _json_bytes(e.tag) + value + 4
+            if e.key not in shared:
+                shared[e.key] = _json_bytes(e.key) + 4
+            bucket_shared[b].add(e.key)
+        if e.template not in shared:
+            shared[e.template] = _json_bytes(e.template) + 1
+        bucket_shared[b].add(e.template)
+        bucket_bytes[b] += cost
+        costs.append(cost)
+
+    def loads(count: int) -> list[int]:
+        out = []
+        for i in range(count):
+            members = range(i, MAX_SHARDS, count)
+            parts: set[str] = set().union(*(bucket_shared[b] for b in members))
+            out.append(32 + sum(bucket_bytes[b] for b in members) + sum(shared[k] for k in parts))
+        return out
+
+    count = 1
+    while count < MAX_SHARDS and max(loads(count)) > SHARD_BYTES:
+        count *= 2
+    shards = [Shard() for _ in range(count)]
+    load = [32] * count
+    seen: list[set[str]] = [set() for _ in range(count)]
+    dropped = 0
+    for e, b, cost in zip(entries, buckets, costs, strict=True):
+        i = b % count
+        parts = [
+            k for k in (e.template, e.key if e.kind == "tag" else "") if k and k not in seen[i]
+        ]
+        cost += sum(shared[k] for k in parts)
+        if load[i] + cost > SHARD_BYTES:
+            dropped += 1
+            continue
+        load[i] += cost
+        seen[i].update(parts)
+        shards[i].add(e)
+    return shards, dropped
+
+
+def compile_params(store: VerdictStore, now: dt.datetime) -> Params:
+    """The parameters: every Unusable verdict the policy can read, sharded."""
+    entries, next_change = verdict_entries(store, now)
+    entries.sort(key=lambda e: (e.kind, e.key, e.tag))
+    shards, dropped = shard_entries(entries)
+    return Params(tuple(s.data() for s in shards), len(entries) - dropped, dropped, next_change)
 
 
 def verdicts_of(objects: Iterable[Verdict], tag_ttl: dt.timedelta) -> VerdictStore:
@@ -264,16 +440,6 @@ def requests_mooncake(c: str) -> str:
         f"{script}.matches({_cel(SCRIPT)}) && !{script}.matches({_cel(LATER)}))"
     )
     return f"({direct} || {shell})"
-
-
-def _name_tag(image: str) -> str:
-    """CEL: the name:tag of image expression ``image`` as written, ``:latest`` added
-    when neither tag nor digest is written (as the runtime does)."""
-    return (
-        f"({image}.contains('@') ? {image}.split('@')[0] : "
-        f"({image}.substring({image}.lastIndexOf('/') + 1).contains(':') ? {image} : "
-        f"{image} + ':latest'))"
-    )
 
 
 # --- where the containers are ------------------------------------------------------
@@ -378,122 +544,266 @@ def _kind_containers(config: BackstopConfig) -> tuple[list[dict[str, Any]], str]
     return resource_rules, " + ".join(branches)
 
 
-def _refuses(e: str, x: str) -> str:
-    """CEL: entry ``e`` refuses requesting container ``x`` ([name, image, name:tag])."""
+# --- the policy ------------------------------------------------------------------------
+
+
+def _mentions(c: str) -> str:
+    """CEL: container ``c`` has a word mentioning mooncake (the cheap test that lets
+    every other pod go)."""
     return (
-        f"(({e}[0] == 'digest' && {x}[1].endsWith('@' + {e}[1])) || "
-        f"({e}[0] == 'name' && {x}[2].matches({e}[1])) || "
-        f"({e}[0] == 'tag' && !{x}[1].contains('@') && {x}[2].matches({e}[1])))"
+        f"((has({c}.command) && {c}.command.exists(t, string(t).contains('mooncake'))) || "
+        f"(has({c}.args) && {c}.args.exists(t, string(t).contains('mooncake'))))"
     )
 
 
-def _mode_expression(default: Mode) -> str:
-    labels = "namespaceObject.metadata.labels"
-    value = f"{labels}[{_cel(MODE_LABEL)}].lowerAscii()"
+def _repo(name: str) -> str:
+    """CEL: the normalized repository of ``name`` (a valid reference's name as written),
+    as imageref._split_domain: the first component is a registry host only if it has a
+    dot or a port, is ``localhost`` or has upper case; docker.io's one-component names
+    are under ``library/``."""
+    first = f"{name}.split('/')[0]"
+    is_host = (
+        f"({name}.contains('/') && ({first}.contains('.') || {first}.contains(':') || "
+        f"{first} == 'localhost' || {first}.lowerAscii() != {first}))"
+    )
+    rest = f"{name}.substring(size({first}) + 1)"
+
+    def docker(path: str) -> str:
+        return f"('docker.io/' + ({path}.contains('/') ? {path} : 'library/' + {path}))"
+
     return (
-        f"(namespaceObject != null && has(namespaceObject.metadata.labels) && "
-        f"{_cel(MODE_LABEL)} in {labels} && {value} in {list(MODES)!r}) ? {value} : "
-        f"{_cel(default)}"
+        f"({is_host} ? (({first} == 'docker.io' || {first} == 'index.docker.io') ? "
+        f"{docker(rest)} : {name}) : {docker(name)})"
     )
 
 
-def policy_name(config: BackstopConfig, mode: Mode) -> str:
+def _expand(value: str, default: str) -> str:
+    """CEL: an entry's value (``index`` or ``index name``) → its denial text."""
+    return (
+        f"params.data.r[int({value}.split(' ')[0])].replace({_cel(NAME_SLOT)}, "
+        f"{value}.contains(' ') ? {value}.split(' ')[1] : {default})"
+    )
+
+
+def _verdict_hit(x: str) -> str:
+    """CEL: the denial of the verdict in this shard for container ``x``, or ''."""
+    key = f"{x}[2].substring(0, {DIGEST_KEY})"
+    digest = (
+        f"(has(params.data.d) && {key} in params.data.d ? "
+        f"{_expand(f'params.data.d[{key}]', f'{x}[2]')} : '')"
+    )
+    empty = "''"
+    tag = (
+        f"(has(params.data.t) && {x}[3] in params.data.t && {x}[4] in params.data.t[{x}[3]] ? "
+        f"{_expand(f'params.data.t[{x}[3]][{x}[4]]', empty)} : '')"
+    )
+    # Pinned by digest: the digest's verdict only (a tag's verdict may be about other
+    # bytes; the webhook reads it only when the digests agree).
+    return f"(!has(params.data) ? '' : {x}[2] != '' ? {digest} : {tag})"
+
+
+def _rule_hits(x: str, checks: Sequence[RuleCheck]) -> str:
+    """CEL: the denials of the deny rules container ``x`` matches (shard 0 only, so a
+    rule costs one evaluation per create, not one per shard)."""
+    if not checks:
+        return "[]"
+    tests = []
+    for c in checks:
+        cond = (
+            f"{x}[5].matches({_cel(c.regex)})" if c.regex else f"{x}[2] == {_cel(c.digest or '')}"
+        )
+        tests.append(f"({cond} ? {_cel(c.message)} : '')")
+    first = "has(params.data) && has(params.data.rules) && params.data.rules"
+    return f"({first} ? [{', '.join(tests)}] : [])"
+
+
+def variables(containers: str, checks: Sequence[RuleCheck]) -> list[dict[str, str]]:
+    """The policy's variables, each a list with one item per requesting container:
+    ``c`` [name, image]; ``s`` + name[:tag] as written, digest hex; ``u`` [name, image,
+    hex, name, tag]; ``k`` + the normalized repository and name:tag; ``h`` the denials."""
+    requesting = (
+        f"({containers}).filter(c, has(c.image) && type(c.image) == string && "
+        f"{_mentions('c')} && c.image.matches({_cel(VALID_IMAGE)}) && {requests_mooncake('c')})"
+        ".map(c, [has(c.name) ? string(c.name) : '', string(c.image)])"
+    )
+    split = (
+        "variables.c.map(x, [x[0], x[1], x[1].contains('@') ? x[1].split('@')[0] : x[1], "
+        "x[1].contains('@') ? x[1].split('@')[1].substring(7) : ''])"
+    )
+    tagged = "x[2].substring(x[2].lastIndexOf('/') + 1).contains(':')"
+    name_tag = (
+        f"variables.s.map(x, {tagged} ? "
+        "[x[0], x[1], x[3], x[2].substring(0, x[2].lastIndexOf(':')), "
+        "x[2].substring(x[2].lastIndexOf(':') + 1)] : "
+        "[x[0], x[1], x[3], x[2], x[3] != '' ? '' : 'latest'])"
+    )
+    keys = (
+        f"variables.u.map(x, [x[0], x[1], x[2], {_repo('x[3]')}, x[4]])"
+        f".filter(x, size(x[3]) <= {MAX_NAME})"
+        ".map(x, x + [x[4] != '' ? x[3] + ':' + x[4] : x[3]])"
+    )
+    prefix = (
+        "'epguard (backstop policy): container \"' + x[0] + '\" (image ' + x[1] + ') "
+        f"requests {FLAG} mooncake, '"
+    )
+    hits = (
+        f"variables.k.map(x, ({_rule_hits('x', checks)} + [{_verdict_hit('x')}])"
+        f".filter(m, m != '').map(m, {prefix} + m)).flatten()"
+    )
+    return [
+        {"name": "c", "expression": requesting},
+        {"name": "s", "expression": split},
+        {"name": "u", "expression": name_tag},
+        {"name": "k", "expression": keys},
+        {"name": "h", "expression": hits},
+    ]
+
+
+def inline(stages: Sequence[dict[str, str]]) -> str:
+    """The last stage with every ``variables.<name>`` replaced by its expression."""
+    done: dict[str, str] = {}
+    for v in stages:
+        expr = v["expression"]
+        for name, value in done.items():
+            expr = expr.replace(f"variables.{name}.", f"({value}).")
+        done[v["name"]] = expr
+    return done[stages[-1]["name"]]
+
+
+def _case_variants(word: str) -> list[str]:
+    """Every upper/lower spelling of ``word`` (a label selector compares exactly; the
+    webhook lower-cases the mode label)."""
+    return sorted(
+        {"".join(p) for p in itertools.product(*((ch.lower(), ch.upper()) for ch in word))}
+    )
+
+
+def policy_name(config: BackstopConfig) -> str:
+    return config.name
+
+
+def binding_name(config: BackstopConfig, mode: Mode) -> str:
     return f"{config.name}-{mode}"
 
 
-def policies(config: BackstopConfig) -> list[dict[str, Any]]:
-    """The three ValidatingAdmissionPolicies (one per mode, so each binding can carry
-    its validation action) and their bindings."""
+def object_names(config: BackstopConfig) -> list[str]:
+    """The policy's and the bindings' names (and so the names of the three policies an
+    earlier release kept, one per mode, which the controller removes)."""
+    return [policy_name(config), *(binding_name(config, m) for m in MODES)]
+
+
+def shard_name(config: BackstopConfig, count: int, index: int) -> str:
+    """A shard's name carries the shard count: a new count writes a new set beside the
+    old one, which goes only once the new one is written (no entry is ever missing)."""
+    return f"{config.name}-{count}-{index}"
+
+
+def _labels() -> dict[str, str]:
+    return {"app.kubernetes.io/part-of": "epguard"}
+
+
+def policies(config: BackstopConfig, rules: RuleSet | None = None) -> list[dict[str, Any]]:
+    """The ValidatingAdmissionPolicy and its three bindings (one per mode, each carrying
+    its validation action; the namespace's mode chooses the binding)."""
     resource_rules, containers = _kind_containers(config)
-    entries = (
-        f"has(params.data) && {_cel(PARAMS_KEY)} in params.data ? "
-        f"params.data[{_cel(PARAMS_KEY)}].split('\\n').filter(l, l != '')"
-        ".map(l, l.split('\\t')).filter(e, size(e) == 3) : []"
-    )
-    requesting = (
-        f"({containers}).filter(c, has(c.image) && type(c.image) == string && "
-        f"c.image.matches({_cel(VALID_IMAGE)}) && {requests_mooncake('c')})"
-        f".map(c, [has(c.name) ? string(c.name) : '', string(c.image), "
-        f"{_name_tag('string(c.image)')}])"
-    )
-    hits = f"variables.entries.filter(e, variables.requesting.exists(x, {_refuses('e', 'x')}))"
-    first = f"variables.requesting.filter(x, {_refuses('variables.hits[0]', 'x')})[0]"
+    checks, _ = rule_checks(rules or RuleSet())
     exempt = _skipped("object") if config.allow_skip else "false"
-    message = (
-        f"'epguard (backstop policy): container \"' + {first}[0] "
-        f"+ '\" (image ' + {first}[1] + ') requests {FLAG} mooncake, ' + variables.hits[0][2]"
-    )
-    out: list[dict[str, Any]] = []
+    stages = variables(containers, checks)
+    policy = {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicy",
+        "metadata": {"name": policy_name(config), "labels": _labels()},
+        "spec": {
+            # An error in the backstop itself (an old API server, a hostile object) must
+            # not block the cluster: the webhook still judges.
+            "failurePolicy": "Ignore",
+            "paramKind": {"apiVersion": f"{PARAMS_GROUP}/{PARAMS_VERSION}", "kind": PARAMS_KIND},
+            "matchConstraints": {"resourceRules": resource_rules},
+            # The message's: variables are not visible to matchConditions.
+            "variables": stages,
+            # The whole judgement, one expression (the stages inlined: each uses the one
+            # before it once), so an object nothing in this shard refuses stops here and
+            # never reaches the validation and its message, which the API server
+            # evaluates for every object that gets that far, admitted or not.
+            "matchConditions": [
+                {"name": "refused", "expression": f"!{exempt} && size({inline(stages)}) > 0"}
+            ],
+            "validations": [
+                {
+                    "expression": "false",
+                    "messageExpression": "string(variables.h[0])",
+                    "reason": "Forbidden",
+                }
+            ],
+        },
+    }
+    out: list[dict[str, Any]] = [policy]
+    excluded = sorted({*config.excluded_namespaces, config.params_namespace})
     for mode in MODES:
-        name = policy_name(config, mode)
-        out.append(
-            {
-                "apiVersion": "admissionregistration.k8s.io/v1",
-                "kind": "ValidatingAdmissionPolicy",
-                "metadata": {"name": name, "labels": {"app.kubernetes.io/part-of": "epguard"}},
-                "spec": {
-                    # An error in the backstop itself (an old API server, a hostile
-                    # object) must not block the cluster: the webhook still judges.
-                    "failurePolicy": "Ignore",
-                    "paramKind": {
-                        "apiVersion": f"{PARAMS_GROUP}/{PARAMS_VERSION}",
-                        "kind": PARAMS_KIND,
-                    },
-                    "matchConstraints": {"resourceRules": resource_rules},
-                    "matchConditions": [
-                        {"name": "not-exempt", "expression": f"!{exempt}"},
-                    ],
-                    "variables": [
-                        {"name": "mode", "expression": _mode_expression(config.default_mode)},
-                        {"name": "entries", "expression": entries},
-                        {"name": "requesting", "expression": requesting},
-                        {"name": "hits", "expression": hits},
-                    ],
-                    "validations": [
-                        {
-                            "expression": f"variables.mode != {_cel(mode)} || "
-                            "size(variables.hits) == 0",
-                            "messageExpression": message,
-                            "reason": "Forbidden",
-                        }
-                    ],
-                },
-            }
-        )
+        others = [v for m in MODES if m != mode for v in _case_variants(m)]
+        if mode == config.default_mode:
+            # No label, or one that names no mode: the default.
+            mode_expr = {"key": MODE_LABEL, "operator": "NotIn", "values": others}
+        else:
+            mode_expr = {"key": MODE_LABEL, "operator": "In", "values": _case_variants(mode)}
+        match: dict[str, Any] = {
+            "namespaceSelector": {
+                "matchExpressions": [
+                    {"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": excluded},
+                    {"key": "epguard.io/ignore", "operator": "NotIn", "values": ["true"]},
+                    mode_expr,
+                ]
+            },
+        }
+        if config.object_selector:
+            match["objectSelector"] = config.object_selector
+        if mode != config.default_mode:
+            # A cluster-scoped object has no namespace: the default mode's binding only
+            # (the namespaceSelector does not apply to it).
+            match["resourceRules"] = [
+                {"apiGroups": ["*"], "apiVersions": ["*"], "resources": ["*"],
+                 "operations": ["CREATE"], "scope": "Namespaced"}
+            ]  # fmt: skip
         out.append(
             {
                 "apiVersion": "admissionregistration.k8s.io/v1",
                 "kind": "ValidatingAdmissionPolicyBinding",
-                "metadata": {"name": name, "labels": {"app.kubernetes.io/part-of": "epguard"}},
+                "metadata": {"name": binding_name(config, mode), "labels": _labels()},
                 "spec": {
-                    "policyName": name,
+                    "policyName": policy_name(config),
                     "validationActions": [ACTIONS[mode]],
-                    # Cluster-scoped parameters: no namespace.
-                    "paramRef": {"name": config.name, "parameterNotFoundAction": "Allow"},
-                    "matchResources": {
-                        **(
-                            {"objectSelector": config.object_selector}
-                            if config.object_selector
-                            else {}
-                        ),
-                        "namespaceSelector": {
-                            "matchExpressions": [
-                                {
-                                    "key": "kubernetes.io/metadata.name",
-                                    "operator": "NotIn",
-                                    "values": sorted(
-                                        {*config.excluded_namespaces, config.params_namespace}
-                                    ),
-                                },
-                                {
-                                    "key": "epguard.io/ignore",
-                                    "operator": "NotIn",
-                                    "values": ["true"],
-                                },
-                            ]
-                        },
+                    # Every shard; none at all (not written yet) admits.
+                    "paramRef": {
+                        "selector": {"matchLabels": {SHARD_LABEL: config.name}},
+                        "parameterNotFoundAction": "Allow",
                     },
+                    "matchResources": match,
                 },
+            }
+        )
+    return out
+
+
+def shard_objects(
+    config: BackstopConfig, params: Params, rules: bool = True
+) -> list[dict[str, Any]]:
+    """The RefusedImageLists to write; shard 0 carries ``rules: true``, the flag under
+    which the policy tests the deny rules."""
+    count = len(params.shards)
+    out = []
+    for i, data in enumerate(params.shards):
+        body = dict(data)
+        if i == 0 and rules:
+            body["rules"] = True
+        out.append(
+            {
+                "apiVersion": f"{PARAMS_GROUP}/{PARAMS_VERSION}",
+                "kind": PARAMS_KIND,
+                "metadata": {
+                    "name": shard_name(config, count, i),
+                    "labels": {**_labels(), SHARD_LABEL: config.name},
+                },
+                "data": body,
             }
         )
     return out

@@ -1,9 +1,10 @@
 """Keep the outage backstop (webhook/backstop.py) in the cluster.
 
-The controller owns three ValidatingAdmissionPolicies (one per mode) with their
-bindings, and one parameter object (a RefusedImageList) that lists the refused images. The policies
-change only when the controller's settings do; the parameters follow the rules
-ConfigMap and the ImageVerdicts:
+The controller owns one ValidatingAdmissionPolicy with three bindings (one per mode),
+and the parameter shards (RefusedImageLists labelled ``epguard.io/backstop: <name>``,
+which the bindings select) that hold the Unusable verdicts. The policy changes when the
+controller's settings or the deny rules do (a rule is a constant in the policy, compiled
+once by the API server); the shards follow the ImageVerdicts:
 
 * every ``POLL`` seconds, and at once on an ImageVerdict event, it lists the
   ImageVerdicts into a ``VerdictStore`` (the index the webhook decides by) and reads the
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import datetime as dt
 import json
 import logging
@@ -36,16 +38,20 @@ from kubernetes.client.exceptions import ApiException
 
 from webhook.backstop import (
     PARAMS_GROUP,
-    PARAMS_KIND,
     PARAMS_PLURAL,
     PARAMS_VERSION,
+    SHARD_LABEL,
     BackstopConfig,
     Params,
+    binding_name,
     compile_params,
     policies,
+    rule_checks,
+    shard_objects,
 )
 from webhook.controller.config import ControllerConfig
 from webhook.kube import REQUEST_TIMEOUT, list_all, meta
+from webhook.namespaces import MODES
 from webhook.rules import RulesError, RuleSet, load_rules_text
 from webhook.verdicts import GROUP, MAX_VERDICTS, PLURAL, VERSION, VerdictStore, verdict_from_object
 
@@ -67,7 +73,9 @@ class BackstopState:
     tag_ttl: dt.timedelta
     owner: dict[str, Any] | None = None
     rules: RuleSet = field(default_factory=RuleSet)
-    written: dict[str, str] | None = None
+    # What was last written: the policy objects, and the shards by name.
+    installed: list[dict[str, Any]] | None = None
+    written: dict[str, Any] | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -116,10 +124,17 @@ def _put(read: Any, create: Any, replace: Any, obj: dict[str, Any]) -> None:
     replace(name, obj)
 
 
-def install(api: client.ApiClient, config: BackstopConfig, owner: dict[str, Any] | None) -> None:
-    """Create or replace the policies and their bindings (idempotent)."""
+def install(
+    api: client.ApiClient,
+    config: BackstopConfig,
+    owner: dict[str, Any] | None,
+    rules: RuleSet | None = None,
+) -> list[dict[str, Any]]:
+    """Create or replace the policy and its bindings (idempotent), and remove the three
+    per-mode policies an earlier release kept. Returns what was written."""
     adm = client.AdmissionregistrationV1Api(api)
-    for obj in policies(config):
+    objects = policies(config, rules)
+    for obj in copy.deepcopy(objects):
         if owner is not None:
             obj["metadata"]["ownerReferences"] = [owner]
         if obj["kind"] == "ValidatingAdmissionPolicy":
@@ -136,39 +151,59 @@ def install(api: client.ApiClient, config: BackstopConfig, owner: dict[str, Any]
                 adm.replace_validating_admission_policy_binding,
                 obj,
             )
+    for mode in MODES:
+        _delete_quietly(adm.delete_validating_admission_policy, binding_name(config, mode))
+    return objects
+
+
+def _delete_quietly(delete: Any, *args: Any) -> bool:
+    """Delete; False when it was not there (404) or may not be (403, said once)."""
+    try:
+        delete(*args, _request_timeout=REQUEST_TIMEOUT)
+    except ApiException as exc:
+        # 404: never installed. 403: a chart without the rights to remove it (an older
+        # release); said, so an admin can delete it by hand.
+        if exc.status == 403:
+            log.warning("not allowed to remove %s; delete it by hand", args[-1])
+        elif exc.status != 404:
+            raise
+        return False
+    return True
 
 
 def uninstall(api: client.ApiClient, config: BackstopConfig) -> bool:
     """Remove what ``install`` and the writer made (the backstop turned off after it was
     on); True when something was removed."""
     adm = client.AdmissionregistrationV1Api(api)
-    calls: list[tuple[Any, tuple[str, ...]]] = [
-        (
+    custom = client.CustomObjectsApi(api)
+    removed = False
+    for obj in policies(config):
+        delete = (
             adm.delete_validating_admission_policy
             if obj["kind"] == "ValidatingAdmissionPolicy"
-            else adm.delete_validating_admission_policy_binding,
-            (obj["metadata"]["name"],),
+            else adm.delete_validating_admission_policy_binding
         )
-        for obj in policies(config)
-    ]
-    calls.append(
-        (
-            client.CustomObjectsApi(api).delete_cluster_custom_object,
-            (PARAMS_GROUP, PARAMS_VERSION, PARAMS_PLURAL, config.name),
+        removed |= _delete_quietly(delete, obj["metadata"]["name"])
+    for mode in MODES:  # an earlier release's per-mode policies
+        removed |= _delete_quietly(
+            adm.delete_validating_admission_policy, binding_name(config, mode)
         )
-    )
-    removed = False
-    for delete, args in calls:
-        try:
-            delete(*args, _request_timeout=REQUEST_TIMEOUT)
-            removed = True
-        except ApiException as exc:
-            # 404: never installed. 403: a chart without the rights to remove it (an
-            # older release); said once, so an admin can delete it by hand.
-            if exc.status == 403:
-                log.warning("not allowed to remove %s; delete it by hand", args[-1])
-            elif exc.status != 404:
-                raise
+    # An earlier release's single parameter object, then every shard.
+    args = (PARAMS_GROUP, PARAMS_VERSION, PARAMS_PLURAL)
+    removed |= _delete_quietly(custom.delete_cluster_custom_object, *args, config.name)
+    try:
+        gone = custom.delete_collection_cluster_custom_object(
+            *args,
+            label_selector=f"{SHARD_LABEL}={config.name}",
+            _request_timeout=REQUEST_TIMEOUT,
+        )
+    except ApiException as exc:
+        if exc.status == 403:
+            log.warning("not allowed to remove the backstop's shards; delete them by hand")
+        elif exc.status != 404:
+            raise
+    else:
+        removed |= bool(isinstance(gone, dict) and gone.get("items"))
     return removed
 
 
@@ -192,29 +227,48 @@ def read_rules(api: client.ApiClient, state: BackstopState) -> RuleSet:
         return state.rules
 
 
-def write_params(api: client.ApiClient, config: BackstopConfig, params: Params) -> None:
-    """Create or replace the RefusedImageList the policies read."""
+def write_params(
+    api: client.ApiClient,
+    config: BackstopConfig,
+    params: Params,
+    written: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Write the shards (each created or replaced at the resourceVersion read; one equal
+    to what was last written is left alone), then remove the shards of another count and
+    an earlier release's single object, only once the new set is all there, so no entry
+    is ever missing. Returns the shards' data by name."""
     custom = client.CustomObjectsApi(api)
     args = (PARAMS_GROUP, PARAMS_VERSION, PARAMS_PLURAL)
-    body: dict[str, Any] = {
-        "apiVersion": f"{PARAMS_GROUP}/{PARAMS_VERSION}",
-        "kind": PARAMS_KIND,
-        "metadata": {"name": config.name, "labels": {"app.kubernetes.io/part-of": "epguard"}},
-        "data": params.data(),
-    }
-    try:
-        current = custom.get_cluster_custom_object(
-            *args, config.name, _request_timeout=REQUEST_TIMEOUT
-        )
-    except ApiException as exc:
-        if exc.status != 404:
-            raise
-        custom.create_cluster_custom_object(*args, body, _request_timeout=REQUEST_TIMEOUT)
-        return
-    body["metadata"]["resourceVersion"] = meta(current if isinstance(current, dict) else {}).get(
-        "resourceVersion"
+    bodies = shard_objects(config, params)
+    now: dict[str, Any] = {}
+    for body in bodies:
+        name = body["metadata"]["name"]
+        now[name] = body["data"]
+        if written is not None and written.get(name) == body["data"]:
+            continue
+        try:
+            current = custom.get_cluster_custom_object(
+                *args, name, _request_timeout=REQUEST_TIMEOUT
+            )
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            custom.create_cluster_custom_object(*args, body, _request_timeout=REQUEST_TIMEOUT)
+            continue
+        body["metadata"]["resourceVersion"] = meta(
+            current if isinstance(current, dict) else {}
+        ).get("resourceVersion")
+        custom.replace_cluster_custom_object(*args, name, body, _request_timeout=REQUEST_TIMEOUT)
+    listed = custom.list_cluster_custom_object(
+        *args, label_selector=f"{SHARD_LABEL}={config.name}", _request_timeout=REQUEST_TIMEOUT
     )
-    custom.replace_cluster_custom_object(*args, config.name, body, _request_timeout=REQUEST_TIMEOUT)
+    for item in listed.get("items", []) if isinstance(listed, dict) else []:
+        name = meta(item).get("name")
+        if isinstance(name, str) and name not in now:
+            _delete_quietly(custom.delete_cluster_custom_object, *args, name)
+    if written is None:
+        _delete_quietly(custom.delete_cluster_custom_object, *args, config.name)
+    return now
 
 
 def read_verdicts(api: client.ApiClient, tag_ttl: dt.timedelta) -> VerdictStore:
@@ -228,17 +282,23 @@ def read_verdicts(api: client.ApiClient, tag_ttl: dt.timedelta) -> VerdictStore:
 
 
 def sync_once(api: client.ApiClient, state: BackstopState, now: dt.datetime) -> Params:
-    """Compile and, when it changed, write the parameters. Returns what was compiled."""
+    """Reinstall the policy when the rules changed, then compile and, when they changed,
+    write the shards. Returns what was compiled."""
     state.rules = read_rules(api, state)
+    wanted = policies(state.config, state.rules)
+    if wanted != state.installed:
+        state.installed = install(api, state.config, state.owner, state.rules)
+        _, left = rule_checks(state.rules)
+        log.info("backstop policy written (%d deny rules left to the webhook)", left)
     store = read_verdicts(api, state.tag_ttl)
-    params = compile_params(state.rules, store, now)
-    data = params.data()
-    if data != state.written:
-        write_params(api, state.config, params)
-        state.written = data
+    params = compile_params(store, now)
+    wanted_data = {o["metadata"]["name"]: o["data"] for o in shard_objects(state.config, params)}
+    if wanted_data != state.written:
+        state.written = write_params(api, state.config, params, state.written)
         log.info(
-            "backstop parameters written: %d refused images (%d did not fit)",
-            len(params.entries),
+            "backstop parameters written: %d refused images in %d shards (%d did not fit)",
+            params.kept,
+            len(params.shards),
             params.dropped,
         )
     return params
