@@ -62,6 +62,9 @@ class Outcome:
         # the environment the worker would start with there.
         self.fs = None
         self.environ = None
+        # Why the image's files did not decide (out of time, unreadable), said in the
+        # evidence: the probe's fast path failed and the import decided instead.
+        self.static_note = None
 
 
 class Verdict:
@@ -387,6 +390,8 @@ def diagnose(o):
                     mod, _one_line(_first_error(ev) or v.cause, 300)))
                 break
         evidence.append("request: " + o.request.describe())
+        if getattr(o, "static_note", None):
+            evidence.append("files: " + o.static_note)
         v.evidence = evidence
         return v
 

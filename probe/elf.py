@@ -11,8 +11,10 @@ imported torch (torch preloads its nvidia-* libraries by full path, so
 ``libcudart.so.13`` resolves there and nowhere on disk).
 """
 
+import collections
 import os
 import posixpath
+import stat
 import struct
 
 _DT_NEEDED = 1
@@ -22,6 +24,26 @@ _DT_RPATH = 15
 _DT_RUNPATH = 29
 _PT_LOAD = 1
 _PT_DYNAMIC = 2
+
+# Limits on what one ELF file may make the reader do, each with its reason. Anything
+# past one makes the file unreadable (None): an unreadable file proves nothing, so the
+# import decides, and no limit can turn into a false "missing" (a truncated RUNPATH
+# could). Every step below is linear in these.
+# The dynamic section: real ones are under 1 KiB (libtorch_cpu.so: ~600 bytes).
+MAX_DYNAMIC_BYTES = 64 << 10
+# DT_NEEDED / DT_RPATH / DT_RUNPATH entries: real libraries have a few dozen.
+MAX_DEPENDENCIES = 1024
+# One name or path list: PATH_MAX, the longest name open() accepts.
+MAX_NAME_BYTES = 4096
+# The stretch of the string table the names lie in (read once, forward, so a stream
+# works): libtorch_cpu.so's needed names lie 5 MB into a 5 MB table, close together.
+MAX_STRINGS_SPAN = 16 << 20
+# ld.so.conf and its includes: a real one lists a few dozen directories.
+MAX_CONF_FILES = 64
+MAX_SEARCH_DIRS = 1024
+# Existence checks in one dependency walk (each a stat): a real walk of
+# libmooncake_pg.so does a few thousand. Past it the walk stops, incomplete.
+MAX_LOOKUPS = 100000
 
 _DEFAULT_DIRS = (
     "/lib/x86_64-linux-gnu",
@@ -33,6 +55,33 @@ _DEFAULT_DIRS = (
     "/lib",
     "/usr/lib",
 )
+
+
+class Malformed(ValueError):
+    """An ELF file past one of the limits above, or inconsistent with itself."""
+
+
+def open_regular(path):
+    """A binary file object for ``path`` if it is a regular file; else None.
+
+    Opened non-blocking (a FIFO or a device in an image must not hang the probe:
+    open() of a FIFO with no writer waits forever) and checked with fstat on the
+    descriptor itself, so what is read is what was checked.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
+    flags |= getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except (OSError, ValueError):  # ValueError: a NUL in the name
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return None
+        return os.fdopen(fd, "rb")
+    except OSError:
+        os.close(fd)
+        return None
 
 
 class Dynamic:
@@ -51,23 +100,26 @@ def read_dynamic(path):
 
     Reads only the headers, the dynamic section and the strings it points at:
     libmooncake_pg.so is 160 MB, and a cold node would read all of it otherwise.
+    Only a regular file is opened (see :func:`open_regular`).
     """
-    try:
-        with open(path, "rb") as f:
-            return _read_dynamic(f, path)
-    except (OSError, struct.error):
+    f = open_regular(path)
+    if f is None:
         return None
+    with f:
+        return read_dynamic_file(f, path)
 
 
 def read_dynamic_file(f, path):
     """:func:`read_dynamic` of an open binary file (any object with seek and read)."""
     try:
         return _read_dynamic(f, path)
-    except (OSError, struct.error, ValueError):
+    except (OSError, struct.error, ValueError, OverflowError, MemoryError):
         return None
 
 
 def _read_at(f, offset, size):
+    if offset < 0 or size < 0:
+        raise Malformed("negative offset or size")
     f.seek(offset)
     return f.read(size)
 
@@ -88,12 +140,12 @@ def _read_dynamic(f, path):
         ph_fmt, dyn_fmt = end + "IIIIIIII", end + "iI"
     else:
         return None
+    # ld.so refuses any other e_phentsize; with it the table is at most 64 Ki x 56 bytes.
+    if phentsize != struct.calcsize(ph_fmt):
+        return None
     table = _read_at(f, phoff, phentsize * phnum)
     loads, dynamic = [], None
-    for i in range(phnum):
-        off = i * phentsize
-        if off + struct.calcsize(ph_fmt) > len(table):
-            break
+    for off in range(0, min(phnum * phentsize, len(table) - phentsize + 1), phentsize):
         fields = struct.unpack_from(ph_fmt, table, off)
         if elf_class == 2:
             p_type, p_offset, p_vaddr, p_filesz = fields[0], fields[2], fields[3], fields[5]
@@ -101,48 +153,80 @@ def _read_dynamic(f, path):
             p_type, p_offset, p_vaddr, p_filesz = fields[0], fields[1], fields[2], fields[4]
         if p_type == _PT_LOAD:
             loads.append((p_vaddr, p_offset, p_filesz))
-        elif p_type == _PT_DYNAMIC:
+        elif p_type == _PT_DYNAMIC and dynamic is None:
             dynamic = (p_offset, p_filesz)
     if dynamic is None:
         return Dynamic(path, [], [], [], elf_class)
+    if dynamic[1] > MAX_DYNAMIC_BYTES:
+        return None
 
     raw = _read_at(f, dynamic[0], dynamic[1])
-    entries = []
     size = struct.calcsize(dyn_fmt)
-    off = 0
-    while off + size <= len(raw):
+    strtab_addr = strsz = None
+    refs = []  # (tag, offset into the string table), in order
+    for off in range(0, len(raw) - size + 1, size):
         tag, val = struct.unpack_from(dyn_fmt, raw, off)
         if tag == 0:
             break
-        entries.append((tag, val))
-        off += size
-
-    strtab = strsz = None
-    for tag, val in entries:
-        if tag == _DT_STRTAB:
-            # DT_STRTAB is a virtual address; map it back to a file offset.
-            for vaddr, foff, fsz in loads:
-                if vaddr <= val < vaddr + fsz:
-                    strtab = val - vaddr + foff
-        elif tag == _DT_STRSZ:
+        if tag == _DT_STRTAB and strtab_addr is None:
+            strtab_addr = val
+        elif tag == _DT_STRSZ and strsz is None:
             strsz = val
+        elif tag in (_DT_NEEDED, _DT_RPATH, _DT_RUNPATH):
+            refs.append((tag, val))
+            if len(refs) > MAX_DEPENDENCIES:
+                return None
+    if strtab_addr is None or not refs:
+        return Dynamic(path, [], [], [], elf_class)
+    # DT_STRTAB is a virtual address; map it back to a file offset (first load wins).
+    strtab = None
+    for vaddr, foff, fsz in loads:
+        if vaddr <= strtab_addr < vaddr + fsz:
+            strtab = strtab_addr - vaddr + foff
+            break
     if strtab is None:
         return Dynamic(path, [], [], [], elf_class)
-    strings = _read_at(f, strtab, strsz if strsz else 1 << 20)
+    # One forward read of the stretch that holds every name, each cut at its NUL.
+    first = min(v for _, v in refs)
+    stop = max(v for _, v in refs) + MAX_NAME_BYTES + 1
+    if strsz:
+        if max(v for _, v in refs) >= strsz:
+            return None
+        stop = min(stop, strsz)
+    if stop - first > MAX_STRINGS_SPAN:
+        return None
+    strings = _read_at(f, strtab + first, stop - first)
 
     def string(at):
-        stop = strings.find(b"\x00", at)
-        return strings[at:stop if stop >= 0 else None].decode("utf-8", "replace")
+        at -= first
+        nul = strings.find(b"\x00", at, at + MAX_NAME_BYTES + 1)
+        if nul < 0:
+            raise Malformed(f"a name without its NUL within {MAX_NAME_BYTES} bytes")
+        return strings[at:nul].decode("utf-8", "replace")
 
     needed, rpath, runpath = [], [], []
-    for tag, val in entries:
+    for tag, val in refs:
         if tag == _DT_NEEDED:
             needed.append(string(val))
         elif tag == _DT_RPATH:
             rpath.extend(p for p in string(val).split(":") if p)
-        elif tag == _DT_RUNPATH:
+        else:
             runpath.extend(p for p in string(val).split(":") if p)
     return Dynamic(path, needed, rpath, runpath, elf_class)
+
+
+def search_list(value, limit=MAX_SEARCH_DIRS):
+    """The entries of a ``:``-separated search path, empty ones and repeats dropped
+    (the first occurrence is the one a search meets), in one pass; and whether more
+    than ``limit`` distinct entries were cut."""
+    out, seen = [], set()
+    for d in (value or "").split(":"):
+        if d and d not in seen:
+            if len(out) >= limit:
+                return out, True
+            seen.add(d)
+            out.append(d)
+    return out, False
 
 
 def _expand(entry, origin):
@@ -150,17 +234,18 @@ def _expand(entry, origin):
 
 
 def _ld_so_conf_dirs(fs, conf="/etc/ld.so.conf", seen=None):
-    """Directories listed in ld.so.conf (with its includes): what ld.so.cache covers."""
+    """Directories listed in ld.so.conf (with its includes): what ld.so.cache covers.
+
+    At most MAX_CONF_FILES files, each read whole only up to files.MAX_TEXT_BYTES."""
     seen = set() if seen is None else seen
-    if conf in seen or len(seen) > 64:
+    if conf in seen or len(seen) >= MAX_CONF_FILES:
         return []
     seen.add(conf)
     dirs = []
     text = fs.read_text(conf)
     if text is None:
         return dirs
-    lines = text.splitlines()
-    for line in lines:
+    for line in text.splitlines():
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
@@ -168,7 +253,7 @@ def _ld_so_conf_dirs(fs, conf="/etc/ld.so.conf", seen=None):
             pattern = line.split(None, 1)[1] if len(line.split(None, 1)) > 1 else ""
             if not posixpath.isabs(pattern):
                 pattern = posixpath.join(posixpath.dirname(conf), pattern)
-            for inc in fs.glob(pattern):
+            for inc in fs.glob(pattern)[:MAX_CONF_FILES]:
                 dirs.extend(_ld_so_conf_dirs(fs, inc, seen))
         else:
             dirs.append(line)
@@ -183,69 +268,125 @@ def _live():
     return files.LIVE
 
 
+class SearchPath(list):
+    """Directories in search order; ``cut`` when the limit left some out (then a
+    library "not found" may be in one of those: the walk proves no absence)."""
+
+    cut = False
+
+
 def system_dirs(fs=None, environ=None):
-    """Search path after RPATH/RUNPATH: LD_LIBRARY_PATH, ld.so.conf dirs, defaults."""
+    """Search path after RPATH/RUNPATH: LD_LIBRARY_PATH, ld.so.conf dirs, defaults.
+
+    Linear in their length; at most MAX_SEARCH_DIRS distinct directories."""
     fs = fs or _live()
     environ = os.environ if environ is None else environ
-    env = [d for d in environ.get("LD_LIBRARY_PATH", "").split(":") if d]
-    out = []
-    for d in env + _ld_so_conf_dirs(fs) + list(_DEFAULT_DIRS):
-        if d not in out:
-            out.append(d)
+    joined = ":".join([environ.get("LD_LIBRARY_PATH", "")] + _ld_so_conf_dirs(fs)
+                      + list(_DEFAULT_DIRS))
+    dirs, cut = search_list(joined)
+    out = SearchPath(dirs)
+    out.cut = cut
     return out
+
+
+class Walk(list):
+    """``[(library, needed_by_basename)]``; ``complete`` is False when a limit (files,
+    lookups, a cut search path) stopped the walk early: absent names are then not
+    proven absent."""
+
+    complete = True
 
 
 def missing_libraries(roots, loaded=(), search=None, max_files=200, fs=None):
     """Every DT_NEEDED name reachable from ``roots`` that the loader could not find.
 
     ``loaded`` are paths already mapped in the importing process (their basenames
-    satisfy a DT_NEEDED of the same name, as ld.so matches on soname). Returns
-    ``[(library, needed_by_basename)]`` in first-seen order.
+    satisfy a DT_NEEDED of the same name, as ld.so matches on soname). Returns a
+    :class:`Walk`, ``[(library, needed_by_basename)]`` in first-seen order.
+
+    Bounded: at most ``max_files`` objects and MAX_LOOKUPS existence checks; a name is
+    looked up in the shared search path once per walk, whoever needs it.
     """
     fs = fs or _live()
     search = system_dirs(fs) if search is None else search
+    out = Walk()
+    if getattr(search, "cut", False):
+        out.complete = False
     loaded_names = {posixpath.basename(p) for p in loaded}
-    missing = []
     seen_missing = set()
     visited = set()
+    in_search = {}  # name -> path found in ``search``, or None
+    lookups = [0]
+
+    def exists(cand):
+        lookups[0] += 1
+        return fs.exists(cand)
+
+    def find(name, dirs):
+        for d in dirs:
+            if lookups[0] >= MAX_LOOKUPS:
+                raise _Exhausted()
+            cand = posixpath.join(d, name)
+            if exists(cand):
+                return cand
+        return None
+
     # (path, inherited DT_RPATH dirs of the objects that loaded it)
-    queue = [(fs.realpath(r), []) for r in roots]
-    while queue and len(visited) < max_files:
-        path, inherited = queue.pop(0)
-        if path in visited:
-            continue
-        visited.add(path)
-        dyn = fs.dynamic(path)
-        if dyn is None:
-            continue
-        origin = posixpath.dirname(path)
-        own_rpath = [_expand(e, origin) for e in dyn.rpath]
-        own_runpath = [_expand(e, origin) for e in dyn.runpath]
-        # ld.so ignores DT_RPATH when the object has DT_RUNPATH, and RUNPATH does
-        # not propagate to the object's dependencies.
-        if own_runpath:
-            first, passed_down = [], []
-            after_env = own_runpath
-        else:
-            first = own_rpath + inherited
-            passed_down = first
-            after_env = []
-        for name in dyn.needed:
-            if name in loaded_names:
+    queue = collections.deque((fs.realpath(r), []) for r in roots)
+    try:
+        while queue:
+            path, inherited = queue.popleft()
+            if path in visited:
                 continue
-            if "/" in name:
-                found = name if fs.exists(name) else None
+            if len(visited) >= max_files:
+                out.complete = False
+                break
+            visited.add(path)
+            dyn = fs.dynamic(path)
+            if dyn is None:
+                continue
+            origin = posixpath.dirname(path)
+            own_rpath = [_expand(e, origin) for e in dyn.rpath]
+            own_runpath = [_expand(e, origin) for e in dyn.runpath]
+            # ld.so ignores DT_RPATH when the object has DT_RUNPATH, and RUNPATH does
+            # not propagate to the object's dependencies.
+            if own_runpath:
+                first, passed_down = [], []
+                after_env = own_runpath
             else:
-                found = None
-                for d in first + after_env + search:
-                    cand = posixpath.join(d, name)
-                    if fs.exists(cand):
-                        found = cand
-                        break
-            if found is None:
-                if name not in seen_missing:
-                    seen_missing.add(name)
-                    missing.append((name, posixpath.basename(path)))
-                continue
-            queue.append((fs.realpath(found), passed_down))
-    return missing
+                first = own_rpath + inherited
+                if len(first) > MAX_SEARCH_DIRS:
+                    first = first[:MAX_SEARCH_DIRS]
+                    out.complete = False
+                passed_down = first
+                after_env = own_runpath
+            for name in dyn.needed:
+                if name in loaded_names:
+                    continue
+                if "/" in name:
+                    found = name if exists(name) else None
+                else:
+                    # The object's own RPATH (or RUNPATH) first, then the shared
+                    # search path, looked up once per name for the whole walk.
+                    own = first + after_env
+                    if len(own) > MAX_SEARCH_DIRS:
+                        own = own[:MAX_SEARCH_DIRS]
+                        out.complete = False
+                    found = find(name, own)
+                    if found is None:
+                        if name not in in_search:
+                            in_search[name] = find(name, search)
+                        found = in_search[name]
+                if found is None:
+                    if name not in seen_missing:
+                        seen_missing.add(name)
+                        out.append((name, posixpath.basename(path)))
+                    continue
+                queue.append((fs.realpath(found), passed_down))
+    except _Exhausted:
+        out.complete = False
+    return out
+
+
+class _Exhausted(Exception):
+    pass

@@ -14,6 +14,7 @@ import fnmatch
 import os
 import posixpath
 import re
+import time
 
 try:
     from . import elf
@@ -23,9 +24,18 @@ except ImportError:  # run as `python3 probe`: the directory itself is on sys.pa
 # pybind11 registers every Python-visible name with a string literal, so a name a
 # compiled module exports is a NUL-terminated identifier somewhere in its file.
 _IDENT_RE = re.compile(rb"(?<![\x21-\x7e])([A-Za-z_][A-Za-z0-9_]{1,63})(?=\x00)")
-# The compiled modules searched for names are a few MB; anything far larger is not one.
-MAX_STRINGS_BYTES = 64 << 20
+# What the diagnosis reads of an image, each file whole or not at all (a cut file
+# could hide a definition and make a name look missing). ``epguard scan`` reads the
+# same files with these same limits (import them from here):
+# - a text file (mooncake's loaders, METADATA, torch/version.py, ld.so.conf, _pg_jit
+#   sources): the largest real one is ~100 KB;
 MAX_TEXT_BYTES = 1 << 20
+# - a compiled module searched for the names it defines: real pg_*/ep_* are a few MB.
+MAX_STRINGS_BYTES = 64 << 20
+
+
+class OutOfTime(Exception):
+    """The reading of an image's files ran past its deadline (see :class:`Live`)."""
 
 
 def identifier_strings(data):
@@ -33,44 +43,76 @@ def identifier_strings(data):
     return {m.decode("ascii") for m in _IDENT_RE.findall(data)}
 
 
+def read_regular(path, limit):
+    """The bytes of ``path`` if it is a regular file of at most ``limit`` bytes; else
+    None. Never blocks on a FIFO or a device (:func:`elf.open_regular`), never reads
+    more than ``limit + 1`` bytes (a file may grow, or lie about its size, as /proc
+    files do)."""
+    f = elf.open_regular(path)
+    if f is None:
+        return None
+    try:
+        with f:
+            if os.fstat(f.fileno()).st_size > limit:
+                return None
+            data = f.read(limit + 1)
+    except OSError:
+        return None
+    return data if len(data) <= limit else None
+
+
 class Live:
-    """The filesystem this process sees, from ``/``."""
+    """The filesystem this process sees, from ``/``.
+
+    With ``deadline`` (a ``time.monotonic()`` value) every call after it raises
+    :class:`OutOfTime`: the probe's reading of its own root ends with --timeout.
+    """
+
+    def __init__(self, deadline=None):
+        self.deadline = deadline
+
+    def _tick(self):
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise OutOfTime("the image's files were not read within the deadline")
 
     def listdir(self, path):
+        self._tick()
         return os.listdir(path)
 
     def isdir(self, path):
+        self._tick()
         return os.path.isdir(path)
 
     def isfile(self, path):
+        self._tick()
         return os.path.isfile(path)
 
     def exists(self, path):
+        self._tick()
         return os.path.exists(path)
 
     def realpath(self, path):
+        self._tick()
         return os.path.realpath(path)
 
     def read_text(self, path, limit=MAX_TEXT_BYTES):
-        """The file's text, at most ``limit`` bytes; None if it cannot be read."""
-        try:
-            with open(path, "rb") as f:
-                return f.read(limit).decode("utf-8", "replace")
-        except OSError:
-            return None
+        """The text of a regular file of at most ``limit`` bytes; None otherwise."""
+        self._tick()
+        data = read_regular(path, limit)
+        return None if data is None else data.decode("utf-8", "replace")
 
     def dynamic(self, path):
+        self._tick()
         return elf.read_dynamic(path)
 
     def strings(self, path):
-        try:
-            with open(path, "rb") as f:
-                data = f.read(MAX_STRINGS_BYTES)
-        except OSError:
-            return None
-        return identifier_strings(data)
+        """The identifiers in a regular file of at most MAX_STRINGS_BYTES; else None."""
+        self._tick()
+        data = read_regular(path, MAX_STRINGS_BYTES)
+        return None if data is None else identifier_strings(data)
 
     def glob(self, pattern):
+        self._tick()
         return glob_with(self, pattern)
 
 

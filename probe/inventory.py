@@ -15,8 +15,9 @@ import re
 import sys
 
 try:
-    from . import files
+    from . import elf, files
 except ImportError:  # run as `python3 probe`: the directory itself is on sys.path
+    import elf
     import files
 
 _EXT_RE = re.compile(r"^(pg|ep)_(\d+(?:_\d+)*)(\..*)$")
@@ -24,8 +25,9 @@ _EXT_RE = re.compile(r"^(pg|ep)_(\d+(?:_\d+)*)(\..*)$")
 
 def _read_metadata(path, fs=None):
     name = version = None
-    # The headers come first; 64 KiB is far more than any real header block.
-    text = (fs or files.LIVE).read_text(path, 64 * 1024)
+    # Read whole (a regular file of at most files.MAX_TEXT_BYTES, as the scan reads
+    # it); the headers come first.
+    text = (fs or files.LIVE).read_text(path)
     for line in (text or "").splitlines():
         if not line.strip():
             break
@@ -188,9 +190,14 @@ def dist_version(dist, path=None, fs=None):
 
 
 def which(name, fs, environ):
-    """``shutil.which`` in another root: the first PATH entry holding ``name``."""
-    for d in (environ.get("PATH") or os.defpath).split(":"):
-        cand = posixpath.join(d or ".", name)
+    """``shutil.which`` in another root: the first PATH entry holding ``name``.
+
+    Repeated entries are looked at once, and at most elf.MAX_SEARCH_DIRS of them: what
+    this answers (ninja, nvcc for the JIT build) never proves a cause on its own."""
+    value = environ.get("PATH") or os.defpath
+    dirs, _ = elf.search_list(":".join(d or "." for d in value.split(":")))
+    for d in dirs:
+        cand = posixpath.join(d, name)
         if fs.isfile(cand):
             return cand
     return None

@@ -23,17 +23,19 @@ differ, so only the import confirms it in a pod.
 Standard library only; Python 3.8 syntax.
 """
 
+import bisect
 import posixpath
 import re
 
 try:
-    from . import diagnosis, inventory
+    from . import diagnosis, files, inventory
     from . import elf as elf_mod
     from . import engine as engine_mod
 except ImportError:  # run as `python3 probe`: the directory itself is on sys.path
     import diagnosis
     import elf as elf_mod
     import engine as engine_mod
+    import files
     import inventory
 
 # Mounted into the container by the NVIDIA runtime on a GPU node, never in an image.
@@ -56,9 +58,21 @@ _LOADER_RE = re.compile(
 _RAISE_RE = re.compile(r"raise\s+ImportError\(\s*f?[\"']([^\"'\\\n]*)")
 _DEFINED_RE = re.compile(r"^(?:def|class)\s+([A-Za-z_]\w*)|^([A-Za-z_]\w*)\s*=", re.M)
 _CPP_NAME_RE = re.compile(r"\"([A-Za-z_]\w*)\"")
-_TORCH_VERSION_RE = re.compile(r"^__version__\s*(?::[^=\n]*)?=\s*[\"']([^\"']+)[\"']", re.M)
-_TORCH_CUDA_RE = re.compile(r"^cuda\s*(?::[^=\n]*)?=\s*(?:[\"']([^\"']*)[\"']|None)", re.M)
+# A value never spans lines: a quote left open must not make every later attempt scan
+# to the end of the file (quadratic in it).
+_TORCH_VERSION_RE = re.compile(
+    r"^__version__[ \t]*(?::[^=\n]*)?=[ \t]*[\"']([^\"'\n]+)[\"']", re.M)
+_TORCH_CUDA_RE = re.compile(
+    r"^cuda[ \t]*(?::[^=\n]*)?=[ \t]*(?:[\"']([^\"'\n]*)[\"']|None)", re.M)
 _CUDART_RE = re.compile(r"libcudart\.so\.(\d+)$")
+# Limits with their reasons. sys.path entries: a real interpreter has ~10, and every
+# lookup walks all of them; past this many the files decide nothing (a package in an
+# entry not read could be the one imported).
+MAX_PATH_ENTRIES = 1024
+# Compiled modules one loader names: real ones name one or two.
+MAX_LOADER_TARGETS = 64
+# Entries looked at under MOONCAKE_PG_JIT_DIR for a prebuilt adapter.
+MAX_JIT_DIR_ENTRIES = 4096
 
 
 class Image:
@@ -95,7 +109,7 @@ def torch_facts(image):
     dirs = inventory.package_dirs("torch", image.path, image.fs)
     meta = inventory.dist_version("torch", image.path, image.fs)
     for d in dirs:
-        text = image.fs.read_text(posixpath.join(d, "version.py"), 64 * 1024)
+        text = image.fs.read_text(posixpath.join(d, "version.py"))
         if text is None:
             continue
         v = _TORCH_VERSION_RE.search(text)
@@ -142,10 +156,19 @@ class Loader:
         self.path = path
         self.text = text or ""
         self.targets = []  # [(module leaf name, raise text or None)]
+        # Too many to be a real loader: read as unreadable (the import decides).
+        self.unreadable = False
+        # The raise after each import_module: every raise found once, then a bisect
+        # (a search from each import would be quadratic in a hostile loader).
+        raises = [(r.start(), r.group(1)) for r in _RAISE_RE.finditer(self.text)]
+        starts = [at for at, _ in raises]
         for m in _LOADER_RE.finditer(self.text):
+            if len(self.targets) >= MAX_LOADER_TARGETS:
+                self.targets, self.unreadable = [], True
+                break
             leaf = m.group(1) + ("{suffix}" if m.group(2) else "")
-            said = _RAISE_RE.search(self.text, m.end())
-            self.targets.append((leaf, said.group(1) if said else None))
+            i = bisect.bisect_left(starts, m.end())
+            self.targets.append((leaf, raises[i][1] if i < len(raises) else None))
 
     def defined(self):
         return {a or b for a, b in _DEFINED_RE.findall(self.text)}
@@ -213,6 +236,8 @@ def _module_events(image, o, module, tag, cuda_major, mapped):
         return [({"ok": False, "static": True, "error": _error(
             ("ModuleNotFoundError", f"No module named '{module}'"))}, True)]
     loader = Loader(py, fs.read_text(py) if py else None)
+    if loader.unreadable:
+        return []
     key = (tag or "").replace(".", "_")
     targets, known = [], bool(loader.targets)
     for name, said in loader.targets:
@@ -238,20 +263,28 @@ def _module_events(image, o, module, tag, cuda_major, mapped):
                 "cannot build the adapter in this image"))}, False))
     roots = list(targets) + (list(pkg.ep_core) if leaf == "ep" and not known else [])
     roots += list(pkg.libs)
-    missing = [n for n, _ in elf_mod.missing_libraries(
-        roots, loaded=mapped, search=elf_mod.system_dirs(fs, image.environ), fs=fs)]
+    walk = elf_mod.missing_libraries(
+        roots, loaded=mapped, search=elf_mod.system_dirs(fs, image.environ), fs=fs)
+    missing = [n for n, _ in walk]
     if missing:
         cudart = [n for n in missing if _CUDART_RE.match(n)
                   and cuda_major is not None and int(_CUDART_RE.match(n).group(1)) != cuda_major]
         first = (cudart or missing)[0]
+        # A walk a limit cut short proves no absence: the library may be where it
+        # did not look.
         events.append(({"ok": False, "static": True, "missing_libraries": missing, "error": _error(
             ("ImportError", f"{first}: cannot open shared object file: No such file or "
-                            "directory"))}, bool(cudart)))
+                            "directory"))}, bool(cudart) and walk.complete))
     names = (o.requirement.names or {}).get(module, [])
     if names and (known or jit or so):
         have = set(loader.defined())
         for path in targets:
-            have |= fs.strings(path) or set()
+            found = fs.strings(path)
+            if found is None:
+                # Unreadable (or over MAX_STRINGS_BYTES): what it defines is unknown,
+                # so no name can be said to be missing.
+                return events
+            have |= found
         if jit:
             for d in pkg.dirs:
                 cpp = fs.read_text(posixpath.join(d, "_pg_jit", "pg_py.cpp"))
@@ -272,16 +305,22 @@ def _jit_missing(image):
     return inventory.jit_prerequisites(None, image.fs, image.environ)
 
 
-def _has_compiled(fs, d, depth):
+def _has_compiled(fs, d, depth, budget=None):
+    """Whether a ``.so`` lies within ``depth`` levels under ``d``; at most
+    MAX_JIT_DIR_ENTRIES entries looked at in all (256 per directory)."""
+    budget = [MAX_JIT_DIR_ENTRIES] if budget is None else budget
     try:
         names = fs.listdir(d)
     except OSError:
         return False
     for n in names[:256]:
+        if budget[0] <= 0:
+            return False
+        budget[0] -= 1
         p = posixpath.join(d, n)
         if n.endswith(".so") and fs.isfile(p):
             return True
-        if depth > 0 and fs.isdir(p) and _has_compiled(fs, p, depth - 1):
+        if depth > 0 and fs.isdir(p) and _has_compiled(fs, p, depth - 1, budget):
             return True
     return False
 
@@ -290,6 +329,16 @@ def read(image, request, requirement=None):
     """Every image cause the files show for ``request`` (a cmdline.Request)."""
     facts = Facts()
     fs = image.fs
+    path, seen = [], set()
+    for entry in image.path:
+        if entry not in seen:
+            seen.add(entry)
+            path.append(entry)
+    if len(path) > MAX_PATH_ENTRIES:
+        facts.notes.append(f"more than {MAX_PATH_ENTRIES} sys.path entries: the files "
+                           "decide nothing, the import does")
+        return facts
+    image.path = path
     o = diagnosis.Outcome()
     o.request = request
     o.fs = fs
@@ -358,3 +407,24 @@ def first_proven(facts):
     if facts.findings and facts.findings[0].proven:
         return facts.findings[0]
     return None
+
+
+def decide(image, request, until):
+    """(facts, the proven finding or None, a note or None) for the probe's own root,
+    read by ``until`` (a ``time.monotonic()`` value; files.Live checks it on every call).
+
+    The files may only decide a proven cause; nothing that goes wrong here may decide
+    anything. Past the deadline, or on any error (a file this code cannot parse, a
+    MemoryError, a bug), the answer is "no finding" with a note saying why, and the
+    import decides, as with --no-static.
+    """
+    if image.fs is files.LIVE:
+        image.fs = files.Live(until)
+    try:
+        facts = read(image, request)
+        return facts, first_proven(facts), None
+    except files.OutOfTime:
+        note = "the image's files were not read within --timeout"
+    except Exception as exc:  # noqa: BLE001 - decided by the import instead
+        note = f"reading the image's files failed ({type(exc).__name__}: {str(exc)[:200]})"
+    return None, None, note + ": decided by the import"
