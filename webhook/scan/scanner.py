@@ -228,11 +228,13 @@ def _shown_argv(argv: list[str]) -> tuple[list[str], str | None]:
     return out, None
 
 
-def cap_notes(notes: list[str]) -> list[str]:
-    """At most MAX_NOTES notes of MAX_NOTE_CHARS each, then one that counts the rest."""
+def cap_notes(notes: list[str], dropped: int = 0) -> list[str]:
+    """At most MAX_NOTES notes of MAX_NOTE_CHARS each, then one that counts the rest
+    (``dropped``: those the tree already only counted)."""
     kept = [_cut(n, MAX_NOTE_CHARS) for n in notes[:MAX_NOTES]]
-    if len(notes) > MAX_NOTES:
-        kept.append(f"{len(notes) - MAX_NOTES} more notes not shown")
+    more = max(0, len(notes) - MAX_NOTES) + dropped
+    if more:
+        kept.append(f"{more} more notes not shown")
     return kept
 
 
@@ -267,7 +269,7 @@ def _judge(image: str, source: Source, tree: Tree, kinds: list[str],
         chosen, said = list(ANY_LAUNCH), "any SGLang launch"
         request = cmdline.read(chosen, env=env, release=release)
     tree.budget.check()
-    notes = tree.all_notes()
+    notes: list[str] = []  # the scan's own first, then the diagnosis', then the tree's
     causes: list[Cause] = []
     versions: dict[str, str] = {}
     gpu_only = list(static.GPU_ONLY)
@@ -299,12 +301,13 @@ def _judge(image: str, source: Source, tree: Tree, kinds: list[str],
                                 _cut(v.fix, MAX_FIELD_CHARS), f.proven, libs, evidence))
     shown, cut_argv = _shown_argv(chosen)
     if cut_argv:
-        notes.append(cut_argv)
+        notes.insert(0, cut_argv)
+    notes += tree.notes
     return Result(
         image=image, kind=source.kind, ref=source.ref, digest=source.digest,
         config_digest=source.config_digest, argv=shown,
         argv_from=said, request=_cut(request.describe(), MAX_FIELD_CHARS)
         if request.requested else "not requested",
         python=version, site=site, versions=versions, causes=causes, gpu_only=gpu_only,
-        notes=cap_notes(notes), layers=kinds, entries=tree.entries,
+        notes=cap_notes(notes, tree.dropped_notes), layers=kinds, entries=tree.entries,
         seconds=round(time.monotonic() - started, 3), platform_digest=source.platform_digest)

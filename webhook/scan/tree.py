@@ -242,10 +242,6 @@ class Tree:
         self.notes.append(text if len(text) <= MAX_NOTE_CHARS
                           else text[:MAX_NOTE_CHARS - 1] + "…")
 
-    def all_notes(self) -> list[str]:
-        more = [f"{self.dropped_notes} more notes not shown"] if self.dropped_notes else []
-        return self.notes + more
-
     def _charge(self, name: str, link: str | None = None, directory: bool = False) -> None:
         n = ENTRY_BYTES + (64 if directory else 0) + _str_bytes(name)
         if link:
