@@ -16,9 +16,10 @@ import sys
 import traceback
 
 try:
-    from . import cmdline, message, sandbox
+    from . import cmdline, deadline, message, sandbox
 except ImportError:  # run as `python3 probe`: the directory itself is on sys.path
     import cmdline
+    import deadline
     import message
     import sandbox
 
@@ -172,10 +173,11 @@ def check(opts, req_argv, environ=None, executable=None):
     # cause, the child is stopped long before torch is in memory.
     child = sandbox.Child(opts.timeout, environ, executable)
     same_interpreter = executable is None or executable == sys.executable
+    static_note = None
     if not opts.no_static and same_interpreter:
-        static = _sibling("static")
-        facts = static.read(live_image(environ), req_argv)
-        found = static.first_proven(facts)
+        # Under --timeout; an error or the deadline decides nothing (static.decide).
+        facts, found, static_note = _sibling("static").decide(
+            live_image(environ), req_argv, deadline.static_until(opts.timeout))
         if found is not None:
             child.stop()
             return facts.outcome, found.verdict
@@ -183,6 +185,7 @@ def check(opts, req_argv, environ=None, executable=None):
     engine = _sibling("engine")
     inventory = _sibling("inventory")
     o = diagnosis.Outcome()
+    o.static_note = static_note
     o.request = req_argv
     o.level = opts.level
     o.timeout = opts.timeout
@@ -297,7 +300,11 @@ def main(argv=None):
     if not (0 < opts.timeout <= MAX_TIMEOUT):
         _parser().error(f"--timeout must be a number of seconds in (0, {MAX_TIMEOUT}]")
     try:
-        return _run(opts, worker)
+        # The timer is disarmed when the with-block ends, before the report.
+        with deadline.whole_run(opts.timeout):
+            return _run(opts, worker)
+    except deadline.Expired:
+        return _expired(opts, deadline.RUN_STEPS * opts.timeout)
     except Exception as exc:  # noqa: BLE001 - a probe bug must not block the worker
         sys.stderr.write("epguard: probe internal error (please report):\n")
         traceback.print_exc()
@@ -307,6 +314,28 @@ def main(argv=None):
             else "starts unchecked"))
         _write(_termination_path(opts), message.render(first, [], fix, opts.max_message_bytes))
         return 1 if opts.on_internal_error == "deny" else 0
+
+
+def _expired(opts, seconds):
+    """The whole run passed RUN_STEPS x --timeout: a hang somewhere (what the step
+    timeouts did not cover), so, like a hung step, unusable in this pod."""
+    cause = (f"timed out after {seconds:g} s (the probe's whole run: "
+             f"{deadline.RUN_STEPS} x --timeout)")
+    fix = "find what the probe waited for in this pod (a file, a lock, a device)"
+    text = message.render(
+        message.UNUSABLE_HERE + cause,
+        ["versions: torch=unknown sglang=unknown mooncake=unknown",
+         message.SCOPE + "environment (this pod or its node; the image may be fine)"],
+        fix, opts.max_message_bytes)
+    _write(_termination_path(opts), text)
+    sys.stderr.write(text + "\n")
+    if opts.json:
+        doc = message.report("unusable", [], [{"name": "deadline", "ok": False,
+                                              "detail": cause}], {}, cause, fix,
+                             classification="timeout", scope=message.ENVIRONMENT,
+                             message=text)
+        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+    return 1
 
 
 def _run(opts, worker):

@@ -56,17 +56,42 @@ _IMPORT_RE = re.compile(
     r"[^\n]*", re.M)
 
 
+# One import statement, its lines joined: real ones are under 300 bytes. A longer one
+# is skipped (a parenthesis that never closes must not join the rest of the file).
+MAX_STATEMENT_BYTES = 4096
+# ``name.attr`` and ``name.sub.attr``: every use of a module alias, in one pass.
+_ATTR_RE = re.compile(r"(?<![\w.])([^\W\d]\w*)\.(\w+)(?:\.(\w+))?")
+
+
 def _statements(text):
-    """Each matching import statement, with parenthesised or continued lines joined."""
+    """Each matching import statement, with parenthesised or continued lines joined.
+
+    Linear in ``text``: each line is joined to at most one statement, and a match
+    inside lines already joined is not read again."""
+    after = 0
     for m in _IMPORT_RE.finditer(text):
-        stmt, end = m.group(0).strip(), m.end()
-        while stmt.endswith("\\") or stmt.count("(") > stmt.count(")"):
+        if m.start() < after:
+            continue
+        last = m.group(0).strip()
+        parts, end, size = [last], m.end(), len(last)
+        depth = last.count("(") - last.count(")")
+        whole = True
+        while last.endswith("\\") or depth > 0:
             nl = text.find("\n", end + 1)
             if nl < 0:
                 break
-            stmt = stmt.rstrip("\\") + " " + text[end + 1:nl].strip()
+            last = text[end + 1:nl].strip()
             end = nl
-        yield stmt
+            size += len(last) + 1
+            if size > MAX_STATEMENT_BYTES:
+                whole = False
+                break
+            parts[-1] = parts[-1].rstrip("\\")
+            parts.append(last)
+            depth += last.count("(") - last.count(")")
+        after = end
+        if whole:
+            yield " ".join(parts)
 
 
 def scan_source(text):
@@ -97,10 +122,15 @@ def scan_source(text):
                 if a.name in MODULES:
                     found.setdefault(a.name, set())
                     aliases[a.asname or a.name] = a.name
-    # Names used through a module alias: `mooncake_ep.set_host_ip(...)`.
-    for alias, mod in aliases.items():
-        for name in re.findall(r"(?<![\w.])" + re.escape(alias) + r"\.(\w+)", text):
-            found[mod].add(name)
+    # Names used through a module alias: `mooncake_ep.set_host_ip(...)`, or
+    # `mooncake.ep.set_host_ip(...)` after `import mooncake.ep`. One pass over the
+    # text whatever the number of aliases.
+    if aliases:
+        for head, name, sub in _ATTR_RE.findall(text):
+            if head in aliases:
+                found[aliases[head]].add(name)
+            elif sub and head + "." + name in aliases:
+                found[aliases[head + "." + name]].add(sub)
     return found
 
 
