@@ -81,7 +81,7 @@ def admission_route(
             and req.kind.kind == "ConfigMap"
             and not req.kind.group
             and req.namespace == rules.namespace
-            and req.name == rules.name
+            and req.name in (None, rules.name)  # no name: refusing is the safe side
         )
         return unjudged(
             review, reason, why, endpoint=handler.endpoint, mode=mode, rules_edit=rules_edit

@@ -125,7 +125,8 @@ def unjudged(
     """
     req = review.request
     tag = f"[epguard unjudged: {reason}]"
-    where = f"{req.namespace}/{req.name}" if req.namespace else (req.name or "")
+    name = req.name or "(unnamed)"
+    where = f"{req.namespace}/{name}" if req.namespace else name
     what = f"{req.operation} of {req.kind.kind} {where}".rstrip()
     if endpoint == "mutate":
         outcome = Outcome(
@@ -144,7 +145,7 @@ def unjudged(
         outcome = Outcome(False, "denied", message=message, note=message)
     elif mode == "enforce":
         message = (
-            f"epguard could not judge this request in time ({why}), so it refuses it "
+            f"epguard could not judge this request ({why}), so it refuses it "
             "rather than admit an image it has not checked (mode enforce): retry; if it "
             f"persists, the webhook is overloaded or flooded {tag}"
         )
