@@ -36,6 +36,8 @@ MAX_NAME_BYTES = 4096
 MAX_PAX_BYTES = 1 << 20
 # A GNU ././@LongLink record holds one name and its NUL.
 MAX_LONGNAME_BYTES = MAX_NAME_BYTES + 1
+# Extension headers of one old-GNU sparse member: 21 regions each, so 2 million holes.
+MAX_SPARSE_BLOCKS = 100_000
 # One read of member data or of skipped bytes; bounds a read's memory.
 CHUNK = 1 << 20
 # Whole-scan defaults (epguard scan --timeout / --max-bytes). The real worker image
@@ -282,8 +284,20 @@ class TarReader:
                 else:
                     longlink = _cstr(body)
                 continue
+            if kind == b"S" and block[482]:
+                data_at = self._sparse_extensions()
             return self._entry(block, kind, size, data_at, {**self._globals, **pax},
                                longname, longlink)
+
+    def _sparse_extensions(self) -> int:
+        """Skip an old GNU sparse member's extension headers (21 regions each, a flag
+        at byte 504 says another follows); returns where its data starts."""
+        for _ in range(MAX_SPARSE_BLOCKS):
+            ext = self._exact(BLOCK, "a sparse header")
+            if not ext[504]:
+                return self._pos
+        raise TarError(f"{self._what}: a sparse member with more than "
+                       f"{MAX_SPARSE_BLOCKS} extension headers")
 
     def _entry(self, block: bytes, kind: bytes, size: int, data_at: int,
                pax: dict[bytes, bytes], longname: bytes | None,
