@@ -88,7 +88,9 @@ def _parser():
     p.add_argument("--level", choices=PROBE_LEVELS, default=PROBE_LEVELS[0],
                    help="smoke: also run a one-rank process group on the mooncake backends")
     p.add_argument("--timeout", type=float, default=120.0, metavar="S",
-                   help="seconds each step in the child may take (default 120)")
+                   help="seconds each step in the child may take, and the reading of "
+                        "the image's files; the whole run ends within 16 x this "
+                        "(default 120)")
     p.add_argument("--on-internal-error", choices=("allow", "deny"), default="allow",
                    help="exit status when the probe itself fails: allow=0 (default), deny=1")
     p.add_argument("--always", action="store_true",
@@ -296,7 +298,8 @@ def main(argv=None):
     if opts.max_message_bytes < 200:
         _parser().error("--max-message-bytes must be at least 200")
     # NaN compares false with everything and inf never fires: both would let one hung
-    # import hold the pod forever (the whole run is bounded by steps x --timeout).
+    # import hold the pod forever (the whole run is bounded by deadline.RUN_STEPS x
+    # --timeout, the reading of the image's files by --timeout).
     if not (0 < opts.timeout <= MAX_TIMEOUT):
         _parser().error(f"--timeout must be a number of seconds in (0, {MAX_TIMEOUT}]")
     try:
