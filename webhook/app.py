@@ -42,6 +42,11 @@ _NO_OTEL: dict[str, Any] = (
 )
 
 
+# The API server refuses a ConfigMap whose data is over 1 MiB (etcd's object limit
+# leaves no more), so a longer rules text never comes from it.
+MAX_RULES_TEXT = 1024 * 1024
+
+
 def _rules_lane(review: Review) -> str:
     kind = review.request.kind
     return RULES_LANE.name if kind.kind == "ConfigMap" and not kind.group else PODS_LANE.name
@@ -87,8 +92,25 @@ def admission_route(
             review, reason, why, endpoint=handler.endpoint, mode=mode, rules_edit=rules_edit
         )
 
+    judge = partial(complete, handler)
+
+    def judge_validate(review: Review) -> Answer:
+        # A rules text over what a ConfigMap can hold is never parsed (a 19 MiB one is
+        # ~1 GiB of YAML nodes); no API server sends one.
+        req = review.request
+        if req.kind.kind == "ConfigMap" and not req.kind.group and rules is not None:
+            data = req.object.get("data") if isinstance(req.object, dict) else None
+            text = data.get(rules.key) if isinstance(data, dict) else None
+            if isinstance(text, str) and len(text) > MAX_RULES_TEXT:
+                why = (
+                    f"its {rules.key} is over {MAX_RULES_TEXT} characters, more than a "
+                    "ConfigMap holds"
+                )
+                return by_mode(review, "too_large", why)
+        return judge(review)
+
     endpoint = AdmissionEndpoint(
-        partial(complete, handler),
+        judge_validate if validating else judge,
         by_mode,
         bounds,
         _rules_lane if validating else _pods_lane,

@@ -40,8 +40,11 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 # server's 3 MiB request limit: 18 MiB escaped, inside it too.) A review over it is
 # still answered by mode, never 413 (webhook/transport.py).
 MAX_BODY_BYTES = 19 * 1024 * 1024
-# Memory charged to the reviews in flight (bodies and decoded objects), all together.
-MAX_INFLIGHT_BYTES = 64 * 1024 * 1024
+# Memory charged to the reviews in flight (bodies and decoded objects), all together:
+# the webhook idles at ~85 MiB, judging adds up to half of what is charged, one rules
+# parse ~55 MiB, and the chart's limit is 256 MiB; 48 MiB holds the largest review the
+# API server can send twice over.
+MAX_INFLIGHT_BYTES = 48 * 1024 * 1024
 
 
 class SettingsError(ValueError):

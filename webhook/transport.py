@@ -96,10 +96,8 @@ class Limits:
     # server can send.
     max_body_bytes: int
     deadline: float = 3.0
-    # 64 MiB in flight: the webhook idles at ~80 MiB, one rules parse adds ~50 MiB, and
-    # the chart's limit is 256 MiB; the largest review the API server can send (19 MiB of
-    # escaped JSON, ~22 MiB charged) fits twice.
-    inflight_bytes: int = 64 * 1024 * 1024
+    # settings.MAX_INFLIGHT_BYTES says how it is sized.
+    inflight_bytes: int = 48 * 1024 * 1024
 
 
 class BadReview(Exception):

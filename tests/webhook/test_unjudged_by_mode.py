@@ -161,6 +161,18 @@ def test_a_rules_edit_that_cannot_be_checked_is_refused_in_every_mode(tmp_path: 
         assert "could not check this rules edit" in response["status"]["message"]
 
 
+def test_a_rules_text_over_what_a_configmap_holds_is_refused_unparsed(
+    webhook: RunningServer,
+) -> None:
+    # A direct client's 19 MiB rules text would be ~1 GiB of YAML nodes; the API server
+    # never sends one over 1 MiB.
+    with client(webhook, 30) as c:
+        r = c.post("/validate", content=rules_edit_review(1100 * 1024), headers=JSON)
+    response = r.json()["response"]
+    assert r.status_code == 200 and response["allowed"] is False
+    assert "more than a ConfigMap holds" in response["status"]["message"]
+
+
 def test_a_review_the_memory_budget_cannot_hold_now_is_refused_by_mode(tmp_path: Path) -> None:
     with running_server(tmp_path, TEST_RULES, max_inflight_bytes=8 * 1024 * 1024) as s:
         # One connection says it will send 6 MiB and sends a little: its share is held.
