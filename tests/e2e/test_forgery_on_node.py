@@ -244,3 +244,110 @@ def test_patching_the_injected_probes_image_is_refused(cluster: ControlPlane) ->
     assert "differ from what epguard signed" in r.stderr
     now = json.loads(cluster.kubectl("get", "pod", "injected", "-n", ns, "-o", "json").stdout)
     assert now["spec"]["initContainers"][index]["image"] == VICTIM
+
+
+def test_signed_parts_replayed_around_a_neighbour_teach_nothing(cluster: ControlPlane) -> None:
+    """Issue 21.1 on the node: the tenant copies the signed parts of a genuinely injected
+    pod into a hand-made one (no injection annotation, so /mutate never sees it) and puts
+    its own init container between epguard-copy-probe and epguard-probe, rewriting the
+    probe on the probe's volume. The pod is admitted with a warning, the rewritten probe
+    prints its forged Unusable, and the controller learns nothing from it."""
+    ns = tenant_namespace(cluster)
+    genuine = worker_pod("genuine", ns, Path("/nonexistent"), VICTIM)
+    genuine["metadata"]["annotations"] = {"epguard.io/inject": "enabled"}
+    genuine["spec"].pop("volumes")
+    genuine["spec"].pop("initContainers")
+    genuine["spec"]["containers"][0].pop("volumeMounts")
+    genuine["spec"]["containers"][0].pop("resources")  # this node has no GPU to schedule on
+    created: dict[str, Any] = {}
+
+    def signed() -> bool:
+        r = as_tenant(cluster, "create", "--dry-run=server", "-o", "json", "-f", "-",
+                      input=as_yaml(genuine))  # fmt: skip
+        if r.returncode != 0:
+            return False
+        obj = json.loads(r.stdout)
+        created.update(obj)
+        return "epguard.io/probe-signature" in obj["metadata"].get("annotations", {})
+
+    eventually(signed, within=60, what="the webhook to inject a signed probe")
+    meta = created["metadata"]
+    hand = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": "replayed",
+            "namespace": ns,
+            "labels": meta["labels"],
+            "annotations": {"epguard.io/probe-signature": meta["annotations"][
+                "epguard.io/probe-signature"]},
+        },
+        # What the tenant copies: the signed parts and its worker (without the service
+        # account token mount the API server added to the dry run).
+        "spec": {
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": 1,
+            # Else the API server mounts the token into epguard's containers too.
+            "automountServiceAccountToken": False,
+            "initContainers": created["spec"]["initContainers"],
+            "containers": [
+                {k: v for k, v in c.items() if k != "volumeMounts"}
+                for c in created["spec"]["containers"]
+            ],
+            "volumes": [v for v in created["spec"]["volumes"] if v["name"] == "epguard-probe"],
+        },
+    }  # fmt: skip
+    forged = f"open('/dev/termination-log', 'w').write({UNUSABLE_MESSAGE!r}); raise SystemExit(1)"
+    rewrite = f"open('/epguard/probe/__main__.py', 'w').write({forged!r})"
+    hand["spec"]["initContainers"].insert(
+        1,
+        {
+            "name": "rewrite",
+            "image": EPGUARD_IMAGE,
+            "imagePullPolicy": "Never",
+            "command": ["python3", "-c", rewrite],
+            "volumeMounts": [{"name": "epguard-probe", "mountPath": "/epguard"}],
+        },
+    )
+    r = as_tenant(cluster, "create", "-f", "-", input=as_yaml(hand))
+    assert r.returncode == 0, r.stderr
+    assert "will not be learned" in r.stderr  # kubectl prints the webhook's warning
+    found = wait_probe(cluster, ns, ["--field-selector=metadata.name=replayed"])
+    assert found["terminated"]["exitCode"] == 1
+    assert found["terminated"]["message"] == UNUSABLE_MESSAGE  # the rewritten probe ran
+    events = wait_event(cluster, ns, "replayed", "EpguardProbeNotTrusted")
+    assert "mounts the epguard-probe volume" in events[0]["message"]
+    digest = found["status"]["imageID"].rsplit("@", 1)[-1]
+    assert [v for v in verdicts(cluster) if v["spec"].get("digest") == digest] == []
+
+
+def test_swapping_a_probed_workers_image_in_place_is_refused(cluster: ControlPlane) -> None:
+    """Issue 21.3 on the node: the probe checked the image the pod was created with; an
+    UPDATE that changes the worker's image under it is refused (enforce mode), naming the
+    fix, and the pod keeps its image."""
+    ns = tenant_namespace(cluster, inject=True)
+    pod = worker_pod("swapped", ns, Path("/nonexistent"), VICTIM)
+    pod["spec"].pop("volumes")
+    pod["spec"].pop("initContainers")
+    pod["spec"]["containers"][0].pop("volumeMounts")
+
+    def created() -> bool:
+        r = as_tenant(cluster, "create", "-o", "json", "-f", "-", input=as_yaml(pod))
+        if r.returncode != 0:
+            return False
+        if "epguard.io/probe-signature" in json.loads(r.stdout)["metadata"].get(
+            "annotations", {}
+        ):
+            return True
+        as_tenant(cluster, "delete", "pod", "swapped", "-n", ns, "--wait=true")
+        return False
+
+    eventually(created, within=60, what="the webhook to inject a signed probe")
+    patch = [{"op": "replace", "path": "/spec/containers/0/image", "value": BAD_WORKER.ref}]
+    r = as_tenant(
+        cluster, "patch", "pod", "swapped", "-n", ns, "--type=json", "-p", json.dumps(patch)
+    )
+    assert r.returncode != 0
+    assert "probe checked another image" in r.stderr and "stale-probe" in r.stderr
+    now = json.loads(cluster.kubectl("get", "pod", "swapped", "-n", ns, "-o", "json").stdout)
+    assert now["spec"]["containers"][0]["image"] == VICTIM
