@@ -9,8 +9,7 @@ from typing import Any
 import pytest
 
 from tests.chart.chartlib import CHART, Rendered, notes, render, run_helm
-from webhook.backstop import BackstopConfig, policy_name
-from webhook.namespaces import MODES
+from webhook.backstop import BackstopConfig, object_names
 
 Obj = dict[str, Any]
 
@@ -52,14 +51,14 @@ def params_rules(r: Rendered) -> list[Obj]:
 
 def test_the_controller_may_touch_only_the_backstops_own_policies_and_parameters() -> None:
     r = render()
-    names = [policy_name(BackstopConfig("", name="epguard-backstop"), m) for m in MODES]
+    names = object_names(BackstopConfig("", name="epguard-backstop"))
     by_verbs = {tuple(x["verbs"]): x.get("resourceNames") for x in policy_rules(r)}
     assert by_verbs == {("create",): None, ("get", "update", "delete"): names}
     # The parameters are epguard's own kind: a ConfigMap paramKind would need read access
     # to every ConfigMap in the cluster (the API server checks it when a policy is made).
+    # Its shards' names carry their count: written by kind, not by name.
     assert {tuple(x["verbs"]): x.get("resourceNames") for x in params_rules(r)} == {
-        ("get", "list", "watch", "create"): None,
-        ("update", "delete"): ["epguard-backstop"],
+        ("get", "list", "watch", "create", "update", "delete"): None,
     }
     role = r.one("Role", "epguard-controller")
     configmaps = [x for x in role["rules"] if x["resources"] == ["configmaps"]]
@@ -83,10 +82,11 @@ def test_off_means_only_the_right_to_remove_its_own_policies(args: tuple[str, ..
     assert env["EPGUARD_BACKSTOP_ENABLED"] == "false"
     assert env["EPGUARD_BACKSTOP"] == "epguard-backstop"
     assert "EPGUARD_MODE" not in env
-    names = [policy_name(BackstopConfig("", name="epguard-backstop"), m) for m in MODES]
+    names = object_names(BackstopConfig("", name="epguard-backstop"))
     assert [(x["verbs"], x.get("resourceNames")) for x in policy_rules(r)] == [(["delete"], names)]
     assert [(x["verbs"], x.get("resourceNames")) for x in params_rules(r)] == [
-        (["delete"], ["epguard-backstop"])
+        (["delete"], ["epguard-backstop"]),
+        (["deletecollection"], None),
     ]
     role = r.one("Role", "epguard-controller")
     assert not [x for x in role["rules"] if x["resources"] == ["configmaps"]]
@@ -105,3 +105,15 @@ def test_the_default_notes_say_the_backstop_covers_the_outage() -> None:
 def test_a_typo_under_backstop_fails_the_install() -> None:
     r = run_helm("template", "x", str(CHART), "--set", "backstop.enabeld=true", check=False)
     assert r.returncode != 0 and "enabeld" in r.stderr
+
+
+def test_the_parameter_maps_are_atomic_so_managed_fields_stay_small() -> None:
+    # Per-key field ownership would list every digest again in managedFields and take
+    # a 1 MiB shard past etcd's 1.5 MiB request limit.
+    crd = render().one("CustomResourceDefinition", "refusedimagelists.epguard.io")
+    data = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["data"]
+    props = data["properties"]
+    assert props["d"]["x-kubernetes-map-type"] == "atomic"
+    assert props["t"]["x-kubernetes-map-type"] == "atomic"
+    assert props["t"]["additionalProperties"]["x-kubernetes-map-type"] == "atomic"
+    assert props["r"]["type"] == "array" and props["rules"]["type"] == "boolean"

@@ -20,8 +20,7 @@ from tests.chart.chartlib import (
     run_helm,
     variant_args,
 )
-from webhook.backstop import BackstopConfig, policy_name
-from webhook.namespaces import MODES
+from webhook.backstop import BackstopConfig, object_names
 from webhook.workloads import PATH_KINDS
 
 Obj = dict[str, Any]
@@ -448,7 +447,7 @@ class TestRBAC:
             if r["verbs"] != ["create"]:
                 assert r["resourceNames"] in (["epguard-tls"], ["epguard-probe-key"])
         cluster = self.rules(defaults, "ClusterRole", "epguard-controller")
-        policies = [policy_name(BackstopConfig("", name="epguard-backstop"), m) for m in MODES]
+        policies = object_names(BackstopConfig("", name="epguard-backstop"))
         for r in cluster:
             if r["apiGroups"] != ["admissionregistration.k8s.io"]:
                 continue

@@ -135,19 +135,24 @@ def _verdict(name: str, image: str, digest: str | None, seen: dt.datetime) -> di
 
 
 def _params(cluster: Cluster, rules: RuleSet, store: VerdictStore) -> None:
-    """Write the parameters and wait until the API server's policy reads them (the
-    policy's param informer is eventually consistent)."""
-    params = compile_params(rules, store, dt.datetime.now(dt.UTC))
-    cfg = BackstopConfig(params_namespace=RELEASE_NS)
+    """Install the policy with ``rules`` and write the parameters, then wait until the API
+    server's policy reads both (its param informer is eventually consistent)."""
+    cfg = BackstopConfig(params_namespace=RELEASE_NS, kinds=PATH_KINDS)
+    install(cluster.api, cfg, owner=None, rules=rules)
+    params = compile_params(store, dt.datetime.now(dt.UTC))
     write_params(cluster.api, cfg, params)
     probe = _pod([_c("probe", BAD, LAUNCH + MOONCAKE)])
-    want_refused = any(e.kind == "name" and "v0\\.5\\.16" in e.pattern for e in params.entries)
+    want_refused = any(r.id == RULE.id for r in rules.rules)
+    pinned = _pod([_c("probe", f"registry.example.com/x@{PINNED}", LAUNCH + MOONCAKE)])
+    want_pinned = any(k == PINNED for kind, k, v in store.winners() if kind == "digest")
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        if (_create(cluster, probe, "ml") is not None) == want_refused:
+        if (_create(cluster, probe, "ml") is not None) == want_refused and (
+            _create(cluster, pinned, "ml") is not None
+        ) == want_pinned:
             return
         time.sleep(0.2)
-    raise AssertionError("the policy did not pick up its parameters")
+    raise AssertionError("the policy did not pick up its rules and parameters")
 
 
 def _c(name: str, image: str, command: list[str], args: list[str] | None = None) -> dict[str, Any]:
@@ -429,9 +434,12 @@ def test_turned_off_after_it_was_on_it_is_removed(cluster: Cluster) -> None:
     # policies, bindings and parameters an earlier release installed under its name.
     cfg = BackstopConfig(params_namespace=RELEASE_NS, name="epguard-turned-off", kinds=())
     install(cluster.api, cfg, owner=None)
-    write_params(cluster.api, cfg, compile_params(RuleSet(), _store(), dt.datetime.now(dt.UTC)))
+    write_params(cluster.api, cfg, compile_params(_store(), dt.datetime.now(dt.UTC)))
     adm = client.AdmissionregistrationV1Api(cluster.api)
-    assert {p.metadata.name for p in adm.list_validating_admission_policy().items} >= {
+    assert "epguard-turned-off" in {
+        p.metadata.name for p in adm.list_validating_admission_policy().items
+    }
+    assert {b.metadata.name for b in adm.list_validating_admission_policy_binding().items} >= {
         f"epguard-turned-off-{m}" for m in ("enforce", "warn", "audit")
     }
     assert uninstall(cluster.api, cfg) is True
@@ -440,5 +448,7 @@ def test_turned_off_after_it_was_on_it_is_removed(cluster: Cluster) -> None:
     assert not [n for n in left if n.startswith("epguard-turned-off")]
     custom = client.CustomObjectsApi(cluster.api)
     listed = custom.list_cluster_custom_object("epguard.io", "v1alpha1", "refusedimagelists")
-    assert "epguard-turned-off" not in {o["metadata"]["name"] for o in listed["items"]}
+    assert not [
+        o for o in listed["items"] if o["metadata"]["name"].startswith("epguard-turned-off")
+    ]
     assert uninstall(cluster.api, cfg) is False  # nothing left: a no-op

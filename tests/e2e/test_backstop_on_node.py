@@ -61,13 +61,18 @@ def _verdict(name: str, digest: str) -> dict[str, Any]:
 
 
 def _params(cp: ControlPlane) -> str:
-    r = cp.kubectl("get", "refusedimagelists.epguard.io", BACKSTOP, "-o", "json")
-    return json.loads(r.stdout)["data"].get("entries", "") if r.returncode == 0 else ""
+    """The backstop as the cluster holds it: its policy (the deny rules are constants in
+    it) and every parameter shard (the verdicts), as text."""
+    policy = cp.kubectl("get", "validatingadmissionpolicy", BACKSTOP, "-o", "json")
+    shards = cp.kubectl(
+        "get", "refusedimagelists.epguard.io", "-l", f"epguard.io/backstop={BACKSTOP}", "-o", "json"
+    )
+    return "\n".join(r.stdout for r in (policy, shards) if r.returncode == 0)
 
 
 def _refused_by_backstop(cp: ControlPlane, obj: dict[str, Any]) -> str | None:
     r = apply(cp, obj, dry_run=True)
-    if r.returncode != 0 and f"ValidatingAdmissionPolicy '{BACKSTOP}-enforce'" in r.stderr:
+    if r.returncode != 0 and f"binding '{BACKSTOP}-enforce'" in r.stderr:
         return r.stderr
     assert r.returncode == 0, r.stderr
     return None
@@ -79,10 +84,7 @@ def outage(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ControlPl
     gone: its Deployment scaled to zero and every one of its pods deleted."""
     with running_cluster(tmp_path_factory.mktemp("stack")) as cp:
         eventually(
-            lambda: (
-                cp.kubectl("get", "validatingadmissionpolicy", f"{BACKSTOP}-enforce").returncode
-                == 0
-            ),
+            lambda: cp.kubectl("get", "validatingadmissionpolicy", BACKSTOP).returncode == 0,
             within=120,
             what="the controller to install the backstop",
         )
@@ -90,8 +92,9 @@ def outage(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ControlPl
         digest = _digest("outage")
         r = apply(cp, _verdict("outage-verdict", digest))
         assert r.returncode == 0, r.stderr
+        key = digest.removeprefix("sha256:")[:32]  # the shards key a digest by 128 bits
         eventually(
-            lambda: DENY_RULE_ID in _params(cp) and digest in _params(cp),
+            lambda: DENY_RULE_ID in _params(cp) and key in _params(cp),
             within=30,
             what="the backstop parameters to hold the rule and the verdict",
         )
@@ -165,3 +168,23 @@ def test_a_verdict_created_then_deleted_is_followed_within_ten_seconds(
         what="the backstop to admit the digest again",
     )
     print(f"verdict deleted -> admitted again: {took:.1f}s")
+
+
+def test_the_api_server_type_checks_the_policy_without_a_warning(
+    outage: tuple[ControlPlane, str],
+) -> None:
+    # kube-controller-manager type-checks a policy against its paramKind's schema; a
+    # warning would mean an expression the API server may fail on (and, with
+    # failurePolicy Ignore, admit by).
+    cp, _ = outage
+
+    def checked() -> dict[str, Any] | None:
+        r = cp.kubectl("get", "validatingadmissionpolicy", BACKSTOP, "-o", "json", check=True)
+        policy: dict[str, Any] = json.loads(r.stdout)
+        status = policy.get("status") or {}
+        generation = policy["metadata"].get("generation")
+        return status if status.get("observedGeneration") == generation else None
+
+    eventually(lambda: checked() is not None, within=60, what="the policy to be type-checked")
+    status = checked() or {}
+    assert (status.get("typeChecking") or {}).get("expressionWarnings") in (None, [])

@@ -24,8 +24,8 @@
 {{- define "epguard.rulesConfigMap" -}}epguard-rules{{- end -}}
 {{- /* The Secret with the keys that sign injected probes (the controller creates it). */ -}}
 {{- define "epguard.probeKeySecret" -}}{{ include "epguard.fullname" . | trunc 53 | trimSuffix "-" }}-probe-key{{- end -}}
-{{- /* The outage backstop's name: its parameter ConfigMap, and with -enforce/-warn/-audit
-its ValidatingAdmissionPolicies and their bindings (webhook/backstop.py). */ -}}
+{{- /* The outage backstop's name: its ValidatingAdmissionPolicy, with -enforce/-warn/-audit
+its bindings, and the label value of its parameter shards (webhook/backstop.py). */ -}}
 {{- define "epguard.backstopName" -}}{{ include "epguard.fullname" . | trunc 46 | trimSuffix "-" }}-backstop{{- end -}}
 {{- /* "true" when the backstop is on: asked for, and the API server serves the v1 API
 and the 1.34 CEL list library its expressions use. Against a cluster, helm's
