@@ -30,6 +30,8 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from webhook.transport import CLIENT_CERT
+
 CUT_REASONS = ("head_size", "head_deadline", "body_deadline")
 
 
@@ -77,6 +79,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._too_large = False
         self._head_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
+        self._client_cert = False  # the peer presented a certificate the client CA signed
 
     def _arm(self) -> None:
         self._disarm()
@@ -106,6 +109,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        # After the handshake: a certificate is only there if the client CA verified it.
+        ssl_object = transport.get_extra_info("ssl_object")
+        self._client_cert = bool(ssl_object is not None and ssl_object.getpeercert())
         self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -168,6 +174,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._disarm()
         self._disarm_body()
         self._body_timer = self.loop.call_later(self.limits.body_seconds, self._body_deadline)
+        self.scope[CLIENT_CERT] = self._client_cert  # type: ignore[literal-required]
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:

@@ -124,6 +124,7 @@ class Runtime:
                 on_reload=lambda ok: self.metrics.tls_reloads.labels(
                     "ok" if ok else "failed"
                 ).inc(),
+                client_ca=settings.client_ca,
             )
         self.rules_sync = RulesConfigMapSync(
             self.state.rules,
@@ -148,6 +149,7 @@ class Runtime:
                 max_body_bytes=settings.max_body_bytes,
                 deadline=settings.deadline_seconds,
                 inflight_bytes=settings.max_inflight_bytes,
+                require_client_cert=bool(settings.client_ca and self.tls),
             ),
             rules_configmap=RulesConfigMap(
                 settings.namespace, settings.rules_configmap, settings.rules_key

@@ -251,6 +251,13 @@ WEBHOOK_OPTIONS: tuple[Option, ...] = (
     Option("rules", "EPGUARD_RULES", "rules YAML file (default: the built-in rules)", None),
     Option("tls_cert", "EPGUARD_TLS_CERT", "PEM certificate (chain)", None),
     Option("tls_key", "EPGUARD_TLS_KEY", "PEM private key", None),
+    Option(
+        "client_ca",
+        "EPGUARD_CLIENT_CA",
+        "PEM CA bundle: when set, /validate and /mutate answer only clients with a "
+        "certificate it signed (give the API server one: docs/webhook.md)",
+        None,
+    ),
     Option("host", "EPGUARD_HOST", "listen address", "0.0.0.0"),
     Option("port", "EPGUARD_PORT", "listen port", 8443, integer(0, 65535), chart="webhook.port"),
     MODE,
@@ -595,6 +602,7 @@ class Settings:
     max_head_bytes: int = _D["max_head_bytes"]
     head_timeout_seconds: float = _D["head_timeout_seconds"]
     max_inflight_bytes: int = _D["max_inflight_bytes"]
+    client_ca: str | None = _D["client_ca"]
     body_timeout_seconds: float = _D["body_timeout_seconds"]
     inject_image: str = _D["inject_image"]
     probe_level: str = _D["probe_level"]
@@ -613,6 +621,8 @@ def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     )
     if (values["tls_cert"] is None) != (values["tls_key"] is None):
         raise SettingsError("give both --tls-cert and --tls-key, or neither")
+    if values["client_ca"] and values["tls_cert"] is None:
+        raise SettingsError("--client-ca needs --tls-cert and --tls-key (it is a TLS setting)")
     return Settings(**values)
 
 

@@ -7,6 +7,14 @@ without a server name) points each new connection at the newest *complete*
 context. Open connections keep the context they started with, so nothing is
 dropped, and a half-written pair (new cert, old key) is never served: a pair
 that does not load is ignored until the next check.
+
+**Client certificates (optional).** With a client CA (``--client-ca``), a client that
+presents a certificate must present one that CA signed (the handshake fails otherwise),
+and the admission paths answer only connections that did (``webhook/transport.py``):
+the API server, given a client certificate in its AdmissionConfiguration
+(docs/webhook.md). The kubelet's probes and metrics scrapers present none and are still
+served ``/healthz``, ``/readyz`` and ``/metrics``, so verification is optional at the TLS
+layer and required per path. The CA file is reloaded with the pair.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ class TLSReloadError(RuntimeError):
     pass
 
 
-def build_context(cert_path: str, key_path: str) -> ssl.SSLContext:
+def build_context(cert_path: str, key_path: str, client_ca: str | None = None) -> ssl.SSLContext:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.set_alpn_protocols(["http/1.1"])
@@ -34,13 +42,19 @@ def build_context(cert_path: str, key_path: str) -> ssl.SSLContext:
         raise TLSReloadError(
             f"cannot load certificate {cert_path} with key {key_path}: {exc}"
         ) from exc
+    if client_ca:
+        try:
+            ctx.load_verify_locations(cafile=client_ca)
+        except (OSError, ssl.SSLError) as exc:
+            raise TLSReloadError(f"cannot load client CA {client_ca}: {exc}") from exc
+        ctx.verify_mode = ssl.CERT_OPTIONAL
     return ctx
 
 
-def _fingerprint(cert_path: str, key_path: str) -> bytes | None:
+def _fingerprint(cert_path: str, key_path: str, client_ca: str | None = None) -> bytes | None:
     h = hashlib.sha256()
     try:
-        for path in (cert_path, key_path):
+        for path in (cert_path, key_path, *([client_ca] if client_ca else [])):
             with open(path, "rb") as fh:
                 h.update(fh.read())
                 h.update(b"\x00")
@@ -55,13 +69,15 @@ class ReloadingTLS:
         cert_path: str,
         key_path: str,
         on_reload: Callable[[bool], None] | None = None,
+        client_ca: str | None = None,
     ) -> None:
         self.cert_path = cert_path
         self.key_path = key_path
+        self.client_ca = client_ca
         self._on_reload = on_reload
-        self._seen = _fingerprint(cert_path, key_path)
+        self._seen = _fingerprint(cert_path, key_path, client_ca)
         # Startup must fail loudly on a bad pair: there is no older one to keep.
-        self.server_context = build_context(cert_path, key_path)
+        self.server_context = build_context(cert_path, key_path, client_ca)
         self.current = self.server_context
         self.server_context.sni_callback = self._pick_context
         self.generation = 0
@@ -76,11 +92,11 @@ class ReloadingTLS:
 
     def check(self) -> bool:
         """Reload if the files changed and now form a valid pair. True when reloaded."""
-        fp = _fingerprint(self.cert_path, self.key_path)
+        fp = _fingerprint(self.cert_path, self.key_path, self.client_ca)
         if fp is None or fp == self._seen:
             return False
         try:
-            fresh = build_context(self.cert_path, self.key_path)
+            fresh = build_context(self.cert_path, self.key_path, self.client_ca)
         except TLSReloadError as exc:
             # Possibly mid-rotation (cert written, key not yet): try again next tick,
             # but say so only once per content.

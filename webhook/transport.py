@@ -69,6 +69,9 @@ INLINE_BYTES = 64 * 1024
 # uid, kind, namespace and operation before the objects, in the first few hundred bytes
 # (a long userInfo with many groups and extra fields stays well inside 64 KiB).
 PEEK_BYTES = 64 * 1024
+# Set in the ASGI scope by the connection (webhook/protocol.py): True when the client
+# presented a certificate the client CA signed (tls.py).
+CLIENT_CERT = "epguard.client_cert"
 # Why a review was answered by mode instead of judged (a bounded set, for the metric).
 UNJUDGED_REASONS = ("busy", "deadline", "too_large")
 
@@ -98,6 +101,9 @@ class Limits:
     deadline: float = 3.0
     # settings.MAX_INFLIGHT_BYTES says how it is sized.
     inflight_bytes: int = 48 * 1024 * 1024
+    # Answer only clients with a certificate the client CA signed (tls.py): the API
+    # server, when it is given one. Anything else gets 403 before its body is read.
+    require_client_cert: bool = False
 
 
 class BadReview(Exception):
@@ -454,6 +460,14 @@ class AdmissionEndpoint:
     async def answer(self, scope: Scope, receive: Receive) -> Answer:
         bounds = self.bounds
         limit = bounds.limits.max_body_bytes
+        if bounds.limits.require_client_cert and scope.get(CLIENT_CERT) is not True:
+            return problem(
+                403,
+                BAD_REQUEST,
+                "no_client_cert",
+                "epguard answers admission reviews only from clients with a certificate "
+                "its client CA signed (the API server)",
+            )
         try:
             body = await read_body(scope, receive, limit, bounds.budget)
         except BadReview as bad:

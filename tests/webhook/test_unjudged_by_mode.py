@@ -7,7 +7,8 @@ through the real webhook (uvicorn, real TLS, loopback):
   body limit is answered by mode from its first bytes;
 * a review the memory budget cannot hold, or one that cannot be judged, is answered by
   the namespace's mode: refused under enforce, allowed with a warning under warn;
-* a body that trickles in is cut at the body deadline, and counted.
+* a body that trickles in is cut at the body deadline, and counted;
+* with a client CA, only the clients it signed (the API server) are answered.
 
 No timing is asserted (bench/hostile_bench.py prints the figures).
 """
@@ -26,6 +27,7 @@ import httpx
 import pytest
 from hostile_reviews import image_swap_update, large_bad_pod_review, rules_edit_review
 from webhook_factory import TEST_RULES, container, pod, review
+from webhook_pki import issue, make_ca, write_pair
 from webhook_server import RunningServer, running_server
 
 from webhook.transport import INLINE_BYTES
@@ -254,3 +256,25 @@ def test_a_review_whose_body_arrives_in_time_is_not_cut(webhook: RunningServer) 
 
         r = c.post("/validate", content=slowly(), headers=JSON)
     assert r.status_code == 200 and r.json()["response"]["allowed"] is False
+
+
+def test_with_a_client_ca_only_clients_it_signed_are_answered(tmp_path: Path) -> None:
+    client_ca = make_ca("api-server-client-ca")
+    apiserver = issue(client_ca, cn="kube-apiserver")
+    (tmp_path / "client-ca.crt").write_bytes(apiserver.ca_pem)
+    write_pair(apiserver, tmp_path / "client.crt", tmp_path / "client.key")
+    with running_server(tmp_path, TEST_RULES, client_ca=str(tmp_path / "client-ca.crt")) as s:
+        anyone = s.ssl_context()
+        with httpx.Client(base_url=s.url, verify=anyone, timeout=10) as c:
+            stranger = c.post("/validate", json=review(pod()))
+            # The kubelet's probes and the metrics scrapers present no certificate.
+            assert c.get("/healthz").status_code == 200
+            assert c.get("/metrics").status_code == 200
+        with_cert = s.ssl_context()
+        with_cert.load_cert_chain(tmp_path / "client.crt", tmp_path / "client.key")
+        with httpx.Client(base_url=s.url, verify=with_cert, timeout=10) as c:
+            api_server = c.post("/validate", json=review(pod()))
+    assert stranger.status_code == 403
+    assert "only from clients with a certificate" in stranger.json()["error"]
+    assert api_server.status_code == 200
+    assert api_server.json()["response"]["allowed"] is False
