@@ -196,6 +196,10 @@ def test_1000_real_verdicts_each_refused_with_no_webhook(cluster: Cluster) -> No
     tracemalloc.stop()
     print(f"controller sync (list, compile, install, write): {took:.2f}s, peak {peak >> 20} MiB")
     assert params.dropped == 0 and params.kept == 2 * n
+    # Nothing changed: the next poll neither recompiles nor rewrites.
+    t0 = time.perf_counter()
+    assert sync_once(cluster.api, state, dt.datetime.now(dt.UTC)) is params
+    print(f"an unchanged poll: {time.perf_counter() - t0:.2f}s")
     wait_refused(cluster, f"registry.example.com/team-0/sglang@{digest_of(n, 0)}")
     before = policy_checks(cluster)
     t0 = time.monotonic()
