@@ -206,6 +206,9 @@ def test_elf_past_its_limits_is_unreadable_not_truncated(tmp_path):
     assert read_needed(so) is None
     so.write_bytes(hostile_roots.elf_bytes(["lib" + "x" * elf.MAX_NAME_BYTES + ".so"]))
     assert read_needed(so) is None
+    # A DT_NEEDED past the end of the string table DT_STRSZ declares.
+    so.write_bytes(hostile_roots.elf_bytes([], strtab=b"\0libc.so.6\0", offsets=[1, 500]))
+    assert read_needed(so) is None
 
 
 @pytest.mark.timeout(30)
