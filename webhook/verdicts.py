@@ -13,14 +13,26 @@ Trust depends on how the pod names its image:
 The ImageVerdict fields read here (from ``spec``, falling back to ``status``):
 ``image`` (as written in the pod), ``digest`` (resolved from the pod's
 ``imageID``), ``verdict`` (``Usable``/``Unusable``), ``reason``, ``lastSeen``
-(RFC 3339) and ``pod`` (``namespace/name`` of the pod that saw it); ``source`` says
-who found it: ``probe`` (the controller, from a signed probe in a pod; the default for
-objects written before the field existed) or ``scan`` (``epguard scan --record``, from
-the image's files, by ``recordedBy``, the API server's name for the caller).
+(RFC 3339; see "Times" below) and ``pod`` (``namespace/name`` of the pod that saw
+it); ``source`` says who found it: ``probe`` (the controller, from a signed probe in a
+pod; the default for objects written before the field existed) or ``scan`` (``epguard
+scan --record``, from the image's files, by ``recordedBy``, the API server's name for
+the caller).
+
+Times. ``lastSeen`` orders the verdicts of one image (the newest answers) and keeps a
+tag's Unusable verdict refusing for ``tag_ttl``; it is written by the writer, and a
+writer's clock (or a hostile writer) may put it in the future, where it would outrank
+every newer verdict and refuse the tag for ever. So the time a verdict is held at is
+never later than (1) the API server's time of the newest write to the object (the
+newest ``metadata.managedFields[].time``: the server sets it, not the client, for the
+entry of whoever changed a field) nor (2) the moment this process first saw the object
+say so. (2) covers managedFields a writer sent itself; the chart's scan-recorder policy
+refuses those from recorders, and checks lastSeen against (1) when it is written.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import threading
 from collections.abc import Iterable, Mapping
@@ -120,6 +132,9 @@ class Verdict:
     source: str = SOURCE_PROBE
     recorded_by: str | None = None
     fix: str = ""
+    # ``lastSeen`` as the object says it; ``last_seen`` is what this process trusts of it
+    # (see "Times" above).
+    claimed_last_seen: dt.datetime | None = None
 
     @property
     def from_scan(self) -> bool:
@@ -175,8 +190,19 @@ def _time(value: Any) -> dt.datetime | None:
     return t if t.tzinfo else t.replace(tzinfo=dt.UTC)
 
 
+def _written_at(meta: Mapping[str, Any]) -> dt.datetime | None:
+    """The API server's time of the newest write that changed the object: the newest
+    ``managedFields[].time``, or None when there is none."""
+    entries = meta.get("managedFields")
+    if not isinstance(entries, list):
+        return None
+    times = [_time(e.get("time")) for e in entries if isinstance(e, Mapping)]
+    return max((t for t in times if t is not None), default=None)
+
+
 def verdict_from_object(obj: Any) -> Verdict | None:
-    """An ImageVerdict as the API returns it → Verdict, or None when unusable as evidence."""
+    """An ImageVerdict as the API returns it → Verdict, or None when unusable as evidence.
+    Its ``last_seen`` is never later than the API server's time of the write."""
     if not isinstance(obj, Mapping):
         return None
     meta = obj.get("metadata")
@@ -200,6 +226,8 @@ def verdict_from_object(obj: Any) -> Verdict | None:
     source = _field(obj, "source")
     recorded_by = _field(obj, "recordedBy")
     fix = _field(obj, "fix")
+    claimed = _time(_field(obj, "lastSeen"))
+    written = _written_at(meta) if isinstance(meta, Mapping) else None
     return Verdict(
         object_name=name,
         image=image,
@@ -207,11 +235,12 @@ def verdict_from_object(obj: Any) -> Verdict | None:
         digest=digest,
         usable=verdict.lower() == "usable",
         reason=reason.strip().splitlines()[0] if isinstance(reason, str) and reason.strip() else "",
-        last_seen=_time(_field(obj, "lastSeen")),
+        last_seen=min(claimed, written) if claimed and written else claimed,
         pod=pod if isinstance(pod, str) and pod else None,
         source=SOURCE_SCAN if source == SOURCE_SCAN else SOURCE_PROBE,
         recorded_by=recorded_by if isinstance(recorded_by, str) and recorded_by else None,
         fix=fix.strip().splitlines()[0] if isinstance(fix, str) and fix.strip() else "",
+        claimed_last_seen=claimed,
     )
 
 
@@ -220,6 +249,17 @@ def verdict_from_object(obj: Any) -> Verdict | None:
 # someone creating ImageVerdicts by the million, and the webhook must not grow with it.
 MAX_VERDICTS = 50_000
 _EPOCH = dt.datetime.min.replace(tzinfo=dt.UTC)
+
+
+def _observed(v: Verdict, now: dt.datetime, held: Verdict | None) -> Verdict:
+    """``v`` with its time no later than when this process first saw it say so: ``now``,
+    or the time already held for the same object and the same ``lastSeen``."""
+    if v.last_seen is None:
+        return v
+    bound = now
+    if held is not None and held.claimed_last_seen == v.claimed_last_seen and held.last_seen:
+        bound = min(bound, held.last_seen)
+    return v if v.last_seen <= bound else dataclasses.replace(v, last_seen=bound)
 
 
 def _newest(members: Iterable[Verdict]) -> Verdict:
@@ -282,12 +322,16 @@ class VerdictStore:
             self._members.setdefault(key, set()).add(v.object_name)
         return keys
 
-    def upsert(self, verdict: Verdict) -> bool:
-        """Hold ``verdict`` (replacing one of the same name); False if the cap refused it."""
+    def upsert(self, verdict: Verdict, now: dt.datetime | None = None) -> bool:
+        """Hold ``verdict`` (replacing one of the same name); False if the cap refused it.
+        ``now``: when it was seen (its time is held no later than that)."""
+        now = now or dt.datetime.now(dt.UTC)
         with self._lock:
-            if verdict.object_name not in self._by_name and len(self._by_name) >= self.cap:
+            held = self._by_name.get(verdict.object_name)
+            if held is None and len(self._by_name) >= self.cap:
                 self.dropped += 1
                 return False
+            verdict = _observed(verdict, now, held)
             touched = self._remove(verdict.object_name) + self._add(verdict)
             for key in set(touched):
                 self._refresh(key)
@@ -298,15 +342,17 @@ class VerdictStore:
             for key in set(self._remove(object_name)):
                 self._refresh(key)
 
-    def replace(self, verdicts: Iterable[Verdict]) -> None:
+    def replace(self, verdicts: Iterable[Verdict], now: dt.datetime | None = None) -> None:
+        now = now or dt.datetime.now(dt.UTC)
         with self._lock:
+            before = self._by_name
             self._by_name, self._members, self._winner = {}, {}, {}
             for v in verdicts:
                 if v.object_name not in self._by_name and len(self._by_name) >= self.cap:
                     self.dropped += 1
                     continue
                 self._remove(v.object_name)
-                self._add(v)
+                self._add(_observed(v, now, before.get(v.object_name)))
             for key in list(self._members):
                 self._refresh(key)
 

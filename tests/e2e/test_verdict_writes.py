@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,9 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_kube import eventually, output
+import yaml
+from e2e_kube import apply, denied_by_epguard, eventually, output, pod, worker
 
 from devcluster import ControlPlane, binaries
+from devcluster.stack import Stack
 from tests.chart.chartlib import CHART, NAMESPACE, RELEASE, run_helm
 from webhook.outcome import outcomes_of, verdict_name, verdict_spec
 from webhook.scan.record import MANAGER
@@ -51,9 +54,16 @@ def _render(*args: str) -> str:
 
 @pytest.fixture(scope="module")
 def crd(control_plane: ControlPlane) -> None:
-    r = control_plane.kubectl("apply", "-f", "-",
-                              input=_render("--show-only", "templates/crds.yaml"))  # fmt: skip
-    assert r.returncode == 0, output(r)
+    """The chart's CRDs alone, marked as the release's, so that a later ``helm install`` of
+    the session's epguard (the ``epguard`` fixture) adopts them instead of failing."""
+    owner = {"meta.helm.sh/release-name": RELEASE, "meta.helm.sh/release-namespace": NAMESPACE}
+    for crd in yaml.safe_load_all(_render("--show-only", "templates/crds.yaml")):
+        if not crd:
+            continue
+        crd["metadata"].setdefault("labels", {})["app.kubernetes.io/managed-by"] = "Helm"
+        crd["metadata"].setdefault("annotations", {}).update(owner)
+        r = control_plane.kubectl("apply", "-f", "-", input=json.dumps(crd))
+        assert r.returncode == 0, output(r)
     control_plane.kubectl("wait", "--for=condition=Established",
                           "crd/imageverdicts.epguard.io", check=True)  # fmt: skip
 
@@ -244,6 +254,41 @@ def test_a_recorder_cannot_change_or_delete_another_recorders_verdict(
     # Its own recorder still may.
     r = _as(recorders, FIRST, "delete", "imageverdict", name)
     assert r.returncode == 0, output(r)
+
+
+def test_the_webhook_lets_a_newer_verdict_outrank_one_dated_in_the_future(
+    control_plane: ControlPlane, epguard: Stack, namespace: str
+) -> None:
+    """A scan verdict dated 2099 (written by an admin here, as a recorder could before the
+    policy checked times) then a newer Usable probe verdict for the same bytes: the
+    webhook, reading both from the real watch, goes by the newer one."""
+    digest = _digest()
+    scan = _verdict(digest, "someone", dt.datetime(2099, 1, 1, tzinfo=dt.UTC))
+    probe = _verdict(digest, "", dt.datetime.now(dt.UTC), source="probe", verdict="Usable")
+    probe["metadata"] = {"name": digest.replace(":", "-"),
+                         "labels": {"app.kubernetes.io/managed-by": "epguard-e2e"}}  # fmt: skip
+    del probe["spec"]["recordedBy"]
+    pinned = pod("pinned", namespace, worker(f"{IMAGE}@{digest}"))
+    tagged = pod("tagged", namespace, worker(IMAGE))
+    try:
+        r = control_plane.kubectl("create", "-f", "-", input=json.dumps(scan))
+        assert r.returncode == 0, output(r)
+        eventually(lambda: denied_by_epguard(apply(control_plane, pinned, dry_run=True)),
+                   within=30, what="the webhook to hold the scan verdict")  # fmt: skip
+        time.sleep(1.1)  # the probe verdict's write is a later second on the server's clock
+        probe["spec"]["lastSeen"] = probe["spec"]["firstSeen"] = _stamp(dt.datetime.now(dt.UTC))
+        r = control_plane.kubectl("create", "-f", "-", input=json.dumps(probe))
+        assert r.returncode == 0, output(r)
+        for p in (pinned, tagged):
+
+            def admitted(p: dict[str, Any] = p) -> bool:
+                return apply(control_plane, p, dry_run=True).returncode == 0
+
+            what = f"{p['metadata']['name']}: the newer verdict to answer"
+            eventually(admitted, within=60, what=what)
+    finally:
+        for name in (scan["metadata"]["name"], probe["metadata"]["name"]):
+            control_plane.kubectl("delete", "imageverdict", name, "--ignore-not-found")
 
 
 PROBE_MESSAGE = (

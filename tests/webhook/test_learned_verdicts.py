@@ -47,7 +47,7 @@ def store_with(*objs: dict[str, Any], ttl_hours: float = 24) -> VerdictStore:
     for o in objs:
         v = verdict_from_object(o)
         assert v is not None
-        store.upsert(v)
+        store.upsert(v, now=NOW)
     return store
 
 
@@ -157,3 +157,65 @@ def test_a_full_store_refuses_new_names_and_counts_them() -> None:
     # An update of a verdict already held is never refused.
     again = verdict_from_object(imageverdict("iv-0", verdict="Usable"))
     assert again is not None and store.upsert(again)
+
+
+# --- times in the future ---------------------------------------------------------------
+
+FUTURE = dt.datetime(2099, 1, 1, tzinfo=dt.UTC)
+
+
+def written(obj: dict[str, Any], at: dt.datetime) -> dict[str, Any]:
+    """``obj`` as the API server returns it after a write at ``at``: the writer's
+    managedFields entry carries the server's time of the write."""
+    obj["metadata"]["managedFields"] = [{
+        "manager": "epguard-scan", "operation": "Update", "apiVersion": "epguard.io/v1alpha1",
+        "time": at.strftime("%Y-%m-%dT%H:%M:%SZ"), "fieldsType": "FieldsV1",
+        "fieldsV1": {"f:spec": {}},
+    }]  # fmt: skip
+    return obj
+
+
+def test_a_verdict_dated_in_the_future_refuses_a_tag_only_for_the_ttl_after_its_write() -> None:
+    store = store_with(written(imageverdict(last_seen=FUTURE), NOW - dt.timedelta(hours=1)))
+    assert not judge(IMAGE, store).allowed
+    state = make_state()
+    state.verdicts = store
+    later = decide(request(pod([container(image=IMAGE)])), state, now=NOW + dt.timedelta(days=2))
+    assert later.allowed
+    assert any("older than the TTL" in w for w in later.warnings)
+
+
+def test_a_verdict_dated_in_the_future_does_not_outrank_a_newer_one() -> None:
+    forged = written(imageverdict("scan-x", last_seen=FUTURE), NOW - dt.timedelta(hours=2))
+    newer = written(imageverdict("iv-new", verdict="Usable", last_seen=NOW - dt.timedelta(hours=1)),
+                    NOW - dt.timedelta(hours=1))  # fmt: skip
+    for image in (IMAGE, f"registry.example.com/ml/sglang@{DIGEST}"):
+        d = judge(image, store_with(forged, newer))
+        assert d.allowed and d.warnings == (), image
+
+
+def test_a_future_time_is_held_at_when_it_was_first_seen_across_relists() -> None:
+    # No managedFields to bound it (a writer may send its own): the time it was first
+    # seen does, and a re-list or a re-delivered event does not move it later.
+    obj = imageverdict(last_seen=FUTURE)
+    v = verdict_from_object(obj)
+    assert v is not None and v.last_seen == FUTURE
+    store = VerdictStore()
+    first_seen = NOW - dt.timedelta(hours=30)
+    store.upsert(v, now=first_seen)
+    store.upsert(v, now=NOW)
+    store.replace([v], now=NOW)
+    hit = store.lookup(parse(IMAGE), NOW)
+    assert hit is not None and hit.verdict.last_seen == first_seen and hit.trust == "warn"
+    # A new lastSeen is a new claim, held from when it is seen.
+    moved = verdict_from_object(imageverdict(last_seen=FUTURE + dt.timedelta(days=1)))
+    assert moved is not None
+    store.upsert(moved, now=NOW)
+    hit = store.lookup(parse(IMAGE), NOW)
+    assert hit is not None and hit.verdict.last_seen == NOW and hit.trust == "deny"
+
+
+def test_a_time_in_the_past_is_kept_as_written() -> None:
+    obj = written(imageverdict(last_seen=NOW - dt.timedelta(hours=3)), NOW - dt.timedelta(hours=2))
+    v = verdict_from_object(obj)
+    assert v is not None and v.last_seen == NOW - dt.timedelta(hours=3)
