@@ -190,8 +190,11 @@ def _flag_spelling(word, shortest):
 
 
 def mentions_flag(text: str) -> bool:
-    """Cheap test: can anything in ``text`` be read as the flag (in some release)?"""
-    return _shortest() in text
+    """Cheap test: can anything in ``text`` be read as the flag (in some release)? As
+    written, or once a shell has removed its quotes (``-''-elastic-ep-backend`` is the
+    flag to a shell): shell.unquoted, free for text without quotes or backslashes."""
+    shortest = _shortest()
+    return shortest in text or shortest in shell.unquoted(text)
 
 
 _SHORTEST = None
@@ -324,7 +327,7 @@ def read(
     argv = [a if isinstance(a, str) else str(a) for a in argv]
     env = {str(k): v if isinstance(v, str) else str(v) for k, v in (env or {}).items()}
     shortest = _shortest()
-    flagged = any(shortest in a for a in argv) or any(shortest in v for v in env.values())
+    flagged = any(mentions_flag(a) for a in argv) or any(mentions_flag(v) for v in env.values())
     if not flagged and not any(CONFIG in a for a in argv):
         return r  # nothing can be read as the flag: skip the work
     budget = budget if budget is not None else shell.Budget()

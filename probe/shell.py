@@ -9,8 +9,12 @@ so that the reader (cmdline.py) can hand each one to SGLang's own option table.
 
 It is a reader, not a shell: no globbing, no command substitution, no here-documents.
 What matters is that words come out as the shell would make them (quotes, escapes,
-line continuations, ``$NAME`` from the environment, comments) and that the work is
-linear in the input: one regular-expression pass per script, and a budget on the total
+``$'…'`` and ``$"…"``, line continuations, ``$NAME`` from the environment, comments):
+in particular a quoted piece joins the unquoted text beside it into one word, so
+``-''-elastic-ep-backend`` and ``--el"astic"-ep-backend`` are the flag, as the shell
+passes it. ``unquoted()`` applies the same quote removal to a whole text without
+splitting it, for the cheap "could this mention the flag?" tests. The work is linear
+in the input: one regular-expression pass per script, and a budget on the total
 number of characters read, nested scripts included. Over budget, the caller is told so
 and judges on the safe side instead of reading on.
 
@@ -44,14 +48,23 @@ _TOKEN = re.compile(r"""
   | (?P<heredoc><<-?[ \t]*(?P<q1>['"]?)(?P<delim>[A-Za-z_][A-Za-z0-9_]*)(?P=q1))
   | (?P<redir>(?:&>>?|[0-9]*(?:>>|>&|<&|>\||<>|<<<|>|<)(?:&?[0-9]+-?|&-)?))
   | (?P<op>&&|\|\||;;|[;&|()])
+  | (?P<ansi>\$'(?P<ansibody>(?:[^'\\]|\\.)*)(?:'|$))
   | (?P<sq>'[^']*(?:'|$))
-  | (?P<dq>"(?:[^"\\]|\\.)*(?:"|$))
+  | (?P<dq>\$?"(?:[^"\\]|\\.)*(?:"|$))
   | (?P<esc>\\.)
   | (?P<cmdsub>\$\((?:[^()]|\([^()]*\))*\)|`[^`]*`)
   | (?P<pos>\$(?:[@*0-9]|\{[@*0-9]\}))
   | (?P<dollar>\$(?:\{[^}]*\}|[A-Za-z_][A-Za-z0-9_]*))
   | (?P<lit>[^ \t\r\n;&|()'"\\<>$]+|\$)
 """, re.X | re.S)
+# Inside $'…' (bash, zsh, ksh, busybox ash; POSIX since 2024): C-like escapes.
+_ANSI_ESCAPE = re.compile(
+    r"\\(?:([abeEfnrtv\\'\"?])|([0-7]{1,3})|x([0-9A-Fa-f]{1,2})|u([0-9A-Fa-f]{1,4})"
+    r"|U([0-9A-Fa-f]{1,8})|c(.))", re.S)
+_ANSI_SIMPLE = {"a": "\a", "b": "\b", "e": "\x1b", "E": "\x1b", "f": "\f", "n": "\n",
+                "r": "\r", "t": "\t", "v": "\v", "\\": "\\", "'": "'", '"': '"', "?": "?"}
+# What quote removal drops or decodes in a whole text (see unquoted()).
+_QUOTING = re.compile(r"\$'((?:[^'\\]|\\.)*)'?|\$?[\"'\\]", re.S)
 _DQ_ESCAPE = re.compile(r"\\([\\\"$`])|\\\r?\n")
 _DQ_DOLLAR = re.compile(r"\$(?:\{[^}]*\}|[A-Za-z_][A-Za-z0-9_]*|[@*0-9]|\{[@*0-9]\})")
 _POSITIONAL = re.compile(r"\$\{?([@*0-9])\}?$")
@@ -141,6 +154,36 @@ def _expand(ref, env, budget, positional=()):
     return value
 
 
+def ansi_c(body):
+    """The text of ``$'body'``: its C-like escapes decoded, as bash does; an escape it does
+    not know keeps its backslash."""
+    def one(m):
+        simple, octal, hex_, u4, u8, ctl = m.groups()
+        if simple is not None:
+            return _ANSI_SIMPLE[simple]
+        if octal is not None:
+            return chr(int(octal, 8) & 0xFF)
+        if hex_ is not None:
+            return chr(int(hex_, 16))
+        code = u4 or u8
+        if code is not None:
+            n = int(code, 16)
+            return chr(n) if n <= 0x10FFFF and not 0xD800 <= n <= 0xDFFF else ""
+        return chr(ord(ctl) & 0x1F)
+    return _ANSI_ESCAPE.sub(one, body)
+
+
+def unquoted(text):
+    """``text`` as if the shell's quote removal ran over all of it as one word: ``$'…'``
+    decoded, every other ``'``, ``"`` and ``\\`` dropped. So ``-''-elastic-ep-backend``
+    (which a shell passes as ``--elastic-ep-backend``) shows the flag to a substring test.
+    It over-approximates (a quote inside other quotes is dropped too, words are not
+    split), which only errs towards reading a line; linear, and free without quotes."""
+    if "'" not in text and '"' not in text and "\\" not in text:
+        return text
+    return _QUOTING.sub(lambda m: "" if m.group(1) is None else ansi_c(m.group(1)), text)
+
+
 def script_env(script, env):
     """``env`` plus the plain values a script assigns to itself (``FLAGS="…"; run $FLAGS``),
     last assignment winning: one linear pass, not an interpreter."""
@@ -225,7 +268,11 @@ def words(script, env, budget, positional=()):
         elif kind == "sq":
             cur.append(text[1:-1] if text.endswith("'") and len(text) > 1 else text[1:])
             started = True
+        elif kind == "ansi":
+            cur.append(ansi_c(m.group("ansibody")))
+            started = True
         elif kind == "dq":
+            text = text[1:] if text.startswith("$") else text  # $"…": bash's translated "…"
             body = text[1:-1] if text.endswith('"') and len(text) > 1 else text[1:]
             body = _DQ_ESCAPE.sub(lambda e: e.group(1) or "", body)
             if body in ("$@", "${@}") and positional:

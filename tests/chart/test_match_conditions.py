@@ -261,6 +261,15 @@ CASES: list[tuple[str, str, Obj, bool]] = [
 ENV = celpy.Environment()
 
 
+def _replace(s: Any, old: Any, new: Any) -> celpy.celtypes.StringType:
+    """Kubernetes' CEL strings library ``replace`` (every occurrence), which cel-python
+    lacks; the real API server's is exercised by tests/e2e/test_quoted_flag.py."""
+    return celpy.celtypes.StringType(str(s).replace(str(old), str(new)))
+
+
+FUNCTIONS: dict[str, Any] = {"replace": _replace}
+
+
 def expressions() -> dict[str, str]:
     vwc = next(o for o in render().objects if o["kind"] == "ValidatingWebhookConfiguration")
     return {
@@ -271,7 +280,7 @@ def expressions() -> dict[str, str]:
 
 
 def evaluate(expression: str, obj: Obj) -> bool:
-    program = ENV.program(ENV.compile(expression))
+    program = ENV.program(ENV.compile(expression), functions=FUNCTIONS)
     result = program.evaluate({"object": celpy.json_to_cel(obj)})  # type: ignore[attr-defined]
     assert isinstance(result, celpy.celtypes.BoolType), f"not a bool (an error?): {result!r}"
     return bool(result)
@@ -336,6 +345,36 @@ def test_the_needle_matches_flag_spellings_and_not_other_words(
     args: list[str], expected: bool
 ) -> None:
     assert evaluate(expressions()["pods"], pod(pod_spec(c(args)))) is expected
+
+
+QUOTED = [
+    "exec python3 -m sglang.launch_server -''-elastic-ep-backend mooncake",
+    'exec python3 -m sglang.launch_server --el"astic"-ep-backend mooncake',
+    "exec python3 -m sglang.launch_server -\\-elastic-ep-backend=mooncake",
+    "exec python3 -m sglang.launch_server --elastic''-ep-b mooncake",
+    'exec python3 -m sglang.launch_server $"--elastic-ep-backend" mooncake',
+]
+
+
+@pytest.mark.parametrize("script", QUOTED)
+def test_a_flag_the_shell_joins_from_quoted_pieces_is_sent(script: str) -> None:
+    # The shell removes the quotes and passes --elastic-ep-backend (probe/shell.py).
+    assert evaluate(expressions()["pods"], pod(pod_spec(c(["sh", "-c", script]))))
+    # The script from an env value the kubelet puts in place ($(VAR)): the shell reads it.
+    env = [{"name": "RUN", "value": script}]
+    assert evaluate(expressions()["pods"], pod(pod_spec(c(["sh", "-c", "$(RUN)"], env=env))))
+    for hook, obj in (("workloads", workload("Deployment", pod_spec(c(["sh", "-c", script])))),
+                      ("cronjobs", cronjob(pod_spec(c(["sh", "-c", script]))))):  # fmt: skip
+        assert evaluate(expressions()[hook], obj), hook
+
+
+@pytest.mark.parametrize(
+    "script",
+    ["filebeat -''-elasticsearch-url http://es", "run --e''lasticsearch.hosts=es",
+     "run -''-enable-elastic-ep", "echo 'it''s' --tp 8"],
+)  # fmt: skip
+def test_quotes_removed_still_match_nothing_but_the_flag(script: str) -> None:
+    assert not evaluate(expressions()["pods"], pod(pod_spec(c(["sh", "-c", script]))))
 
 
 def test_env_values_that_carry_the_flag_are_sent() -> None:

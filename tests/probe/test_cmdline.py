@@ -8,6 +8,7 @@ reader against SGLang's own parser.
 from __future__ import annotations
 
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -199,6 +200,38 @@ def test_script_words_are_made_as_the_shell_makes_them() -> None:
     assert not read(["echo", FLAG]).requested  # one word with a space is not the flag
     # Words after the script are $0 $1 … of the script, not commands.
     assert not read(["sh", "-c", "run", "--elastic-ep-backend", "mooncake"]).requested
+
+
+# A shell joins a quoted piece to the text beside it: each of these is --elastic-ep-backend
+# to the shell (checked against a real one below), and so to SGLang.
+QUOTE_JOINED = [
+    "-''-elastic-ep-backend mooncake",
+    '-""-elastic-ep-backend mooncake',
+    "-\\-elastic-ep-backend mooncake",
+    "--el'astic'-ep-backend mooncake",
+    "--elastic-ep-backend'' mooncake",
+    "$'--elastic-ep-backend' mooncake",
+    "$'\\x2d\\055elastic-ep-backend' moon''cake",
+    '$"--elastic-ep-backend" mooncake',
+]
+
+
+@pytest.mark.parametrize("flag", QUOTE_JOINED)
+def test_a_flag_joined_from_quoted_pieces_is_read_as_the_shell_reads_it(flag: str) -> None:
+    r = read(["sh", "-c", f"exec python3 -m sglang.launch_server --tp 8 {flag}"])
+    assert r.requested and r.where == "sh -c script"
+    # As one argv word, with no shell, the quotes stay: SGLang gets no such option.
+    if flag.startswith("-''-"):
+        assert not read([*LAUNCH, *flag.split()]).requested
+
+
+@pytest.mark.parametrize("flag", QUOTE_JOINED)
+def test_the_shell_joins_quoted_pieces_as_a_real_shell_does(flag: str) -> None:
+    script = f"printf '%s\\n' {flag}"
+    real = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True)
+    [cmd] = shell.commands(["bash", "-c", script])
+    assert cmd.words[2:] == real.stdout.splitlines()
+    assert cmdline.mentions_flag(script)
 
 
 def test_script_variables_come_from_the_environment() -> None:

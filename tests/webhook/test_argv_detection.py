@@ -30,6 +30,17 @@ def test_the_webhook_answers_with_the_reader_the_probe_uses() -> None:
     assert not requested("filebeat", "--elasticsearch-url", "http://es:9200")
 
 
+def test_a_flag_the_shell_joins_from_quoted_pieces_is_judged() -> None:
+    # `-''-elastic-ep-backend` is --elastic-ep-backend once the shell removes the quotes.
+    line = "exec python3 -m sglang.launch_server -''-elastic-ep-backend mooncake"
+    assert requested("sh", "-c", line)
+    assert requested("bash", "-lc", line.replace("-''-", "$'\\x2d'-"))
+    env = [{"name": "RUN", "value": line}]
+    assert analyse_container({"command": ["sh", "-c", "$(RUN)"], "env": env}).requests_mooncake
+    # With no shell the quotes are part of the word, which SGLang does not know.
+    assert not requested("python3", "-m", "sglang.launch_server", "-''-elastic-ep-backend")
+
+
 def test_reports_config_file_and_unresolved_values() -> None:
     r = analyse(("python3", "-m", "sglang.launch_server", "--config=/c.yaml"))
     assert r.config_file == "/c.yaml" and r.looks_like_sglang and not r.requests_mooncake

@@ -37,6 +37,15 @@ def test_exits_1_and_prints_the_denial_in_the_webhooks_words(
     assert "1 object(s) checked (1 of other kinds skipped), 1 denied" in err
 
 
+def test_a_flag_the_shell_joins_from_quoted_pieces_is_judged(
+    tmp_path: Path, rules: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = "exec python3 -m sglang.launch_server -''-elastic-ep-backend mooncake"
+    path = write(tmp_path, pod([container(command=["sh", "-c", script], args=[])]))
+    assert main(["check", "--rules", rules, path]) == 1
+    assert 'DENY: container "worker"' in capsys.readouterr().out
+
+
 def test_exits_0_with_warnings_only(
     tmp_path: Path, rules: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

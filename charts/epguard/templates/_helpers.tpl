@@ -121,15 +121,23 @@ asserts the two agree. Any container or init container whose command, args or li
 env values hold it is sent to epguard, which covers `--elastic-ep-backend mooncake`, the
 `=` form, prefixes, `sh -c "..."` scripts and `$(VAR)` references to env values. The
 cheap `contains` runs first, so the regular expression only sees candidates.
+
+Each string is tested as written and with the shell's quote characters (' " \) removed,
+because a shell joins quoted pieces to the text beside them: `-''-elastic-ep-backend`,
+`--el"astic"-ep-backend` and `\--elastic-ep-backend` inside `sh -c` are the flag
+(probe/shell.py reads them so, and shell.unquoted is the same removal for the webhook's
+and the probe's own cheap test). Removing quotes can only add matches, never lose one
+(the string as written is still tested). What CEL cannot undo, like a variable (above)
+or a `$'\x2d'` escape, is left to the probe.
 */}}
 {{- define "epguard.cel.needle" -}}--el{{- end -}}
 {{- define "epguard.cel.needlePattern" -}}
 (^|[^A-Za-z0-9_-])--el(a(s(t(i(c(-(e(p(-(b(a(c(k(e(n(d)?)?)?)?)?)?)?)?)?)?)?)?)?)?)?)?([^A-Za-z0-9_-]|$)
 {{- end -}}
 
-{{/* CEL: string variable s holds a spelling of the flag. */}}
+{{/* CEL: string variable s, as written or with its quotes removed, holds a spelling of the flag. */}}
 {{- define "epguard.cel.holds" -}}
-{{ .s }}.contains('{{ include "epguard.cel.needle" . }}') && {{ .s }}.matches('{{ include "epguard.cel.needlePattern" . }}')
+[{{ .s }}, {{ .s }}.replace("'", '').replace('"', '').replace('\\', '')].exists(q, q.contains('{{ include "epguard.cel.needle" . }}') && q.matches('{{ include "epguard.cel.needlePattern" . }}'))
 {{- end -}}
 
 {{/* CEL: container variable c mentions the flag. */}}
