@@ -39,9 +39,10 @@ AS_LIMIT = 4 * GiB
 _PEAK = (
     "import resource, subprocess, sys\n"
     "p = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
-    "err = (p.stderr.strip().splitlines() or [''])[-1][:150]\n"
+    "err = (p.stderr.strip().splitlines() or [''])[-1][:400]\n"
     "tb = 'Traceback' in p.stderr\n"
-    "print(p.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, int(tb))\n"
+    "print(p.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, int(tb),"
+    " len(p.stdout))\n"
     "print(err)"
 )
 
@@ -71,9 +72,10 @@ CASES: dict[str, Callable[[Path], tuple[Path, list[str]]]] = {
         lambda d: hostile.one_layer(d, hostile.huge_pax_header_layer(512 << 20), "gzip")),
     "8 256 MiB GNU long name": _case(
         lambda d: hostile.one_layer(d, hostile.huge_long_name_layer(256 << 20), "gzip")),
-    "8 200k notes (sparse loaders), JSON": _case(
+    "8 200k notes (sparse loaders, 1,000-byte names), JSON": _case(
         lambda d: hostile.one_layer(d, hostile.sparse_members_layer(
-            200_000, 2 << 20, b"usr/lib/python3/dist-packages/mooncake/m%d.py"), "gzip"),
+            200_000, 2 << 20,
+            b"usr/lib/python3/dist-packages/mooncake/" + b"m" * 950 + b"%d.py"), "gzip"),
         "--json", *NO_REQUEST),
     "9 1,000 sparse libraries claiming 1 TiB": _case(
         lambda d: hostile.one_layer(d, hostile.sparse_members_layer(1000, 1 << 40), "gzip"),
@@ -109,11 +111,14 @@ def run(tree: Path, image: Path, args: list[str], seconds: float) -> str:
                          env=env, cwd=tree)
     wall = time.perf_counter() - start
     first, _, said = out.stdout.partition("\n")
-    rc, kib, tb = (int(x) for x in first.split())
+    rc, kib, tb, out = (int(x) for x in first.split())
     if rc == 124:
         return f"timeout at {wall:6.1f} s, {kib / 1024:7.1f} MiB"
-    shown = "traceback, " if tb else ""
-    return f"exit {rc} ({shown}{said.strip()[:70]!r}) {wall:6.1f} s, {kib / 1024:7.1f} MiB"
+    shown = "traceback: " if tb else ""
+    said = said.strip().removeprefix("epguard: cannot scan: ")
+    said = said if len(said) <= 90 else "…" + said[-89:]
+    return (f"exit {rc}, {wall:6.1f} s, {kib / 1024:7.1f} MiB, {out / 1024:8.1f} KiB out "
+            f"({shown}{said!r})")
 
 
 def main() -> int:

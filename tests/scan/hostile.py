@@ -181,7 +181,9 @@ def sparse_members_layer(count: int, realsize: int, name: bytes = b"usr/lib/lib%
     out = io.BytesIO()
     real = b"\x80" + realsize.to_bytes(11, "big")
     for i in range(count):
-        out.write(z.compress(header(name % i, 0, b"S", extra={483: real})))
+        n = name % i
+        long = pax({b"path": n}) if len(n) > 100 else b""
+        out.write(z.compress(long + header(n, 0, b"S", extra={483: real})))
     out.write(z.compress(END))
     out.write(z.flush())
     return out.getvalue()
