@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.chart.chartlib import CHART, render, run_helm
+from tests.chart.chartlib import CHART, notes, render, run_helm
 
 Obj = dict[str, Any]
 
@@ -65,3 +65,10 @@ def test_a_client_ca_secret_is_mounted_and_required() -> None:
     }
     plain = render().one("Deployment", "epguard-webhook")["spec"]["template"]["spec"]
     assert "EPGUARD_CLIENT_CA" not in {e["name"] for e in plain["containers"][0]["env"]}
+
+
+def test_install_warns_about_the_open_range_until_pods_are_left_out() -> None:
+    assert "networkPolicy.podCIDRs" in notes()
+    assert "apiServerCIDRs admits any address" not in notes(
+        "--set", "networkPolicy.podCIDRs={10.244.0.0/16}"
+    )
