@@ -7,7 +7,6 @@ deleted is followed within 10 s.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import Iterator
@@ -169,22 +168,3 @@ def test_a_verdict_created_then_deleted_is_followed_within_ten_seconds(
     )
     print(f"verdict deleted -> admitted again: {took:.1f}s")
 
-
-def test_the_api_server_type_checks_the_policy_without_a_warning(
-    outage: tuple[ControlPlane, str],
-) -> None:
-    # kube-controller-manager type-checks a policy against its paramKind's schema; a
-    # warning would mean an expression the API server may fail on (and, with
-    # failurePolicy Ignore, admit by).
-    cp, _ = outage
-
-    def checked() -> dict[str, Any] | None:
-        r = cp.kubectl("get", "validatingadmissionpolicy", BACKSTOP, "-o", "json", check=True)
-        policy: dict[str, Any] = json.loads(r.stdout)
-        status = policy.get("status") or {}
-        generation = policy["metadata"].get("generation")
-        return status if status.get("observedGeneration") == generation else None
-
-    eventually(lambda: checked() is not None, within=60, what="the policy to be type-checked")
-    status = checked() or {}
-    assert (status.get("typeChecking") or {}).get("expressionWarnings") in (None, [])

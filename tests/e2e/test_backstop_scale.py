@@ -14,9 +14,8 @@ A policy that errors (over its CEL cost budget, say) under ``failurePolicy: Igno
 admits silently. So each case also checks the API server's own counter of policy checks
 (``apiserver_validating_admission_policy_check_total``): no decision turned into an
 admission by an error (out of budget or any other), and exactly one deny per refusal.
-(The policy's typeChecking status is written by
-kube-controller-manager, which this control plane does not run; test_backstop_on_node.py
-checks it on the real node.)
+(The policy's typeChecking status is written by kube-controller-manager, which this
+control plane does not run.)
 Timings and the controller's compile time and memory are printed; the figures are in
 bench/backstop_compile.py too.
 """
