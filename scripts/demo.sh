@@ -164,7 +164,7 @@ run kubectl apply -f sglang-bad.yaml
 expect_refused
 # The outage backstop (a ValidatingAdmissionPolicy) is evaluated by the API server before
 # any webhook, so for a rule-denied image it answers first, with the webhook's message.
-expect_re 'admission webhook "pods.epguard.io" denied the request|ValidatingAdmissionPolicy .epguard-backstop-enforce. .*denied request: epguard \(backstop policy\)'
+expect_re 'admission webhook "pods.epguard.io" denied the request|ValidatingAdmissionPolicy .epguard-backstop. with binding .epguard-backstop-enforce. .*denied request: epguard \(backstop policy\)'
 expect_text "Mooncake PG was not built against torch==2.14.1"
 expect_text "[epguard rule ml-sglang-0522-mte-0313]"
 run kubectl get pods -n ml
@@ -221,7 +221,7 @@ EOF
 say "The same image in a Deployment is refused at apply, not four crash-looping pods later:"
 run kubectl apply -f deployment.yaml
 expect_refused
-expect_re 'admission webhook "workloads.epguard.io" denied the request|ValidatingAdmissionPolicy .epguard-backstop-enforce. .*denied request: epguard \(backstop policy\)'
+expect_re 'admission webhook "workloads.epguard.io" denied the request|ValidatingAdmissionPolicy .epguard-backstop. with binding .epguard-backstop-enforce. .*denied request: epguard \(backstop policy\)'
 expect_text 'container "worker"'
 run kubectl get deployments -n ml
 expect_no_text "sglang-decode"
