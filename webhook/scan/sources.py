@@ -87,6 +87,7 @@ class _Range(io.RawIOBase):
     def __init__(self, path: str, start: int, size: int) -> None:
         self._f = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by close()
         self._start, self._size, self._pos = start, size, 0
+        self._at = -1  # the file's own offset, so sequential reads need no lseek
 
     def readable(self) -> bool:
         return True
@@ -106,9 +107,11 @@ class _Range(io.RawIOBase):
         n = min(len(b), self._size - self._pos)
         if n <= 0:
             return 0
-        self._f.seek(self._start + self._pos)
+        if self._at != self._start + self._pos:
+            self._f.seek(self._start + self._pos)
         got = self._f.readinto(memoryview(b)[:n])
         self._pos += got
+        self._at = self._start + self._pos
         return got
 
     def close(self) -> None:
