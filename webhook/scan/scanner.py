@@ -304,7 +304,8 @@ def _judge(image: str, source: Source, tree: Tree, kinds: list[str],
         notes.insert(0, cut_argv)
     notes += tree.notes
     return Result(
-        image=image, kind=source.kind, ref=source.ref, digest=source.digest,
+        image=image, kind=source.kind, digest=source.digest,
+        ref=_cut(source.ref, MAX_FIELD_CHARS) if source.ref else None,
         config_digest=source.config_digest, argv=shown,
         argv_from=said, request=_cut(request.describe(), MAX_FIELD_CHARS)
         if request.requested else "not requested",

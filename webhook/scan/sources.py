@@ -253,7 +253,7 @@ def _pick(index: Any, blobs: _Blobs, ref: str | None, platform: str, depth: int 
         if not chosen:
             have = sorted({n for _, names in named for n in names})
             raise SourceError(f"no image named {ref!r} here; it holds: "
-                              f"{', '.join(have) or 'unnamed images'}")
+                              f"{', '.join(have)[:1000] or 'unnamed images'}")
     else:
         chosen = [d for d, _ in named]
         plat = [d for d in chosen if _platform(d) in (platform, None)]
@@ -265,7 +265,7 @@ def _pick(index: Any, blobs: _Blobs, ref: str | None, platform: str, depth: int 
         if len(chosen) > 1 and depth == 0 and not any(d.get("platform") for d in chosen):
             have = sorted({n for _, names in named for n in names})
             raise SourceError(f"{len(chosen)} images here; name one with --ref "
-                              f"({', '.join(have) or 'none is named'})")
+                              f"({', '.join(have)[:1000] or 'none is named'})")
     d = chosen[0]
     names = next(n for dd, n in named if dd is d)
     data = blobs.read(d["digest"], "manifest")
