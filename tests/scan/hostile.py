@@ -159,6 +159,19 @@ def huge_long_name_layer(size: int) -> bytes:
                         (header(b"usr/x", 0) + END, 1)])
 
 
+def pax_run_layer(count: int, value: int) -> bytes:
+    """``count`` PAX headers in a row before one member, each with its own keyword and
+    a ``value``-byte value (a reader that keeps every record holds count x value)."""
+    z = zlib.compressobj(1, zlib.DEFLATED, 31)
+    out = io.BytesIO()
+    filler = b"v" * value
+    for i in range(count):
+        out.write(z.compress(pax({b"SCHILY.xattr.user.k%d" % i: filler})))
+    out.write(z.compress(regular(b"etc/a", b"a") + END))
+    out.write(z.flush())
+    return out.getvalue()
+
+
 def many_long_names_layer(count: int, length: int) -> bytes:
     """``count`` files, each with a distinct GNU long name of ``length`` bytes."""
     z = zlib.compressobj(1, zlib.DEFLATED, 31)

@@ -167,6 +167,24 @@ def pax_records(buf: bytes) -> Iterator[tuple[bytes, bytes]]:
         pos = end
 
 
+# The PAX keywords the scan reads; any GNU.sparse.* one marks a sparse member. Only
+# these are kept, so a run of PAX headers (or of global ones, which last to the end of
+# the archive) holds at most these few values, each under MAX_PAX_BYTES.
+_USED = frozenset((b"path", b"linkpath", b"size", b"GNU.sparse.realsize",
+                   b"GNU.sparse.size", b"GNU.sparse.name"))
+_SPARSE = b"GNU.sparse."
+
+
+def _used(body: bytes) -> dict[bytes, bytes]:
+    out: dict[bytes, bytes] = {}
+    for key, value in pax_records(body):
+        if key in _USED:
+            out[key] = value
+        elif key.startswith(_SPARSE):
+            out[_SPARSE] = b""
+    return out
+
+
 class TarReader:
     """Members of one tar stream, in order. ``seekable`` streams (an uncompressed
     layer or archive on disk, of known ``length``) skip contents by seeking; others
@@ -276,9 +294,9 @@ class TarReader:
                 body = self._exact(size, f"a {name}")
                 self._next = data_at + _padded(size)
                 if kind == b"x":
-                    pax.update(pax_records(body))
+                    pax.update(_used(body))
                 elif kind == b"g":
-                    self._globals.update(pax_records(body))
+                    self._globals.update(_used(body))
                 elif kind == b"L":
                     longname = _cstr(body)
                 else:
