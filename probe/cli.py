@@ -62,7 +62,7 @@ def read_config(path):
 
 def read_request(worker):
     """The one reader (cmdline.py), with the option table of the SGLang in this image."""
-    version = _sibling("inventory").dist_version("sglang")
+    version = _sibling("inventory").dist_version("sglang", live_image().path)
     # The worker's argv is read as its own shell would, with the worker's variables.
     return cmdline.read(worker, env=sandbox.worker_environment(), release=version or None,
                         read_config=read_config)
@@ -191,10 +191,15 @@ def check(opts, req_argv, environ=None, executable=None):
     o.request = req_argv
     o.level = opts.level
     o.timeout = opts.timeout
-    o.requirement = engine.requirement()
-    o.dists = inventory.mooncake_distributions()
-    o.package = inventory.mooncake_package()
-    o.torch_metadata = inventory.dist_version("torch")
+    # Where the child looks (its PYTHONPATH too: this interpreter may run with -I, and an
+    # image may install its packages on a PYTHONPATH of its own).
+    files = _sibling("files")
+    path = live_image(environ).path
+    o.requirement = engine.requirement(files.LIVE, path)
+    o.dists = inventory.mooncake_distributions(path)
+    o.package = inventory.mooncake_package(files.LIVE, path,
+                                           importlib.machinery.EXTENSION_SUFFIXES)
+    o.torch_metadata = inventory.dist_version("torch", path)
     req = o.requirement
     # With no mooncake at all there is nothing to import: only torch and CUDA facts.
     modules = list(req.modules) if (o.dists or o.package.found) else []

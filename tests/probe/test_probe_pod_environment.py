@@ -94,3 +94,22 @@ def test_a_pass_only_the_pods_path_brings_is_not_a_verdict_about_the_image(
     assert r.lines[0].startswith("epguard: mooncake elastic EP is usable in this pod: "), r.message
     assert "the image's own environment fails: torch is not installed" in r.message
     assert classify(r.message, r.rc) is None  # nothing learned either way
+
+
+def test_run_as_injected_with_python_dash_i_the_images_pythonpath_counts(tmp_path: Path) -> None:
+    """The injected command is ``python3 -I …/probe``: -I keeps PYTHONPATH off the
+    probe's own sys.path, but the child that imports torch has it, and so must the
+    inventory (an image may install its packages on a PYTHONPATH of its own). Before,
+    such an image was "unusable in this image: no mooncake distribution is installed"."""
+    log = tmp_path / "termination-log"
+    env = clean_env(image(tmp_path))
+    proc = __import__("subprocess").run(
+        [str(torch_python()), "-I", str(Path(__file__).resolve().parents[2] / "probe"),
+         "--termination-log", str(log), "--", "python3", "-m", "sglang.launch_server",
+         "--elastic-ep-backend", "mooncake"],
+        capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path),
+    )  # fmt: skip
+    message = log.read_text()
+    assert proc.returncode == 0, message + proc.stderr
+    assert message.startswith("epguard: mooncake elastic EP is usable: "), message
+    assert "sglang=0.5.18" in message and "mooncake-transfer-engine-cuda13=0.0.0.double" in message
