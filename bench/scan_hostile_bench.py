@@ -77,6 +77,11 @@ CASES: dict[str, Callable[[Path], tuple[Path, list[str]]]] = {
             200_000, 2 << 20,
             b"usr/lib/python3/dist-packages/mooncake/" + b"m" * 950 + b"%d.py"), "gzip"),
         "--json", *NO_REQUEST),
+    "9 512 KiB PAX header that makes tarfile's regex backtrack": _case(
+        lambda d: hostile.one_layer(d, hostile.backtracking_pax_tar(512 << 10))),
+    "8 3,000 PAX headers of 100 KB in a row": _case(
+        lambda d: hostile.one_layer(d, hostile.pax_run_layer(3000, 100_000), "gzip"),
+        *NO_REQUEST),
     "9 1,000 sparse libraries claiming 1 TiB": _case(
         lambda d: hostile.one_layer(d, hostile.sparse_members_layer(1000, 1 << 40), "gzip"),
         *NO_REQUEST),

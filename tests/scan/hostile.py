@@ -122,6 +122,15 @@ def base256_negative_size_tar() -> bytes:
     return regular(b"etc/a", b"a") + header(b"usr/x", size_field=field) + END
 
 
+def backtracking_pax_tar(size: int) -> bytes:
+    """A PAX header of ``size`` bytes of 5-byte records ``"5 a\n\n"`` and one ``=`` at
+    its end: the regular expression d5affd9's ``tarfile`` parses records with,
+    ``(\d+) ([^=]+)=``, scans to that ``=`` for every record (quadratic)."""
+    body = b"5 a\n\n" * ((size - 8) // 5) + b"8 a=b\n\n"[: 8]
+    return (regular(b"etc/a", b"a") + header(b"././@PaxHeader", len(body), b"x") + pad(body)
+            + header(b"usr/x", 0) + END)
+
+
 def outer_archive_with(root: Path, member: bytes) -> Path:
     """An OCI archive (a valid layout packed as tar) with ``member`` tar bytes put in
     front of its members."""

@@ -84,6 +84,13 @@ def test_a_negative_size_in_the_outer_archive_is_refused_without_growing_memory(
     _bad_input(r, "not a tar archive")
 
 
+def test_a_pax_header_that_makes_tarfile_backtrack_is_refused_in_linear_time(tmp_path):
+    # 512 KiB of records with no '=' but one at the end: quadratic in d5affd9's regex.
+    r = limited(hostile.one_layer(tmp_path, hostile.backtracking_pax_tar(512 << 10)),
+                seconds=30)
+    _bad_input(r, "a PAX record without '='")
+
+
 # --- the budgets: wall clock and decompressed bytes ------------------------------------
 
 def test_a_zstd_bomb_listed_twenty_times_ends_at_the_decompressed_bytes_budget(tmp_path):
