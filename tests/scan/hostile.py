@@ -123,7 +123,7 @@ def base256_negative_size_tar() -> bytes:
 
 
 def backtracking_pax_tar(size: int) -> bytes:
-    """A PAX header of ``size`` bytes of 5-byte records ``"5 a\n\n"`` and one ``=`` at
+    r"""A PAX header of ``size`` bytes of 5-byte records ``"5 a\n\n"`` and one ``=`` at
     its end: the regular expression d5affd9's ``tarfile`` parses records with,
     ``(\d+) ([^=]+)=``, scans to that ``=`` for every record (quadratic)."""
     body = b"5 a\n\n" * ((size - 8) // 5) + b"8 a=b\n\n"[: 8]
