@@ -219,6 +219,33 @@ def flood(url: str, ctx: ssl.SSLContext) -> str:
     return "denied" if set(pods) == {"denied"} else shown
 
 
+def pod_flood(url: str, ctx: ssl.SSLContext, body: bytes, clients: int = 8) -> str:
+    """``clients`` clients post ``body`` back to back for FLOOD_SECONDS: the answers,
+    counted (the memory it takes is the row's peak)."""
+    stop = time.monotonic() + FLOOD_SECONDS
+    answers: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def flooder() -> None:
+        with httpx.Client(base_url=url, verify=ctx, timeout=60) as c:
+            while time.monotonic() < stop:
+                try:
+                    a = _answer(c.post("/validate", content=body, headers=JSON))
+                except httpx.HTTPError as exc:
+                    a = type(exc).__name__
+                with lock:
+                    answers[a] = answers.get(a, 0) + 1
+
+    threads = [threading.Thread(target=flooder, daemon=True) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    shown = ",".join(f"{k}:{v}" for k, v in sorted(answers.items()))
+    print(f"  {clients} clients x {len(body) >> 20} MiB reviews: {shown}")
+    return "500-free" if not any(k.startswith("HTTP 5") for k in answers) else "HTTP 5xx"
+
+
 def slow_bodies(port: int, ctx: ssl.SSLContext, n: int = 30, wait: float = 20.0) -> str:
     """``n`` connections send a head announcing a 1000-byte body, then one byte a
     second; how many are closed by the server within ``wait`` seconds."""
@@ -298,6 +325,8 @@ def main() -> int:
         nested = escaped(review(nested_script_pod()))
         big_old = angle_pod(1024 * 1024 + 512 * 1024)
         swap = image_swap_update()
+        six = angle_pod(500 * 1024)
+        six_mb = escaped(review(six, operation="UPDATE", old=six))
         # (name, what the current code must answer, how to send it)
         inputs: list[tuple[str, str, Callable[[], str]]] = [
             (
@@ -349,6 +378,11 @@ def main() -> int:
                 lambda: slow_bodies(port, ctx),
             ),
             (
+                f"8 clients x 6 MB UPDATE of '<' back to back, {FLOOD_SECONDS:g} s",
+                "500-free",
+                lambda: pod_flood(url, ctx, six_mb),
+            ),
+            (
                 f"{FLOOD_CLIENTS} clients x 1 MiB rules edits, {FLOOD_SECONDS:g} s; 80 KiB bad pod",
                 "denied",
                 lambda: flood(url, ctx),
@@ -370,6 +404,8 @@ def main() -> int:
                 limit = BODY_SECONDS * 2
             elif "clients x" in name:
                 limit = FLOOD_SECONDS + 5 + DEADLINE + 1
+            elif "back to back" in name:
+                limit = FLOOD_SECONDS + DEADLINE + 1
             else:
                 limit = DEADLINE + 1
             results.append(
