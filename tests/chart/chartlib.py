@@ -96,3 +96,15 @@ def variant_args(path: Path | None) -> tuple[str, ...]:
 
 VARIANTS: list[Path | None] = [None, *CI_VALUES]
 VARIANT_IDS = ["defaults", *(p.stem for p in CI_VALUES)]
+
+
+def _cel_replace(s: Any, old: Any, new: Any) -> Any:
+    import celpy
+
+    return celpy.celtypes.StringType(str(s).replace(str(old), str(new)))
+
+
+# Kubernetes CEL functions the chart's expressions use that cel-python lacks, for
+# ``Environment.program(…, functions=CEL_FUNCTIONS)``: the strings library's ``replace``
+# (every occurrence). The real API server's own is exercised by the e2e tests.
+CEL_FUNCTIONS: dict[str, Any] = {"replace": _cel_replace}

@@ -10,7 +10,7 @@ from typing import Any
 import celpy
 import pytest
 
-from tests.chart.chartlib import render
+from tests.chart.chartlib import CEL_FUNCTIONS, render
 from webhook.settings import SettingsError, load
 from webhook.workloads import KindError, KindRegistry, parse_kinds
 
@@ -65,7 +65,7 @@ def test_each_extra_kind_gets_a_rule_and_a_cel_condition_from_its_paths() -> Non
     assert trainer["rules"][0]["scope"] == "Cluster"
     expression = pool_hook["matchConditions"][0]["expression"]
     env = celpy.Environment()
-    program = env.program(env.compile(expression))
+    program = env.program(env.compile(expression), functions=CEL_FUNCTIONS)
 
     def sent(obj: dict[str, Any]) -> bool:
         return bool(program.evaluate({"object": celpy.json_to_cel(obj)}))

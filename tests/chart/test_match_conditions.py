@@ -11,7 +11,7 @@ import celpy
 import pytest
 
 from tests import realmanifests
-from tests.chart.chartlib import render
+from tests.chart.chartlib import CEL_FUNCTIONS, render
 
 Obj = dict[str, Any]
 FLAG_ARGS = ["python3", "-m", "sglang.launch_server", "--elastic-ep-backend", "mooncake"]
@@ -261,15 +261,6 @@ CASES: list[tuple[str, str, Obj, bool]] = [
 ENV = celpy.Environment()
 
 
-def _replace(s: Any, old: Any, new: Any) -> celpy.celtypes.StringType:
-    """Kubernetes' CEL strings library ``replace`` (every occurrence), which cel-python
-    lacks; the real API server's is exercised by tests/e2e/test_quoted_flag.py."""
-    return celpy.celtypes.StringType(str(s).replace(str(old), str(new)))
-
-
-FUNCTIONS: dict[str, Any] = {"replace": _replace}
-
-
 def expressions() -> dict[str, str]:
     vwc = next(o for o in render().objects if o["kind"] == "ValidatingWebhookConfiguration")
     return {
@@ -280,7 +271,7 @@ def expressions() -> dict[str, str]:
 
 
 def evaluate(expression: str, obj: Obj) -> bool:
-    program = ENV.program(ENV.compile(expression), functions=FUNCTIONS)
+    program = ENV.program(ENV.compile(expression), functions=CEL_FUNCTIONS)
     result = program.evaluate({"object": celpy.json_to_cel(obj)})  # type: ignore[attr-defined]
     assert isinstance(result, celpy.celtypes.BoolType), f"not a bool (an error?): {result!r}"
     return bool(result)

@@ -15,21 +15,13 @@ import pytest
 from celpy.adapter import json_to_cel
 from celpy.evaluation import CELEvalError
 
-from tests.chart.chartlib import render
+from tests.chart.chartlib import CEL_FUNCTIONS, render
 
 ME = "system:serviceaccount:ci:image-scanner"
 OTHER = "system:serviceaccount:build-2:kaniko.bot"
 DIGEST = "sha256:" + "ab" * 32
 T = dt.datetime(2026, 12, 1, 10, 0, tzinfo=dt.UTC)
 ENV = celpy.Environment()
-
-
-def _replace(s: Any, old: Any, new: Any) -> celpy.celtypes.StringType:
-    """Kubernetes' CEL strings library ``replace``, which cel-python lacks."""
-    return celpy.celtypes.StringType(str(s).replace(str(old), str(new)))
-
-
-FUNCTIONS: dict[str, Any] = {"replace": _replace}
 
 
 def _policy() -> dict[str, Any]:
@@ -89,7 +81,7 @@ def refusals(
 
 
 def _eval(expression: str, activation: dict[str, Any]) -> Any:
-    result = ENV.program(ENV.compile(expression), functions=FUNCTIONS).evaluate(activation)
+    result = ENV.program(ENV.compile(expression), functions=CEL_FUNCTIONS).evaluate(activation)
     assert not isinstance(result, CELEvalError), f"{expression}: {result!r}"
     return result
 
