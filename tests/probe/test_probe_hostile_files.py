@@ -296,7 +296,7 @@ def test_the_whole_run_deadline_ends_a_blocked_system_call_and_kills_the_child()
     assert float(words[2]) >= deadline.RUN_STEPS * 0.05
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(150)
 def test_a_probe_whose_child_never_ends_stops_at_the_whole_run_deadline(tmp_path):
     # Code in the image can write step announcements on the probe's pipe forever: each
     # renews the step timeout, so only the run's own deadline ends it. Without SGLang
@@ -315,11 +315,10 @@ def test_a_probe_whose_child_never_ends_stops_at_the_whole_run_deadline(tmp_path
     (root / "mooncake" / "ep.py").write_text(hang)
     for p in root.glob("sglang*"):
         subprocess.run(["rm", "-rf", str(p)], check=True)
-    t = time.monotonic()
-    r = run_probe(tmp_path, root, extra, opts=("--timeout", "0.5"))
-    took = time.monotonic() - t
+    # --timeout 2: the fake torch's import (the first step) must fit one step even on a
+    # loaded machine; the whole run is then 32 s.
+    r = run_probe(tmp_path, root, extra, opts=("--timeout", "2"), timeout=100)
     assert r.rc == 1, r.message
-    assert r.report["classification"] == "timeout"
+    assert r.report["classification"] == "timeout", r.message
     assert r.report.get("scope") == "environment"
     assert "the probe's whole run" in r.report["cause"]
-    assert took < 60  # the test's own bound, far above 16 x 0.5 s
