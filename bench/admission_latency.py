@@ -125,6 +125,8 @@ def vap_objects(namespace: str) -> list[dict[str, Any]]:
                     {
                         "expression": VAP_EXPRESSION,
                         "message": "image cannot serve --elastic-ep-backend mooncake",
+                        # As the backstop's refusal: 403, not the default 422.
+                        "reason": "Forbidden",
                     }
                 ],
             },

@@ -119,9 +119,6 @@ class Entry:
     template: str
     name: str | None
 
-    def message(self, digest_hex: str = "") -> str:
-        return self.template.replace(NAME_SLOT, self.name if self.name is not None else digest_hex)
-
     def shard_key(self) -> bytes:
         return f"{self.kind}\0{self.key}\0{self.tag}".encode()
 
@@ -148,9 +145,6 @@ class Shard:
 
     def data(self) -> dict[str, Any]:
         return {"r": self.reasons, "d": self.digests, "t": self.tags}
-
-    def size(self) -> int:
-        return len(json.dumps(self.data(), separators=(",", ":"), ensure_ascii=False).encode())
 
 
 @dataclass(frozen=True, slots=True)
