@@ -58,8 +58,7 @@ _LOADER_RE = re.compile(
 _RAISE_RE = re.compile(r"raise\s+ImportError\(\s*f?[\"']([^\"'\\\n]*)")
 _DEFINED_RE = re.compile(r"^(?:def|class)\s+([A-Za-z_]\w*)|^([A-Za-z_]\w*)\s*=", re.M)
 _CPP_NAME_RE = re.compile(r"\"([A-Za-z_]\w*)\"")
-# A value never spans lines: a quote left open must not make every later attempt scan
-# to the end of the file (quadratic in it).
+# A value never spans lines (an unclosed quote must not swallow the next lines).
 _TORCH_VERSION_RE = re.compile(
     r"^__version__[ \t]*(?::[^=\n]*)?=[ \t]*[\"']([^\"'\n]+)[\"']", re.M)
 _TORCH_CUDA_RE = re.compile(

@@ -144,6 +144,23 @@ def test_a_compiled_module_too_large_to_read_proves_no_missing_name(tmp_path):
     assert r.report["classification"] != "missing-names"
 
 
+@pytest.mark.timeout(90)
+def test_a_loader_naming_18000_modules_is_bounded_and_decides_nothing(tmp_path):
+    # d5affd9 searched for the next `raise ImportError` from each of the 18,000
+    # import_module calls (18,000 scans of 1 MiB), then walked 18,000 roots, and decided
+    # from that. Past static.MAX_LOADER_TARGETS the loader is unreadable and the import
+    # decides.
+    root, extra = hostile_root(tmp_path, None)
+    line = 'importlib.import_module("mooncake.pg" + version_suffix)\n'
+    (root / "mooncake" / "pg.py").write_text(
+        hostile_roots.PG_LOADER.split("try:")[0] + line * (files.MAX_TEXT_BYTES // len(line)))
+    r = run_probe(tmp_path, root, extra)
+    assert "internal error" not in r.message + r.stderr
+    assert r.rc == 1
+    assert r.report["decided_from"] == "import"
+    assert files.MAX_TEXT_BYTES // len(line) > static.MAX_LOADER_TARGETS
+
+
 # --- the ELF reader and the dependency walk, in a process of their own -----------------
 
 _READ = textwrap.dedent("""
