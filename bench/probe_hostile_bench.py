@@ -84,6 +84,7 @@ def main() -> int:
     ap.add_argument("--as-mib", type=int, default=2048, help="address-space limit (MiB)")
     ap.add_argument("--only", default=None, help="run only roots whose name contains this")
     args = ap.parse_args()
+    args.probe = args.probe.resolve()
     print(f"probe: {args.probe}  (timeout {args.timeout:g} s, --as {args.as_mib} MiB, "
           f"python {sys.version.split()[0]})")
     print(f"{'root':42} {'exit':>4} {'seconds':>8} {'peak MiB':>9}  classification / from")
