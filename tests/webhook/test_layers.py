@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -201,6 +202,11 @@ def test_a_refusal_is_one_structured_log_line(
 ) -> None:
     with caplog.at_level(logging.INFO, logger="epguard.admission"), server.client() as c:
         c.post("/validate", json=review(pod()))
+        # The line is written once the answer is sent: the client may read it first.
+        for _ in range(100):
+            if any("result=denied" in r.getMessage() for r in caplog.records):
+                break
+            time.sleep(0.05)
     (line,) = [r.getMessage() for r in caplog.records if "result=denied" in r.getMessage()]
     assert re.search(r"^endpoint=validate result=denied uid=\S+ operation=CREATE ", line)
     assert "rules=sglang-0516-cu129-test" in line and "duration_ms=" in line
