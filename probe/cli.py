@@ -260,17 +260,17 @@ def _with_pod_environment(o, v, evidence, o_w, v_w, names):
     image_cause = v.verdict != usable and v.scope == message.IMAGE
     if v.verdict == usable and v_w.verdict == usable:
         evidence.insert(min(2, len(evidence)), "environment: usable in the image's own "
-                        "environment and with the pod's variables ({})".format(names))
+                        f"environment and with the pod's variables ({names})")
         return o, v, evidence, False
     if v_w.verdict == usable:
         ev = list(v_w.evidence)
         ev.insert(min(1, len(ev)), "environment: usable only with the pod's variables "
-                  "({}); the image's own environment fails: {}".format(names, v.cause))
+                  f"({names}); the image's own environment fails: {v.cause}")
         return o_w, v_w, ev, True
     if image_cause:
         evidence.insert(min(2, len(evidence)), "environment: decided in the image's own "
-                        "environment, without the pod's variables ({}); with them it fails "
-                        "too".format(names))
+                        f"environment, without the pod's variables ({names}); with them it fails "
+                        "too")
         return o, v, evidence, False
     # The image's own environment has no image cause: whatever fails is this pod's (the
     # worker run's own scope line, which may say "image", is replaced by this one).

@@ -69,7 +69,7 @@ def said_names(names):
     names = list(names)
     head = ", ".join(names[:MAX_NAMES_SAID])
     more = len(names) - MAX_NAMES_SAID
-    return head + (" and {} more".format(more) if more > 0 else "")
+    return head + (f" and {more} more" if more > 0 else "")
 
 
 def interpreter_for(environ):
