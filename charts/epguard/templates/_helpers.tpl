@@ -137,7 +137,7 @@ or a `$'\x2d'` escape, is left to the probe.
 
 {{/* CEL: string variable s, as written or with its quotes removed, holds a spelling of the flag. */}}
 {{- define "epguard.cel.holds" -}}
-[string({{ .s }}), string({{ .s }}).replace("'", '').replace('"', '').replace('\\', '')].exists(q, q.contains('{{ include "epguard.cel.needle" . }}') && q.matches('{{ include "epguard.cel.needlePattern" . }}'))
+([string({{ .s }})] + (string({{ .s }}).matches('[\'"\\\\]') ? [string({{ .s }}).replace("'", '').replace('"', '').replace('\\', '')] : [])).exists(q, q.contains('{{ include "epguard.cel.needle" . }}') && q.matches('{{ include "epguard.cel.needlePattern" . }}'))
 {{- end -}}
 
 {{/* CEL: container variable c mentions the flag. */}}
