@@ -382,3 +382,34 @@ def test_a_tarfile_written_archive_reads_the_same_with_the_scans_reader():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_an_sglang_source_between_1_and_4_mib_is_read_whole_as_the_probe_reads_it(tmp_path):
+    """The probe's engine reads an SGLang source whole up to engine.MAX_SOURCE_BYTES
+    (4 MiB); the scan kept only its first MAX_TEXT_BYTES (1 MiB), so an import of
+    mooncake.pg past 1 MiB was the probe's finding and not the scan's."""
+    from probe import engine
+    from webhook.scan import sources
+
+    padding = b"#" * (files.MAX_TEXT_BYTES + 4096) + b"\n"
+    source = padding + b"from mooncake.pg import MooncakeBackendOptions\n"
+    big = padding * 4 + b"import mooncake.pg\n"  # over 4 MiB: neither reads it
+    entries = [
+        (f"{_SITE}/sglang-0.5.23.dist-info/METADATA", b"Name: sglang\nVersion: 0.5.23\n"),
+        (f"{_SITE}/sglang/__init__.py", b""),
+        (f"{_SITE}/sglang/srt/distributed/parallel_state.py", source),
+        (f"{_SITE}/sglang/srt/elastic_ep/elastic_ep.py", big),
+    ]
+    root = tmp_path / "root"
+    for name, data in entries:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    layout = hostile.one_layer(tmp_path / "img", hostile.tar_of(entries))
+    scanned, _ = scanner.build_tree(sources.open_source(str(layout)))
+    path = ["/" + _SITE]
+    in_pod = engine.requirement(_Under(root), path)
+    by_scan = engine.requirement(scanned, path)
+    assert in_pod.modules == ["mooncake.pg"] and "MooncakeBackendOptions" in str(in_pod.names)
+    assert (by_scan.modules, by_scan.names) == (in_pod.modules, in_pod.names)
+    assert any("over 4194304: not read, as the probe does not read it" in n
+               for n in scanned.notes)

@@ -109,6 +109,9 @@ class Kept:
     text: bool = False
     elf: bool = False
     strings: bool = False
+    # A text the probe reads whole or not at all, up to this many bytes (an SGLang
+    # source: probe/engine.py MAX_SOURCE_BYTES); 0: the first TEXT_BYTES, as for loaders.
+    whole: int = 0
 
 
 def wanted(path: str) -> Kept | None:
@@ -132,7 +135,7 @@ def wanted(path: str) -> Kept | None:
         return Kept(text=True)
     for rel in _SGLANG_SOURCES:
         if path.endswith("/" + rel):
-            return Kept(text=True)
+            return Kept(text=True, whole=engine.MAX_SOURCE_BYTES)
     if base.startswith("lib") and ".so" in base and not any(t in path for t in _TORCH_TREES):
         return Kept(elf=True)
     return None
@@ -347,6 +350,16 @@ class Tree:
             self._count()
 
     def _keep(self, node: Node, path: str, kept: Kept, data: IO[bytes]) -> None:
+        if kept.text and kept.whole:
+            # Read as the probe's engine reads an SGLang source: whole, or not at all.
+            if node.size > kept.whole:
+                self.note(f"{path}: {node.size} bytes, over {kept.whole}: not read, as the "
+                          "probe does not read it")
+                return
+            whole = data.read(kept.whole).decode("utf-8", "replace")
+            if self._budget(sys.getsizeof(whole), path):
+                node.text = whole
+            return
         if kept.text:
             if node.size > TEXT_BYTES:
                 # The probe reads the first TEXT_BYTES of any file (probe/files.py): so
