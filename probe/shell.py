@@ -63,8 +63,9 @@ _ANSI_ESCAPE = re.compile(
     r"|U([0-9A-Fa-f]{1,8})|c(.))", re.S)
 _ANSI_SIMPLE = {"a": "\a", "b": "\b", "e": "\x1b", "E": "\x1b", "f": "\f", "n": "\n",
                 "r": "\r", "t": "\t", "v": "\v", "\\": "\\", "'": "'", '"': '"', "?": "?"}
-# What quote removal drops or decodes in a whole text (see unquoted()).
-_QUOTING = re.compile(r"\$'((?:[^'\\]|\\.)*)'?|\$?[\"'\\]", re.S)
+# What quote removal decodes, then drops, in a whole text (see unquoted()).
+_ANSI_QUOTED = re.compile(r"\$'((?:[^'\\]|\\.)*)'?", re.S)
+_QUOTE_CHARS = str.maketrans("", "", "'\"\\")
 _DQ_ESCAPE = re.compile(r"\\([\\\"$`])|\\\r?\n")
 _DQ_DOLLAR = re.compile(r"\$(?:\{[^}]*\}|[A-Za-z_][A-Za-z0-9_]*|[@*0-9]|\{[@*0-9]\})")
 _POSITIONAL = re.compile(r"\$\{?([@*0-9])\}?$")
@@ -181,7 +182,9 @@ def unquoted(text):
     split), which only errs towards reading a line; linear, and free without quotes."""
     if "'" not in text and '"' not in text and "\\" not in text:
         return text
-    return _QUOTING.sub(lambda m: "" if m.group(1) is None else ansi_c(m.group(1)), text)
+    if "$'" in text:
+        text = _ANSI_QUOTED.sub(lambda m: ansi_c(m.group(1)), text)
+    return text.translate(_QUOTE_CHARS)
 
 
 def script_env(script, env):
