@@ -122,7 +122,8 @@ env values hold it is sent to epguard, which covers `--elastic-ep-backend moonca
 `=` form, prefixes, `sh -c "..."` scripts and `$(VAR)` references to env values. The
 cheap `contains` runs first, so the regular expression only sees candidates.
 
-Each string is tested as written and with the shell's quote characters (' " \) removed,
+Each string is tested as written and, if it holds one, with the shell's quote characters
+(' " \) removed (the copy costs CEL budget, so only then: docs/cmdline.md),
 because a shell joins quoted pieces to the text beside them: `-''-elastic-ep-backend`,
 `--el"astic"-ep-backend` and `\--elastic-ep-backend` inside `sh -c` are the flag
 (probe/shell.py reads them so, and shell.unquoted is the same removal for the webhook's
