@@ -83,10 +83,11 @@ ACTIONS: dict[Mode, str] = {"enforce": "Deny", "warn": "Warn", "audit": "Audit"}
 # --- limits, each with its reason ------------------------------------------------------
 # A shard's ``data`` as JSON. etcd refuses a request over 1.5 MiB (its default
 # --max-request-bytes); the object's metadata and managedFields come on top (the maps are
-# ``x-kubernetes-map-type: atomic``, so managedFields name the map, not each key).
-SHARD_BYTES = 1024 * 1024
+# ``x-kubernetes-map-type: atomic``, so managedFields name the map, not each key), well
+# within the 256 KiB left. Fewer, larger shards: each is one more evaluation per create.
+SHARD_BYTES = 1280 * 1024
 # Shards the controller may write: each one is one more policy evaluation per create, so
-# the count is bounded (64 MiB of parameters: far past 100,000 verdicts, ~4 MiB).
+# the count is bounded (64 MiB of parameters: 100,000 verdicts take about 12 MiB).
 MAX_SHARDS = 64
 # One denial text, as the webhook cuts it.
 MAX_MESSAGE = 1024
@@ -310,11 +311,9 @@ def verdict_entries(
     return out, next_change
 
 
-def _bucket(e: Entry) -> int:
-    """The entry's place among MAX_SHARDS (a power of two): with ``count`` shards (a
-    power of two too) its shard is ``bucket % count``."""
-    digest = hashlib.blake2b(e.shard_key(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") % MAX_SHARDS
+def _hash(e: Entry) -> int:
+    """64 bits of the entry's key: with ``count`` shards its shard is ``hash % count``."""
+    return int.from_bytes(hashlib.blake2b(e.shard_key(), digest_size=8).digest(), "big")
 
 
 def _json_bytes(text: str) -> int:
@@ -324,57 +323,53 @@ def _json_bytes(text: str) -> int:
 
 
 def shard_entries(entries: Sequence[Entry]) -> tuple[list[Shard], int]:
-    """The fewest shards (a power of two, so an entry's shard changes only when the count
-    does) under SHARD_BYTES each; entries past MAX_SHARDS are dropped and counted."""
+    """The fewest shards under SHARD_BYTES each (an entry's shard is a hash of its key
+    modulo the count, so it stays in its shard while the count stays); entries past
+    MAX_SHARDS are dropped and counted."""
     # What each entry and each shared part (a template, a repository) adds to a shard's
-    # JSON, summed per bucket, so the count is chosen without placing every entry again.
+    # JSON, so a count is tried without serializing.
     shared: dict[str, int] = {}
-    buckets = [_bucket(e) for e in entries]
+    hashes = [_hash(e) for e in entries]
     costs: list[int] = []
-    bucket_bytes = [0] * MAX_SHARDS
-    bucket_shared: list[set[str]] = [set() for _ in range(MAX_SHARDS)]
-    for e, b in zip(entries, buckets, strict=True):
+    for e in entries:
         value = 4 + (len(e.name) + 1 if e.name is not None else 0)
         if e.kind == "digest":
-            cost = len(e.key) + value + 6
+            costs.append(len(e.key) + value + 6)
         else:
-            cost = _json_bytes(e.tag) + value + 4
+            costs.append(_json_bytes(e.tag) + value + 4)
             if e.key not in shared:
                 shared[e.key] = _json_bytes(e.key) + 4
-            bucket_shared[b].add(e.key)
         if e.template not in shared:
             shared[e.template] = _json_bytes(e.template) + 1
-        bucket_shared[b].add(e.template)
-        bucket_bytes[b] += cost
-        costs.append(cost)
 
-    def loads(count: int) -> list[int]:
-        out = []
-        for i in range(count):
-            members = range(i, MAX_SHARDS, count)
-            parts: set[str] = set().union(*(bucket_shared[b] for b in members))
-            out.append(32 + sum(bucket_bytes[b] for b in members) + sum(shared[k] for k in parts))
-        return out
+    def place(count: int, keep: bool) -> tuple[bool, list[Shard], int]:
+        load = [32] * count
+        seen: list[set[str]] = [set() for _ in range(count)]
+        shards = [Shard() for _ in range(count)] if keep else []
+        dropped = 0
+        for e, h, cost in zip(entries, hashes, costs, strict=True):
+            i = h % count
+            parts = [
+                k for k in (e.template, e.key if e.kind == "tag" else "") if k and k not in seen[i]
+            ]
+            cost += sum(shared[k] for k in parts)
+            if load[i] + cost > SHARD_BYTES:
+                if not keep:
+                    return False, [], 0
+                dropped += 1
+                continue
+            load[i] += cost
+            seen[i].update(parts)
+            if keep:
+                shards[i].add(e)
+        return True, shards, dropped
 
-    count = 1
-    while count < MAX_SHARDS and max(loads(count)) > SHARD_BYTES:
-        count *= 2
-    shards = [Shard() for _ in range(count)]
-    load = [32] * count
-    seen: list[set[str]] = [set() for _ in range(count)]
-    dropped = 0
-    for e, b, cost in zip(entries, buckets, costs, strict=True):
-        i = b % count
-        parts = [
-            k for k in (e.template, e.key if e.kind == "tag" else "") if k and k not in seen[i]
-        ]
-        cost += sum(shared[k] for k in parts)
-        if load[i] + cost > SHARD_BYTES:
-            dropped += 1
-            continue
-        load[i] += cost
-        seen[i].update(parts)
-        shards[i].add(e)
+    # A first guess from the total (shared parts once), then one more shard at a time.
+    total = sum(costs) + sum(shared.values())
+    count = min(MAX_SHARDS, max(1, -(-total // SHARD_BYTES)))
+    while count < MAX_SHARDS and not place(count, keep=False)[0]:
+        count += 1
+    _, shards, dropped = place(count, keep=True)
     return shards, dropped
 
 
@@ -607,21 +602,15 @@ def _rule_hits(x: str, checks: Sequence[RuleCheck]) -> str:
             f"{x}[5].matches({_cel(c.regex)})" if c.regex else f"{x}[2] == {_cel(c.digest or '')}"
         )
         tests.append(f"({cond} ? {_cel(c.message)} : '')")
-    first = "has(params.data) && has(params.data.rules) && params.data.rules"
-    return f"({first} ? [{', '.join(tests)}] : [])"
+    return f"({_RULES_HERE} ? [{', '.join(tests)}] : [])"
 
 
-def variables(containers: str, checks: Sequence[RuleCheck]) -> list[dict[str, str]]:
-    """The policy's variables, each a list with one item per requesting container:
-    ``c`` [name, image]; ``s`` + name[:tag] as written, digest hex; ``u`` [name, image,
-    hex, name, tag]; ``k`` + the normalized repository and name:tag; ``h`` the denials."""
-    requesting = (
-        f"({containers}).filter(c, has(c.image) && type(c.image) == string && "
-        f"{_mentions('c')} && c.image.matches({_cel(VALID_IMAGE)}) && {requests_mooncake('c')})"
-        ".map(c, [has(c.name) ? string(c.name) : '', string(c.image)])"
-    )
+def _key_stages(first: str) -> list[dict[str, str]]:
+    """From stage ``first`` ([name, image] per container, images valid) to the keys:
+    ``s`` + name[:tag] as written and the digest hex; ``u`` [name, image, hex, name,
+    tag]; ``k`` [name, image, hex, repository, tag, name:tag], normalized."""
     split = (
-        "variables.c.map(x, [x[0], x[1], x[1].contains('@') ? x[1].split('@')[0] : x[1], "
+        f"variables.{first}.map(x, [x[0], x[1], x[1].contains('@') ? x[1].split('@')[0] : x[1], "
         "x[1].contains('@') ? x[1].split('@')[1].substring(7) : ''])"
     )
     tagged = "x[2].substring(x[2].lastIndexOf('/') + 1).contains(':')"
@@ -636,6 +625,49 @@ def variables(containers: str, checks: Sequence[RuleCheck]) -> list[dict[str, st
         f".filter(x, size(x[3]) <= {MAX_NAME})"
         ".map(x, x + [x[4] != '' ? x[3] + ':' + x[4] : x[3]])"
     )
+    return [
+        {"name": "s", "expression": split},
+        {"name": "u", "expression": name_tag},
+        {"name": "k", "expression": keys},
+    ]
+
+
+def _candidates(containers: str, exact: bool) -> str:
+    """CEL: [name, image] of the containers on a valid image that mention mooncake,
+    and (``exact``) ask for it in a form read exactly."""
+    test = f" && {requests_mooncake('c')}" if exact else ""
+    return (
+        f"({containers}).filter(c, has(c.image) && type(c.image) == string && "
+        f"{_mentions('c')} && c.image.matches({_cel(VALID_IMAGE)}){test})"
+        ".map(c, [has(c.name) ? string(c.name) : '', string(c.image)])"
+    )
+
+
+def _in_shard(x: str) -> str:
+    """CEL: this shard holds a verdict for the keys of container ``x``."""
+    return (
+        f"(has(params.data) && ({x}[2] != '' ? "
+        f"(has(params.data.d) && {x}[2].substring(0, {DIGEST_KEY}) in params.data.d) : "
+        f"(has(params.data.t) && {x}[3] in params.data.t && {x}[4] in params.data.t[{x}[3]])))"
+    )
+
+
+_RULES_HERE = "(has(params.data) && has(params.data.rules) && params.data.rules)"
+
+
+def prefilter(containers: str) -> str:
+    """CEL: this shard may refuse the object: it tests the rules, or it holds a key of a
+    container that mentions mooncake. String work and map lookups only (the command
+    lines' regular expressions are left for the one shard this is true in), so the
+    other shards of a create cost little."""
+    stages = [{"name": "c", "expression": _candidates(containers, exact=False)}]
+    stages += _key_stages("c")
+    return f"({_RULES_HERE} || {inline(stages)}.exists(x, {_in_shard('x')}))"
+
+
+def variables(containers: str, checks: Sequence[RuleCheck]) -> list[dict[str, str]]:
+    """The policy's variables, each a list with one item per requesting container:
+    ``c`` [name, image], then the key stages (``_key_stages``), then ``h`` the denials."""
     prefix = (
         "'epguard (backstop policy): container \"' + x[0] + '\" (image ' + x[1] + ') "
         f"requests {FLAG} mooncake, '"
@@ -645,10 +677,8 @@ def variables(containers: str, checks: Sequence[RuleCheck]) -> list[dict[str, st
         f".filter(m, m != '').map(m, {prefix} + m)).flatten()"
     )
     return [
-        {"name": "c", "expression": requesting},
-        {"name": "s", "expression": split},
-        {"name": "u", "expression": name_tag},
-        {"name": "k", "expression": keys},
+        {"name": "c", "expression": _candidates(containers, exact=True)},
+        *_key_stages("c"),
         {"name": "h", "expression": hits},
     ]
 
@@ -720,7 +750,11 @@ def policies(config: BackstopConfig, rules: RuleSet | None = None) -> list[dict[
             # never reaches the validation and its message, which the API server
             # evaluates for every object that gets that far, admitted or not.
             "matchConditions": [
-                {"name": "refused", "expression": f"!{exempt} && size({inline(stages)}) > 0"}
+                {
+                    "name": "refused",
+                    "expression": f"!{exempt} && {prefilter(containers)} && "
+                    f"size({inline(stages)}) > 0",
+                }
             ],
             "validations": [
                 {

@@ -452,3 +452,48 @@ def test_turned_off_after_it_was_on_it_is_removed(cluster: Cluster) -> None:
         o for o in listed["items"] if o["metadata"]["name"].startswith("epguard-turned-off")
     ]
     assert uninstall(cluster.api, cfg) is False  # nothing left: a no-op
+
+
+def test_an_earlier_releases_per_mode_policies_and_single_list_are_replaced(
+    cluster: Cluster,
+) -> None:
+    # The release before the shards kept three policies named <name>-<mode> and one
+    # RefusedImageList named <name>: an upgrade must not leave them refusing by stale
+    # lines beside the new policy.
+    cfg = BackstopConfig(params_namespace=RELEASE_NS, name="epguard-upgraded", kinds=())
+    adm = client.AdmissionregistrationV1Api(cluster.api)
+    custom = client.CustomObjectsApi(cluster.api)
+    for mode in ("enforce", "warn", "audit"):
+        adm.create_validating_admission_policy(
+            {
+                "metadata": {"name": f"epguard-upgraded-{mode}"},
+                "spec": {
+                    "failurePolicy": "Ignore",
+                    "matchConstraints": {
+                        "resourceRules": [
+                            {
+                                "apiGroups": [""],
+                                "apiVersions": ["v1"],
+                                "resources": ["pods"],
+                                "operations": ["CREATE"],
+                            }
+                        ]
+                    },
+                    "validations": [{"expression": "true"}],
+                },
+            }
+        )
+    custom.create_cluster_custom_object(
+        "epguard.io", "v1alpha1", "refusedimagelists",
+        {"apiVersion": "epguard.io/v1alpha1", "kind": "RefusedImageList",
+         "metadata": {"name": "epguard-upgraded"}, "data": {}},
+    )  # fmt: skip
+    install(cluster.api, cfg, owner=None)
+    write_params(cluster.api, cfg, compile_params(_store(), dt.datetime.now(dt.UTC)))
+    policies = {p.metadata.name for p in adm.list_validating_admission_policy().items}
+    assert "epguard-upgraded" in policies
+    assert not {f"epguard-upgraded-{m}" for m in ("enforce", "warn", "audit")} & policies
+    listed = custom.list_cluster_custom_object("epguard.io", "v1alpha1", "refusedimagelists")
+    names = {o["metadata"]["name"] for o in listed["items"]}
+    assert "epguard-upgraded" not in names and "epguard-upgraded-1-0" in names
+    assert uninstall(cluster.api, cfg) is True

@@ -29,9 +29,11 @@ from webhook.backstop import (
     SHARD_BYTES,
     BackstopConfig,
     Params,
+    _kind_containers,
     compile_params,
     inline,
     policies,
+    prefilter,
     shard_objects,
 )
 from webhook.imageref import parse
@@ -52,6 +54,7 @@ RULE = Rule(
     remedy="use v0.5.18-cu130",
 )
 GLOB = Rule(id="bad-glob", image="registry.example.com/bad/*", reason="bad", remedy="other")
+NO_RULES = RuleSet()
 CONFIG = BackstopConfig(params_namespace="epguard-system", kinds=PATH_KINDS)
 
 
@@ -127,12 +130,12 @@ def evaluate(expression: str, activation: dict[str, Any]) -> Any:
 # --- the policy, evaluated as the API server does for one shard ----------------------
 
 
-def the_policy(rules: RuleSet = RuleSet()) -> dict[str, Any]:
+def the_policy(rules: RuleSet = NO_RULES) -> dict[str, Any]:
     (policy,) = [o for o in policies(CONFIG, rules) if o["kind"] == "ValidatingAdmissionPolicy"]
     return policy
 
 
-def judge(obj: dict[str, Any], shard: dict[str, Any], rules: RuleSet = RuleSet()) -> str | None:
+def judge(obj: dict[str, Any], shard: dict[str, Any], rules: RuleSet = NO_RULES) -> str | None:
     """What one shard's evaluation says: the refusal message, or None (admitted)."""
     spec = the_policy(rules)["spec"]
     base = {"object": celpy.json_to_cel(obj), "params": celpy.json_to_cel(shard)}  # type: ignore[attr-defined]
@@ -156,7 +159,7 @@ def stages(declared: list[dict[str, str]], base: dict[str, Any]) -> celtypes.Map
     return variables
 
 
-def judge_all(obj: dict[str, Any], params: Params, rules: RuleSet = RuleSet()) -> list[str]:
+def judge_all(obj: dict[str, Any], params: Params, rules: RuleSet = NO_RULES) -> list[str]:
     """Every shard's refusal (the API server evaluates the policy once per shard)."""
     out = []
     for shard in shard_objects(CONFIG, params):
@@ -422,3 +425,26 @@ def test_at_1000_every_verdict_is_refused_by_exactly_one_shard() -> None:
         assert len(judge_all(pod(image), params)) == 1, image
         tagged = f"registry.example.com/team-{i % 100}/sglang:b{i}"
         assert len(judge_all(pod(tagged), params)) == 1, tagged
+
+
+def test_a_shard_without_the_images_key_stops_before_the_command_line_tests(
+    hundred_thousand: tuple[VerdictStore, Params],
+) -> None:
+    # The cost of a create grows with the shards only by a key lookup each: the command
+    # lines' regular expressions run in the shard holding the key (and the rules' one).
+    _, params = hundred_thousand
+    _, containers = _kind_containers(CONFIG)
+    test = prefilter(containers)
+    assert "sglang" not in test  # no command-line pattern in the prefilter
+    shards = shard_objects(CONFIG, params)
+    last = shards[-1]["data"]
+    key = list(last["d"])[-1]
+    i = next(i for i in range(100_000) if digest_of(i)[7 : 7 + DIGEST_KEY] == key)
+    image = f"registry.example.com/team-{i % 100}/sglang@{digest_of(i)}"
+    obj = celpy.json_to_cel(pod(image))  # type: ignore[attr-defined]
+    passed = [
+        n
+        for n, shard in enumerate(shards)
+        if evaluate(test, {"object": obj, "params": celpy.json_to_cel(shard)})  # type: ignore[attr-defined]
+    ]
+    assert passed == [0, len(shards) - 1]  # the rules' shard, and the key's
