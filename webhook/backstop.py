@@ -655,14 +655,29 @@ def _in_shard(x: str) -> str:
 _RULES_HERE = "(has(params.data) && has(params.data.rules) && params.data.rules)"
 
 
-def prefilter(containers: str) -> str:
-    """CEL: this shard may refuse the object: it tests the rules, or it holds a key of a
-    container that mentions mooncake. String work and map lookups only (the command
-    lines' regular expressions are left for the one shard this is true in), so the
-    other shards of a create cost little."""
+def _rule_match(x: str, checks: Sequence[RuleCheck]) -> str:
+    """CEL: some deny rule matches container ``x`` (one combined regular expression and
+    a list of digests: the cheap form of ``_rule_hits``, which says which)."""
+    regexes = [c.regex for c in checks if c.regex]
+    digests = [c.digest for c in checks if c.digest]
+    tests = []
+    if regexes:
+        tests.append(f"{x}[5].matches({_cel('|'.join(f'(?:{r})' for r in regexes))})")
+    if digests:
+        tests.append(f"{x}[2] in [{', '.join(_cel(d) for d in digests)}]")
+    return "(" + " || ".join(tests) + ")" if tests else "false"
+
+
+def prefilter(containers: str, checks: Sequence[RuleCheck] = ()) -> str:
+    """CEL: this shard may refuse the object: it holds a key of a container that
+    mentions mooncake, or it is the rules' shard and a rule matches such a container.
+    String work, map lookups and one rule pattern only (the command lines' regular
+    expressions are left for the shard this is true in), so the other shards of a
+    create, and every shard of a create on a good image, cost little."""
     stages = [{"name": "c", "expression": _candidates(containers, exact=False)}]
     stages += _key_stages("c")
-    return f"({_RULES_HERE} || {inline(stages)}.exists(x, {_in_shard('x')}))"
+    rules = f" || ({_RULES_HERE} && {_rule_match('x', checks)})" if checks else ""
+    return f"{inline(stages)}.exists(x, {_in_shard('x')}{rules})"
 
 
 def variables(containers: str, checks: Sequence[RuleCheck]) -> list[dict[str, str]]:
@@ -752,7 +767,7 @@ def policies(config: BackstopConfig, rules: RuleSet | None = None) -> list[dict[
             "matchConditions": [
                 {
                     "name": "refused",
-                    "expression": f"!{exempt} && {prefilter(containers)} && "
+                    "expression": f"!{exempt} && {prefilter(containers, checks)} && "
                     f"size({inline(stages)}) > 0",
                 }
             ],

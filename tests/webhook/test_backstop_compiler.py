@@ -34,6 +34,7 @@ from webhook.backstop import (
     inline,
     policies,
     prefilter,
+    rule_checks,
     shard_objects,
 )
 from webhook.imageref import parse
@@ -447,4 +448,20 @@ def test_a_shard_without_the_images_key_stops_before_the_command_line_tests(
         for n, shard in enumerate(shards)
         if evaluate(test, {"object": obj, "params": celpy.json_to_cel(shard)})  # type: ignore[attr-defined]
     ]
-    assert passed == [0, len(shards) - 1]  # the rules' shard, and the key's
+    assert passed == [len(shards) - 1]  # the key's shard only
+
+
+def test_with_rules_a_good_image_runs_no_command_line_test_in_any_shard() -> None:
+    rules = RuleSet((RULE, GLOB))
+    checks, _ = rule_checks(rules)
+    _, containers = _kind_containers(CONFIG)
+    test = prefilter(containers, checks)
+    (shard,) = shard_objects(CONFIG, compile_params(store_of(), NOW))
+    params = celpy.json_to_cel(shard)  # type: ignore[attr-defined]
+
+    def passes(image: str) -> bool:
+        obj = celpy.json_to_cel(pod(image))  # type: ignore[attr-defined]
+        return bool(evaluate(test, {"object": obj, "params": params}))
+
+    assert not passes("lmsysorg/sglang:v0.5.18-cu130")
+    assert passes("lmsysorg/sglang:v0.5.16-cu129") and passes("registry.example.com/bad/x:1")
