@@ -167,4 +167,3 @@ def test_a_verdict_created_then_deleted_is_followed_within_ten_seconds(
         what="the backstop to admit the digest again",
     )
     print(f"verdict deleted -> admitted again: {took:.1f}s")
-
