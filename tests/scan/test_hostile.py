@@ -12,17 +12,15 @@ before and after) are printed by bench/scan_hostile_bench.py.
 from __future__ import annotations
 
 import io
-import json
 import resource
 import subprocess
 import sys
 import tarfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import hostile
 import pytest
-from scan_harness import EPGUARD
+from scan_harness import EPGUARD, Scan
 
 from probe import cmdline, files, static
 from webhook import cli
@@ -34,18 +32,7 @@ GiB = 1 << 30
 NO_REQUEST = ("--argv", "python3", "-c", "pass")  # judge the files, ask for nothing
 
 
-@dataclass
-class Run:
-    rc: int
-    stdout: str
-    stderr: str
-
-    @property
-    def doc(self) -> dict:
-        return json.loads(self.stdout)
-
-
-def limited(image: Path, *args: str, seconds: float = 60, memory: int = GiB) -> Run:
+def limited(image: Path, *args: str, seconds: float = 60, memory: int = GiB) -> Scan:
     """`epguard scan` under a deadline and an address-space limit."""
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
@@ -53,10 +40,10 @@ def limited(image: Path, *args: str, seconds: float = 60, memory: int = GiB) -> 
     proc = subprocess.run([str(EPGUARD), "scan", str(image), *args], capture_output=True,
                           text=True, timeout=seconds, preexec_fn=limit)
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    return Run(proc.returncode, proc.stdout, proc.stderr)
+    return Scan(proc.returncode, proc.stdout, proc.stderr)
 
 
-def _bad_input(r: Run, *said: str) -> None:
+def _bad_input(r: Scan, *said: str) -> None:
     assert r.rc == 2, (r.rc, r.stdout[-500:], r.stderr[-500:])
     assert r.stderr.startswith("epguard: cannot scan: ") and r.stderr.count("\n") == 1
     for s in said:
