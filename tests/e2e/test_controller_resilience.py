@@ -11,6 +11,7 @@ every other e2e test.
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import json
 import sys
@@ -27,7 +28,7 @@ from devcluster.stack import CHART_DIR, NAMESPACE, REPO_ROOT, _child_env, instal
 from tests.cluster import running_control_plane
 from tests.loop.probe_pods import pod_with_probe_status, run_real_probe
 from webhook.outcome import PROBED_LABEL, verdict_name
-from webhook.signing import SIGNATURE_ANNOTATION, keyring_from_secret, parts_of, sign
+from webhook.signing import SIGNATURE_ANNOTATION, keyring_from_secret, sign
 
 pytestmark = pytest.mark.e2e
 
@@ -107,11 +108,9 @@ def signed(cp: ControlPlane, obj: dict[str, Any], namespace: str) -> dict[str, A
 
     eventually(key_exists, within=60, what="the controller to create the probe-signing key")
     ring = keyring_from_secret(got)
-    parts = parts_of(obj)
     annotations = obj["metadata"].setdefault("annotations", {})
-    annotations[SIGNATURE_ANNOTATION] = sign(
-        ring.current, namespace, parts.containers, parts.volume, parts.label or ""
-    )
+    # Signed now: the controller learns only from a pod created soon after its signing.
+    annotations[SIGNATURE_ANNOTATION] = sign(ring.current, namespace, obj, dt.datetime.now(dt.UTC))
     return obj
 
 
