@@ -404,8 +404,6 @@ def fresh(signed_at: int, moment: dt.datetime) -> bool:
 def created_at(pod: Mapping[str, Any]) -> dt.datetime | None:
     """The pod's ``metadata.creationTimestamp`` (the API server's clock), if readable."""
     stamp = as_map(pod.get("metadata")).get("creationTimestamp")
-    if isinstance(stamp, dt.datetime):
-        return stamp if stamp.tzinfo else stamp.replace(tzinfo=dt.UTC)
     if not isinstance(stamp, str):
         return None
     try:
