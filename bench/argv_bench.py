@@ -30,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "webhook")]
 
+from epguard.webhook.engine.policy import decide  # noqa: E402
 from webhook_factory import make_state, request  # noqa: E402
 
 from tests.hostile_pods import (  # noqa: E402
@@ -37,7 +38,6 @@ from tests.hostile_pods import (  # noqa: E402
     many_words_pod,
     nested_script_pod,
 )
-from webhook.policy import decide  # noqa: E402
 
 RUNS = 20
 TARGET_MS = 100.0

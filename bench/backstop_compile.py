@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The outage backstop's compile (webhook/backstop.py ``compile_params``, what the
+"""The outage backstop's compile (webhook/controller/compiler.py ``compile_params``, what the
 controller runs when the ImageVerdicts change) at 1,000, 10,000 and 100,000 Unusable
 verdicts, each its own image and digest: wall time, the peak of Python allocations
 (tracemalloc, a separate run: tracing slows the compile), the shards and their sizes.
@@ -22,8 +22,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from webhook.backstop import SHARD_BYTES, compile_params
-from webhook.verdicts import VerdictStore, verdict_from_object
+from epguard.webhook.controller.compiler import SHARD_BYTES, compile_params
+from epguard.webhook.engine.verdicts import VerdictStore, verdict_from_object
 
 NOW = dt.datetime.now(dt.UTC)
 

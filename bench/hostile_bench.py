@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/hostile_bench.py [--webhook-root DIR]
 
-Starts the real webhook (``python -m webhook``, TLS, the test rules, no cluster) as its
+Starts the real webhook (``python -m epguard.webhook``, TLS, the test rules, no cluster) as its
 own process, so its memory is its own, and sends each hostile input of issues 12 and 21
 while a second client sends a small review every 20 ms on its own connection and
 records the slowest answer it got meanwhile (the stall every other admission would

@@ -6,7 +6,7 @@ audit's sizes: exit, seconds and peak RSS, before and after.
 Builds each archive from crafted bytes (tests/scan/hostile.py) in a temporary
 directory, then runs the scan of this tree ("after") and, with ``--before DIR`` (a
 checkout of another commit, e.g. ``git worktree add /tmp/d5scan d5affd9``), the scan
-of that tree ("before"), each as ``timeout S prlimit --as=4G python -m webhook.cli scan``
+of that tree ("before"), each as ``timeout S prlimit --as=4G python -m epguard.webhook.cli scan``
 with PYTHONPATH pointing at its tree. A run that hits the wall-clock limit prints
 ``timeout``; one killed by the address-space limit shows its exit and memory. Peak
 RSS is the process tree's (RUSAGE_CHILDREN). Prints one line per case.

@@ -3,7 +3,7 @@
 
 Starts two servers as separate processes, both uvicorn + TLS on loopback:
 
-* ``epguard``: the real webhook (``python -m webhook``) with the built-in rules plus
+* ``epguard``: the real webhook (``python -m epguard.webhook``) with the built-in rules plus
   one deny rule;
 * ``floor``: a bare FastAPI endpoint that reads the body, validates the same
   AdmissionReview envelope and answers "allowed" -- the least any Python webhook
@@ -218,7 +218,11 @@ def review_bytes(obj: dict[str, Any]) -> bytes:
 
 
 def floor_app() -> Any:
-    from webhook.review import AdmissionResponse, AdmissionReviewRequest, AdmissionReviewResponse
+    from epguard.webhook.engine.review import (
+        AdmissionResponse,
+        AdmissionReviewRequest,
+        AdmissionReviewResponse,
+    )
 
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
 

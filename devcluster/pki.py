@@ -18,9 +18,8 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-from webhook.certs import CLOCK_SKEW, cert_pem, key_pem, key_usage, load_key
-from webhook.certs import new_key as _new_key
+from epguard.webhook.controller.authority import CLOCK_SKEW, cert_pem, key_pem, key_usage, load_key
+from epguard.webhook.controller.authority import new_key as _new_key
 
 # Long enough for any dev session, short enough that a leaked file is harmless.
 _VALIDITY = datetime.timedelta(days=7)

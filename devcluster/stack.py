@@ -15,9 +15,9 @@ that it works with whatever parts of epguard exist:
 1. the control plane (etcd + kube-apiserver, see :mod:`devcluster.controlplane`);
 2. ``helm upgrade --install`` of ``charts/epguard`` into ``epguard-system`` (objects
    that need a kubelet are stored but never run);
-3. the webhook (``python -m webhook``) as a local process on 127.0.0.1, with a
+3. the webhook (``python -m epguard.webhook``) as a local process on 127.0.0.1, with a
    serving certificate for 127.0.0.1 from a dev CA;
-4. the controller (``python -m webhook.controller``) as a local process;
+4. the controller (``python -m epguard.webhook.controller``) as a local process;
 5. the chart's ValidatingWebhookConfiguration pointed at the local webhook:
    ``clientConfig.url`` plus the dev CA as ``caBundle``.
 
@@ -45,13 +45,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from epguard.webhook.engine.rules import default_rules_path
 
 from devcluster import binaries, images
 from devcluster.controlplane import ControlPlane, ControlPlaneError
 from devcluster.node import Node, node_ip
 from devcluster.process import ManagedProcess, free_port
 from devcluster.webhooktls import LocalWebhookTLS, WebhookTLSError, set_client_config
-from webhook.rules import default_rules_path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_RUN_DIR = REPO_ROOT / ".run"
@@ -238,7 +238,7 @@ def start_webhook(stack: Stack, cp: ControlPlane) -> str:
         [
             sys.executable,
             "-m",
-            "webhook",
+            "epguard.webhook",
             "--rules",
             str(rules),
             "--tls-cert",
@@ -277,7 +277,7 @@ def start_controller(stack: Stack, cp: ControlPlane) -> str:
         [
             sys.executable,
             "-m",
-            "webhook.controller",
+            "epguard.webhook.controller",
             "--namespace",
             NAMESPACE,
             # See the module docstring: the local webhook's certificate is ours.

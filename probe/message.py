@@ -20,7 +20,7 @@ SCOPE = "scope: "
 IMAGE, ENVIRONMENT = "image", "environment"
 USABLE = PREFIX + "mooncake elastic EP is usable: "
 # Usable only with the pod's own variables (the image's environment fails): this pod
-# starts, but it is no verdict about the image (webhook/outcome.py learns nothing).
+# starts, but it is no verdict about the image (webhook/engine/outcome.py learns nothing).
 USABLE_HERE = PREFIX + "mooncake elastic EP is usable in this pod: "
 NOTHING = PREFIX + "nothing to check: "
 
@@ -74,7 +74,7 @@ def render(first, evidence, fix, max_bytes):
 
     The first line (verdict, and for a failure its scope: "in this image" or "in this
     pod"), a ``versions:`` line and the fix are kept whatever the budget (clipped if need
-    be): they are what webhook/outcome.py reads back. Other evidence is kept in order
+    be): they are what webhook/engine/outcome.py reads back. Other evidence is kept in order
     while it fits.
     """
     first = scrub(first).replace("\n", " ")

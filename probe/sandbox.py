@@ -30,7 +30,7 @@ _DROP = frozenset({"TORCH_LOGS", "TORCH_COMPILE_DEBUG", "TORCHDYNAMO_VERBOSE",
                    "TORCH_SHOW_CPP_STACKTRACES", "TORCH_DISABLE_ADDR2LINE"})
 
 
-# The pod's own variables reach the probe under this prefix (webhook/injection.py renames
+# The pod's own variables reach the probe under this prefix (webhook/engine/injection.py renames
 # every ``env`` entry and prefixes every ``envFrom``), so the probe, its interpreter
 # (``python3`` through the image's own PATH) and its verdict about the image depend only
 # on the image. The worker's environment is the image's with these restored.

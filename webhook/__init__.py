@@ -1,9 +1,11 @@
-"""epguard's cluster side: the validating admission webhook and its offline twin.
+"""epguard's cluster side, in five parts (each imports only from the ones below it).
 
-The decision engine (``policy``) is pure: it takes an admission request and the
-in-memory state (rules, namespace modes, learned verdicts) and returns a
-decision. The server (``app``), the watches (``watch``) and the CLI (``cli``)
-only feed it.
+``admission``   the HTTPS admission webhook (/validate, /mutate) on the engine
+``controller``  the kopf operator: learned verdicts, the outage backstop, certificates
+``scan``        ``epguard scan``: an image archive judged before any pod runs it
+``cluster``     the one Kubernetes API client and the webhook's watches
+``engine``      the pure decision engine: no I/O, no API calls
+
+``settings`` (every option of both processes, one table) and ``metrics`` sit between
+the engine and the rest; ``cli`` is the ``epguard`` command.
 """
-
-__all__: list[str] = []

@@ -1,4 +1,4 @@
-"""``python -m webhook`` / ``epguard-webhook``: run the admission webhook server."""
+"""``python -m epguard.webhook`` / ``epguard-webhook``: run the admission webhook server."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from webhook.rules import RulesError
-from webhook.settings import SettingsError, load
-from webhook.tls import TLSReloadError
+from epguard.webhook.admission.tls import TLSReloadError
+from epguard.webhook.engine.rules import RulesError
+from epguard.webhook.settings import SettingsError, load
 
 log = logging.getLogger("epguard")
 
@@ -20,8 +20,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"epguard-webhook: {exc}", file=sys.stderr)
         return 2
     import uvicorn
-
-    from webhook.server import Runtime, configure_logging
+    from epguard.webhook.admission.server import Runtime, configure_logging
 
     configure_logging(settings.log_level)
     try:

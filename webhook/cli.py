@@ -17,16 +17,20 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TextIO
 
 import yaml
-
-from webhook.namespaces import MODES, Mode, NamespaceIndex
-from webhook.policy import Decision, PolicyConfig, PolicyState, decide
-from webhook.review import AdmissionRequest, GroupVersionKind
-from webhook.rules import RulesError, RulesHolder, default_rules_path, load_rules_file
-from webhook.workloads import KindError, KindRegistry, as_map, group_of, parse_kinds
+from epguard.webhook.engine.namespaces import MODES, Mode, NamespaceIndex
+from epguard.webhook.engine.policy import Decision, PolicyConfig, PolicyState, decide
+from epguard.webhook.engine.review import AdmissionRequest, GroupVersionKind
+from epguard.webhook.engine.rules import (
+    RulesError,
+    RulesHolder,
+    default_rules_path,
+    load_rules_file,
+)
+from epguard.webhook.engine.workloads import KindError, KindRegistry, as_map, group_of, parse_kinds
 
 if TYPE_CHECKING:  # imported where used: only `epguard scan` needs them
-    from webhook.scan.record import Target
-    from webhook.scan.scanner import Result
+    from epguard.webhook.scan.record import Target
+    from epguard.webhook.scan.scanner import Result
 
 EXIT_OK, EXIT_DENIED, EXIT_ERROR = 0, 1, 2
 # `epguard scan --record` only: the scan ran (its report is printed) but the API server
@@ -200,7 +204,7 @@ def cmd_scan(args: argparse.Namespace) -> int:
     (bad input, a spent budget, a failure of epguard itself) is exit 2 with one line,
     never a traceback and never 1 ("an image cause")."""
     # Imported here: zstandard and the probe's modules are only the scan's business.
-    from webhook.scan import report
+    from epguard.webhook.scan import report
 
     # A name or config string that is not valid UTF-8 is printed escaped, not raised.
     for stream in (sys.stdout, sys.stderr):
@@ -233,7 +237,7 @@ def _deadline(seconds: float) -> Callable[[], None]:
     import os
     import signal
 
-    from webhook.scan.tarstream import BudgetError
+    from epguard.webhook.scan.tarstream import BudgetError
 
     if not hasattr(signal, "setitimer"):
         return lambda: None
@@ -260,8 +264,8 @@ def _deadline(seconds: float) -> Callable[[], None]:
 
 
 def _scan(args: argparse.Namespace, bad_input: Callable[[str], int]) -> int:
-    from webhook.scan import report, scanner
-    from webhook.scan.tarstream import Budget, BudgetError
+    from epguard.webhook.scan import report, scanner
+    from epguard.webhook.scan.tarstream import Budget, BudgetError
 
     argv = list(args.argv or [])
     if argv and argv[0] == "--":
@@ -281,7 +285,7 @@ def _scan(args: argparse.Namespace, bad_input: Callable[[str], int]) -> int:
         disarm()
     subject = None
     if args.record:
-        from webhook.scan import record
+        from epguard.webhook.scan import record
 
         try:
             subject = record.target(result, args.record_image)
@@ -314,10 +318,9 @@ def _record_scan(result: Result, subject: Target, kubeconfig: str | None) -> int
     """Write the scan's verdict; EXIT_NOT_RECORDED (and why, on stderr) if not written."""
     import datetime as dt
 
+    from epguard.webhook.cluster.kube import NoCredentials, api_client
+    from epguard.webhook.scan import record
     from kubernetes.config.config_exception import ConfigException
-
-    from webhook.kube import NoCredentials, api_client
-    from webhook.scan import record
 
     try:
         api = api_client(kubeconfig, home_kubeconfig=True)

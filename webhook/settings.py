@@ -22,11 +22,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, NoReturn
 
-from probe.cli import PROBE_LEVELS
-from webhook.certs import TLSPolicy
-from webhook.namespaces import MODES, Mode, parse_mode
-from webhook.verdicts import DEFAULT_TAG_TTL
-from webhook.workloads import KindError, KindSpec, parse_kinds
+from epguard.probe.cli import PROBE_LEVELS
+from epguard.webhook.engine.namespaces import MODES, Mode, parse_mode
+from epguard.webhook.engine.verdicts import DEFAULT_TAG_TTL
+from epguard.webhook.engine.workloads import KindError, KindSpec, parse_kinds
 
 TRUE = frozenset({"1", "true", "yes", "on"})
 FALSE = frozenset({"0", "false", "no", "off"})
@@ -38,7 +37,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 # invalid UTF-8 as 6-byte \uXXXX: up to 6x. 2 x 1.5 MiB x 6 = 18 MiB, plus 1 MiB for
 # the envelope (userInfo, options): 19 MiB. (A CREATE's object can be up to the API
 # server's 3 MiB request limit: 18 MiB escaped, inside it too.) A review over it is
-# still answered by mode, never 413 (webhook/transport.py).
+# still answered by mode, never 413 (webhook/admission/transport.py).
 MAX_BODY_BYTES = 19 * 1024 * 1024
 # Memory charged to the reviews in flight (bodies and decoded objects), all together:
 # the webhook idles at ~85 MiB, judging adds up to half of what is charged, one rules
@@ -346,7 +345,15 @@ WEBHOOK_OPTIONS: tuple[Option, ...] = (
     EXTRA_KINDS,
 )
 
-_TLS = TLSPolicy(dns_names=("defaults",))  # only read for its default lifetimes
+# The self-managed TLS lifetimes' defaults (controller/authority.py TLSPolicy uses them):
+# a 5-year CA renewed 90 days before expiry, a 1-year serving cert renewed 30 days
+# before expiry, and a 1-hour overlap before a new CA signs (the API server picks up a
+# new caBundle within seconds).
+CA_VALIDITY = dt.timedelta(days=5 * 365)
+CA_RENEW_BEFORE = dt.timedelta(days=90)
+CERT_VALIDITY = dt.timedelta(days=365)
+CERT_RENEW_BEFORE = dt.timedelta(days=30)
+CA_OVERLAP = dt.timedelta(hours=1)
 CONTROLLER_OPTIONS: tuple[Option, ...] = (
     NAMESPACE,
     PROBE_KEY_SECRET,
@@ -439,7 +446,7 @@ CONTROLLER_OPTIONS: tuple[Option, ...] = (
         "ca_validity_hours",
         "EPGUARD_CA_VALIDITY_HOURS",
         "CA lifetime, in hours",
-        _TLS.ca_validity,
+        CA_VALIDITY,
         hours,
         chart="tls.selfManaged.caValidityHours",
     ),
@@ -447,7 +454,7 @@ CONTROLLER_OPTIONS: tuple[Option, ...] = (
         "ca_renew_before_hours",
         "EPGUARD_CA_RENEW_BEFORE_HOURS",
         "renew the CA this many hours before it expires",
-        _TLS.ca_renew_before,
+        CA_RENEW_BEFORE,
         hours,
         chart="tls.selfManaged.caRenewBeforeHours",
     ),
@@ -455,7 +462,7 @@ CONTROLLER_OPTIONS: tuple[Option, ...] = (
         "cert_validity_hours",
         "EPGUARD_CERT_VALIDITY_HOURS",
         "serving cert lifetime, in hours",
-        _TLS.cert_validity,
+        CERT_VALIDITY,
         hours,
         chart="tls.selfManaged.certValidityHours",
     ),
@@ -463,7 +470,7 @@ CONTROLLER_OPTIONS: tuple[Option, ...] = (
         "cert_renew_before_hours",
         "EPGUARD_CERT_RENEW_BEFORE_HOURS",
         "renew the serving cert this many hours before it expires",
-        _TLS.cert_renew_before,
+        CERT_RENEW_BEFORE,
         hours,
         chart="tls.selfManaged.certRenewBeforeHours",
     ),
@@ -471,12 +478,12 @@ CONTROLLER_OPTIONS: tuple[Option, ...] = (
         "ca_overlap_hours",
         "EPGUARD_CA_OVERLAP_HOURS",
         "hours a new CA is trusted before it signs",
-        _TLS.overlap,
+        CA_OVERLAP,
         hours,
         chart="tls.selfManaged.caOverlapHours",
     ),
     KUBECONFIG,
-    # The outage backstop (webhook/backstop.py). It judges as the webhook does, so it
+    # The outage backstop (webhook/controller/compiler.py). It judges as the webhook does, so it
     # reads the webhook's mode, exemption, tag TTL, kinds, namespaces and selector.
     Option(
         "backstop_enabled",

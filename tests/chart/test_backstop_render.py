@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from epguard.webhook.controller.compiler import BackstopConfig, object_names
 
 from tests.chart.chartlib import CHART, Rendered, notes, render, run_helm
-from webhook.backstop import BackstopConfig, object_names
 
 Obj = dict[str, Any]
 

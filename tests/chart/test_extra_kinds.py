@@ -9,10 +9,10 @@ from typing import Any
 
 import celpy
 import pytest
+from epguard.webhook.engine.workloads import KindError, KindRegistry, parse_kinds
+from epguard.webhook.settings import SettingsError, load
 
 from tests.chart.chartlib import CEL_FUNCTIONS, render
-from webhook.settings import SettingsError, load
-from webhook.workloads import KindError, KindRegistry, parse_kinds
 
 FLAG = ["python3", "-m", "sglang.launch_server", "--elastic-ep-backend", "mooncake"]
 IMAGE = "registry.example.com/ml/sglang:0.5.23"

@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from epguard.webhook.controller import authority as certs
 
 from devcluster.process import free_port
 from tests.chart.chartlib import CHART, REPO, render
-from webhook import certs
 
 
 @dataclass

@@ -231,9 +231,21 @@ def start(root: Path, argv: list[str]) -> subprocess.CompletedProcess[str]:
 
 class TestEntrypoints:
     def test_the_installed_package_is_the_wheel_not_the_checkout(self, image_root: Path) -> None:
-        out = start(image_root, ["python", "-c", "import webhook; print(webhook.__file__)"])
+        out = start(
+            image_root, ["python", "-c", "import epguard.webhook as w; print(w.__file__)"]
+        )
         assert out.returncode == 0, out.stderr
         assert str(image_root) in out.stdout
+
+    def test_the_image_installs_one_import_root(self, image_root: Path) -> None:
+        """Only ``epguard`` (not the generic ``webhook`` or ``probe``) is importable."""
+        code = (
+            "import importlib.util as u; "
+            "print([n for n in ('epguard', 'webhook', 'probe') if u.find_spec(n)])"
+        )
+        out = start(image_root, ["python", "-c", code])
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == "['epguard']"
 
     def test_the_default_entrypoint_starts(self, image_root: Path) -> None:
         argv = json_list(FINAL.all("ENTRYPOINT")[-1]) + json_list(FINAL.all("CMD")[-1])

@@ -116,7 +116,7 @@ ROUTES: list[tuple[str, Obj, dict[str, str], list[str]]] = [
     ("worker that did not opt in", worker_pod(), PLAIN, []),
     ("worker with unrelated annotations", worker_pod(annotations={"a": "b"}), PLAIN, []),
     ("annotation disabled", worker_pod(annotations={"epguard.io/inject": "disabled"}), PLAIN, []),
-    # "true" opts in as "enabled" does (webhook/namespaces.py INJECT_ON, the chart agrees).
+    # "true" opts in as "enabled" does (webhook/engine/namespaces.py INJECT_ON, the chart agrees).
     (
         "annotation true",
         worker_pod(annotations={"epguard.io/inject": "true"}),

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from epguard.webhook.engine.namespaces import INJECT_ON
 
 from tests.chart.chartlib import (
     CHART,
@@ -25,7 +26,6 @@ from tests.chart.chartlib import (
     run_helm,
     variant_args,
 )
-from webhook.namespaces import INJECT_ON
 
 Obj = dict[str, Any]
 MUTATING = "MutatingWebhookConfiguration"
@@ -236,7 +236,7 @@ class TestControllerKeepsTheBundle:
     def test_the_controller_is_told_the_mutating_configurations_name(
         self, variant: Rendered
     ) -> None:
-        from webhook.controller.config import parse
+        from epguard.webhook.controller.config import parse
 
         env = env_of(container(variant, "controller", "controller"))
         mwc = variant.maybe(MUTATING)
@@ -278,7 +278,7 @@ class TestWebhookEnvironment:
     def test_the_webhooks_settings_read_the_injection_environment(
         self, ci_file: Callable[[str], Rendered]
     ) -> None:
-        from webhook import settings
+        from epguard.webhook import settings
 
         c = container(ci_file("injection-values"), "webhook", "webhook")
         env = {k: v for k, v in env_of(c).items() if isinstance(v, str)}
@@ -311,7 +311,7 @@ class TestWebhookEnvironment:
         defaults: Rendered,
         ci_file: Callable[[str], Rendered],
     ) -> None:
-        from webhook import settings
+        from epguard.webhook import settings
 
         r = defaults if stem is None else ci_file(stem)
         env = {

@@ -7,8 +7,10 @@ from typing import Any
 
 import pytest
 import yaml
+from epguard.probe import cmdline
+from epguard.webhook.controller.compiler import BackstopConfig, object_names
+from epguard.webhook.engine.workloads import PATH_KINDS
 
-from probe import cmdline
 from tests.chart.chartlib import (
     CHART,
     CI_VALUES,
@@ -20,8 +22,6 @@ from tests.chart.chartlib import (
     run_helm,
     variant_args,
 )
-from webhook.backstop import BackstopConfig, object_names
-from webhook.workloads import PATH_KINDS
 
 Obj = dict[str, Any]
 
@@ -168,7 +168,7 @@ class TestWebhookDeployment:
     def test_the_webhook_settings_parser_accepts_the_rendered_environment(
         self, defaults: Rendered
     ) -> None:
-        settings = pytest.importorskip("webhook.settings")
+        settings = pytest.importorskip("epguard.webhook.settings")
         c = container(defaults.one("Deployment", "epguard-webhook"), "webhook")
         env = {k: v for k, v in env_of(c).items() if isinstance(v, str)}
         loaded = settings.load([], env)
@@ -372,7 +372,7 @@ class TestTLS:
         assert defaults.maybe("Certificate") is None
 
     def test_the_controller_parses_its_rendered_environment(self, variant: Rendered) -> None:
-        from webhook.controller.config import parse
+        from epguard.webhook.controller.config import parse
 
         d = variant.one("Deployment", f"{fullname(variant)}-controller")
         env = {k: v for k, v in env_of(container(d, "controller")).items() if isinstance(v, str)}
@@ -573,7 +573,7 @@ class TestRulesConfigMap:
         assert [x["id"] for x in rules] == ["our-sglang-2026-11-bad-pg", "our-sglang-legacy"]
 
     def test_the_rendered_rules_load_in_the_webhooks_rule_loader(self, variant: Rendered) -> None:
-        rules_mod = pytest.importorskip("webhook.rules")
+        rules_mod = pytest.importorskip("epguard.webhook.engine.rules")
         cm = variant.maybe("ConfigMap", "epguard-rules")
         if cm is None:
             assert variant.name == "minimal-values"

@@ -10,9 +10,15 @@ from typing import Any
 
 import pytest
 import yaml
+from epguard.webhook.settings import (
+    CONTROLLER_OPTIONS,
+    LOG_LEVEL,
+    LOG_LEVELS,
+    WEBHOOK_OPTIONS,
+    Option,
+)
 
 from tests.chart.chartlib import CHART
-from webhook.settings import CONTROLLER_OPTIONS, LOG_LEVEL, LOG_LEVELS, WEBHOOK_OPTIONS, Option
 
 VALUES = yaml.safe_load((CHART / "values.yaml").read_text())
 SCHEMA = json.loads((CHART / "values.schema.json").read_text())

@@ -11,10 +11,9 @@ from dataclasses import replace
 
 import kopf
 import pytest
-
-from webhook import certs
-from webhook.controller import HANDLER_MODULES
-from webhook.controller.certificates import (
+from epguard.webhook.controller import HANDLER_MODULES
+from epguard.webhook.controller import authority as certs
+from epguard.webhook.controller.certificates import (
     MUTATING,
     VALIDATING,
     CertificateManager,
@@ -25,8 +24,8 @@ from webhook.controller.certificates import (
     start_certificate_manager,
     stop_certificate_manager,
 )
-from webhook.controller.config import ControllerConfig, parse
-from webhook.settings import SettingsError
+from epguard.webhook.controller.config import ControllerConfig, parse
+from epguard.webhook.settings import SettingsError
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 
@@ -229,7 +228,7 @@ class TestRaces:
 
 class TestKopfWiring:
     def test_the_certificates_module_is_a_registered_handler_module(self) -> None:
-        assert "webhook.controller.certificates" in HANDLER_MODULES
+        assert "epguard.webhook.controller.certificates" in HANDLER_MODULES
 
     async def test_startup_runs_the_loop_and_cleanup_stops_it(self, api: FakeApi) -> None:
         async def factory() -> FakeApi:

@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-from webhook import certs
+from epguard.webhook.controller import authority as certs
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 NAMES = certs.dns_names_for("epguard-webhook", "epguard-system")

@@ -27,13 +27,13 @@ def test_kopf_floor_has_the_label_selectors_the_recorder_sets() -> None:
 
 
 def test_uvicorn_floor_has_the_tls_context_factory() -> None:
-    # webhook/server.py reloads TLS through Config(ssl_context_factory=...)
+    # webhook/admission/server.py reloads TLS through Config(ssl_context_factory=...)
     assert _floor("uvicorn") >= (0, 47)
     assert "ssl_context_factory" in uvicorn.Config.__init__.__code__.co_varnames
 
 
 def test_msgspec_floor_has_what_transport_and_completion_use() -> None:
-    # webhook/transport.py and completion.py: json.Decoder/Encoder, DecodeError; the
+    # webhook/admission/transport.py and completion.py: json.Decoder/Encoder, DecodeError; the
     # floor's release (0.18) has them all.
     import msgspec
 
@@ -44,8 +44,8 @@ def test_msgspec_floor_has_what_transport_and_completion_use() -> None:
 
 
 def test_kubernetes_floor_has_what_the_watches_and_raw_calls_use() -> None:
-    # webhook/watch.py: Watch.stream(..., deserialize=False) hands the raw JSON objects
-    # over without a model round trip; webhook/kube.py: param_serialize/call_api (the
+    # webhook/cluster/watch.py: Watch.stream(..., deserialize=False) hands the raw JSON objects
+    # over without a model round trip; webhook/cluster/kube.py: param_serialize/call_api (the
     # generator of the 35+ clients); certificates/recorder: per-call _content_type.
     import inspect
 

@@ -3,7 +3,7 @@ never from a DNS name that only resolves where cluster DNS runs."""
 
 from __future__ import annotations
 
-from webhook.controller.login import in_cluster_server
+from epguard.webhook.controller.login import in_cluster_server
 
 
 def test_the_server_is_the_kubernetes_service_address_the_kubelet_puts_in_the_env() -> None:

@@ -9,13 +9,13 @@ import json
 from collections.abc import Iterator
 
 import pytest
+from epguard.webhook.cluster.kube import api_client
+from epguard.webhook.controller.probe_key import ProbeKeyManager
+from epguard.webhook.engine.signing import MAX_KEYS, KeyringHolder, keyring_from_secret
 from kubernetes import client
 
 from devcluster import ControlPlane
 from tests.cluster import running_control_plane
-from webhook.controller.probe_key import ProbeKeyManager
-from webhook.kube import api_client
-from webhook.signing import MAX_KEYS, KeyringHolder, keyring_from_secret
 
 pytestmark = pytest.mark.e2e
 

@@ -7,13 +7,11 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from kubernetes import client
-
-from webhook.controller.probe_key import ProbeKeyManager
-from webhook.controller.recorder import _verified
-from webhook.injection import InjectionSettings, plan
-from webhook.outcome import PROBED_LABEL
-from webhook.signing import (
+from epguard.webhook.controller.probe_key import ProbeKeyManager
+from epguard.webhook.controller.recorder import _verified
+from epguard.webhook.engine.injection import InjectionSettings, plan
+from epguard.webhook.engine.outcome import PROBED_LABEL
+from epguard.webhook.engine.signing import (
     FRESH_SECONDS,
     SIGNATURE_ANNOTATION,
     KeyringHolder,
@@ -21,6 +19,7 @@ from webhook.signing import (
     new_keyring,
     sign,
 )
+from kubernetes import client
 
 NOW = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.UTC)
 RING = new_keyring(NOW)

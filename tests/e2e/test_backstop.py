@@ -1,6 +1,6 @@
 """The outage backstop through a real kube-apiserver, with no webhook at all.
 
-The policies the controller installs (webhook/backstop.py, controller/backstop.py) are
+The policies the controller installs (webhook/controller/compiler.py, controller/backstop.py) are
 created here with the controller's own functions in a control plane of this module's
 own, where no epguard webhook is registered: every refusal seen here is the API
 server's CEL, which is exactly what a webhook outage leaves.
@@ -26,6 +26,14 @@ from typing import Any
 
 import pytest
 from e2e_kube import minimal_crd
+from epguard.webhook.controller.backstop import install, uninstall, write_params
+from epguard.webhook.controller.compiler import BackstopConfig, compile_params
+from epguard.webhook.engine.imageref import ImageRefError, parse
+from epguard.webhook.engine.policy import PolicyConfig, PolicyState, decide
+from epguard.webhook.engine.review import AdmissionRequest
+from epguard.webhook.engine.rules import Rule, RuleSet
+from epguard.webhook.engine.verdicts import VerdictStore, verdict_from_object
+from epguard.webhook.engine.workloads import BUILTIN, PATH_KINDS
 from kubernetes import client, config, dynamic
 from kubernetes.dynamic.exceptions import ResourceNotFoundError
 
@@ -33,14 +41,6 @@ from devcluster import ControlPlane
 from tests import hostile_pods, realmanifests
 from tests.chart.chartlib import render
 from tests.cluster import running_control_plane
-from webhook.backstop import BackstopConfig, compile_params
-from webhook.controller.backstop import install, uninstall, write_params
-from webhook.imageref import ImageRefError, parse
-from webhook.policy import PolicyConfig, PolicyState, decide
-from webhook.review import AdmissionRequest
-from webhook.rules import Rule, RuleSet
-from webhook.verdicts import VerdictStore, verdict_from_object
-from webhook.workloads import BUILTIN, PATH_KINDS
 
 pytestmark = pytest.mark.e2e
 

@@ -34,12 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from kubernetes import client, config
-
-from devcluster import ControlPlane
-from tests.chart.chartlib import render
-from tests.cluster import running_control_plane
-from webhook.backstop import (
+from epguard.webhook.controller.backstop import BackstopState, install, sync_once, write_params
+from epguard.webhook.controller.compiler import (
     DIGEST_KEY,
     PARAMS_GROUP,
     PARAMS_PLURAL,
@@ -51,8 +47,12 @@ from webhook.backstop import (
     compile_params,
     policy_name,
 )
-from webhook.controller.backstop import BackstopState, install, sync_once, write_params
-from webhook.verdicts import VerdictStore, verdict_from_object
+from epguard.webhook.engine.verdicts import VerdictStore, verdict_from_object
+from kubernetes import client, config
+
+from devcluster import ControlPlane
+from tests.chart.chartlib import render
+from tests.cluster import running_control_plane
 
 pytestmark = pytest.mark.e2e
 

@@ -28,10 +28,10 @@ from typing import Any
 
 import pytest
 import yaml
+from epguard.webhook.controller import authority as certs
 
 from devcluster import ControlPlane, MissingBinary
 from tests.chart.chartlib import CACHE, NAMESPACE, render
-from webhook import certs
 
 pytestmark = pytest.mark.e2e
 

@@ -21,14 +21,14 @@ from typing import Any
 
 import pytest
 from e2e_kube import as_yaml, eventually
+from epguard.webhook.engine.outcome import PROBED_LABEL, verdict_name
+from epguard.webhook.engine.signing import SIGNATURE_ANNOTATION, keyring_from_secret, sign
 
 from devcluster import ControlPlane
 from devcluster.process import ManagedProcess
 from devcluster.stack import CHART_DIR, NAMESPACE, REPO_ROOT, _child_env, install_chart
 from tests.cluster import running_control_plane
 from tests.loop.probe_pods import pod_with_probe_status, run_real_probe
-from webhook.outcome import PROBED_LABEL, verdict_name
-from webhook.signing import SIGNATURE_ANNOTATION, keyring_from_secret, sign
 
 pytestmark = pytest.mark.e2e
 
@@ -51,7 +51,7 @@ def controllers(
 ) -> Iterator[list[ManagedProcess]]:
     logs = tmp_path_factory.mktemp("controllers")
     argv = [
-        sys.executable, "-m", "webhook.controller",
+        sys.executable, "-m", "epguard.webhook.controller",
         "--namespace", NAMESPACE,
         "--manage-certs", "false",
         "--peering", PEERING,
@@ -97,7 +97,7 @@ def probe_pod(name: str, namespace: str, image: str, labelled: bool = True) -> d
 def signed(cp: ControlPlane, obj: dict[str, Any], namespace: str) -> dict[str, Any]:
     """``obj`` signed as /mutate signs what it injects, with the key the controllers keep
     in the Secret they created: this control plane runs no webhook, and the controller
-    learns only from signed probes (webhook/signing.py)."""
+    learns only from signed probes (webhook/engine/signing.py)."""
     got: dict[str, Any] = {}
 
     def key_exists() -> bool:

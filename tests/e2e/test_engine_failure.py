@@ -22,10 +22,9 @@ from e2e_kube import apply, denied_by_epguard, eventually, pod, worker
 from devcluster import ControlPlane
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "webhook"))
+from epguard.webhook.admission import handler
 from webhook_factory import BAD_IMAGE, TEST_RULES
 from webhook_server import RunningServer, running_server
-
-from webhook import handler
 
 pytestmark = pytest.mark.e2e
 

@@ -24,11 +24,11 @@ from typing import Any
 
 import pytest
 from e2e_kube import apply, as_yaml, eventually, wait_event
+from epguard.probe.message import SCOPE, UNUSABLE, USABLE
 from node_e2e import fresh_namespace, running_cluster, wait_probe, worker_pod
 
 from devcluster import ControlPlane
 from devcluster.images import BAD_WORKER, ENV_ONLY_WORKER, EPGUARD_IMAGE
-from probe.message import SCOPE, UNUSABLE, USABLE
 
 pytestmark = pytest.mark.e2e
 

@@ -73,7 +73,7 @@ def controller(cluster: ControlPlane, tmp_path_factory: pytest.TempPathFactory) 
         NAMESPACE, "epguard-controller", logs / "controller.kubeconfig"
     )
     argv = [
-        sys.executable, "-m", "webhook.controller",
+        sys.executable, "-m", "epguard.webhook.controller",
         "--namespace", NAMESPACE,
         "--manage-certs", "true",
         "--extra-san", "127.0.0.1",

@@ -23,13 +23,13 @@ from typing import Any
 import pytest
 import yaml
 from e2e_kube import apply, denied_by_epguard, eventually, output, pod, worker
+from epguard.webhook.engine.outcome import outcomes_of, verdict_name, verdict_spec
+from epguard.webhook.engine.verdicts import MAX_VERSION, verdict_object
+from epguard.webhook.scan.record import MANAGER
 
 from devcluster import ControlPlane, binaries
 from devcluster.stack import Stack
 from tests.chart.chartlib import CHART, NAMESPACE, RELEASE, run_helm
-from webhook.outcome import outcomes_of, verdict_name, verdict_spec
-from webhook.scan.record import MANAGER
-from webhook.verdicts import MAX_VERSION, verdict_object
 
 pytestmark = [pytest.mark.e2e]
 

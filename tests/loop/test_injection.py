@@ -6,14 +6,13 @@ from typing import Any
 
 import jsonpatch
 import pytest
-
-from webhook.injection import (
+from epguard.webhook.engine.injection import (
     COPY_CONTAINER,
     InjectionSettings,
     metadata_patch,
     plan,
 )
-from webhook.namespaces import INJECT_KEY, opts_in, settings_from_labels
+from epguard.webhook.engine.namespaces import INJECT_KEY, opts_in, settings_from_labels
 
 SETTINGS = InjectionSettings(epguard_image="ghcr.io/epguard/epguard:0.1.0")
 IMAGE = "docker.io/lmsysorg/sglang:v0.5.18-cu130"

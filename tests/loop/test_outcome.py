@@ -5,8 +5,7 @@ from __future__ import annotations
 import datetime as dt
 from pathlib import Path
 
-from tests.loop.probe_pods import pod_with_probe_status, run_real_probe
-from webhook.outcome import (
+from epguard.webhook.engine.outcome import (
     MAX_RUNS,
     classify,
     digest_of,
@@ -17,6 +16,8 @@ from webhook.outcome import (
     verdict_name,
     verdict_spec,
 )
+
+from tests.loop.probe_pods import pod_with_probe_status, run_real_probe
 
 # What the probe writes when mooncake imports and both backends register. It cannot be
 # produced on a machine without libcuda.so.1; the GPU test of the probe checks the

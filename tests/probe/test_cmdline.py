@@ -12,8 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
-from probe import cmdline, shell
+from epguard.probe import cmdline, shell
 
 LAUNCH = ["python3", "-m", "sglang.launch_server", "--model-path", "m"]
 NEWEST = cmdline.tables()[-1].release

@@ -13,9 +13,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from epguard.probe import elf
 from probe_harness import MTE_CUDA12, MTE_CUDA13, TORCH_ENV, overlay
-
-from probe import elf
 
 pytestmark = pytest.mark.realpkg
 

@@ -8,9 +8,8 @@ import sys
 import textwrap
 
 import pytest
+from epguard.probe import engine
 from probe_harness import REPO, SGLANG_EP, SGLANG_PG, clean_env, overlay
-
-from probe import engine
 
 
 def scan(src: str) -> dict[str, set[str]]:

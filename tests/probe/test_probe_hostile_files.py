@@ -22,8 +22,7 @@ from pathlib import Path
 
 import hostile_roots
 import pytest
-
-from probe import elf, files, static
+from epguard.probe import elf, files, static
 
 REPO = Path(__file__).resolve().parents[2]
 PROBE_DIR = REPO / "probe"
@@ -167,7 +166,7 @@ _READ = textwrap.dedent("""
     import json, resource, sys
     resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit}))
     sys.path.insert(0, {repo!r})
-    from probe import elf
+    from epguard.probe import elf
     d = elf.read_dynamic(sys.argv[1])
     print(json.dumps(None if d is None else d.needed))
 """)
@@ -271,7 +270,7 @@ def test_the_dependency_walk_stops_at_its_lookup_budget(tmp_path):
 @pytest.mark.timeout(60)
 def test_the_static_path_past_its_deadline_decides_nothing(tmp_path):
     root, _ = hostile_root(tmp_path, None)
-    from probe import cmdline
+    from epguard.probe import cmdline
 
     request = cmdline.read(hostile_roots.WORKER, env={})
     image = static.Image(files.LIVE, [str(root)], [hostile_roots.ext_suffix()], {},
@@ -289,7 +288,7 @@ def test_the_static_path_past_its_deadline_decides_nothing(tmp_path):
 _BLOCKED = textwrap.dedent("""
     import os, subprocess, sys, time
     sys.path.insert(0, {repo!r})
-    from probe import deadline
+    from epguard.probe import deadline
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
                              start_new_session=True)
     r, w = os.pipe()
@@ -305,7 +304,7 @@ _BLOCKED = textwrap.dedent("""
 
 @pytest.mark.timeout(60)
 def test_the_whole_run_deadline_ends_a_blocked_system_call_and_kills_the_child():
-    from probe import deadline
+    from epguard.probe import deadline
     proc = subprocess.run([sys.executable, "-c", _BLOCKED.format(repo=str(REPO))],
                           capture_output=True, text=True, timeout=30)
     words = proc.stdout.split()

@@ -1,6 +1,6 @@
 """The probe's output contract: termination message, JSON report, exit status.
 
-Other components parse these (webhook/outcome.py reads the message back from pod
+Other components parse these (webhook/engine/outcome.py reads the message back from pod
 status), so the shape is tested on real runs, not on hand-made strings.
 """
 

@@ -1,7 +1,7 @@
 """A probe's verdict about the image depends only on the image (issue 21.2).
 
 /mutate hands the worker's variables to the probe renamed under ``EPGUARD_POD_``
-(webhook/injection.py), so ``python3`` is found through the image's own PATH and the
+(webhook/engine/injection.py), so ``python3`` is found through the image's own PATH and the
 image is judged in its own environment. The probe then checks again with the pod's
 variables restored: a failure only they cause is this pod's (environment scope, never
 learned), a pass only they bring is "usable in this pod" (no verdict about the image).
@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from epguard.webhook.engine.outcome import classify
 from probe_harness import (
     PG_NAMES,
     REGISTER_BOTH,
@@ -27,8 +28,6 @@ from probe_harness import (
     torch_python,
     write_double,
 )
-
-from webhook.outcome import classify
 
 pytestmark = pytest.mark.realpkg
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
-
-from probe import sandbox
+from epguard.probe import sandbox
 
 # Hostile code in a tenant's image can write to the probe's event pipe (an inherited
 # fd): fake step announcements, each of which renews the per-step timeout.

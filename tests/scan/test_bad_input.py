@@ -16,10 +16,9 @@ from pathlib import Path
 
 import pytest
 import zstandard
+from epguard.webhook.scan import scanner, tree
 from imagebuild import ImageSpec, compress, pack, write_layer, write_layout
 from scan_harness import Pieces, mooncake_spec, scan
-
-from webhook.scan import scanner, tree
 
 pytestmark = pytest.mark.realpkg
 

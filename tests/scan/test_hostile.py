@@ -20,11 +20,10 @@ from pathlib import Path
 
 import hostile
 import pytest
+from epguard.probe import cmdline, files, static
+from epguard.webhook import cli
+from epguard.webhook.scan import scanner, tarstream, tree
 from scan_harness import EPGUARD, Scan
-
-from probe import cmdline, files, static
-from webhook import cli
-from webhook.scan import scanner, tarstream, tree
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -375,8 +374,8 @@ def test_an_sglang_source_between_1_and_4_mib_is_read_whole_as_the_probe_reads_i
     """The probe's engine reads an SGLang source whole up to engine.MAX_SOURCE_BYTES
     (4 MiB); the scan kept only its first MAX_TEXT_BYTES (1 MiB), so an import of
     mooncake.pg past 1 MiB was the probe's finding and not the scan's."""
-    from probe import engine
-    from webhook.scan import sources
+    from epguard.probe import engine
+    from epguard.webhook.scan import sources
 
     padding = b"#" * (files.MAX_TEXT_BYTES + 4096) + b"\n"
     source = padding + b"from mooncake.pg import MooncakeBackendOptions\n"

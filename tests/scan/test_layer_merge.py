@@ -9,10 +9,9 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from epguard.webhook.scan.tree import Tree
 from imagebuild import ImageSpec, LayerSpec, write_layer, write_layout
 from scan_harness import SITE, Pieces, mooncake_spec, scan
-
-from webhook.scan.tree import Tree
 
 pytestmark = pytest.mark.realpkg
 

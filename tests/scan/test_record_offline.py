@@ -9,13 +9,17 @@ import datetime as dt
 from pathlib import Path
 
 import pytest
+from epguard.webhook.engine import policy
+from epguard.webhook.engine.imageref import parse
+from epguard.webhook.engine.verdicts import (
+    MAX_VERSION,
+    SOURCE_SCAN,
+    VerdictStore,
+    verdict_from_object,
+)
+from epguard.webhook.scan import record, scanner
 from imagebuild import ImageSpec, compress, pack, write_layer, write_layout
 from scan_harness import Pieces, mooncake_spec, scan
-
-from webhook import policy
-from webhook.imageref import parse
-from webhook.scan import record, scanner
-from webhook.verdicts import MAX_VERSION, SOURCE_SCAN, VerdictStore, verdict_from_object
 
 pytestmark = pytest.mark.realpkg
 

@@ -10,10 +10,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from epguard.webhook.engine.policy import PolicyState
 from webhook_factory import TEST_RULES, make_state
 from webhook_server import RunningServer, running_server
-
-from webhook.policy import PolicyState
 
 
 @pytest.fixture

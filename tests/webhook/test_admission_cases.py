@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from epguard.webhook.engine.policy import PolicyState, decide
+from epguard.webhook.engine.review import AdmissionRequest
 from webhook_factory import (
     BAD_IMAGE_NORMALIZED,
     DIGEST,
@@ -24,9 +26,6 @@ from webhook_factory import (
     workload,
 )
 from webhook_server import RunningServer
-
-from webhook.policy import PolicyState, decide
-from webhook.review import AdmissionRequest
 
 RULE = "[epguard rule sglang-0516-cu129-test]"
 EXACT_DENIAL = (

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from webhook.argv import (
+from epguard.webhook.engine.argv import (
     MAX_EXPANSION,
     analyse,
     analyse_container,
@@ -13,6 +10,8 @@ from webhook.argv import (
     env_mapping,
     expand,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 
 def requested(*argv: str) -> bool:
@@ -189,7 +188,7 @@ json_values = st.recursive(
 @settings(max_examples=300, deadline=None)
 @given(json_values)
 def test_no_container_shape_crashes_the_reader(container: object) -> None:
-    from webhook.argv import analyse_container
+    from epguard.webhook.engine.argv import analyse_container
 
     if isinstance(container, dict):
         assert isinstance(analyse_container(container).requests_mooncake, bool)
@@ -211,7 +210,7 @@ def test_no_container_shape_crashes_the_reader(container: object) -> None:
     ),
 )
 def test_no_object_shape_crashes_the_template_walk(obj: object, kind: tuple[str, str]) -> None:
-    from webhook.workloads import BUILTIN
+    from epguard.webhook.engine.workloads import BUILTIN
 
     views = BUILTIN.pod_templates(kind[0], kind[1], obj)
     assert views is not None
@@ -221,7 +220,7 @@ def test_no_object_shape_crashes_the_template_walk(obj: object, kind: tuple[str,
 
 
 def test_wrong_typed_names_found_in_review_do_not_crash() -> None:
-    from webhook.workloads import BUILTIN
+    from epguard.webhook.engine.workloads import BUILTIN
 
     c = {"args": ["sh", "-c", "x --elastic-ep-backend $A"], "env": [{"name": ["A"], "value": "m"}]}
     assert not analyse_container(c).requests_mooncake

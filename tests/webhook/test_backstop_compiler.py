@@ -1,4 +1,4 @@
-"""The outage backstop's compiler (webhook/backstop.py), without a cluster.
+"""The outage backstop's compiler (webhook/controller/compiler.py), without a cluster.
 
 The policy's own CEL is evaluated by cel-python against the parameters the compiler
 writes, for sample pods: a denied digest, a denied tag in each of its spellings, an
@@ -21,8 +21,7 @@ from typing import Any
 import celpy
 import pytest
 from celpy import celtypes
-
-from webhook.backstop import (
+from epguard.webhook.controller.compiler import (
     DIGEST_KEY,
     MAX_SHARDS,
     NAME_SLOT,
@@ -37,12 +36,12 @@ from webhook.backstop import (
     rule_checks,
     shard_objects,
 )
-from webhook.imageref import parse
-from webhook.policy import PolicyConfig, PolicyState, decide
-from webhook.review import AdmissionRequest
-from webhook.rules import Rule, RuleSet
-from webhook.verdicts import VerdictStore, verdict_from_object
-from webhook.workloads import BUILTIN, PATH_KINDS
+from epguard.webhook.engine.imageref import parse
+from epguard.webhook.engine.policy import PolicyConfig, PolicyState, decide
+from epguard.webhook.engine.review import AdmissionRequest
+from epguard.webhook.engine.rules import Rule, RuleSet
+from epguard.webhook.engine.verdicts import VerdictStore, verdict_from_object
+from epguard.webhook.engine.workloads import BUILTIN, PATH_KINDS
 
 NOW = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.UTC)
 SEEN = NOW.strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -6,11 +6,11 @@ from __future__ import annotations
 import tracemalloc
 
 import pytest
+from epguard.webhook.engine.argv import analyse_container
+from epguard.webhook.engine.policy import decide
 from webhook_factory import make_state, request
 
 from tests.hostile_pods import CONTAINERS, doubling_env_pod, many_words_pod, nested_script_pod
-from webhook.argv import analyse_container
-from webhook.policy import decide
 
 MAX_PEAK = 50 * 2**20
 

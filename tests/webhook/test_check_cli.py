@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from epguard.webhook.cli import main
 from webhook_factory import GOOD_IMAGE, TEST_RULES, container, pod, pod_spec, template, workload
-
-from webhook.cli import main
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """Large reviews are judged off the event loop, in bounded lanes, under a deadline
-(webhook/transport.py); one that cannot be judged is answered by mode, never a 500.
+(webhook/admission/transport.py); one that cannot be judged is answered by mode, never a 500.
 
 The slow decision here is a test double (a completion that sleeps): the real engine's
 work is bounded, so making it slow on purpose is the only way to see the deadline act.
@@ -16,10 +16,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from epguard.webhook.admission.completion import Answer, Review, unjudged
+from epguard.webhook.admission.transport import INLINE_BYTES, AdmissionEndpoint, Bounds, Limits
 from webhook_factory import container, pod, review
-
-from webhook.completion import Answer, Review, unjudged
-from webhook.transport import INLINE_BYTES, AdmissionEndpoint, Bounds, Limits
 
 
 def _receive(body: bytes) -> Callable[[], Any]:

@@ -1,4 +1,4 @@
-"""`python -m webhook`: options and environment variables, and a real process start/stop."""
+"""`python -m epguard.webhook`: options and environment variables, and a real process start/stop."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from epguard.webhook.engine.rules import default_rules_path
+from epguard.webhook.settings import SettingsError, load
 from webhook_factory import TEST_RULES
 from webhook_pki import issue, make_ca, write_pair
 
 from devcluster.process import free_port
-from webhook.rules import default_rules_path
-from webhook.settings import SettingsError, load
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -99,7 +99,7 @@ def test_runs_as_a_process_and_stops_on_sigterm(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "webhook",
+            "epguard.webhook",
             "--rules",
             str(rules),
             "--tls-cert",
@@ -156,7 +156,7 @@ def test_a_broken_rules_file_at_start_serves_the_built_in_rules_and_says_so(
         k: v for k, v in os.environ.items() if not k.startswith("EPGUARD_") and k != "KUBECONFIG"
     }
     proc = subprocess.Popen(
-        [sys.executable, "-m", "webhook", "--rules", str(rules), "--tls-cert", str(cert),
+        [sys.executable, "-m", "epguard.webhook", "--rules", str(rules), "--tls-cert", str(cert),
          "--tls-key", str(key), "--host", "127.0.0.1", "--port", str(port),
          "--reload-interval", "0.2"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from epguard.webhook.engine.imageref import ImageRef, ImageRefError, normalize_pattern, parse
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from webhook.imageref import ImageRef, ImageRefError, normalize_pattern, parse
 
 DIGEST = "sha256:" + "0123456789abcdef" * 4
 

@@ -17,15 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from epguard.webhook.admission import handler as handler_module
+from epguard.webhook.admission.completion import ERROR, Review, complete
+from epguard.webhook.admission.handler import VALIDATE_RESULTS, Outcome, Validator
+from epguard.webhook.admission.transport import BadReview, parse_review
+from epguard.webhook.engine.review import AdmissionRequest, GroupVersionKind
 from prometheus_client.parser import text_string_to_metric_families
 from webhook_factory import GOOD_IMAGE, TEST_RULES, container, pod, review
 from webhook_server import RunningServer, running_server
-
-from webhook import handler as handler_module
-from webhook.completion import ERROR, Review, complete
-from webhook.handler import VALIDATE_RESULTS, Outcome, Validator
-from webhook.review import AdmissionRequest, GroupVersionKind
-from webhook.transport import BadReview, parse_review
 
 INJECT = {"epguard.io/inject": "enabled"}
 ADMISSION_FAMILIES = (
@@ -216,7 +215,7 @@ def test_a_refusal_is_one_structured_log_line(
 
 def test_an_extra_admission_handler_gets_the_same_instrumentation(tmp_path: Path) -> None:
     """Any admission path built with app.admission_route is counted and timed alike."""
-    from webhook.app import admission_route
+    from epguard.webhook.admission.app import admission_route
 
     class Echo:
         endpoint = "echo"

@@ -5,11 +5,10 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
+from epguard.webhook.engine.imageref import parse
+from epguard.webhook.engine.policy import decide
+from epguard.webhook.engine.verdicts import VerdictStore, verdict_from_object
 from webhook_factory import container, make_state, pod, request
-
-from webhook.imageref import parse
-from webhook.policy import decide
-from webhook.verdicts import VerdictStore, verdict_from_object
 
 NOW = dt.datetime(2026, 11, 30, 12, 0, tzinfo=dt.UTC)
 IMAGE = "registry.example.com/ml/sglang:v0.5.18-custom"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from epguard.webhook.engine.policy import PolicyState, decide
 from webhook_factory import (
     GOOD_IMAGE,
     container,
@@ -12,8 +13,6 @@ from webhook_factory import (
     template,
     workload,
 )
-
-from webhook.policy import PolicyState, decide
 
 RULE = "sglang-0516-cu129-test"
 
@@ -100,7 +99,7 @@ def test_injection_label_counts_as_a_probe_for_templates(state: PolicyState) -> 
 
 
 def test_rules_swap_takes_effect_on_the_next_review(state: PolicyState) -> None:
-    from webhook.rules import load_rules_text
+    from epguard.webhook.engine.rules import load_rules_text
 
     assert not decide(request(pod()), state).allowed
     state.rules.set_live(load_rules_text("rules: []", "cm"))

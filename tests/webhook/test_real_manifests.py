@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from epguard.probe import cmdline
+from epguard.webhook.cli import main
 from webhook_factory import DENY_ALL_RULES
 
-from probe import cmdline
 from tests import realmanifests
-from webhook.cli import main
 
 
 @pytest.fixture

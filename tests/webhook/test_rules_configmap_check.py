@@ -8,12 +8,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from epguard.webhook.admission.handler import RulesConfigMap, Validator
+from epguard.webhook.engine.policy import PolicyState
+from epguard.webhook.engine.review import AdmissionRequest, GroupVersionKind
+from epguard.webhook.engine.rules import RuleSet
 from webhook_factory import TEST_RULES
-
-from webhook.handler import RulesConfigMap, Validator
-from webhook.policy import PolicyState
-from webhook.review import AdmissionRequest, GroupVersionKind
-from webhook.rules import RuleSet
 
 WHERE = RulesConfigMap("epguard-system", "epguard-rules", "rules.yaml")
 

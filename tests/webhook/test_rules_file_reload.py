@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from webhook.server import Runtime
-from webhook.settings import Settings
+from epguard.webhook.admission.server import Runtime
+from epguard.webhook.settings import Settings
 
 ONE = "rules:\n  - {id: one, image: 'x/y:*', reason: r, remedy: m}\n"
 TWO = ONE + "  - {id: two, image: 'x/z:*', reason: r, remedy: m}\n"
@@ -44,7 +44,7 @@ def test_a_bad_rules_file_change_keeps_the_last_good_rules(tmp_path: Path) -> No
 
 
 def test_configmap_rules_stay_in_force_over_a_file_change(tmp_path: Path) -> None:
-    from webhook.rules import load_rules_text
+    from epguard.webhook.engine.rules import load_rules_text
 
     rt, path = runtime(tmp_path, ONE)
     rt.state.rules.set_live(load_rules_text("rules: []", "cm"))

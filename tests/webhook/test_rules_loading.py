@@ -6,9 +6,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from webhook.imageref import parse
-from webhook.rules import (
+from epguard.webhook.engine.imageref import parse
+from epguard.webhook.engine.rules import (
     RulesError,
     RuleSet,
     RulesHolder,
@@ -163,6 +162,6 @@ def test_every_shipped_rule_cites_rows_of_the_compatibility_evidence_in_the_repo
 
 
 def test_the_built_in_rules_have_no_glob_that_can_never_match() -> None:
-    from webhook.rules import default_rules_path, load_rules_file, rule_warnings
+    from epguard.webhook.engine.rules import default_rules_path, load_rules_file, rule_warnings
 
     assert rule_warnings(load_rules_file(default_rules_path())) == []

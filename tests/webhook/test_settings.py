@@ -9,9 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from webhook.controller.config import parse
-from webhook.settings import (
+from epguard.webhook.controller.config import parse
+from epguard.webhook.settings import (
     CONTROLLER_OPTIONS,
     WEBHOOK_OPTIONS,
     Settings,
@@ -31,10 +30,10 @@ def _clean_env(**extra: str) -> dict[str, str]:
 @pytest.mark.parametrize(
     ("module", "variable", "value", "says"),
     [
-        ("webhook.controller", "EPGUARD_CERT_POLL_SECONDS", "x", "must be a number"),
-        ("webhook.controller", "EPGUARD_CA_VALIDITY_HOURS", "-1", "greater than 0"),
-        ("webhook.controller", "EPGUARD_LOG_LEVEL", "verbose", "must be one of debug"),
-        ("webhook.controller", "EPGUARD_MANAGE_CERTS", "maybe", "must be true or false"),
+        ("epguard.webhook.controller", "EPGUARD_CERT_POLL_SECONDS", "x", "must be a number"),
+        ("epguard.webhook.controller", "EPGUARD_CA_VALIDITY_HOURS", "-1", "greater than 0"),
+        ("epguard.webhook.controller", "EPGUARD_LOG_LEVEL", "verbose", "must be one of debug"),
+        ("epguard.webhook.controller", "EPGUARD_MANAGE_CERTS", "maybe", "must be true or false"),
         ("webhook", "EPGUARD_LOG_LEVEL", "loud", "must be one of debug"),
         ("webhook", "EPGUARD_VERDICT_TTL_HOURS", "-2", "at least 0"),
         ("webhook", "EPGUARD_PORT", "http", "must be a number"),
@@ -163,7 +162,7 @@ def test_the_controller_without_cluster_credentials_exits_2_with_one_line(
     tmp_path: Path,
 ) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "webhook.controller", "--peering", ""],
+        [sys.executable, "-m", "epguard.webhook.controller", "--peering", ""],
         cwd=REPO,
         env={**_clean_env(), "HOME": str(tmp_path)},  # no ~/.kube/config either
         capture_output=True,

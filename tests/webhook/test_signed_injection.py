@@ -14,10 +14,7 @@ from typing import Any
 
 import jsonpatch
 import pytest
-from webhook_factory import TEST_RULES, container, pod, review
-from webhook_server import RunningServer, running_server
-
-from webhook.signing import (
+from epguard.webhook.engine.signing import (
     MAX_KEYS,
     SIGNATURE_ANNOTATION,
     KeyringError,
@@ -28,6 +25,8 @@ from webhook.signing import (
     sign,
     verify,
 )
+from webhook_factory import TEST_RULES, container, pod, review
+from webhook_server import RunningServer, running_server
 
 INJECT = {"epguard.io/inject": "enabled"}
 NOW = dt.datetime(2026, 12, 1, tzinfo=dt.UTC)

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from epguard.webhook.cli import main
 from webhook_factory import DENY_ALL_RULES, container, pod, review
 from webhook_server import RunningServer, running_server
 
 from tests import realmanifests
 from tests.probe.probe_harness import PROBE_DIR, clean_env
-from webhook.cli import main
 
 FLAG = ["--elastic-ep-backend", "mooncake"]
 LAUNCH = ["python3", "-m", "sglang.launch_server", "--model-path", "m"]

@@ -86,7 +86,7 @@ def test_a_half_written_pair_is_not_served(live: RunningServer) -> None:
 
 
 def test_startup_fails_loudly_on_a_bad_pair(tmp_path: Path) -> None:
-    from webhook.tls import ReloadingTLS, TLSReloadError
+    from epguard.webhook.admission.tls import ReloadingTLS, TLSReloadError
 
     a, b = issue(make_ca()), issue(make_ca())
     cert, key = tmp_path / "c.pem", tmp_path / "k.pem"

@@ -25,12 +25,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from epguard.webhook.admission.transport import INLINE_BYTES
 from hostile_reviews import image_swap_update, large_bad_pod_review, rules_edit_review
 from webhook_factory import TEST_RULES, container, pod, review
 from webhook_pki import issue, make_ca, write_pair
 from webhook_server import RunningServer, running_server
-
-from webhook.transport import INLINE_BYTES
 
 JSON = {"content-type": "application/json"}
 

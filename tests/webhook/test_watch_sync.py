@@ -10,13 +10,18 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pytest
+from epguard.webhook.cluster.watch import (
+    NamespaceSync,
+    RulesConfigMapSync,
+    Source,
+    VerdictSync,
+    run_watch,
+)
+from epguard.webhook.engine.namespaces import NamespaceIndex
+from epguard.webhook.engine.rules import RulesHolder, load_rules_text
+from epguard.webhook.engine.verdicts import VerdictStore
+from epguard.webhook.metrics import Metrics
 from kubernetes.client.exceptions import ApiException
-
-from webhook.metrics import Metrics
-from webhook.namespaces import NamespaceIndex
-from webhook.rules import RulesHolder, load_rules_text
-from webhook.verdicts import VerdictStore
-from webhook.watch import NamespaceSync, RulesConfigMapSync, Source, VerdictSync, run_watch
 
 FILE_RULES = "rules:\n  - {id: from-file, image: 'x/y:*', reason: r, remedy: m}\n"
 CM_RULES = "rules:\n  - {id: from-cm, image: 'x/z:*', reason: r, remedy: m}\n"
@@ -188,7 +193,7 @@ def no_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
     async def fast_sleep(delay: float) -> None:
         await real_sleep(0)
 
-    monkeypatch.setattr("webhook.watch.asyncio.sleep", fast_sleep)
+    monkeypatch.setattr("epguard.webhook.cluster.watch.asyncio.sleep", fast_sleep)
 
 
 async def test_a_dropped_watch_resumes_from_the_last_resource_version_without_listing_again() -> (

@@ -5,9 +5,9 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from webhook.policy import PolicyConfig, PolicyState
-from webhook.review import AdmissionRequest
-from webhook.rules import load_rules_text
+from epguard.webhook.engine.policy import PolicyConfig, PolicyState
+from epguard.webhook.engine.review import AdmissionRequest
+from epguard.webhook.engine.rules import load_rules_text
 
 _uid = itertools.count(1)
 

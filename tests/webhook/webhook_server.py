@@ -12,12 +12,11 @@ from pathlib import Path
 
 import httpx
 import uvicorn
+from epguard.webhook.admission.server import Runtime
+from epguard.webhook.cluster.watch import Source
+from epguard.webhook.settings import Settings
 from fastapi import APIRouter
 from webhook_pki import issue, make_ca, write_pair
-
-from webhook.server import Runtime
-from webhook.settings import Settings
-from webhook.watch import Source
 
 
 @dataclass

@@ -6,20 +6,22 @@
 ``background``    (a helper) the start/stop of a loop that lives as long as the operator
 ``recorder``      probe outcomes in pod status → ImageVerdicts + Events on pod and owner
 ``backstop``      the outage backstop: ValidatingAdmissionPolicies compiled from the
-                  deny rules and Unusable verdicts, and their parameter ConfigMap
+                  deny rules and Unusable verdicts, and their parameter ConfigMaps
+``compiler``      (pure) that compile: rules and verdicts → policies and parameters
+``authority``     (pure) the certificate authority ``certificates`` runs
 ``login``         in-cluster authentication for kopf that needs no cluster DNS
 ``peering``       the ClusterKopfPeering object kopf needs for HA
 
 Every API call goes through one official ``kubernetes`` ApiClient that ``__main__``
-builds (``webhook/kube.py``) and puts in kopf's memo as ``api``. A new concern is a new
+builds (``webhook/cluster/kube.py``) and puts in kopf's memo as ``api``. A new concern is a new
 module holding its kopf handlers, added to ``HANDLER_MODULES``; ``__main__`` imports each
 one before kopf starts, which is all kopf needs to register the handlers.
 """
 
 HANDLER_MODULES: tuple[str, ...] = (
-    "webhook.controller.login",
-    "webhook.controller.certificates",
-    "webhook.controller.probe_key",
-    "webhook.controller.recorder",
-    "webhook.controller.backstop",
+    "epguard.webhook.controller.login",
+    "epguard.webhook.controller.certificates",
+    "epguard.webhook.controller.probe_key",
+    "epguard.webhook.controller.recorder",
+    "epguard.webhook.controller.backstop",
 )

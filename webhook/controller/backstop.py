@@ -1,4 +1,4 @@
-"""Keep the outage backstop (webhook/backstop.py) in the cluster.
+"""Keep the outage backstop (webhook/controller/compiler.py) in the cluster.
 
 The controller owns one ValidatingAdmissionPolicy with three bindings (one per mode),
 and the parameter shards (RefusedImageLists labelled ``epguard.io/backstop: <name>``,
@@ -34,10 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
-from kubernetes import client
-from kubernetes.client.exceptions import ApiException
-
-from webhook.backstop import (
+from epguard.webhook.cluster.kube import REQUEST_TIMEOUT, list_all, meta
+from epguard.webhook.controller.compiler import (
     PARAMS_GROUP,
     PARAMS_PLURAL,
     PARAMS_VERSION,
@@ -50,11 +48,19 @@ from webhook.backstop import (
     rule_checks,
     shard_objects,
 )
-from webhook.controller.config import ControllerConfig
-from webhook.kube import REQUEST_TIMEOUT, list_all, meta
-from webhook.namespaces import MODES
-from webhook.rules import RulesError, RuleSet, load_rules_text
-from webhook.verdicts import GROUP, MAX_VERDICTS, PLURAL, VERSION, VerdictStore, verdict_from_object
+from epguard.webhook.controller.config import ControllerConfig
+from epguard.webhook.engine.namespaces import MODES
+from epguard.webhook.engine.rules import RulesError, RuleSet, load_rules_text
+from epguard.webhook.engine.verdicts import (
+    GROUP,
+    MAX_VERDICTS,
+    PLURAL,
+    VERSION,
+    VerdictStore,
+    verdict_from_object,
+)
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
 
 log = logging.getLogger("epguard.controller.backstop")
 

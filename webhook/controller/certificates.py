@@ -27,13 +27,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import kopf
+from epguard.webhook.cluster.kube import REQUEST_TIMEOUT
+from epguard.webhook.controller import authority, background
+from epguard.webhook.controller.config import ControllerConfig
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
-
-from webhook import certs
-from webhook.controller import background
-from webhook.controller.config import ControllerConfig
-from webhook.kube import REQUEST_TIMEOUT
 
 log = logging.getLogger("epguard.controller.certificates")
 
@@ -113,7 +111,7 @@ class CertificateManager:
             raise ValueError("CertificateManager needs a TLS policy (manage_certs on)")
         self.api = api
         self.config = config
-        self.policy: certs.TLSPolicy = config.policy
+        self.policy: authority.TLSPolicy = config.policy
         self.clock = clock or (lambda: dt.datetime.now(dt.UTC))
 
     def _configs(self) -> list[WebhookConfigRef]:
@@ -143,7 +141,7 @@ class CertificateManager:
         owner = (owner_ref, configs[owner_ref].uid) if owner_ref in configs else None
 
         stored = await self.api.read_secret(ns, name)
-        decision = certs.reconcile(stored.data if stored else None, self.policy, now)
+        decision = authority.reconcile(stored.data if stored else None, self.policy, now)
         owner_missing = owner is not None and (stored is None or owner[1] not in stored.owner_uids)
         if decision.changed or owner_missing:
             new = StoredSecret(
@@ -156,7 +154,7 @@ class CertificateManager:
                 log.info("TLS Secret %s/%s: %s", ns, name, reason)
         result.reasons = decision.reasons
 
-        bundle = decision.data[certs.CA_CRT]
+        bundle = decision.data[authority.CA_CRT]
         for ref, cfg in configs.items():
             stale = [
                 (i, hook) for i, (hook, current) in enumerate(cfg.webhooks) if current != bundle
@@ -170,7 +168,7 @@ class CertificateManager:
                     ref.name,
                     ", ".join(h for _, h in stale),
                 )
-        result.next_action_at = certs.next_action_at(decision.data, self.policy)
+        result.next_action_at = authority.next_action_at(decision.data, self.policy)
         return result
 
     def delay_after(self, result: ReconcileResult | None) -> float:
@@ -379,4 +377,4 @@ kopf.on.cleanup(id="epguard-tls-stop")(stop_certificate_manager)
 
 def ca_bundle_of(data: Mapping[str, bytes]) -> bytes:
     """The bytes that belong in caBundle for a given Secret's data."""
-    return data[certs.CA_CRT]
+    return data[authority.CA_CRT]

@@ -7,10 +7,10 @@ import datetime as dt
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from webhook import certs
-from webhook.backstop import BackstopConfig
-from webhook.settings import CONTROLLER_OPTIONS, SettingsError, read
-from webhook.workloads import PATH_KINDS
+from epguard.webhook.controller import authority
+from epguard.webhook.controller.compiler import BackstopConfig
+from epguard.webhook.engine.workloads import PATH_KINDS
+from epguard.webhook.settings import CONTROLLER_OPTIONS, SettingsError, read
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class ControllerConfig:
     peering: str
     liveness: str
     poll_interval: float
-    policy: certs.TLSPolicy | None
+    policy: authority.TLSPolicy | None
     log_level: str
     kubeconfig: str | None = None
     # The outage backstop; None: off (and one left installed under backstop_name is
@@ -55,14 +55,14 @@ def parse(
         ),
     )
     try:
-        extra_dns, extra_ips = certs.parse_subject_alt_names([v["extra_san"]])
+        extra_dns, extra_ips = authority.parse_subject_alt_names([v["extra_san"]])
     except ValueError as exc:
         raise SettingsError(f"--extra-san/EPGUARD_EXTRA_SANS: {exc}") from None
-    policy: certs.TLSPolicy | None = None
+    policy: authority.TLSPolicy | None = None
     if v["manage_certs"]:
-        service_names = certs.dns_names_for(v["service"], v["namespace"])
+        service_names = authority.dns_names_for(v["service"], v["namespace"])
         try:
-            policy = certs.TLSPolicy(
+            policy = authority.TLSPolicy(
                 # The Service's names first: the first one is also the certificate's CN.
                 dns_names=service_names + tuple(n for n in extra_dns if n not in service_names),
                 ip_addresses=extra_ips,

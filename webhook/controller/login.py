@@ -4,7 +4,7 @@ environment, as client-go's in-cluster config does.
 kopf's own service-account login dials ``https://kubernetes.default.svc``, which only
 resolves where cluster DNS runs. ``KUBERNETES_SERVICE_HOST``/``_PORT`` name the same
 API server (the ``kubernetes`` Service's ClusterIP) in every pod, DNS or not: the
-official client's in-cluster config (``webhook/kube.py``, used by the webhook and the
+official client's in-cluster config (``webhook/cluster/kube.py``, used by the webhook and the
 rest of the controller) reads them, and the chart's pods on the local node (no
 cluster DNS) showed the difference: kopf's watches retried ``ClientConnectorDNSError``
 forever while the rest worked. Outside a pod (``KUBECONFIG``) kopf's kubeconfig login

@@ -1,6 +1,6 @@
 """The probe-signing key: created at start, rotated on schedule, held for the recorder.
 
-The webhook signs every probe it injects with the newest key (``webhook/signing.py``);
+The webhook signs every probe it injects with the newest key (``webhook/engine/signing.py``);
 the recorder learns only from pods whose signature verifies. The key lives in one
 Secret in the release namespace that only the webhook (read, by name) and the
 controller (read and write, by name) may touch. A rotation puts a fresh key first and
@@ -22,13 +22,10 @@ import logging
 from typing import Any
 
 import kopf
-from kubernetes import client
-from kubernetes.client.exceptions import ApiException
-
-from webhook.controller import background
-from webhook.controller.config import ControllerConfig
-from webhook.kube import REQUEST_TIMEOUT
-from webhook.signing import (
+from epguard.webhook.cluster.kube import REQUEST_TIMEOUT
+from epguard.webhook.controller import background
+from epguard.webhook.controller.config import ControllerConfig
+from epguard.webhook.engine.signing import (
     SECRET_KEY,
     Keyring,
     KeyringError,
@@ -38,6 +35,8 @@ from webhook.signing import (
     new_keyring,
     rotated,
 )
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
 
 log = logging.getLogger("epguard.controller.probe_key")
 

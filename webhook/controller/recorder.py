@@ -22,15 +22,10 @@ import datetime as dt
 import logging
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import kopf
-from kubernetes import client
-from kubernetes.client.exceptions import ApiException
-
-from webhook.controller.config import ControllerConfig
-from webhook.controller.probe_key import ProbeKeyManager
-from webhook.kube import (
+from epguard.webhook.cluster.kube import (
     REQUEST_TIMEOUT,
     get_object,
     get_verdict,
@@ -38,7 +33,8 @@ from webhook.kube import (
     post_event,
     resource_path,
 )
-from webhook.outcome import (
+from epguard.webhook.controller.config import ControllerConfig
+from epguard.webhook.engine.outcome import (
     PROBED_LABEL,
     ProbeOutcome,
     is_probe,
@@ -48,23 +44,27 @@ from webhook.outcome import (
     verdict_name,
     verdict_spec,
 )
-from webhook.signing import (
+from epguard.webhook.engine.signing import (
     FRESH_SECONDS,
     SIGNATURE_ANNOTATION,
+    Keyring,
+    KeyringHolder,
     SignatureLedger,
     Verification,
     created_at,
     fresh,
     verify,
 )
-from webhook.verdicts import (
+from epguard.webhook.engine.verdicts import (
     GROUP,
     PLURAL,
     VERSION,
     ImageVerdictSpec,
     verdict_object,
 )
-from webhook.workloads import as_list, as_map
+from epguard.webhook.engine.workloads import as_list, as_map
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
 
 log = logging.getLogger("epguard.controller.recorder")
 
@@ -73,6 +73,14 @@ MAX_DONE = 10_000
 MAX_OWNER_DEPTH = 5
 WRITE_ATTEMPTS = 5
 COMPONENT = "epguard-controller"
+
+
+class KeySource(Protocol):
+    """The probe-signing keys held (probe_key.ProbeKeyManager; the recorder needs no more)."""
+
+    holder: KeyringHolder
+
+    def refresh(self) -> Keyring | None: ...
 
 
 def has_probe(body: Any, **_: Any) -> bool:
@@ -285,7 +293,7 @@ def record_probe_outcomes(body: Mapping[str, Any], memo: kopf.Memo, **_: Any) ->
 def _verified(
     body: Mapping[str, Any],
     namespace: str,
-    keys: ProbeKeyManager | None,
+    keys: KeySource | None,
     ledger: SignatureLedger,
 ) -> Verification:
     """The pod's signature checked against the keys held (and once more after re-reading
@@ -319,7 +327,7 @@ def _verified(
 
 
 def _signature_holds(
-    body: Mapping[str, Any], namespace: str, keys: ProbeKeyManager | None
+    body: Mapping[str, Any], namespace: str, keys: KeySource | None
 ) -> Verification:
     if keys is None:
         return Verification(False, "the controller holds no probe-signing key")

@@ -20,9 +20,8 @@ from pathlib import Path
 from typing import IO, cast
 
 import zstandard
-
-from webhook.scan.sources import Layer, SourceError
-from webhook.scan.tarstream import (
+from epguard.webhook.scan.sources import Layer, SourceError
+from epguard.webhook.scan.tarstream import (
     Budget,
     BudgetError,
     Entry,
@@ -31,7 +30,7 @@ from webhook.scan.tarstream import (
     text,
     unlimited,
 )
-from webhook.scan.tree import Tree, TreeError, wanted
+from epguard.webhook.scan.tree import Tree, TreeError, wanted
 
 _GZIP = b"\x1f\x8b"
 _ZSTD = b"\x28\xb5\x2f\xfd"

@@ -26,17 +26,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kubernetes import client
-from kubernetes.client.exceptions import ApiException
-from urllib3.exceptions import HTTPError
-
-from probe.diagnosis import versions_line
-from webhook.imageref import ImageRefError, parse
-from webhook.kube import REQUEST_TIMEOUT, get_verdict
-from webhook.outcome import parse_versions
-from webhook.scan.report import text
-from webhook.scan.scanner import Result
-from webhook.verdicts import (
+from epguard.probe.diagnosis import versions_line
+from epguard.webhook.cluster.kube import REQUEST_TIMEOUT, get_verdict
+from epguard.webhook.engine.imageref import ImageRefError, parse
+from epguard.webhook.engine.outcome import parse_versions
+from epguard.webhook.engine.verdicts import (
     GROUP,
     PLURAL,
     SOURCE_SCAN,
@@ -45,6 +39,11 @@ from webhook.verdicts import (
     verdict_object,
     version_value,
 )
+from epguard.webhook.scan.report import text
+from epguard.webhook.scan.scanner import Result
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+from urllib3.exceptions import HTTPError
 
 NAME_PREFIX = "scan-"
 # Also the field manager of every write: the chart's policy checks lastSeen against the

@@ -12,8 +12,8 @@ import json
 from dataclasses import asdict
 from typing import Any
 
-from probe import diagnosis, message
-from webhook.scan.scanner import Result
+from epguard.probe import diagnosis, message
+from epguard.webhook.scan.scanner import Result
 
 NO_IMAGE_CAUSE = message.PREFIX + "no image cause for mooncake elastic EP: "
 # A terminal or CI log has room; the kubelet's 4 KiB limit does not apply here.

@@ -15,12 +15,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from probe import cmdline, diagnosis, inventory, static
-from probe.cli import MAX_CONFIG_BYTES  # SGLang's --config, read as the probe reads it
-from webhook.scan import layers
-from webhook.scan.sources import Source, SourceError, open_source
-from webhook.scan.tarstream import Budget, BudgetError
-from webhook.scan.tree import MAX_NOTE_CHARS, MAX_NOTES, Tree, TreeError
+from epguard.probe import cmdline, diagnosis, inventory, static
+from epguard.probe.cli import MAX_CONFIG_BYTES  # SGLang's --config, read as the probe reads it
+from epguard.webhook.scan import layers
+from epguard.webhook.scan.sources import Source, SourceError, open_source
+from epguard.webhook.scan.tarstream import Budget, BudgetError
+from epguard.webhook.scan.tree import MAX_NOTE_CHARS, MAX_NOTES, Tree, TreeError
 
 # What the scan judges when neither --argv nor the image's own command asks for
 # mooncake: any SGLang launch with the flag (the image is meant for such workers).

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, cast
 
-from webhook.scan.tarstream import Budget, BudgetError, TarError, TarReader, unlimited
+from epguard.webhook.scan.tarstream import Budget, BudgetError, TarError, TarReader, unlimited
 
 # Index, manifest and config are a few KB; 8 MiB is room for configs with a long
 # history, not for a document built to exhaust memory.

@@ -24,8 +24,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import IO, Any, Protocol
 
-from probe import elf, engine, files
-from webhook.scan.tarstream import Budget, unlimited
+from epguard.probe import elf, engine, files
+from epguard.webhook.scan.tarstream import Budget, unlimited
 
 # Limits on what one archive may make us hold, with the reason for each.
 # 1 million entries: five times the largest SGLang images seen (~2e5 files).

@@ -25,7 +25,7 @@
 {{- /* The Secret with the keys that sign injected probes (the controller creates it). */ -}}
 {{- define "epguard.probeKeySecret" -}}{{ include "epguard.fullname" . | trunc 53 | trimSuffix "-" }}-probe-key{{- end -}}
 {{- /* The outage backstop's name: its ValidatingAdmissionPolicy, with -enforce/-warn/-audit
-its bindings, and the label value of its parameter shards (webhook/backstop.py). */ -}}
+its bindings, and the label value of its parameter shards (webhook/controller/compiler.py). */ -}}
 {{- define "epguard.backstopName" -}}{{ include "epguard.fullname" . | trunc 46 | trimSuffix "-" }}-backstop{{- end -}}
 {{- /* "true" when the backstop is on: asked for, and the API server serves the v1 API
 and the 1.34 CEL list library its expressions use. Against a cluster, helm's
@@ -167,7 +167,7 @@ false instead of an error -- an error would apply failurePolicy to an unrelated 
 {{- end -}}
 
 {{/*
-CEL: some value reached by a template path (webhook/workloads.py TemplatePath: dotted
+CEL: some value reached by a template path (webhook/engine/workloads.py TemplatePath: dotted
 fields, `name[]` for every item of a list, `*` for every value of a map) mentions the
 needle. .var is the CEL expression walked so far, .segs the segments left, .shape what
 the path ends on (template, podSpec or container), .depth names the loop variables.
@@ -216,7 +216,7 @@ configuration and both webhooks of the mutating one use exactly this text. */}}
 {{- end -}}
 
 {{/* The values of epguard.io/inject that opt in, on a namespace label or a pod annotation
-(webhook/namespaces.py INJECT_ON; tests/chart asserts they agree). */}}
+(webhook/engine/namespaces.py INJECT_ON; tests/chart asserts they agree). */}}
 {{- define "epguard.injectValues" -}}["enabled", "true"]{{- end -}}
 
 {{/* CEL: the Pod carries the opt-in annotation epguard.io/inject (see injectValues).

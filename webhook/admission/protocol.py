@@ -28,9 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from epguard.webhook.admission.transport import CLIENT_CERT
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-
-from webhook.transport import CLIENT_CERT
 
 CUT_REASONS = ("head_size", "head_deadline", "body_deadline")
 

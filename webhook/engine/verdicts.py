@@ -39,7 +39,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, NotRequired, Protocol, TypedDict
 
-from webhook.imageref import ImageRef, ImageRefError, parse
+from epguard.webhook.engine.imageref import ImageRef, ImageRefError, parse
 
 Trust = Literal["deny", "warn", "usable"]
 

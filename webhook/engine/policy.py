@@ -11,16 +11,16 @@ import datetime as dt
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from probe import shell
-from webhook.argv import FLAG, NOTHING, analyse_container
-from webhook.imageref import ImageRef, ImageRefError, parse
-from webhook.namespaces import INJECT_KEY, Mode, NamespaceIndex, opts_in
-from webhook.outcome import is_probe
-from webhook.review import AdmissionRequest
-from webhook.rules import Rule, RuleSet, RulesHolder
-from webhook.signing import KeyringHolder
-from webhook.verdicts import NoVerdicts, VerdictHit, VerdictLookup
-from webhook.workloads import (
+from epguard.probe import shell
+from epguard.webhook.engine.argv import FLAG, NOTHING, analyse_container
+from epguard.webhook.engine.imageref import ImageRef, ImageRefError, parse
+from epguard.webhook.engine.namespaces import INJECT_KEY, Mode, NamespaceIndex, opts_in
+from epguard.webhook.engine.outcome import is_probe
+from epguard.webhook.engine.review import AdmissionRequest
+from epguard.webhook.engine.rules import Rule, RuleSet, RulesHolder
+from epguard.webhook.engine.signing import KeyringHolder
+from epguard.webhook.engine.verdicts import NoVerdicts, VerdictHit, VerdictLookup
+from epguard.webhook.engine.workloads import (
     BUILTIN,
     ContainerView,
     KindRegistry,
@@ -61,7 +61,7 @@ class PolicyState:
     namespaces: NamespaceIndex = field(default_factory=NamespaceIndex)
     verdicts: VerdictLookup = field(default_factory=NoVerdicts)
     config: PolicyConfig = field(default_factory=PolicyConfig)
-    # The probe-signing keys (webhook/signing.py), from the Secret the controller keeps.
+    # The probe-signing keys (webhook/engine/signing.py), from the Secret the controller keeps.
     keys: KeyringHolder = field(default_factory=KeyringHolder)
 
     @classmethod

@@ -40,8 +40,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from webhook.outcome import PROBED_LABEL
-from webhook.workloads import as_list, as_map
+from epguard.webhook.engine.outcome import PROBED_LABEL
+from epguard.webhook.engine.workloads import as_list, as_map
 
 # Every init container under this prefix belongs to epguard: /mutate removes the ones a
 # tenant wrote and /validate refuses unsigned ones. The prefix is reserved (README).

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from probe import cmdline, shell
+from epguard.probe import cmdline, shell
 
 FLAG = cmdline.BACKEND
 WANTED = cmdline.WANTED

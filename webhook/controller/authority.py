@@ -32,6 +32,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from epguard.webhook import settings
 
 TLS_CRT = "tls.crt"
 TLS_KEY = "tls.key"
@@ -52,16 +53,14 @@ _LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 @dataclass(frozen=True)
 class TLSPolicy:
-    """Lifetimes and thresholds. Defaults: a 5-year CA renewed 90 days before expiry, a
-    1-year serving cert renewed 30 days before expiry, and a 1-hour overlap before a new
-    CA starts signing (the API server picks up a new caBundle within seconds)."""
+    """Lifetimes and thresholds; the defaults are the controller's options' defaults."""
 
     dns_names: tuple[str, ...]
-    ca_validity: dt.timedelta = dt.timedelta(days=5 * 365)
-    ca_renew_before: dt.timedelta = dt.timedelta(days=90)
-    cert_validity: dt.timedelta = dt.timedelta(days=365)
-    cert_renew_before: dt.timedelta = dt.timedelta(days=30)
-    overlap: dt.timedelta = dt.timedelta(hours=1)
+    ca_validity: dt.timedelta = settings.CA_VALIDITY
+    ca_renew_before: dt.timedelta = settings.CA_RENEW_BEFORE
+    cert_validity: dt.timedelta = settings.CERT_VALIDITY
+    cert_renew_before: dt.timedelta = settings.CERT_RENEW_BEFORE
+    overlap: dt.timedelta = settings.CA_OVERLAP
     ca_common_name: str = "epguard-webhook-ca"
     # IP SANs besides the DNS names, for a webhook reached by address (a local dev stack
     # whose webhook configuration says https://127.0.0.1:PORT/...).

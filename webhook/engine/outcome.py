@@ -21,11 +21,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from probe.message import IMAGE, SCOPE, UNUSABLE, UNUSABLE_HERE, USABLE
-from webhook.argv import ExpansionTooLarge, container_argv
-from webhook.imageref import ImageRefError, parse
-from webhook.verdicts import SOURCE_PROBE, ImageVerdictSpec, version_value
-from webhook.workloads import as_list, as_map
+from epguard.probe.message import IMAGE, SCOPE, UNUSABLE, UNUSABLE_HERE, USABLE
+from epguard.webhook.engine.argv import ExpansionTooLarge, container_argv
+from epguard.webhook.engine.imageref import ImageRefError, parse
+from epguard.webhook.engine.verdicts import SOURCE_PROBE, ImageVerdictSpec, version_value
+from epguard.webhook.engine.workloads import as_list, as_map
 
 PROBE_CONTAINER = "epguard-probe"
 COPY_CONTAINER = "epguard-copy-probe"

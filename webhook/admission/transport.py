@@ -35,7 +35,7 @@ admission. The limits, as controller-runtime's admission server would keep them:
   one it could never hold, by mode too (``too_large``). Either way it is not decoded.
 * **Size.** A body over ``max_body_bytes`` is not buffered: its first ``PEEK_BYTES``
   are kept, the rest is read and dropped (the connection's body deadline in
-  ``webhook/protocol.py`` bounds how long), and the review is answered by mode from the
+  ``webhook/admission/protocol.py`` bounds how long), and the review is answered by mode from the
   request fields the API server writes before the objects (``peek_request``). Only a
   body that does not start like an AdmissionReview gets the 413 of old.
 """
@@ -50,10 +50,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+from epguard.webhook.admission.completion import ANSWER, BAD_REQUEST, Answer, Review, problem
+from epguard.webhook.engine.review import AdmissionReviewRequest
 from pydantic import ValidationError
-
-from webhook.completion import ANSWER, BAD_REQUEST, Answer, Review, problem
-from webhook.review import AdmissionReviewRequest
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -69,7 +68,7 @@ INLINE_BYTES = 64 * 1024
 # uid, kind, namespace and operation before the objects, in the first few hundred bytes
 # (a long userInfo with many groups and extra fields stays well inside 64 KiB).
 PEEK_BYTES = 64 * 1024
-# Set in the ASGI scope by the connection (webhook/protocol.py): True when the client
+# Set in the ASGI scope by the connection (webhook/admission/protocol.py): True when the client
 # presented a certificate the client CA signed (tls.py).
 CLIENT_CERT = "epguard.client_cert"
 # Why a review was answered by mode instead of judged (a bounded set, for the metric).

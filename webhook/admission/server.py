@@ -19,29 +19,13 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any, cast
 
 import uvicorn
-from fastapi import APIRouter, FastAPI
-from kubernetes import client
-
-from webhook.app import create_app
-from webhook.handler import RulesConfigMap
-from webhook.injection import InjectionSettings
-from webhook.kube import NoCredentials, api_client, post_event
-from webhook.metrics import Metrics
-from webhook.namespaces import NamespaceIndex
-from webhook.policy import PolicyConfig, PolicyState
-from webhook.protocol import BoundedHttpToolsProtocol, HeadLimits
-from webhook.rules import (
-    RulesError,
-    RuleSet,
-    RulesHolder,
-    default_rules_path,
-    load_rules_file,
-)
-from webhook.settings import Settings
-from webhook.tls import ReloadingTLS
-from webhook.transport import Limits
-from webhook.verdicts import VerdictStore
-from webhook.watch import (
+from epguard.webhook.admission.app import create_app
+from epguard.webhook.admission.handler import RulesConfigMap
+from epguard.webhook.admission.protocol import BoundedHttpToolsProtocol, HeadLimits
+from epguard.webhook.admission.tls import ReloadingTLS
+from epguard.webhook.admission.transport import Limits
+from epguard.webhook.cluster.kube import NoCredentials, api_client, post_event
+from epguard.webhook.cluster.watch import (
     NamespaceSync,
     Notify,
     ProbeKeySync,
@@ -53,7 +37,22 @@ from webhook.watch import (
     report_warnings,
     run_watch,
 )
-from webhook.workloads import KindRegistry
+from epguard.webhook.engine.injection import InjectionSettings
+from epguard.webhook.engine.namespaces import NamespaceIndex
+from epguard.webhook.engine.policy import PolicyConfig, PolicyState
+from epguard.webhook.engine.rules import (
+    RulesError,
+    RuleSet,
+    RulesHolder,
+    default_rules_path,
+    load_rules_file,
+)
+from epguard.webhook.engine.verdicts import VerdictStore
+from epguard.webhook.engine.workloads import KindRegistry
+from epguard.webhook.metrics import Metrics
+from epguard.webhook.settings import Settings
+from fastapi import APIRouter, FastAPI
+from kubernetes import client
 
 log = logging.getLogger("epguard.server")
 COMPONENT = "epguard-webhook"  # the source of the Events the webhook posts
@@ -317,7 +316,7 @@ class Runtime:
             ssl_certfile=s.tls_cert,
             ssl_keyfile=s.tls_key,
             ssl_context_factory=(lambda _cfg, _default: tls.server_context) if tls else None,
-            # Bounded request heads and a head deadline (webhook/protocol.py).
+            # Bounded request heads and a head deadline (webhook/admission/protocol.py).
             http=cast(
                 "type[asyncio.Protocol]",
                 functools.partial(

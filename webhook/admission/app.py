@@ -20,16 +20,21 @@ from contextlib import AbstractAsyncContextManager
 from functools import partial
 from typing import Any
 
+from epguard.webhook.admission.completion import Answer, Review, complete, unjudged
+from epguard.webhook.admission.handler import Handler, Injector, RulesConfigMap, Validator
+from epguard.webhook.admission.instrumentation import Instrumented
+from epguard.webhook.admission.transport import (
+    PODS_LANE,
+    RULES_LANE,
+    AdmissionEndpoint,
+    Bounds,
+    Limits,
+)
+from epguard.webhook.engine.injection import InjectionSettings
+from epguard.webhook.engine.policy import PolicyState
+from epguard.webhook.metrics import Metrics
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, Response
-
-from webhook.completion import Answer, Review, complete, unjudged
-from webhook.handler import Handler, Injector, RulesConfigMap, Validator
-from webhook.injection import InjectionSettings
-from webhook.instrumentation import Instrumented
-from webhook.metrics import Metrics
-from webhook.policy import PolicyState
-from webhook.transport import PODS_LANE, RULES_LANE, AdmissionEndpoint, Bounds, Limits
 
 # epguard's metrics are Prometheus (instrumentation.py), not OpenTelemetry. FastAPI
 # releases with native OTel support ask three provider globals (and os.environ) on every

@@ -26,11 +26,11 @@ import logging
 import time
 from typing import Any
 
-from webhook.completion import ANSWER, BAD_REQUEST, ERROR, Answer
-from webhook.handler import ROUTINE, Handler
-from webhook.metrics import Metrics
-from webhook.policy import describe_object
-from webhook.transport import AdmissionEndpoint, Receive, Scope, Send
+from epguard.webhook.admission.completion import ANSWER, BAD_REQUEST, ERROR, Answer
+from epguard.webhook.admission.handler import ROUTINE, Handler
+from epguard.webhook.admission.transport import AdmissionEndpoint, Receive, Scope, Send
+from epguard.webhook.engine.policy import describe_object
+from epguard.webhook.metrics import Metrics
 
 log = logging.getLogger("epguard.admission")
 

@@ -14,13 +14,24 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from webhook.injection import InjectionSettings, metadata_patch, plan, plan_without_probe
-from webhook.namespaces import INJECT_KEY, opts_in
-from webhook.outcome import PROBED_LABEL
-from webhook.policy import SKIP_ANNOTATION, Decision, PolicyState, decide, describe_object
-from webhook.review import AdmissionRequest
-from webhook.rules import RulesError, load_rules_text, rule_warnings
-from webhook.signing import (
+from epguard.webhook.engine.injection import (
+    InjectionSettings,
+    metadata_patch,
+    plan,
+    plan_without_probe,
+)
+from epguard.webhook.engine.namespaces import INJECT_KEY, opts_in
+from epguard.webhook.engine.outcome import PROBED_LABEL
+from epguard.webhook.engine.policy import (
+    SKIP_ANNOTATION,
+    Decision,
+    PolicyState,
+    decide,
+    describe_object,
+)
+from epguard.webhook.engine.review import AdmissionRequest
+from epguard.webhook.engine.rules import RulesError, load_rules_text, rule_warnings
+from epguard.webhook.engine.signing import (
     FRESH_SECONDS,
     PREFIX,
     PROBE_VOLUME,
@@ -33,7 +44,7 @@ from webhook.signing import (
     parts_of,
     sign,
 )
-from webhook.workloads import annotations_of, as_map
+from epguard.webhook.engine.workloads import annotations_of, as_map
 
 # The result of each handler: a closed set, so metric labels stay bounded.
 VALIDATE_RESULTS = ("allowed", "denied", "warned", "audited", "exempted", "ignored")
@@ -280,7 +291,7 @@ def injection_for(
     annotation ``epguard.io/inject: enabled``; the chart's MutatingWebhookConfiguration
     filters on both with CEL already, and this checks again so a misconfigured webhook
     never injects into a pod that did not ask. Either way, parts under epguard's names
-    that the pod brought itself are removed (webhook/signing.py)."""
+    that the pod brought itself are removed (webhook/engine/signing.py)."""
     if req.kind.kind != "Pod" or req.operation != "CREATE" or req.subResource:
         return InjectionResult("unchanged", [])
     obj = as_map(req.object)

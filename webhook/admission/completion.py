@@ -19,10 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-
-from webhook.handler import Handler, Outcome
-from webhook.namespaces import Mode
-from webhook.review import AdmissionRequest
+from epguard.webhook.admission.handler import Handler, Outcome
+from epguard.webhook.engine.namespaces import Mode
+from epguard.webhook.engine.review import AdmissionRequest
 
 log = logging.getLogger("epguard.admission")
 

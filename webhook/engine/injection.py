@@ -36,13 +36,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from probe import shell
-from probe.cli import PROBE_LEVELS
-from probe.sandbox import POD_PREFIX
-from webhook.argv import analyse_container
-from webhook.outcome import COPY_CONTAINER, PROBE_CONTAINER, PROBED_LABEL
-from webhook.signing import PROBE_VOLUME, SIGNATURE_ANNOTATION, is_epguard_name
-from webhook.workloads import as_list, as_map
+from epguard.probe import shell
+from epguard.probe.cli import PROBE_LEVELS
+from epguard.probe.sandbox import POD_PREFIX
+from epguard.webhook.engine.argv import analyse_container
+from epguard.webhook.engine.outcome import COPY_CONTAINER, PROBE_CONTAINER, PROBED_LABEL
+from epguard.webhook.engine.signing import PROBE_VOLUME, SIGNATURE_ANNOTATION, is_epguard_name
+from epguard.webhook.engine.workloads import as_list, as_map
 
 COPY_UID = 65532  # the epguard image's user (Dockerfile)
 VOLUME = PROBE_VOLUME  # the emptyDir the probe is copied into
@@ -66,7 +66,7 @@ class InjectionSettings:
 class Injection:
     patch: list[dict[str, Any]]
     probes: tuple[str, ...]  # names of the probe containers added
-    # What is signed (webhook/signing.py): the injected init containers and the volume.
+    # What is signed (webhook/engine/signing.py): the injected init containers and the volume.
     containers: tuple[dict[str, Any], ...] = ()
     volume: dict[str, Any] | None = None
     removed: bool = False  # parts under epguard's names that the spec brought were removed

@@ -24,15 +24,26 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Protocol, TypeVar
 
+from epguard.webhook.cluster.kube import REQUEST_TIMEOUT, list_all, meta, status_of
+from epguard.webhook.engine.namespaces import MODE_LABEL, NamespaceIndex
+from epguard.webhook.engine.rules import (
+    RulesError,
+    RuleSet,
+    RulesHolder,
+    load_rules_text,
+    rule_warnings,
+)
+from epguard.webhook.engine.signing import KeyringError, KeyringHolder, keyring_from_secret
+from epguard.webhook.engine.verdicts import (
+    GROUP,
+    PLURAL,
+    VERSION,
+    VerdictStore,
+    verdict_from_object,
+)
+from epguard.webhook.metrics import Metrics
 from kubernetes import client
 from kubernetes import watch as kwatch
-
-from webhook.kube import REQUEST_TIMEOUT, list_all, meta, status_of
-from webhook.metrics import Metrics
-from webhook.namespaces import MODE_LABEL, NamespaceIndex
-from webhook.rules import RulesError, RuleSet, RulesHolder, load_rules_text, rule_warnings
-from webhook.signing import KeyringError, KeyringHolder, keyring_from_secret
-from webhook.verdicts import GROUP, PLURAL, VERSION, VerdictStore, verdict_from_object
 
 log = logging.getLogger("epguard.watch")
 
@@ -242,7 +253,7 @@ class VerdictSync:
 
 
 class ProbeKeySync(OneObjectSync):
-    """The probe-signing keyring: one Secret, by name (webhook/signing.py)."""
+    """The probe-signing keyring: one Secret, by name (webhook/engine/signing.py)."""
 
     resource = "secret"
     off_loop = False

@@ -10,7 +10,7 @@ keeps it in the cluster); the webhook stays the judge of everything else.
 too, with the same reason, remedy and id. Everything here leans that way: when a form
 cannot be read exactly in CEL, the policy leaves it to the webhook.
 
-* Images. The policy normalizes the image *as written* the way ``webhook/imageref.py``
+* Images. The policy normalizes the image *as written* the way ``webhook/engine/imageref.py``
   does (``lmsysorg/sglang:v1`` is ``docker.io/lmsysorg/sglang:v1``, ``ubuntu`` is
   ``docker.io/library/ubuntu:latest``), only for images the reference grammar accepts.
   A deny rule's glob becomes a regular expression over that normalized ``name:tag``,
@@ -63,11 +63,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from webhook.namespaces import MODE_LABEL, MODES, Mode
-from webhook.policy import SKIP_ANNOTATION, rule_denial, verdict_denial
-from webhook.rules import Rule, RuleSet
-from webhook.verdicts import Verdict, VerdictHit, VerdictStore
-from webhook.workloads import KindSpec, TemplatePath
+from epguard.webhook.engine.namespaces import MODE_LABEL, MODES, Mode
+from epguard.webhook.engine.policy import SKIP_ANNOTATION, rule_denial, verdict_denial
+from epguard.webhook.engine.rules import Rule, RuleSet
+from epguard.webhook.engine.verdicts import Verdict, VerdictHit, VerdictStore
+from epguard.webhook.engine.workloads import KindSpec, TemplatePath
 
 FLAG = "--elastic-ep-backend"
 # The parameters' kind (the chart's CRD): cluster-scoped. Not a ConfigMap: a policy's
@@ -160,7 +160,7 @@ class Params:
 
 # --- images as written -------------------------------------------------------------
 
-# The reference grammar (webhook/imageref.py), as RE2: an image the webhook cannot parse
+# The reference grammar (webhook/engine/imageref.py), as RE2: an image the webhook cannot parse
 # is never refused by it, so the policy must not refuse it either.
 _DOMAIN_C = r"[a-zA-Z0-9]([a-zA-Z0-9-]*[a-zA-Z0-9])?"
 _PATH_C = r"[a-z0-9]+((\.|_|__|-+)[a-z0-9]+)*"

@@ -10,7 +10,7 @@ that does not load is ignored until the next check.
 
 **Client certificates (optional).** With a client CA (``--client-ca``), a client that
 presents a certificate must present one that CA signed (the handshake fails otherwise),
-and the admission paths answer only connections that did (``webhook/transport.py``):
+and the admission paths answer only connections that did (``webhook/admission/transport.py``):
 the API server, given a client certificate in its AdmissionConfiguration
 (docs/webhook.md). The kubelet's probes and metrics scrapers present none and are still
 served ``/healthz``, ``/readyz`` and ``/metrics``, so verification is optional at the TLS

@@ -1,0 +1,1 @@
+"""Admission: handler <- completion <- transport <- instrumentation, in app, served by server."""

@@ -1,0 +1,1 @@
+"""The cluster client: the one kubernetes ApiClient (kube) and the webhook's watches (watch)."""
