@@ -64,12 +64,11 @@ from kubernetes import config as kube_config
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from devcluster import ControlPlane  # noqa: E402
+from devcluster.stack import CHART_DIR, Stack, deploy_chart, start_cluster  # noqa: E402
 from epguard.webhook.controller.backstop import write_params  # noqa: E402
 from epguard.webhook.controller.compiler import DIGEST_KEY, BackstopConfig, compile_params  # noqa: E402
 from epguard.webhook.engine.verdicts import VerdictStore, verdict_from_object  # noqa: E402
-
-from devcluster import ControlPlane  # noqa: E402
-from devcluster.stack import CHART_DIR, Stack, deploy_chart, start_cluster  # noqa: E402
 
 SCENARIOS = (
     "none", "vap", "vap-refused", "webhook", "backstop", "refused-rule", "refused-verdict"

@@ -28,11 +28,10 @@ import tracemalloc
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "webhook")]
+sys.path.insert(0, str(ROOT))
 
 from epguard.webhook.engine.policy import decide  # noqa: E402
-from webhook_factory import make_state, request  # noqa: E402
-
+from tests.factory import make_state, request  # noqa: E402
 from tests.hostile_pods import (  # noqa: E402
     doubling_env_pod,
     many_words_pod,

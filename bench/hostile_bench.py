@@ -40,18 +40,17 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "webhook")]
+sys.path.insert(0, str(ROOT))
 
-from hostile_reviews import (  # noqa: E402
+from tests.admission.hostile_reviews import (  # noqa: E402
     escaped,
     image_swap_update,
     large_bad_pod_review,
     rules_edit_review,
 )
-from webhook_factory import TEST_RULES, review  # noqa: E402
-from webhook_pki import issue, make_ca, write_pair  # noqa: E402
-
+from tests.factory import TEST_RULES, review  # noqa: E402
 from tests.hostile_pods import IMAGE, doubling_env_pod, nested_script_pod  # noqa: E402
+from tests.pki import issue, make_ca, write_pair  # noqa: E402
 
 DEADLINE = 3.0
 STALL_TARGET = 0.5

@@ -26,11 +26,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "tests" / "e2e")]
-
-from node_e2e import wait_probe, worker_pod  # noqa: E402
+sys.path.insert(0, str(REPO))
 
 from devcluster.stack import CHART_DIR, Stack, deploy_chart, start_cluster  # noqa: E402
+from tests.e2e.node_e2e import wait_probe, worker_pod  # noqa: E402
 
 
 def _rss_mib(pid: int) -> float:

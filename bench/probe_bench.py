@@ -31,9 +31,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests" / "probe"))
+sys.path.insert(0, str(REPO))
 
-from probe_harness import (  # noqa: E402
+from tests.probe.probe_harness import (  # noqa: E402
     MTE_CUDA12,
     MTE_CUDA13,
     MTE_CUDA13_OLD,

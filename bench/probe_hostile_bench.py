@@ -30,9 +30,9 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests" / "probe"))
+sys.path.insert(0, str(REPO))
 
-import hostile_roots  # noqa: E402
+from tests.probe import hostile_roots  # noqa: E402
 
 _MEASURE = (
     "import resource, subprocess, sys, time\n"

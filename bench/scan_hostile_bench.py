@@ -28,9 +28,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO / "tests" / "scan"), str(REPO / "tests" / "probe"), str(REPO)]
+sys.path.insert(0, str(REPO))
 
-import hostile  # noqa: E402
+from tests.scan import hostile  # noqa: E402
 
 GiB = 1 << 30
 NO_REQUEST = ["--argv", "python3", "-c", "pass"]
@@ -109,7 +109,7 @@ CASES: dict[str, Callable[[Path], tuple[Path, list[str]]]] = {
 def run(tree: Path, image: Path, args: list[str], seconds: float) -> str:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     cmd = ["timeout", str(seconds), "prlimit", f"--as={AS_LIMIT}", sys.executable, "-c",
-           "import sys; from webhook.cli import main; sys.exit(main())", "scan", str(image),
+           "import sys; from epguard.webhook.cli import main; sys.exit(main())", "scan", str(image),
            *args]
     start = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", _PEAK, *cmd], capture_output=True, text=True,

@@ -362,8 +362,7 @@ def main() -> int:
         serve_floor(args.port, args.cert, args.key)
         return 0
 
-    sys.path.insert(0, str(REPO / "tests" / "webhook"))
-    from webhook_pki import issue, make_ca, write_pair
+    from tests.pki import issue, make_ca, write_pair
 
     levels = [int(x) for x in args.connections.split(",")]
     body = review_bytes(realistic_pod())

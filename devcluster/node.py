@@ -18,7 +18,7 @@ A kubelet changes host state whatever its ``--root-dir``: mounts, cgroups,
 ``/var/lib/kubelet/device-plugins``, ``/var/log/containers``, sysctls; the CNI bridge
 plugin adds an interface and turns on ``ip_forward``; kube-proxy adds iptables chains.
 :meth:`Node.start` records what was there before, and :meth:`Node.stop` puts it back,
-so ``make down`` leaves the machine as ``make up`` found it (tests/e2e/test_node.py
+so ``make down`` leaves the machine as ``make up`` found it (tests/devcluster/test_node.py
 checks this).
 
 Only one node can run on a machine at a time (it owns fixed host paths and the

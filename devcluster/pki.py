@@ -18,6 +18,7 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
 from epguard.webhook.controller.authority import CLOCK_SKEW, cert_pem, key_pem, key_usage, load_key
 from epguard.webhook.controller.authority import new_key as _new_key
 

@@ -45,13 +45,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from epguard.webhook.engine.rules import default_rules_path
 
 from devcluster import binaries, images
 from devcluster.controlplane import ControlPlane, ControlPlaneError
 from devcluster.node import Node, node_ip
 from devcluster.process import ManagedProcess, free_port
 from devcluster.webhooktls import LocalWebhookTLS, WebhookTLSError, set_client_config
+from epguard.webhook.engine.rules import default_rules_path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_RUN_DIR = REPO_ROOT / ".run"

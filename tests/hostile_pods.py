@@ -14,7 +14,7 @@ from typing import Any
 
 CONTAINERS = 48
 SCRIPT_BYTES = 64 * 1024
-# Refused by the test rules (tests/webhook/webhook_factory.py TEST_RULES).
+# Refused by the test rules (tests/factory.py TEST_RULES).
 IMAGE = "docker.io/lmsysorg/sglang:v0.5.16-cu129"
 
 

@@ -20,6 +20,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"epguard-webhook: {exc}", file=sys.stderr)
         return 2
     import uvicorn
+
     from epguard.webhook.admission.server import Runtime, configure_logging
 
     configure_logging(settings.log_level)

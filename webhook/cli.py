@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TextIO
 
 import yaml
+
 from epguard.webhook.engine.namespaces import MODES, Mode, NamespaceIndex
 from epguard.webhook.engine.policy import Decision, PolicyConfig, PolicyState, decide
 from epguard.webhook.engine.review import AdmissionRequest, GroupVersionKind
@@ -318,9 +319,10 @@ def _record_scan(result: Result, subject: Target, kubeconfig: str | None) -> int
     """Write the scan's verdict; EXIT_NOT_RECORDED (and why, on stderr) if not written."""
     import datetime as dt
 
+    from kubernetes.config.config_exception import ConfigException
+
     from epguard.webhook.cluster.kube import NoCredentials, api_client
     from epguard.webhook.scan import record
-    from kubernetes.config.config_exception import ConfigException
 
     try:
         api = api_client(kubeconfig, home_kubeconfig=True)

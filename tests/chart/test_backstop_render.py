@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from epguard.webhook.controller.compiler import BackstopConfig, object_names
 
+from epguard.webhook.controller.compiler import BackstopConfig, object_names
 from tests.chart.chartlib import CHART, Rendered, notes, render, run_helm
 
 Obj = dict[str, Any]

@@ -9,9 +9,9 @@ from typing import Any
 
 import celpy
 import pytest
+
 from epguard.webhook.engine.workloads import KindError, KindRegistry, parse_kinds
 from epguard.webhook.settings import SettingsError, load
-
 from tests.chart.chartlib import CEL_FUNCTIONS, render
 
 FLAG = ["python3", "-m", "sglang.launch_server", "--elastic-ep-backend", "mooncake"]

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from epguard.webhook.controller import authority as certs
 
 from devcluster.process import free_port
+from epguard.webhook.controller import authority as certs
 from tests.chart.chartlib import CHART, REPO, render
 
 

@@ -269,7 +269,7 @@ class TestEntrypoints:
 
     def test_the_controller_entrypoint_loads_its_handler_modules(self, image_root: Path) -> None:
         code = (
-            "import importlib; from webhook.controller import HANDLER_MODULES as m; "
+            "import importlib; from epguard.webhook.controller import HANDLER_MODULES as m; "
             "[importlib.import_module(x) for x in m]; print(len(m))"
         )
         out = start(image_root, ["python", "-c", code])

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from epguard.webhook.engine.namespaces import INJECT_ON
 
+from epguard.webhook.engine.namespaces import INJECT_ON
 from tests.chart.chartlib import (
     CHART,
     NAMESPACE,

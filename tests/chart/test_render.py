@@ -7,10 +7,12 @@ from typing import Any
 
 import pytest
 import yaml
-from epguard.probe import cmdline
-from epguard.webhook.controller.compiler import BackstopConfig, object_names
-from epguard.webhook.engine.workloads import PATH_KINDS
 
+from epguard.probe import cmdline
+from epguard.webhook import settings
+from epguard.webhook.controller.compiler import BackstopConfig, object_names
+from epguard.webhook.engine import rules as rule_loader
+from epguard.webhook.engine.workloads import PATH_KINDS
 from tests.chart.chartlib import (
     CHART,
     CI_VALUES,
@@ -168,7 +170,6 @@ class TestWebhookDeployment:
     def test_the_webhook_settings_parser_accepts_the_rendered_environment(
         self, defaults: Rendered
     ) -> None:
-        settings = pytest.importorskip("epguard.webhook.settings")
         c = container(defaults.one("Deployment", "epguard-webhook"), "webhook")
         env = {k: v for k, v in env_of(c).items() if isinstance(v, str)}
         loaded = settings.load([], env)
@@ -573,12 +574,11 @@ class TestRulesConfigMap:
         assert [x["id"] for x in rules] == ["our-sglang-2026-11-bad-pg", "our-sglang-legacy"]
 
     def test_the_rendered_rules_load_in_the_webhooks_rule_loader(self, variant: Rendered) -> None:
-        rules_mod = pytest.importorskip("epguard.webhook.engine.rules")
         cm = variant.maybe("ConfigMap", "epguard-rules")
         if cm is None:
             assert variant.name == "minimal-values"
             return
-        loaded = rules_mod.load_rules_text(cm["data"]["rules.yaml"], "chart")
+        loaded = rule_loader.load_rules_text(cm["data"]["rules.yaml"], "chart")
         assert loaded is not None
 
     def test_a_duplicate_rule_id_fails_the_render(self) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import yaml
+
 from epguard.webhook.settings import (
     CONTROLLER_OPTIONS,
     LOG_LEVEL,
@@ -17,7 +18,6 @@ from epguard.webhook.settings import (
     WEBHOOK_OPTIONS,
     Option,
 )
-
 from tests.chart.chartlib import CHART
 
 VALUES = yaml.safe_load((CHART / "values.yaml").read_text())

@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import kopf
 import pytest
+
 from epguard.webhook.controller import HANDLER_MODULES
 from epguard.webhook.controller import authority as certs
 from epguard.webhook.controller.certificates import (

@@ -7,6 +7,8 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
+from kubernetes import client
+
 from epguard.webhook.controller.probe_key import ProbeKeyManager
 from epguard.webhook.controller.recorder import _verified
 from epguard.webhook.engine.injection import InjectionSettings, plan
@@ -19,7 +21,6 @@ from epguard.webhook.engine.signing import (
     new_keyring,
     sign,
 )
-from kubernetes import client
 
 NOW = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.UTC)
 RING = new_keyring(NOW)

@@ -12,7 +12,11 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from e2e_kube import (
+
+from devcluster import ControlPlane
+from devcluster.stack import Stack, deploy_epguard
+from tests.control_plane import running_control_plane
+from tests.e2e.e2e_kube import (
     BAD_IMAGE,
     DENY_RULE,
     DENY_RULE_ID,
@@ -25,10 +29,6 @@ from e2e_kube import (
     with_rule,
     worker,
 )
-
-from devcluster import ControlPlane
-from devcluster.stack import Stack, deploy_epguard
-from tests.cluster import running_control_plane
 
 
 @pytest.fixture(scope="session")

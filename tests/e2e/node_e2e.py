@@ -10,11 +10,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from e2e_kube import WORKER_ARGS, WORKER_COMMAND, eventually
-
 from devcluster import ControlPlane
 from devcluster.images import BAD_WORKER, BUSYBOX_IMAGE
 from devcluster.stack import CHART_DIR, Stack, deploy_chart, start_cluster
+from tests.e2e.e2e_kube import WORKER_ARGS, WORKER_COMMAND, eventually
 
 
 @contextmanager

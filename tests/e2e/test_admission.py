@@ -10,7 +10,10 @@ import ssl
 
 import httpx
 import pytest
-from e2e_kube import (
+
+from devcluster import ControlPlane
+from devcluster.stack import Stack
+from tests.e2e.e2e_kube import (
     BAD_IMAGE,
     DENY_RULE,
     DENY_RULE_ID,
@@ -25,9 +28,6 @@ from e2e_kube import (
     worker,
     workload,
 )
-
-from devcluster import ControlPlane
-from devcluster.stack import Stack
 
 pytestmark = pytest.mark.e2e
 

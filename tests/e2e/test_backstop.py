@@ -17,15 +17,16 @@ import copy
 import datetime as dt
 import json
 import shlex
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_kube import minimal_crd
+from kubernetes import client, config, dynamic
+from kubernetes.dynamic.exceptions import ResourceNotFoundError
+
+from devcluster import ControlPlane
 from epguard.webhook.controller.backstop import install, uninstall, write_params
 from epguard.webhook.controller.compiler import BackstopConfig, compile_params
 from epguard.webhook.engine.imageref import ImageRefError, parse
@@ -34,13 +35,10 @@ from epguard.webhook.engine.review import AdmissionRequest
 from epguard.webhook.engine.rules import Rule, RuleSet
 from epguard.webhook.engine.verdicts import VerdictStore, verdict_from_object
 from epguard.webhook.engine.workloads import BUILTIN, PATH_KINDS
-from kubernetes import client, config, dynamic
-from kubernetes.dynamic.exceptions import ResourceNotFoundError
-
-from devcluster import ControlPlane
 from tests import hostile_pods, realmanifests
 from tests.chart.chartlib import render
-from tests.cluster import running_control_plane
+from tests.control_plane import running_control_plane
+from tests.e2e.e2e_kube import minimal_crd
 
 pytestmark = pytest.mark.e2e
 
@@ -318,10 +316,7 @@ def _valid_for_api(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 def _corpus() -> Iterator[tuple[str, dict[str, Any]]]:
-    # The admission cases' module imports its builders as top-level modules (its own
-    # directory is on sys.path when pytest collects it); make that so here too.
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "webhook"))
-    from tests.webhook.test_admission_cases import CASES
+    from tests.engine.test_admission_cases import CASES
 
     for case in CASES:
         req = case.review["request"]

@@ -13,7 +13,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from e2e_kube import (
+
+from devcluster import ControlPlane
+from devcluster.stack import NAMESPACE as RELEASE_NS
+from tests.e2e.e2e_kube import (
     BAD_IMAGE,
     DENY_RULE,
     DENY_RULE_ID,
@@ -28,10 +31,7 @@ from e2e_kube import (
     worker,
     workload,
 )
-from node_e2e import running_cluster
-
-from devcluster import ControlPlane
-from devcluster.stack import NAMESPACE as RELEASE_NS
+from tests.e2e.node_e2e import running_cluster
 
 pytestmark = pytest.mark.e2e
 

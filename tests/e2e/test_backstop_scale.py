@@ -34,6 +34,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from kubernetes import client, config
+
+from devcluster import ControlPlane
 from epguard.webhook.controller.backstop import BackstopState, install, sync_once, write_params
 from epguard.webhook.controller.compiler import (
     DIGEST_KEY,
@@ -48,11 +51,8 @@ from epguard.webhook.controller.compiler import (
     policy_name,
 )
 from epguard.webhook.engine.verdicts import VerdictStore, verdict_from_object
-from kubernetes import client, config
-
-from devcluster import ControlPlane
 from tests.chart.chartlib import render
-from tests.cluster import running_control_plane
+from tests.control_plane import running_control_plane
 
 pytestmark = pytest.mark.e2e
 

@@ -28,9 +28,9 @@ from typing import Any
 
 import pytest
 import yaml
-from epguard.webhook.controller import authority as certs
 
 from devcluster import ControlPlane, MissingBinary
+from epguard.webhook.controller import authority as certs
 from tests.chart.chartlib import CACHE, NAMESPACE, render
 
 pytestmark = pytest.mark.e2e

@@ -18,13 +18,13 @@ from typing import Any
 
 import pytest
 import yaml
-from epguard.webhook.controller import authority as certs
 
 from devcluster import ControlPlane
 from devcluster.process import free_port
 from devcluster.stack import NAMESPACE, REPO_ROOT
+from epguard.webhook.controller import authority as certs
 from tests.chart.chartlib import render
-from tests.cluster import running_control_plane
+from tests.control_plane import running_control_plane
 
 pytestmark = pytest.mark.e2e
 

@@ -20,15 +20,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_kube import as_yaml, eventually
-from epguard.webhook.engine.outcome import PROBED_LABEL, verdict_name
-from epguard.webhook.engine.signing import SIGNATURE_ANNOTATION, keyring_from_secret, sign
 
 from devcluster import ControlPlane
 from devcluster.process import ManagedProcess
 from devcluster.stack import CHART_DIR, NAMESPACE, REPO_ROOT, _child_env, install_chart
-from tests.cluster import running_control_plane
-from tests.loop.probe_pods import pod_with_probe_status, run_real_probe
+from epguard.webhook.engine.outcome import PROBED_LABEL, verdict_name
+from epguard.webhook.engine.signing import SIGNATURE_ANNOTATION, keyring_from_secret, sign
+from tests.control_plane import running_control_plane
+from tests.e2e.e2e_kube import as_yaml, eventually
+from tests.probe.probe_pods import pod_with_probe_status, run_real_probe
 
 pytestmark = pytest.mark.e2e
 

@@ -11,20 +11,17 @@ configuration of the session is called for it."""
 from __future__ import annotations
 
 import base64
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_kube import apply, denied_by_epguard, eventually, pod, worker
 
 from devcluster import ControlPlane
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "webhook"))
 from epguard.webhook.admission import handler
-from webhook_factory import BAD_IMAGE, TEST_RULES
-from webhook_server import RunningServer, running_server
+from tests.e2e.e2e_kube import apply, denied_by_epguard, eventually, pod, worker
+from tests.factory import BAD_IMAGE, TEST_RULES
+from tests.servers import RunningServer, running_server
 
 pytestmark = pytest.mark.e2e
 

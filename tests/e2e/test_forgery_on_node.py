@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_kube import apply, as_yaml, eventually, wait_event
-from epguard.probe.message import SCOPE, UNUSABLE, USABLE
-from node_e2e import fresh_namespace, running_cluster, wait_probe, worker_pod
 
 from devcluster import ControlPlane
 from devcluster.images import BAD_WORKER, ENV_ONLY_WORKER, EPGUARD_IMAGE
+from epguard.probe.message import SCOPE, UNUSABLE, USABLE
+from tests.e2e.e2e_kube import apply, as_yaml, eventually, wait_event
+from tests.e2e.node_e2e import fresh_namespace, running_cluster, wait_probe, worker_pod
 
 pytestmark = pytest.mark.e2e
 

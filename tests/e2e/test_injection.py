@@ -13,10 +13,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import pytest
-from e2e_kube import GOOD_IMAGE, as_yaml, eventually, plain, worker, workload
 
 from devcluster import ControlPlane
 from devcluster.stack import Stack
+from tests.e2e.e2e_kube import GOOD_IMAGE, as_yaml, eventually, plain, worker, workload
 
 pytestmark = pytest.mark.e2e
 

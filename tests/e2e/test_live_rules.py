@@ -8,7 +8,10 @@ import json
 from collections.abc import Iterator
 
 import pytest
-from e2e_kube import (
+
+from devcluster import ControlPlane
+from devcluster.stack import Stack
+from tests.e2e.e2e_kube import (
     RELEASE_NAMESPACE,
     RULES_CONFIGMAP,
     apply,
@@ -22,9 +25,6 @@ from e2e_kube import (
     without_rule,
     worker,
 )
-
-from devcluster import ControlPlane
-from devcluster.stack import Stack
 
 pytestmark = pytest.mark.e2e
 

@@ -12,10 +12,10 @@ import uuid
 from dataclasses import dataclass
 
 import pytest
-from e2e_kube import apply, denied_by_epguard, eventually, output, pod, worker
 
 from devcluster import ControlPlane
 from devcluster.stack import Stack
+from tests.e2e.e2e_kube import apply, denied_by_epguard, eventually, output, pod, worker
 
 pytestmark = pytest.mark.e2e
 

@@ -11,17 +11,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_kube import apply, eventually, plain, pod, wait_event, worker
-from node_e2e import (
+
+from devcluster import ControlPlane
+from devcluster.images import BUSYBOX_IMAGE
+from tests.e2e.e2e_kube import apply, eventually, plain, pod, wait_event, worker
+from tests.e2e.node_e2e import (
     fresh_namespace,
     opted_in_namespace,
     running_cluster,
     wait_probe,
     worker_pod,
 )
-
-from devcluster import ControlPlane
-from devcluster.images import BUSYBOX_IMAGE
 
 pytestmark = pytest.mark.e2e
 

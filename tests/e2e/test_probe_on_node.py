@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_kube import apply, denied_by_epguard, eventually, wait_event
-from node_e2e import opted_in_namespace, running_cluster, wait_probe, worker_pod, workload
 
 from devcluster import ControlPlane
 from devcluster.images import BAD_WORKER, ENV_ONLY_WORKER, WorkerImage, images_dir
+from tests.e2e.e2e_kube import apply, denied_by_epguard, eventually, wait_event
+from tests.e2e.node_e2e import opted_in_namespace, running_cluster, wait_probe, worker_pod, workload
 
 pytestmark = pytest.mark.e2e
 

@@ -9,9 +9,17 @@ flag there, so a pod on a denied image is refused like one that spells the flag 
 from __future__ import annotations
 
 import pytest
-from e2e_kube import BAD_IMAGE, DENY_RULE_ID, apply, denied_by_epguard, output, pod, worker
 
 from devcluster import ControlPlane
+from tests.e2e.e2e_kube import (
+    BAD_IMAGE,
+    DENY_RULE_ID,
+    apply,
+    denied_by_epguard,
+    output,
+    pod,
+    worker,
+)
 
 pytestmark = [pytest.mark.e2e]
 

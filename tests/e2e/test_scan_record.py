@@ -22,13 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_kube import denied_by_epguard, eventually, exists, output, pod, worker
-from epguard.webhook.scan import record
 
 from devcluster import ControlPlane, binaries
 from devcluster.images import BAD_WORKER, ENV_ONLY_WORKER, images_dir
 from devcluster.stack import Stack
+from epguard.webhook.scan import record
 from tests.chart.chartlib import CHART, NAMESPACE, RELEASE, run_helm
+from tests.e2e.e2e_kube import denied_by_epguard, eventually, exists, output, pod, worker
 
 pytestmark = [pytest.mark.e2e, pytest.mark.realpkg]
 

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from e2e_kube import apply, eventually, output, pod, worker
 
 from devcluster import ControlPlane
 from devcluster.process import ManagedProcess, free_port
 from devcluster.stack import CHART_DIR, NAMESPACE, REPO_ROOT, _child_env, install_chart
-from tests.cluster import running_control_plane
+from tests.control_plane import running_control_plane
+from tests.e2e.e2e_kube import apply, eventually, output, pod, worker
 
 pytestmark = pytest.mark.e2e
 

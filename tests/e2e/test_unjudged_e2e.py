@@ -13,7 +13,6 @@ own ValidatingWebhookConfiguration scoped to the test's namespace, which carries
 from __future__ import annotations
 
 import base64
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,15 +20,13 @@ from typing import Any
 
 import pytest
 import yaml
-from e2e_kube import apply, denied_by_epguard, eventually, pod, worker
 
 from devcluster import ControlPlane
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "webhook"))
 from epguard.webhook.admission import handler
-from webhook_factory import BAD_IMAGE, TEST_RULES
-from webhook_pki import issue, make_ca, write_pair
-from webhook_server import RunningServer, running_server
+from tests.e2e.e2e_kube import apply, denied_by_epguard, eventually, pod, worker
+from tests.factory import BAD_IMAGE, TEST_RULES
+from tests.pki import issue, make_ca, write_pair
+from tests.servers import RunningServer, running_server
 
 pytestmark = pytest.mark.e2e
 

@@ -21,7 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_kube import (
+
+from devcluster import ControlPlane
+from devcluster.process import ManagedProcess
+from devcluster.stack import Stack, start_webhook
+from tests.e2e.e2e_kube import (
     BAD_IMAGE,
     DENY_RULE_ID,
     apply,
@@ -33,10 +37,6 @@ from e2e_kube import (
     pod,
     worker,
 )
-
-from devcluster import ControlPlane
-from devcluster.process import ManagedProcess
-from devcluster.stack import Stack, start_webhook
 
 pytestmark = pytest.mark.e2e
 

@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from epguard.probe import cmdline, shell
 
 LAUNCH = ["python3", "-m", "sglang.launch_server", "--model-path", "m"]

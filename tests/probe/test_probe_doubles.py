@@ -10,7 +10,8 @@ the real ``Backend.backend_capability``. Each test says which real case it stand
 from __future__ import annotations
 
 import pytest
-from probe_harness import (
+
+from tests.probe.probe_harness import (
     PG_NAMES,
     REGISTER_BOTH,
     SGLANG_EP,

@@ -13,8 +13,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from epguard.probe import elf
-from probe_harness import MTE_CUDA12, MTE_CUDA13, TORCH_ENV, overlay
+from tests.probe.probe_harness import MTE_CUDA12, MTE_CUDA13, TORCH_ENV, overlay
 
 pytestmark = pytest.mark.realpkg
 

@@ -8,8 +8,9 @@ import sys
 import textwrap
 
 import pytest
+
 from epguard.probe import engine
-from probe_harness import REPO, SGLANG_EP, SGLANG_PG, clean_env, overlay
+from tests.probe.probe_harness import REPO, SGLANG_EP, SGLANG_PG, clean_env, overlay
 
 
 def scan(src: str) -> dict[str, set[str]]:

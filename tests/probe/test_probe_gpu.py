@@ -10,7 +10,8 @@ from __future__ import annotations
 import ctypes
 
 import pytest
-from probe_harness import MTE_CUDA13, SGLANG_PG, overlay, run_probe
+
+from tests.probe.probe_harness import MTE_CUDA13, SGLANG_PG, overlay, run_probe
 
 pytestmark = [pytest.mark.gpu, pytest.mark.realpkg]
 

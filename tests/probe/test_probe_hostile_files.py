@@ -20,9 +20,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import hostile_roots
 import pytest
+
 from epguard.probe import elf, files, static
+from tests.probe import hostile_roots
 
 REPO = Path(__file__).resolve().parents[2]
 PROBE_DIR = REPO / "probe"

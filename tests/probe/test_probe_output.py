@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from probe_harness import (
+
+from tests.probe.probe_harness import (
     MTE_CUDA12,
     PG_NAMES,
     REGISTER_BOTH,

@@ -17,8 +17,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+
 from epguard.webhook.engine.outcome import classify
-from probe_harness import (
+from tests.probe.probe_harness import (
     PG_NAMES,
     REGISTER_BOTH,
     SGLANG_PG,

@@ -11,7 +11,8 @@ import ctypes
 import re
 
 import pytest
-from probe_harness import (
+
+from tests.probe.probe_harness import (
     MTE_CUDA12,
     MTE_CUDA13,
     MTE_CUDA13_OLD,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+
 from epguard.probe import sandbox
 
 # Hostile code in a tenant's image can write to the probe's event pipe (an inherited

@@ -21,10 +21,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from epguard.probe import cmdline
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from epguard.probe import cmdline
 from scripts import sglang_options
 from tests.probe.probe_harness import overlay, torch_python
 

@@ -19,7 +19,7 @@ import tarfile
 import zlib
 from pathlib import Path
 
-from imagebuild import ImageSpec, pack, write_docker, write_layout
+from tests.scan.imagebuild import ImageSpec, pack, write_docker, write_layout
 
 BLOCK = 512
 END = b"\x00" * (2 * BLOCK)

@@ -14,15 +14,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "probe"))
-from imagebuild import LayerSpec, write_layer
-from probe_harness import TORCH_ENV, overlay
+from tests.probe.probe_harness import TORCH_ENV, overlay
+from tests.scan.imagebuild import LayerSpec, write_layer
 
 REPO = Path(__file__).resolve().parents[2]
 EPGUARD = REPO / ".venv" / "bin" / "epguard"

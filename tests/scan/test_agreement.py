@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from imagebuild import ImageSpec, LayerSpec, pack, write_layer, write_layout
-from probe_harness import (
+
+from tests.probe.probe_harness import (
     MTE_CUDA12,
     MTE_CUDA13,
     MTE_CUDA13_OLD,
@@ -36,7 +36,8 @@ from probe_harness import (
     SGLANG_EP,
     SGLANG_PG,
 )
-from scan_harness import IMAGES, REPO, TORCH_SITE, overlay, scan
+from tests.scan.imagebuild import ImageSpec, LayerSpec, pack, write_layer, write_layout
+from tests.scan.scan_harness import IMAGES, REPO, TORCH_SITE, overlay, scan
 
 pytestmark = [
     pytest.mark.realpkg,

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 import zstandard
+
 from epguard.webhook.scan import scanner, tree
-from imagebuild import ImageSpec, compress, pack, write_layer, write_layout
-from scan_harness import Pieces, mooncake_spec, scan
+from tests.scan.imagebuild import ImageSpec, compress, pack, write_layer, write_layout
+from tests.scan.scan_harness import Pieces, mooncake_spec, scan
 
 pytestmark = pytest.mark.realpkg
 

@@ -11,8 +11,9 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from imagebuild import ImageSpec, compress, pack, write_docker, write_layer, write_layout
-from scan_harness import Pieces, mooncake_spec, scan
+
+from tests.scan.imagebuild import ImageSpec, compress, pack, write_docker, write_layer, write_layout
+from tests.scan.scan_harness import Pieces, mooncake_spec, scan
 
 pytestmark = pytest.mark.realpkg
 

@@ -18,12 +18,13 @@ import sys
 import tarfile
 from pathlib import Path
 
-import hostile
 import pytest
+
 from epguard.probe import cmdline, files, static
 from epguard.webhook import cli
 from epguard.webhook.scan import scanner, tarstream, tree
-from scan_harness import EPGUARD, Scan
+from tests.scan import hostile
+from tests.scan.scan_harness import EPGUARD, Scan
 
 pytestmark = pytest.mark.timeout(300)
 

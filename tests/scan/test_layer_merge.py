@@ -9,9 +9,10 @@ import tarfile
 from pathlib import Path
 
 import pytest
+
 from epguard.webhook.scan.tree import Tree
-from imagebuild import ImageSpec, LayerSpec, write_layer, write_layout
-from scan_harness import SITE, Pieces, mooncake_spec, scan
+from tests.scan.imagebuild import ImageSpec, LayerSpec, write_layer, write_layout
+from tests.scan.scan_harness import SITE, Pieces, mooncake_spec, scan
 
 pytestmark = pytest.mark.realpkg
 

@@ -9,6 +9,7 @@ import datetime as dt
 from pathlib import Path
 
 import pytest
+
 from epguard.webhook.engine import policy
 from epguard.webhook.engine.imageref import parse
 from epguard.webhook.engine.verdicts import (
@@ -18,8 +19,8 @@ from epguard.webhook.engine.verdicts import (
     verdict_from_object,
 )
 from epguard.webhook.scan import record, scanner
-from imagebuild import ImageSpec, compress, pack, write_layer, write_layout
-from scan_harness import Pieces, mooncake_spec, scan
+from tests.scan.imagebuild import ImageSpec, compress, pack, write_layer, write_layout
+from tests.scan.scan_harness import Pieces, mooncake_spec, scan
 
 pytestmark = pytest.mark.realpkg
 

@@ -20,6 +20,9 @@ from contextlib import AbstractAsyncContextManager
 from functools import partial
 from typing import Any
 
+from fastapi import APIRouter, FastAPI
+from fastapi.responses import JSONResponse, Response
+
 from epguard.webhook.admission.completion import Answer, Review, complete, unjudged
 from epguard.webhook.admission.handler import Handler, Injector, RulesConfigMap, Validator
 from epguard.webhook.admission.instrumentation import Instrumented
@@ -33,8 +36,6 @@ from epguard.webhook.admission.transport import (
 from epguard.webhook.engine.injection import InjectionSettings
 from epguard.webhook.engine.policy import PolicyState
 from epguard.webhook.metrics import Metrics
-from fastapi import APIRouter, FastAPI
-from fastapi.responses import JSONResponse, Response
 
 # epguard's metrics are Prometheus (instrumentation.py), not OpenTelemetry. FastAPI
 # releases with native OTel support ask three provider globals (and os.environ) on every

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+
 from epguard.webhook.admission.handler import Handler, Outcome
 from epguard.webhook.engine.namespaces import Mode
 from epguard.webhook.engine.review import AdmissionRequest

@@ -28,8 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from epguard.webhook.admission.transport import CLIENT_CERT
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from epguard.webhook.admission.transport import CLIENT_CERT
 
 CUT_REASONS = ("head_size", "head_deadline", "body_deadline")
 

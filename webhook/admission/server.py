@@ -19,6 +19,9 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any, cast
 
 import uvicorn
+from fastapi import APIRouter, FastAPI
+from kubernetes import client
+
 from epguard.webhook.admission.app import create_app
 from epguard.webhook.admission.handler import RulesConfigMap
 from epguard.webhook.admission.protocol import BoundedHttpToolsProtocol, HeadLimits
@@ -51,8 +54,6 @@ from epguard.webhook.engine.verdicts import VerdictStore
 from epguard.webhook.engine.workloads import KindRegistry
 from epguard.webhook.metrics import Metrics
 from epguard.webhook.settings import Settings
-from fastapi import APIRouter, FastAPI
-from kubernetes import client
 
 log = logging.getLogger("epguard.server")
 COMPONENT = "epguard-webhook"  # the source of the Events the webhook posts

@@ -50,9 +50,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+from pydantic import ValidationError
+
 from epguard.webhook.admission.completion import ANSWER, BAD_REQUEST, Answer, Review, problem
 from epguard.webhook.engine.review import AdmissionReviewRequest
-from pydantic import ValidationError
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]

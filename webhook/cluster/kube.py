@@ -21,10 +21,11 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
-from epguard.webhook.engine.verdicts import GROUP, PLURAL, VERSION
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
+
+from epguard.webhook.engine.verdicts import GROUP, PLURAL, VERSION
 
 # Seconds: (connect, read). Generous for a loaded API server, short against a dead one.
 REQUEST_TIMEOUT = (5.0, 30.0)

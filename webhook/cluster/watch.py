@@ -24,6 +24,9 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Protocol, TypeVar
 
+from kubernetes import client
+from kubernetes import watch as kwatch
+
 from epguard.webhook.cluster.kube import REQUEST_TIMEOUT, list_all, meta, status_of
 from epguard.webhook.engine.namespaces import MODE_LABEL, NamespaceIndex
 from epguard.webhook.engine.rules import (
@@ -42,8 +45,6 @@ from epguard.webhook.engine.verdicts import (
     verdict_from_object,
 )
 from epguard.webhook.metrics import Metrics
-from kubernetes import client
-from kubernetes import watch as kwatch
 
 log = logging.getLogger("epguard.watch")
 

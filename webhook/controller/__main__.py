@@ -19,12 +19,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import kopf
+from kopf._core.engines.peering import Identity
+
 from epguard.webhook.cluster.kube import NoCredentials, api_client
 from epguard.webhook.controller import HANDLER_MODULES
 from epguard.webhook.controller.config import ControllerConfig, parse
 from epguard.webhook.controller.peering import KubePeeringApi, ensure_peering
 from epguard.webhook.settings import SettingsError
-from kopf._core.engines.peering import Identity
 
 log = logging.getLogger("epguard.controller")
 

@@ -34,6 +34,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
 from epguard.webhook.cluster.kube import REQUEST_TIMEOUT, list_all, meta
 from epguard.webhook.controller.compiler import (
     PARAMS_GROUP,
@@ -59,8 +62,6 @@ from epguard.webhook.engine.verdicts import (
     VerdictStore,
     verdict_from_object,
 )
-from kubernetes import client
-from kubernetes.client.exceptions import ApiException
 
 log = logging.getLogger("epguard.controller.backstop")
 

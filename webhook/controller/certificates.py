@@ -27,11 +27,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import kopf
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
 from epguard.webhook.cluster.kube import REQUEST_TIMEOUT
 from epguard.webhook.controller import authority, background
 from epguard.webhook.controller.config import ControllerConfig
-from kubernetes import client
-from kubernetes.client.exceptions import ApiException
 
 log = logging.getLogger("epguard.controller.certificates")
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
-from epguard.webhook.cluster.kube import REQUEST_TIMEOUT
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+
+from epguard.webhook.cluster.kube import REQUEST_TIMEOUT
 
 log = logging.getLogger("epguard.controller.peering")
 

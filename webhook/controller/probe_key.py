@@ -22,6 +22,9 @@ import logging
 from typing import Any
 
 import kopf
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
 from epguard.webhook.cluster.kube import REQUEST_TIMEOUT
 from epguard.webhook.controller import background
 from epguard.webhook.controller.config import ControllerConfig
@@ -35,8 +38,6 @@ from epguard.webhook.engine.signing import (
     new_keyring,
     rotated,
 )
-from kubernetes import client
-from kubernetes.client.exceptions import ApiException
 
 log = logging.getLogger("epguard.controller.probe_key")
 

@@ -25,6 +25,9 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 import kopf
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
 from epguard.webhook.cluster.kube import (
     REQUEST_TIMEOUT,
     get_object,
@@ -63,8 +66,6 @@ from epguard.webhook.engine.verdicts import (
     verdict_object,
 )
 from epguard.webhook.engine.workloads import as_list, as_map
-from kubernetes import client
-from kubernetes.client.exceptions import ApiException
 
 log = logging.getLogger("epguard.controller.recorder")
 

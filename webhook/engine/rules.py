@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import yaml
-from epguard.webhook.engine.imageref import ImageRef, normalize_pattern
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from epguard.webhook.engine.imageref import ImageRef, normalize_pattern
 
 Action = Literal["deny", "warn"]
 _DIGEST = re.compile(r"^[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,}$")

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import IO, cast
 
 import zstandard
+
 from epguard.webhook.scan.sources import Layer, SourceError
 from epguard.webhook.scan.tarstream import (
     Budget,

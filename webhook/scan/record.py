@@ -26,6 +26,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+from urllib3.exceptions import HTTPError
+
 from epguard.probe.diagnosis import versions_line
 from epguard.webhook.cluster.kube import REQUEST_TIMEOUT, get_verdict
 from epguard.webhook.engine.imageref import ImageRefError, parse
@@ -41,9 +45,6 @@ from epguard.webhook.engine.verdicts import (
 )
 from epguard.webhook.scan.report import text
 from epguard.webhook.scan.scanner import Result
-from kubernetes import client
-from kubernetes.client.exceptions import ApiException
-from urllib3.exceptions import HTTPError
 
 NAME_PREFIX = "scan-"
 # Also the field manager of every write: the chart's policy checks lastSeen against the

@@ -1,0 +1,46 @@
+"""Hostile command lines are judged on the safe side with bounded memory (timings are
+printed by bench/argv_bench.py, not asserted here)."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import pytest
+
+from epguard.webhook.engine.argv import analyse_container
+from epguard.webhook.engine.policy import decide
+from tests.factory import make_state, request
+from tests.hostile_pods import CONTAINERS, doubling_env_pod, many_words_pod, nested_script_pod
+
+MAX_PEAK = 50 * 2**20
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [nested_script_pod(), nested_script_pod(30 * 1024), many_words_pod(), doubling_env_pod()],
+    ids=[
+        "48 x 64 KB nested scripts",
+        "48 x 30 KB nested scripts",
+        "48 x 1000 words",
+        "doubling env chain",
+    ],
+)
+def test_hostile_pods_are_refused_with_bounded_memory(obj: dict[str, object]) -> None:
+    state = make_state()
+    req = request(obj)
+    tracemalloc.start()
+    try:
+        decision = decide(req, state)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert not decision.allowed  # the image is refused; every worker reads as "requested"
+    assert peak < MAX_PEAK
+
+
+def test_a_nested_script_inside_the_budget_is_read_exactly() -> None:
+    small = nested_script_pod(4 * 1024)
+    containers = small["spec"]["containers"]  # type: ignore[index]
+    reports = [analyse_container(c) for c in containers]
+    assert len(reports) == CONTAINERS
+    assert all(r.requests_mooncake and not r.over_budget for r in reports)

@@ -1,0 +1,212 @@
+"""Reading probe outcomes back from pod status (what the controller records)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+from epguard.webhook.engine.outcome import (
+    MAX_RUNS,
+    classify,
+    digest_of,
+    outcomes_of,
+    parse_versions,
+    recorded_runs,
+    run_key,
+    verdict_name,
+    verdict_spec,
+)
+from tests.probe.probe_pods import pod_with_probe_status, run_real_probe
+
+# What the probe writes when mooncake imports and both backends register. It cannot be
+# produced on a machine without libcuda.so.1; the GPU test of the probe checks the
+# real first line has this prefix.
+USABLE = (
+    "epguard: mooncake elastic EP is usable: mooncake.pg imports after torch\n"
+    "versions: torch=2.13.0+cu130 sglang=0.5.18 mooncake-transfer-engine-cuda13=0.3.13.post1\n"
+    "fix: nothing to fix"
+)
+
+
+def test_real_probe_failure_is_an_unusable_outcome(real_probe_failure: tuple[int, str]) -> None:
+    code, message = real_probe_failure
+    assert code == 1
+    [outcome] = outcomes_of(pod_with_probe_status(message, code))
+    assert outcome.verdict == "Unusable"
+    first = message.splitlines()[0]
+    assert first.startswith("epguard: mooncake elastic EP is unusable in this image: ")
+    assert first.endswith(": " + outcome.reason)
+    assert outcome.reason and not outcome.reason.startswith("epguard:")
+    assert outcome.digest == "sha256:" + "ab" * 32
+    assert outcome.image == "docker.io/lmsysorg/sglang:v0.5.18-cu130"
+    assert outcome.versions.mooncake == "none"
+
+
+def test_crash_loop_outcome_is_read_from_last_state(real_probe_failure: tuple[int, str]) -> None:
+    code, message = real_probe_failure
+    pod = pod_with_probe_status(message, code, section="lastState", restart_count=3)
+    [outcome] = outcomes_of(pod)
+    assert outcome.verdict == "Unusable"
+    assert outcome.restart_count == 2
+
+
+def test_usable_message_with_exit_zero_is_a_usable_outcome() -> None:
+    [outcome] = outcomes_of(pod_with_probe_status(USABLE, 0))
+    assert outcome.verdict == "Usable"
+    assert outcome.versions.torch == "2.13.0+cu130"
+    assert outcome.versions.sglang == "0.5.18"
+    assert outcome.versions.mooncake == "mooncake-transfer-engine-cuda13 0.3.13.post1"
+
+
+def test_oom_kill_is_no_evidence_about_the_image(real_probe_failure: tuple[int, str]) -> None:
+    _, message = real_probe_failure
+    assert outcomes_of(pod_with_probe_status(message, 137)) == []
+
+
+def test_nothing_to_check_is_no_evidence(tmp_path: Path) -> None:
+    code, message = run_real_probe(tmp_path, ["python3", "-m", "sglang.launch_server"])
+    assert code == 0
+    assert classify(message, code) is None
+    assert outcomes_of(pod_with_probe_status(message, code)) == []
+
+
+def test_pods_without_status_or_with_garbage_yield_nothing() -> None:
+    assert outcomes_of({}) == []
+    assert outcomes_of({"status": {"initContainerStatuses": [None, 3, {"name": 5}]}}) == []
+    pod = pod_with_probe_status("epguard: mooncake elastic EP is unusable in this image: x", 1)
+    pod["status"]["initContainerStatuses"][0]["state"]["terminated"]["exitCode"] = "1"
+    assert outcomes_of(pod) == []
+
+
+def test_digest_is_taken_from_every_image_id_spelling() -> None:
+    digest = "sha256:" + "0f" * 32
+    assert digest_of(f"docker.io/lmsysorg/sglang@{digest}") == digest
+    assert digest_of(f"docker-pullable://lmsysorg/sglang@{digest}") == digest
+    assert digest_of("") is None
+    assert digest_of(None) is None
+
+
+def test_verdict_name_is_by_digest_and_shared_by_spellings_of_one_tag() -> None:
+    assert verdict_name("x", "sha256:" + "ab" * 32) == "sha256-" + "ab" * 32
+    assert verdict_name("lmsysorg/sglang:v1", None) == verdict_name(
+        "docker.io/lmsysorg/sglang:v1", None
+    )
+    assert verdict_name("lmsysorg/sglang:v1", None) != verdict_name("lmsysorg/sglang:v2", None)
+
+
+def test_verdict_spec_counts_runs_and_keeps_first_seen() -> None:
+    [outcome] = outcomes_of(pod_with_probe_status(USABLE, 0))
+    t1 = dt.datetime(2026, 11, 30, 20, 0, tzinfo=dt.UTC)
+    first = verdict_spec(outcome, "llm/worker-0", t1, None)
+    assert (first["count"], first["firstSeen"], first["lastSeen"]) == (
+        1,
+        "2026-11-30T20:00:00Z",
+        "2026-11-30T20:00:00Z",
+    )
+    second = verdict_spec(outcome, "llm/worker-1", t1 + dt.timedelta(hours=1), first)
+    assert second["count"] == 2
+    assert second["firstSeen"] == "2026-11-30T20:00:00Z"
+    assert second["lastSeen"] == "2026-11-30T21:00:00Z"
+    assert second["pod"] == "llm/worker-1"
+
+
+def test_the_verdict_remembers_the_runs_it_counted_so_none_counts_twice() -> None:
+    # The controller may not patch pods: the ImageVerdict itself says which probe
+    # terminations it has counted, the last MAX_RUNS of them.
+    [outcome] = outcomes_of(pod_with_probe_status(USABLE, 0))
+    t = dt.datetime(2026, 11, 30, 20, 0, tzinfo=dt.UTC)
+    run = run_key("uid-1", outcome)
+    assert run == "uid-1/epguard-probe/0/2026-11-30T20:00:07Z"
+    spec = verdict_spec(outcome, "llm/w", t, None, run)
+    assert recorded_runs(spec) == [run]
+    again = verdict_spec(outcome, "llm/w", t, spec, run)
+    assert again["runs"] == [run]
+    many: dict[str, object] = dict(spec)
+    for i in range(MAX_RUNS + 5):
+        many = dict(verdict_spec(outcome, "llm/w", t, many, f"uid-{i}/x"))
+    assert len(recorded_runs(many)) == MAX_RUNS
+    assert recorded_runs(many)[-1] == f"uid-{MAX_RUNS + 4}/x"
+    assert recorded_runs({"runs": ["ok", 7, None]}) == ["ok"]  # edited by hand: lenient
+
+
+def test_versions_line_missing_gives_empty_versions() -> None:
+    versions = parse_versions("epguard: mooncake elastic EP is unusable in this image: x")
+    assert versions.torch == "" and versions.mooncake == ""
+
+
+def test_a_container_merely_named_epguard_probe_is_no_evidence(
+    real_probe_failure: tuple[int, str],
+) -> None:
+    code, message = real_probe_failure
+    pod = pod_with_probe_status(message, code)
+    pod["spec"]["initContainers"][1]["command"] = ["sh", "-c", "echo whatever"]
+    assert outcomes_of(pod) == []
+
+
+def test_with_a_known_probe_image_only_pods_whose_copy_container_runs_it_count(
+    real_probe_failure: tuple[int, str],
+) -> None:
+    code, message = real_probe_failure
+    pod = pod_with_probe_status(message, code)
+    assert len(outcomes_of(pod, probe_image="epguard:dev")) == 1
+    # A pod that brings its own "probe" (another copy image) cannot write verdicts.
+    assert outcomes_of(pod, probe_image="ghcr.io/epguard/epguard:0.1.0") == []
+    pod["spec"]["initContainers"].pop(0)
+    assert outcomes_of(pod, probe_image="epguard:dev") == []
+
+
+# --- image causes vs environment causes -------------------------------------------------
+
+IN_THE_POD = (
+    "epguard: mooncake elastic EP is unusable in this pod: mooncake.pg cannot load: "
+    "missing libcuda.so.1 (NVIDIA driver not mounted in this container)\n"
+    "versions: torch=2.13.0+cu130 sglang=0.5.20 mooncake-transfer-engine-cuda13=0.3.13.post1\n"
+    "scope: environment (this pod or its node; the image may be fine)\n"
+    "fix: give this init container the worker's GPU request (nvidia.com/gpu)"
+)
+IN_THE_IMAGE = (
+    "epguard: mooncake elastic EP is unusable in this image: mooncake-transfer-engine "
+    "0.3.13.post1 is built for CUDA 12 (needs libcudart.so.12) but torch 2.13.0+cu130 uses "
+    "CUDA 13\nversions: torch=2.13.0+cu130 sglang=0.5.23 mooncake-transfer-engine=0.3.13.post1\n"
+    "scope: image (in the image's files: the same on every node)\n"
+    "fix: install mooncake-transfer-engine-cuda13==0.3.13.post1"
+)
+
+
+def test_a_cause_in_the_pod_is_an_environment_outcome_that_is_not_about_the_image() -> None:
+    [o] = outcomes_of(pod_with_probe_status(IN_THE_POD, 1))
+    assert (o.verdict, o.scope) == ("Unusable", "environment")
+    assert not o.about_the_image
+    assert o.reason.startswith("mooncake.pg cannot load: missing libcuda.so.1")
+
+
+def test_a_cause_in_the_image_with_a_digest_is_about_the_image() -> None:
+    [o] = outcomes_of(pod_with_probe_status(IN_THE_IMAGE, 1))
+    assert (o.verdict, o.scope) == ("Unusable", "image")
+    assert o.about_the_image
+
+
+def test_an_image_line_contradicted_by_its_scope_line_is_not_about_the_image() -> None:
+    forged = IN_THE_IMAGE.replace("scope: image", "scope: environment")
+    assert classify(forged, 1) == ("Unusable", "environment")
+
+
+def test_no_outcome_without_a_digest_is_about_the_image() -> None:
+    # A tag names bytes that can change; only the digest the kubelet ran is evidence.
+    for message, code in ((IN_THE_IMAGE, 1), (USABLE, 0)):
+        [o] = outcomes_of(pod_with_probe_status(message, code, image_id=""))
+        assert o.digest is None and not o.about_the_image
+
+
+def test_a_pass_with_a_digest_is_about_the_image() -> None:
+    [o] = outcomes_of(pod_with_probe_status(USABLE, 0))
+    assert o.verdict == "Usable" and o.scope is None and o.about_the_image
+
+
+def test_the_verdict_names_the_image_the_kubelet_ran_not_the_patched_spec() -> None:
+    pod = pod_with_probe_status(IN_THE_IMAGE, 1, image="registry.example.com/ran:1")
+    for c in pod["spec"]["initContainers"]:
+        if c["name"] == "epguard-probe":
+            c["image"] = "registry.example.com/victim:1"  # patched after the run
+    [o] = outcomes_of(pod)
+    assert o.image == "registry.example.com/ran:1"

@@ -1,0 +1,168 @@
+"""Loading rules: the exact schema, clear errors, the shipped defaults and their evidence."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from epguard.webhook.engine.imageref import parse
+from epguard.webhook.engine.rules import (
+    RulesError,
+    RuleSet,
+    RulesHolder,
+    default_rules_path,
+    load_rules_file,
+    load_rules_text,
+)
+
+GOOD = """
+rules:
+  - id: a
+    image: "lmsysorg/sglang:v0.5.23*"
+    reason: r
+    remedy: m
+"""
+
+
+def test_defaults_action_to_deny_and_normalizes_the_glob() -> None:
+    rule = load_rules_text(GOOD, "t").rules[0]
+    assert rule.action == "deny"
+    assert rule.image == "docker.io/lmsysorg/sglang:v0.5.23*"
+
+
+@pytest.mark.parametrize(
+    ("text", "complaint"),
+    [
+        (
+            "rules:\n  - {id: a, image: x, reason: r, remedy: m}\n"
+            "  - {id: a, image: y, reason: r, remedy: m}",
+            "duplicate rule id 'a' at rules[0] and rules[1]",
+        ),
+        (
+            "rules:\n  - {id: a, image: x, reason: r, remedy: m, action: block}",
+            "rules[0] (id 'a'): action",
+        ),
+        ("rules:\n  - {id: a, image: x, remedy: m}", "reason: Field required"),
+        ("rules:\n  - {id: a, image: x, reason: r}", "remedy: Field required"),
+        ("rules:\n  - {id: a, image: x, reason: '', remedy: m}", "reason"),
+        ("rules:\n  - {id: a, reason: r, remedy: m}", "a rule needs 'image' (a glob) or 'digest'"),
+        ("rules:\n  - {id: a, digest: md5, reason: r, remedy: m}", "digest"),
+        ("rules:\n  - {id: a, image: x, reason: r, remedy: m, remedyy: n}", "remedyy"),
+        ("rules:\n  - {image: x, reason: r, remedy: m}", "id: Field required"),
+        ("rules:\n  - {id: 'a b', image: x, reason: r, remedy: m}", "id"),
+        ("rules: {a: 1}", "'rules' must be a list"),
+        ("rules:\n  - just a string", "rules[0] must be a mapping"),
+        ("- a\n- b", "top level must be a mapping"),
+        ("rulez: []", "unknown top-level key"),
+        ("rules: [\n", "not valid YAML"),
+    ],
+)
+def test_rejects_a_bad_file_with_a_clear_error(text: str, complaint: str) -> None:
+    with pytest.raises(RulesError) as err:
+        load_rules_text(text, "the-file.yaml")
+    assert complaint in str(err.value)
+    assert str(err.value).startswith("the-file.yaml: ")
+
+
+def test_accepts_empty_rules() -> None:
+    assert len(load_rules_text("", "t")) == 0
+    assert len(load_rules_text("rules: []", "t")) == 0
+    assert len(load_rules_text("rules:", "t")) == 0
+
+
+def test_reports_an_unreadable_file(tmp_path: Path) -> None:
+    with pytest.raises(RulesError, match="cannot read rules file"):
+        load_rules_file(str(tmp_path / "missing.yaml"))
+
+
+def test_matches_digest_rules_on_the_pinned_digest_only() -> None:
+    digest = "sha256:" + "cd" * 32
+    upper = "sha256:" + "CD" * 32  # digests compare case-insensitively
+    rs = load_rules_text(
+        f"rules:\n  - {{id: d, digest: '{digest}', reason: r, remedy: m}}\n"
+        f"  - {{id: both, image: 'r.io/x:*', digest: '{upper}', reason: r, remedy: m}}",
+        "t",
+    )
+    # With a digest, an image glob only has to name the repository: name@sha256 has no tag.
+    assert [r.id for r in rs.match(parse(f"r.io/x@{digest}"))] == ["d", "both"]
+    assert [r.id for r in rs.match(parse(f"r.io/x:v1@{digest}"))] == ["d", "both"]
+    assert [r.id for r in rs.match(parse(f"r.io/other@{digest}"))] == ["d"]
+    assert rs.match(parse("r.io/x:v1")) == ()
+
+
+def test_tag_globs_do_not_match_digest_only_references() -> None:
+    rs = load_rules_text(GOOD, "t")
+    assert rs.match(parse("lmsysorg/sglang:v0.5.23-cu130"))
+    assert not rs.match(parse("lmsysorg/sglang@sha256:" + "0" * 64))
+    assert not rs.match(parse("lmsysorg/sglang:v0.5.2"))
+
+
+def test_holder_prefers_live_rules_and_falls_back_to_the_file() -> None:
+    file_rules = load_rules_text(GOOD, "file")
+    holder = RulesHolder(file_rules)
+    live = RuleSet((), "cm")
+    holder.set_live(live)
+    assert holder.current is live
+    holder.set_live(None)
+    assert holder.current is file_rules
+
+
+def test_ships_default_rules_that_load() -> None:
+    rules = load_rules_file(default_rules_path())
+    assert len(rules) >= 3
+
+
+def test_every_default_rule_cites_its_evidence_and_inference_only_warns() -> None:
+    rules = load_rules_file(default_rules_path()).rules
+    for rule in rules:
+        assert rule.evidence, rule.id
+        assert any(tag in rule.evidence for tag in ("[V]", "[R]", "[I]")), rule.id
+        if "[I]" in rule.evidence:
+            assert rule.action == "warn", f"{rule.id} rests on inference but denies"
+
+
+def test_default_rules_file_is_plain_yaml_of_the_documented_shape() -> None:
+    with open(default_rules_path(), encoding="utf-8") as fh:
+        data = yaml.safe_load(fh)
+    assert set(data) == {"rules"}
+    for entry in data["rules"]:
+        assert set(entry) <= {"id", "image", "digest", "reason", "remedy", "action", "evidence"}
+
+
+def test_default_rules_catch_sglang_0523_images() -> None:
+    rules = load_rules_file(default_rules_path())
+    ids = [r.id for r in rules.match(parse("lmsysorg/sglang:v0.5.23-cu130-runtime"))]
+    assert ids == ["sglang-0523-torch-2141-no-prebuilt-pg"]
+    assert not rules.match(parse("lmsysorg/sglang:v0.5.21-cu130"))
+
+
+def test_a_digest_rule_with_a_registry_port_names_the_repository_not_the_port() -> None:
+    digest = "sha256:" + "ef" * 32
+    rs = load_rules_text(
+        f"rules:\n  - {{id: p, image: 'r.io:5000/x:v*', digest: '{digest}', reason: r, remedy: m}}",
+        "t",
+    )
+    assert [r.id for r in rs.match(parse(f"r.io:5000/x@{digest}"))] == ["p"]
+    assert rs.match(parse(f"r.io:5000/y@{digest}")) == ()
+
+
+def test_every_shipped_rule_cites_rows_of_the_compatibility_evidence_in_the_repo() -> None:
+    import re
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "compatibility.md").read_text()
+    rows = set(re.findall(r"^\| ([SMLD][0-9]+) \|", doc, flags=re.M))
+    assert {"S7", "M10", "M12", "L1", "D3"} <= rows
+    rules = yaml.safe_load(Path(default_rules_path()).read_text())["rules"]
+    assert rules
+    for rule in rules:
+        cited = set(re.findall(r"\b([SMLD][0-9]+)\b", rule["evidence"]))
+        assert cited, f"{rule['id']} cites no row of docs/compatibility.md"
+        assert cited <= rows, f"{rule['id']} cites rows that do not exist: {cited - rows}"
+
+
+def test_the_built_in_rules_have_no_glob_that_can_never_match() -> None:
+    from epguard.webhook.engine.rules import default_rules_path, load_rules_file, rule_warnings
+
+    assert rule_warnings(load_rules_file(default_rules_path())) == []
