@@ -24,7 +24,7 @@ from typing import Any, Literal
 from epguard.probe.message import IMAGE, SCOPE, UNUSABLE, UNUSABLE_HERE, USABLE
 from epguard.webhook.engine.argv import ExpansionTooLarge, container_argv
 from epguard.webhook.engine.imageref import ImageRefError, parse
-from epguard.webhook.engine.verdicts import SOURCE_PROBE, ImageVerdictSpec, version_value
+from epguard.webhook.engine.verdicts import SOURCE_PROBE, ImageVerdictSpec, Versions, build_spec
 from epguard.webhook.engine.workloads import as_list, as_map
 
 PROBE_CONTAINER = "epguard-probe"
@@ -40,13 +40,6 @@ VerdictName = Literal["Usable", "Unusable"]
 # Where a failure lives (probe/diagnosis.py): only "image" causes are facts about the
 # image that may refuse other people's pods; "environment" ones belong to one pod/node.
 Scope = Literal["image", "environment"]
-
-
-@dataclass(frozen=True, slots=True)
-class Versions:
-    torch: str = ""
-    sglang: str = ""
-    mooncake: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,31 +272,22 @@ def verdict_spec(
 ) -> ImageVerdictSpec:
     """The spec to write: the newest outcome replaces the old one; count and firstSeen
     carry; ``run`` (the termination, see ``run_key``) joins the remembered runs."""
-    stamp = now.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    prev = as_map(previous)
-    count = prev.get("count")
-    first_seen = prev.get("firstSeen")
-    runs = recorded_runs(prev)
+    runs = recorded_runs(previous)
     if run and run not in runs:
         runs = [*runs, run][-MAX_RUNS:]
-    return {
-        "image": outcome.image,
-        "digest": outcome.digest or "",
-        "verdict": outcome.verdict,
-        "reason": outcome.reason,
-        "report": outcome.report,
-        "versions": {
-            "sglang": version_value(outcome.versions.sglang),
-            "torch": version_value(outcome.versions.torch),
-            "mooncake": version_value(outcome.versions.mooncake),
-        },
-        "firstSeen": first_seen if isinstance(first_seen, str) and first_seen else stamp,
-        "lastSeen": stamp,
-        "pod": pod,
-        "source": SOURCE_PROBE,
-        "count": (count if isinstance(count, int) and count > 0 else 0) + 1,
-        "runs": runs,
-    }
+    return build_spec(
+        image=outcome.image,
+        digest=outcome.digest or "",
+        verdict=outcome.verdict,
+        reason=outcome.reason,
+        report=outcome.report,
+        versions=outcome.versions,
+        source=SOURCE_PROBE,
+        now=now,
+        previous=previous,
+        pod=pod,
+        runs=runs,
+    )
 
 
 def run_key(pod_uid: str, outcome: ProbeOutcome) -> str:

@@ -92,6 +92,72 @@ def version_value(value: str) -> str:
     return line if len(line) <= MAX_VERSION else line[: MAX_VERSION - 1] + "…"
 
 
+@dataclass(frozen=True, slots=True)
+class Versions:
+    """What the probe's ``versions:`` line says (``outcome.parse_versions``, for the scan
+    too): the versions an ImageVerdict records."""
+
+    torch: str = ""
+    sglang: str = ""
+    mooncake: str = ""
+
+
+def build_spec(
+    *,
+    image: str,
+    digest: str,
+    verdict: str,
+    reason: str,
+    report: str,
+    versions: Versions,
+    source: str,
+    now: dt.datetime,
+    previous: Mapping[str, Any] | None,
+    omit_empty_versions: bool = False,
+    pod: str | None = None,
+    runs: list[str] | None = None,
+    fix: str | None = None,
+    recorded_by: str | None = None,
+) -> ImageVerdictSpec:
+    """The ImageVerdict spec a writer (the controller for a probe, ``epguard scan
+    --record``) puts: written now, ``count`` and ``firstSeen`` carried from ``previous``
+    (the spec read back, if any), each version cut to fit the CRD (an empty one written
+    as null, which the API server drops, when ``omit_empty_versions``). ``pod`` and
+    ``runs`` are the probe's, ``fix`` and ``recorded_by`` the scan's."""
+    stamp = now.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    prev = previous if isinstance(previous, Mapping) else {}
+    count, first_seen = prev.get("count"), prev.get("firstSeen")
+
+    def cut(value: str) -> str | None:
+        return version_value(value) or (None if omit_empty_versions else "")
+
+    spec: ImageVerdictSpec = {
+        "image": image,
+        "digest": digest,
+        "verdict": verdict,
+        "reason": reason,
+        "report": report,
+        "versions": {
+            "sglang": cut(versions.sglang),
+            "torch": cut(versions.torch),
+            "mooncake": cut(versions.mooncake),
+        },
+        "firstSeen": first_seen if isinstance(first_seen, str) and first_seen else stamp,
+        "lastSeen": stamp,
+        "count": (count if isinstance(count, int) and count > 0 else 0) + 1,
+        "source": source,
+    }
+    if pod is not None:
+        spec["pod"] = pod
+    if runs is not None:
+        spec["runs"] = runs
+    if fix is not None:
+        spec["fix"] = fix
+    if recorded_by is not None:
+        spec["recordedBy"] = recorded_by
+    return spec
+
+
 class ImageVerdictMeta(TypedDict, total=False):
     name: str
     labels: dict[str, str]

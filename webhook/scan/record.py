@@ -40,8 +40,8 @@ from epguard.webhook.engine.verdicts import (
     SOURCE_SCAN,
     VERSION,
     ImageVerdictSpec,
+    build_spec,
     verdict_object,
-    version_value,
 )
 from epguard.webhook.scan.report import text
 from epguard.webhook.scan.scanner import Result
@@ -140,33 +140,25 @@ def spec(
     carry from ``previous``, so re-recording on every CI run counts the runs."""
     if not result.causes:
         raise ValueError("a scan without an image cause records no verdict")
-    stamp = now.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    prev = previous if isinstance(previous, Mapping) else {}
-    count, first_seen = prev.get("count"), prev.get("firstSeen")
     primary = result.causes[0]
-    # The probe's own `versions:` line, read as the controller reads a probe's.
-    versions = parse_versions(versions_line(result.versions))
     report = text(result)
     if len(report) > MAX_REPORT:
         report = report[: MAX_REPORT - 1] + "…"
-    return {
-        "image": subject.image,
-        "digest": subject.digest,
-        "verdict": "Unusable",
-        "reason": _first_line(primary.cause, MAX_REASON),
-        "fix": _first_line(primary.fix, MAX_FIX),
-        "report": report,
-        "versions": {
-            "sglang": version_value(versions.sglang) or None,
-            "torch": version_value(versions.torch) or None,
-            "mooncake": version_value(versions.mooncake) or None,
-        },
-        "firstSeen": first_seen if isinstance(first_seen, str) and first_seen else stamp,
-        "lastSeen": stamp,
-        "count": (count if isinstance(count, int) and count > 0 else 0) + 1,
-        "source": SOURCE_SCAN,
-        "recordedBy": identity,
-    }
+    return build_spec(
+        image=subject.image,
+        digest=subject.digest,
+        verdict="Unusable",
+        reason=_first_line(primary.cause, MAX_REASON),
+        report=report,
+        # The probe's own `versions:` line, read as the controller reads a probe's.
+        versions=parse_versions(versions_line(result.versions)),
+        source=SOURCE_SCAN,
+        now=now,
+        previous=previous,
+        omit_empty_versions=True,
+        fix=_first_line(primary.fix, MAX_FIX),
+        recorded_by=identity,
+    )
 
 
 def _api_message(exc: ApiException) -> str:
