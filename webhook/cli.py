@@ -27,7 +27,14 @@ from epguard.webhook.engine.rules import (
     default_rules_path,
     load_rules_file,
 )
-from epguard.webhook.engine.workloads import KindError, KindRegistry, as_map, group_of, parse_kinds
+from epguard.webhook.engine.workloads import (
+    KindError,
+    KindRegistry,
+    as_map,
+    describe_object,
+    group_of,
+    parse_kinds,
+)
 
 if TYPE_CHECKING:  # imported where used: only `epguard scan` needs them
     from epguard.webhook.scan.record import Target
@@ -60,15 +67,6 @@ def _flatten(doc: Any) -> Iterator[Any]:
             yield from _flatten(item)
     elif d:
         yield d
-
-
-def _label(obj: Any) -> str:
-    o = as_map(obj)
-    meta = as_map(o.get("metadata"))
-    ns = meta.get("namespace")
-    name = meta.get("name") or meta.get("generateName") or "<unnamed>"
-    prefix = f"{ns}/" if isinstance(ns, str) and ns else ""
-    return f"{o.get('kind')} {prefix}{name}"
 
 
 def check_object(obj: Any, state: PolicyState, namespace: str | None) -> Decision | None:
@@ -167,7 +165,8 @@ def cmd_check(args: argparse.Namespace) -> int:
                 skipped += 1
                 continue
             checked += 1
-            results.append(Checked("<stdin>" if path == "-" else path, _label(doc), decision))
+            source = "<stdin>" if path == "-" else path
+            results.append(Checked(source, describe_object(doc), decision))
     if args.output == "json":
         _print_json(results, sys.stdout)
     else:

@@ -23,6 +23,7 @@ import msgspec
 from epguard.webhook.admission.handler import Handler, Outcome
 from epguard.webhook.engine.namespaces import Mode
 from epguard.webhook.engine.review import AdmissionRequest
+from epguard.webhook.engine.workloads import describe
 
 log = logging.getLogger("epguard.admission")
 
@@ -125,9 +126,8 @@ def unjudged(
     """
     req = review.request
     tag = f"[epguard unjudged: {reason}]"
-    name = req.name or "(unnamed)"
-    where = f"{req.namespace}/{name}" if req.namespace else name
-    what = f"{req.operation} of {req.kind.kind} {where}".rstrip()
+    subject = describe(req.kind.kind, req.namespace, req.name or "(unnamed)")
+    what = f"{req.operation} of {subject}".rstrip()
     if endpoint == "mutate":
         outcome = Outcome(
             True,

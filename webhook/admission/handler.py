@@ -27,7 +27,6 @@ from epguard.webhook.engine.policy import (
     Decision,
     PolicyState,
     decide,
-    describe_object,
 )
 from epguard.webhook.engine.review import AdmissionRequest
 from epguard.webhook.engine.rules import RulesError, load_rules_text, rule_warnings
@@ -44,7 +43,7 @@ from epguard.webhook.engine.signing import (
     parts_of,
     sign,
 )
-from epguard.webhook.engine.workloads import annotations_of, as_map
+from epguard.webhook.engine.workloads import annotations_of, as_map, describe_object
 
 # The result of each handler: a closed set, so metric labels stay bounded.
 VALIDATE_RESULTS = ("allowed", "denied", "warned", "audited", "exempted", "ignored")
@@ -98,9 +97,9 @@ def outcome_of(req: AdmissionRequest, d: Decision) -> Outcome:
         return Outcome(True, result, rules=None)
     if result == "allowed":
         return Outcome(True, result, warnings=d.warnings, rules=_ALLOWED_RULES, warned_by=warned_by)
-    fired = d.fired
+    rules = d.fired or _ALLOWED_RULES
     if result == "exempted":
-        note = f"exempted {_what(req)}: {d.exemption}; would-deny={','.join(fired) or 'none'}"
+        note = f"exempted {_what(req)}: {d.exemption}; would-deny={','.join(rules)}"
     elif result == "denied":
         note = f"denied {_what(req)}: {d.message}"
     else:
@@ -113,7 +112,7 @@ def outcome_of(req: AdmissionRequest, d: Decision) -> Outcome:
         message=d.message,
         warnings=d.warnings,
         audit_annotations=d.audit_annotations,
-        rules=fired or _ALLOWED_RULES,
+        rules=rules,
         warned_by=warned_by,
         note=note,
     )

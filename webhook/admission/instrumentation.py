@@ -29,7 +29,7 @@ from typing import Any
 from epguard.webhook.admission.completion import ANSWER, BAD_REQUEST, ERROR, Answer
 from epguard.webhook.admission.handler import ROUTINE, Handler
 from epguard.webhook.admission.transport import AdmissionEndpoint, Receive, Scope, Send
-from epguard.webhook.engine.policy import describe_object
+from epguard.webhook.engine.workloads import describe_object
 from epguard.webhook.metrics import Metrics
 
 log = logging.getLogger("epguard.admission")

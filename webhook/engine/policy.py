@@ -8,8 +8,9 @@ CLI share it and say the same words.
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from epguard.probe import shell
 from epguard.webhook.engine.argv import FLAG, NOTHING, analyse_container
@@ -26,7 +27,6 @@ from epguard.webhook.engine.workloads import (
     KindRegistry,
     PodTemplateView,
     annotations_of,
-    as_map,
 )
 
 SKIP_ANNOTATION = "epguard.io/skip"
@@ -82,12 +82,20 @@ class Decision:
 
     @property
     def denials(self) -> tuple[Finding, ...]:
-        return tuple(f for f in self.findings if f.severity == "deny")
+        return _denials(self.findings)
 
     @property
     def fired(self) -> tuple[str, ...]:
-        """Rule/verdict ids behind would-be denials, in order, without repeats."""
-        return tuple(dict.fromkeys(f.source for f in self.denials if f.source))
+        return _fired(self.findings)
+
+
+def _denials(findings: Iterable[Finding]) -> tuple[Finding, ...]:
+    return tuple(f for f in findings if f.severity == "deny")
+
+
+def _fired(findings: Iterable[Finding]) -> tuple[str, ...]:
+    """Rule/verdict ids behind would-be denials, in order, without repeats."""
+    return tuple(dict.fromkeys(f.source for f in _denials(findings) if f.source))
 
 
 ALLOW_IGNORED = Decision(allowed=True, result="ignored", mode="enforce")
@@ -366,9 +374,9 @@ def decide(
 
 
 def _conclude(findings: list[Finding], mode: Mode, exemption: str | None) -> Decision:
-    denials = [f for f in findings if f.severity == "deny"]
+    denials = _denials(findings)
     warnings = [f.message for f in findings if f.severity == "warn"]
-    fired = ",".join(dict.fromkeys(f.source for f in denials if f.source))
+    fired = ",".join(_fired(findings))
     if exemption is not None:
         why = exemption.strip() or "(no reason given)"
         note = f"epguard checks skipped by annotation {SKIP_ANNOTATION}: {why}"
@@ -422,12 +430,3 @@ def _conclude(findings: list[Finding], mode: Mode, exemption: str | None) -> Dec
         message=message,
     )
 
-
-def describe_object(obj: Any) -> str:
-    """``Kind ns/name`` for logs."""
-    o = as_map(obj)
-    meta = as_map(o.get("metadata"))
-    kind = o.get("kind") if isinstance(o.get("kind"), str) else "object"
-    name = meta.get("name") or meta.get("generateName") or "<unnamed>"
-    ns = meta.get("namespace")
-    return f"{kind} {ns + '/' if isinstance(ns, str) and ns else ''}{name}"

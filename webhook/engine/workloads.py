@@ -235,6 +235,24 @@ def annotations_of(obj: Any) -> Mapping[str, str]:
     return {k: v for k, v in ann.items() if isinstance(k, str) and isinstance(v, str)}
 
 
+def describe(kind: str, namespace: str | None, name: str) -> str:
+    """An object in logs and messages: ``Kind ns/name``, or ``Kind name`` outside a
+    namespace."""
+    return f"{kind} {namespace}/{name}" if namespace else f"{kind} {name}"
+
+
+def describe_object(obj: Any) -> str:
+    """:func:`describe` for an object as the API server or a manifest gives it."""
+    o = as_map(obj)
+    meta = as_map(o.get("metadata"))
+    kind, namespace = o.get("kind"), meta.get("namespace")
+    return describe(
+        kind if isinstance(kind, str) else "object",
+        namespace if isinstance(namespace, str) else None,
+        str(meta.get("name") or meta.get("generateName") or "<unnamed>"),
+    )
+
+
 def group_of(api_version: Any) -> str:
     if not isinstance(api_version, str) or "/" not in api_version:
         return CORE
