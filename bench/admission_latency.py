@@ -68,6 +68,7 @@ from devcluster import ControlPlane  # noqa: E402
 from devcluster.stack import CHART_DIR, Stack, deploy_chart, start_cluster  # noqa: E402
 from epguard.webhook.controller.backstop import write_params  # noqa: E402
 from epguard.webhook.controller.compiler import DIGEST_KEY, BackstopConfig, compile_params  # noqa: E402
+from epguard.webhook.engine.text import stamp  # noqa: E402
 from epguard.webhook.engine.verdicts import VerdictStore, verdict_from_object  # noqa: E402
 
 SCENARIOS = (
@@ -314,7 +315,7 @@ def write_verdicts(cp: ControlPlane, n: int) -> str:
     (as the controller would compile them); returns the image of the last digest entry
     of the last shard, once the API server refuses it."""
     now = dt.datetime.now(dt.UTC)
-    seen = now.strftime("%Y-%m-%dT%H:%M:%SZ")
+    seen = stamp(now)
     store = VerdictStore(tag_ttl=dt.timedelta(hours=24), cap=max(n, 1))
     objects = (
         {

@@ -23,6 +23,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from epguard.webhook.controller.compiler import SHARD_BYTES, compile_params
+from epguard.webhook.engine.text import stamp
 from epguard.webhook.engine.verdicts import VerdictStore, verdict_from_object
 
 NOW = dt.datetime.now(dt.UTC)
@@ -38,7 +39,7 @@ def verdict(i: int) -> dict[str, Any]:
             "verdict": "Unusable",
             "reason": f"libcudart.so.12 is missing (build {i % 7})",
             "pod": "ml/sglang-0",
-            "lastSeen": NOW.strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "lastSeen": stamp(NOW),
         },
     }
 

@@ -24,8 +24,9 @@ import pytest
 from devcluster import ControlPlane
 from devcluster.process import ManagedProcess
 from devcluster.stack import CHART_DIR, NAMESPACE, REPO_ROOT, _child_env, install_chart
-from epguard.webhook.engine.outcome import PROBED_LABEL, verdict_name
+from epguard.webhook.engine.outcome import PROBED_LABEL
 from epguard.webhook.engine.signing import SIGNATURE_ANNOTATION, keyring_from_secret, sign
+from epguard.webhook.engine.verdicts import verdict_name
 from tests.control_plane import running_control_plane
 from tests.e2e.e2e_kube import as_yaml, eventually
 from tests.probe.probe_pods import pod_with_probe_status, run_real_probe

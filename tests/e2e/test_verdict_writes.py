@@ -25,8 +25,8 @@ import yaml
 
 from devcluster import ControlPlane, binaries
 from devcluster.stack import Stack
-from epguard.webhook.engine.outcome import outcomes_of, verdict_name, verdict_spec
-from epguard.webhook.engine.verdicts import MAX_VERSION, verdict_object
+from epguard.webhook.engine.outcome import outcomes_of, verdict_spec
+from epguard.webhook.engine.verdicts import MAX_VERSION, verdict_name, verdict_object
 from epguard.webhook.scan.record import MANAGER
 from tests.chart.chartlib import CHART, NAMESPACE, RELEASE, run_helm
 from tests.e2e.e2e_kube import apply, denied_by_epguard, eventually, output, pod, worker

@@ -13,9 +13,9 @@ from epguard.webhook.engine.outcome import (
     parse_versions,
     recorded_runs,
     run_key,
-    verdict_name,
     verdict_spec,
 )
+from epguard.webhook.engine.verdicts import SOURCE_SCAN, verdict_name
 from tests.probe.probe_pods import pod_with_probe_status, run_real_probe
 
 # What the probe writes when mooncake imports and both backends register. It cannot be
@@ -92,6 +92,8 @@ def test_verdict_name_is_by_digest_and_shared_by_spellings_of_one_tag() -> None:
         "docker.io/lmsysorg/sglang:v1", None
     )
     assert verdict_name("lmsysorg/sglang:v1", None) != verdict_name("lmsysorg/sglang:v2", None)
+    # The scan's own names: never one of the probe's.
+    assert verdict_name("x", "sha256:" + "ab" * 32, SOURCE_SCAN) == "scan-sha256-" + "ab" * 32
 
 
 def test_verdict_spec_counts_runs_and_keeps_first_seen() -> None:

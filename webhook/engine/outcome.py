@@ -15,7 +15,6 @@ whether mooncake fits the image, so it is not recorded.
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,8 +22,9 @@ from typing import Any, Literal
 
 from epguard.probe.message import IMAGE, SCOPE, UNUSABLE, UNUSABLE_HERE, USABLE
 from epguard.webhook.engine.argv import ExpansionTooLarge, container_argv
-from epguard.webhook.engine.imageref import ImageRefError, parse
+from epguard.webhook.engine.text import first_line
 from epguard.webhook.engine.verdicts import SOURCE_PROBE, ImageVerdictSpec, Versions, build_spec
+from epguard.webhook.engine.verdicts import verdict_name as verdict_name  # for recorder.py
 from epguard.webhook.engine.workloads import as_list, as_map
 
 PROBE_CONTAINER = "epguard-probe"
@@ -146,7 +146,7 @@ def classify(message: str, exit_code: int) -> tuple[VerdictName, Scope | None] |
     pod"), and a ``scope:`` line that says otherwise makes it environment: a message
     that contradicts itself is not evidence about the image."""
     lines = message.strip().splitlines()
-    first = lines[0] if lines else ""
+    first = first_line(message)
     if exit_code == 0 and first.startswith(USABLE):
         return "Usable", None
     if exit_code != 1:
@@ -229,28 +229,13 @@ def _outcome(status: Mapping[str, Any], spec_images: Mapping[Any, Any]) -> Probe
         digest=digest_of(status.get("imageID")),
         verdict=verdict,
         scope=scope,
-        reason=_cause(message.strip().splitlines()[0])[:MAX_REASON],
+        reason=_cause(first_line(message))[:MAX_REASON],
         report=message.strip()[:4096],
         versions=parse_versions(message),
         finished_at=str(terminated.get("finishedAt") or ""),
         exit_code=code,
         restart_count=max(restarts, 0),
     )
-
-
-def verdict_name(image: str, digest: str | None) -> str:
-    """The ImageVerdict's object name: one object per image content when known.
-
-    By digest when the kubelet resolved one (the bytes the probe saw), otherwise by a
-    hash of the normalized reference, so two spellings of one image share an object.
-    """
-    if digest:
-        return digest.replace(":", "-")
-    try:
-        key = str(parse(image))
-    except ImageRefError:
-        key = image
-    return "ref-" + hashlib.sha256(key.encode()).hexdigest()[:40]
 
 
 # The runs an ImageVerdict remembers (``spec.runs``), so a re-delivered pod event is

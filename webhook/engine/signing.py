@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from epguard.webhook.engine.outcome import PROBED_LABEL
+from epguard.webhook.engine.text import parse_stamp, stamp
 from epguard.webhook.engine.workloads import as_list, as_map
 
 # Every init container under this prefix belongs to epguard: /mutate removes the ones a
@@ -120,12 +121,8 @@ class Keyring:
         )
 
 
-def _stamp(now: dt.datetime) -> str:
-    return now.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 def new_key(now: dt.datetime) -> Key:
-    return Key(id=secrets.token_hex(4), secret=secrets.token_bytes(KEY_BYTES), created=_stamp(now))
+    return Key(id=secrets.token_hex(4), secret=secrets.token_bytes(KEY_BYTES), created=stamp(now))
 
 
 def new_keyring(now: dt.datetime) -> Keyring:
@@ -138,11 +135,10 @@ def rotated(ring: Keyring, now: dt.datetime) -> Keyring:
 
 
 def key_age(ring: Keyring, now: dt.datetime) -> dt.timedelta | None:
-    try:
-        created = dt.datetime.strptime(ring.current.created, "%Y-%m-%dT%H:%M:%SZ")
-    except ValueError:
+    created = parse_stamp(ring.current.created)
+    if created is None:
         return None
-    return now.astimezone(dt.UTC) - created.replace(tzinfo=dt.UTC)
+    return now.astimezone(dt.UTC) - created
 
 
 def parse_keyring(text: str | bytes) -> Keyring:
@@ -403,13 +399,8 @@ def fresh(signed_at: int, moment: dt.datetime) -> bool:
 
 def created_at(pod: Mapping[str, Any]) -> dt.datetime | None:
     """The pod's ``metadata.creationTimestamp`` (the API server's clock), if readable."""
-    stamp = as_map(pod.get("metadata")).get("creationTimestamp")
-    if not isinstance(stamp, str):
-        return None
-    try:
-        return dt.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.UTC)
-    except ValueError:
-        return None
+    created = as_map(pod.get("metadata")).get("creationTimestamp")
+    return parse_stamp(created) if isinstance(created, str) else None
 
 
 # Signatures the controller has learned from, each with the pod that used it. Bounded:

@@ -34,12 +34,14 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import hashlib
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, NotRequired, Protocol, TypedDict
 
 from epguard.webhook.engine.imageref import ImageRef, ImageRefError, parse
+from epguard.webhook.engine.text import first_line, stamp
 
 Trust = Literal["deny", "warn", "usable"]
 
@@ -47,9 +49,28 @@ Trust = Literal["deny", "warn", "usable"]
 GROUP, VERSION, KIND, PLURAL = "epguard.io", "v1alpha1", "ImageVerdict", "imageverdicts"
 DEFAULT_TAG_TTL = dt.timedelta(hours=24)
 # Who found a verdict (``spec.source``). Each writer has its own object names, so one
-# never overwrites the other's: ``<digest>`` / ``ref-<hash>`` for the probe, ``scan-<digest>``
-# for the scan (webhook/scan/record.py; the chart's scan-recorder policy enforces it).
+# never overwrites the other's (``verdict_name``; the chart's scan-recorder policy holds
+# the scan to its own).
 SOURCE_PROBE, SOURCE_SCAN = "probe", "scan"
+SCAN_NAME_PREFIX = "scan-"
+
+
+def verdict_name(image: str, digest: str | None, source: str = SOURCE_PROBE) -> str:
+    """The ImageVerdict's object name: one object per image content, per writer.
+
+    The scan's is ``scan-<manifest digest>``. The probe's is by digest when the kubelet
+    resolved one (the bytes the probe saw), otherwise ``ref-`` and a hash of the
+    normalized reference, so two spellings of one image share an object.
+    """
+    if source == SOURCE_SCAN:
+        return SCAN_NAME_PREFIX + (digest or "").replace(":", "-")
+    if digest:
+        return digest.replace(":", "-")
+    try:
+        key = str(parse(image))
+    except ImageRefError:
+        key = image
+    return "ref-" + hashlib.sha256(key.encode()).hexdigest()[:40]
 
 
 # The JSON epguard writes (the chart's CRD schema). What it *reads* back is walked
@@ -87,9 +108,7 @@ MAX_VERSION = 128
 def version_value(value: str) -> str:
     """One ``spec.versions`` value as the CRD takes it: the first line, cut to
     MAX_VERSION characters (the last one an ellipsis, so a cut value says so)."""
-    lines = value.strip().splitlines()
-    line = lines[0] if lines else ""
-    return line if len(line) <= MAX_VERSION else line[: MAX_VERSION - 1] + "…"
+    return first_line(value, MAX_VERSION)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +143,7 @@ def build_spec(
     (the spec read back, if any), each version cut to fit the CRD (an empty one written
     as null, which the API server drops, when ``omit_empty_versions``). ``pod`` and
     ``runs`` are the probe's, ``fix`` and ``recorded_by`` the scan's."""
-    stamp = now.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    written = stamp(now)
     prev = previous if isinstance(previous, Mapping) else {}
     count, first_seen = prev.get("count"), prev.get("firstSeen")
 
@@ -142,8 +161,8 @@ def build_spec(
             "torch": cut(versions.torch),
             "mooncake": cut(versions.mooncake),
         },
-        "firstSeen": first_seen if isinstance(first_seen, str) and first_seen else stamp,
-        "lastSeen": stamp,
+        "firstSeen": first_seen if isinstance(first_seen, str) and first_seen else written,
+        "lastSeen": written,
         "count": (count if isinstance(count, int) and count > 0 else 0) + 1,
         "source": source,
     }
@@ -217,13 +236,13 @@ class VerdictHit:
         v = self.verdict
         if v.from_scan:
             by = f" by {v.recorded_by}" if v.recorded_by else ""
-            at = f" at {v.last_seen.strftime('%Y-%m-%dT%H:%M:%SZ')}" if v.last_seen else ""
+            at = f" at {stamp(v.last_seen)}" if v.last_seen else ""
             return f"found in the image's files by epguard scan, recorded{by}{at}"
         bits = []
         if self.verdict.pod:
             bits.append(f"in pod {self.verdict.pod}")
         if self.verdict.last_seen is not None:
-            bits.append(f"at {self.verdict.last_seen.strftime('%Y-%m-%dT%H:%M:%SZ')}")
+            bits.append(f"at {stamp(self.verdict.last_seen)}")
         return ("seen failing " + " ".join(bits)) if bits else "seen failing in this cluster"
 
 
@@ -300,12 +319,12 @@ def verdict_from_object(obj: Any) -> Verdict | None:
         ref=ref,
         digest=digest,
         usable=verdict.lower() == "usable",
-        reason=reason.strip().splitlines()[0] if isinstance(reason, str) and reason.strip() else "",
+        reason=first_line(reason) if isinstance(reason, str) else "",
         last_seen=min(claimed, written) if claimed and written else claimed,
         pod=pod if isinstance(pod, str) and pod else None,
         source=SOURCE_SCAN if source == SOURCE_SCAN else SOURCE_PROBE,
         recorded_by=recorded_by if isinstance(recorded_by, str) and recorded_by else None,
-        fix=fix.strip().splitlines()[0] if isinstance(fix, str) and fix.strip() else "",
+        fix=first_line(fix) if isinstance(fix, str) else "",
         claimed_last_seen=claimed,
     )
 

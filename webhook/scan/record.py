@@ -34,6 +34,7 @@ from epguard.probe.diagnosis import versions_line
 from epguard.webhook.cluster.kube import REQUEST_TIMEOUT, get_verdict
 from epguard.webhook.engine.imageref import ImageRefError, parse
 from epguard.webhook.engine.outcome import parse_versions
+from epguard.webhook.engine.text import cut, first_line
 from epguard.webhook.engine.verdicts import (
     GROUP,
     PLURAL,
@@ -41,12 +42,12 @@ from epguard.webhook.engine.verdicts import (
     VERSION,
     ImageVerdictSpec,
     build_spec,
+    verdict_name,
     verdict_object,
 )
 from epguard.webhook.scan.report import text
 from epguard.webhook.scan.scanner import Result
 
-NAME_PREFIX = "scan-"
 # Also the field manager of every write: the chart's policy checks lastSeen against the
 # API server's time of this manager's write (templates/rbac-scan-recorder.yaml).
 MANAGER = "epguard-scan"
@@ -75,7 +76,7 @@ class Target:
 
     @property
     def name(self) -> str:
-        return verdict_name(self.digest)
+        return verdict_name(self.image, self.digest, SOURCE_SCAN)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,10 +92,6 @@ class Recorded:
                 f"can prove the image usable), as {self.identity}"
             )
         return f"epguard scan --record: ImageVerdict {self.name} {self.action} as {self.identity}"
-
-
-def verdict_name(digest: str) -> str:
-    return NAME_PREFIX + digest.replace(":", "-")
 
 
 def target(result: Result, image: str) -> Target:
@@ -124,11 +121,6 @@ def target(result: Result, image: str) -> Target:
     return Target(image=str(ref), digest=result.digest.lower())
 
 
-def _first_line(s: str, limit: int) -> str:
-    line = s.strip().splitlines()[0] if s.strip() else ""
-    return line if len(line) <= limit else line[: limit - 1] + "…"
-
-
 def spec(
     result: Result,
     subject: Target,
@@ -141,22 +133,19 @@ def spec(
     if not result.causes:
         raise ValueError("a scan without an image cause records no verdict")
     primary = result.causes[0]
-    report = text(result)
-    if len(report) > MAX_REPORT:
-        report = report[: MAX_REPORT - 1] + "…"
     return build_spec(
         image=subject.image,
         digest=subject.digest,
         verdict="Unusable",
-        reason=_first_line(primary.cause, MAX_REASON),
-        report=report,
+        reason=first_line(primary.cause, MAX_REASON),
+        report=cut(text(result), MAX_REPORT),
         # The probe's own `versions:` line, read as the controller reads a probe's.
         versions=parse_versions(versions_line(result.versions)),
         source=SOURCE_SCAN,
         now=now,
         previous=previous,
         omit_empty_versions=True,
-        fix=_first_line(primary.fix, MAX_FIX),
+        fix=first_line(primary.fix, MAX_FIX),
         recorded_by=identity,
     )
 

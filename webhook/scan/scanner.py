@@ -17,6 +17,7 @@ from typing import Any
 
 from epguard.probe import cmdline, diagnosis, inventory, static
 from epguard.probe.cli import MAX_CONFIG_BYTES  # SGLang's --config, read as the probe reads it
+from epguard.webhook.engine.text import cut
 from epguard.webhook.scan import layers
 from epguard.webhook.scan.sources import Source, SourceError, open_source
 from epguard.webhook.scan.tarstream import Budget, BudgetError
@@ -210,16 +211,12 @@ def suffixes(version: str | None, config: dict[str, Any]) -> list[str]:
     return [f".cpython-{tag}-{arch}-linux-gnu.so", ".abi3.so", ".so"]
 
 
-def _cut(s: str, limit: int) -> str:
-    return s if len(s) <= limit else s[:limit - 1] + "…"
-
-
 def _shown_argv(argv: list[str]) -> tuple[list[str], str | None]:
     """The command line as the report repeats it: each argument and the whole cut."""
     out: list[str] = []
     total = 0
     for a in argv:
-        a = _cut(a, MAX_ARG_CHARS)
+        a = cut(a, MAX_ARG_CHARS)
         total += len(a)
         if total > MAX_ARGV_CHARS:
             return out, (f"the command line has {len(argv)} arguments; the report shows "
@@ -231,7 +228,7 @@ def _shown_argv(argv: list[str]) -> tuple[list[str], str | None]:
 def cap_notes(notes: list[str], dropped: int = 0) -> list[str]:
     """At most MAX_NOTES notes of MAX_NOTE_CHARS each, then one that counts the rest
     (``dropped``: those the tree already only counted)."""
-    kept = [_cut(n, MAX_NOTE_CHARS) for n in notes[:MAX_NOTES]]
+    kept = [cut(n, MAX_NOTE_CHARS) for n in notes[:MAX_NOTES]]
     more = max(0, len(notes) - MAX_NOTES) + dropped
     if more:
         kept.append(f"{more} more notes not shown")
@@ -282,32 +279,32 @@ def _judge(image: str, source: Source, tree: Tree, kinds: list[str],
                             "/opt/conda)", "install SGLang's Python environment in the image",
                             True, [], []))
     else:
-        searched, cut = search_env(env, tree)
-        notes += cut
+        searched, left_out = search_env(env, tree)
+        notes += left_out
         img = static.Image(tree, site, suffixes(version, source.config), searched,
                            driver_mounted=True)
         facts = static.read(img, request)
         tree.budget.check()
         notes += facts.notes
-        gpu_only = [_cut(g, MAX_FIELD_CHARS) for g in facts.gpu_only[:MAX_LIBRARIES]]
+        gpu_only = [cut(g, MAX_FIELD_CHARS) for g in facts.gpu_only[:MAX_LIBRARIES]]
         if facts.outcome is not None:
-            versions = {_cut(k, MAX_VERSION_CHARS): _cut(v, MAX_VERSION_CHARS)
+            versions = {cut(k, MAX_VERSION_CHARS): cut(v, MAX_VERSION_CHARS)
                         for k, v in list(dict(diagnosis.versions(facts.outcome)).items())[:16]}
         for f in facts.findings[:MAX_LIBRARIES]:
             v = f.verdict
-            libs = [_cut(x, MAX_ARG_CHARS) for x in list(v.missing_libraries)[:MAX_LIBRARIES]]
-            evidence = [_cut(x, MAX_FIELD_CHARS) for x in list(v.evidence)[:MAX_LIBRARIES]]
-            causes.append(Cause(f.module, v.classification, _cut(v.cause, MAX_FIELD_CHARS),
-                                _cut(v.fix, MAX_FIELD_CHARS), f.proven, libs, evidence))
+            libs = [cut(x, MAX_ARG_CHARS) for x in list(v.missing_libraries)[:MAX_LIBRARIES]]
+            evidence = [cut(x, MAX_FIELD_CHARS) for x in list(v.evidence)[:MAX_LIBRARIES]]
+            causes.append(Cause(f.module, v.classification, cut(v.cause, MAX_FIELD_CHARS),
+                                cut(v.fix, MAX_FIELD_CHARS), f.proven, libs, evidence))
     shown, cut_argv = _shown_argv(chosen)
     if cut_argv:
         notes.insert(0, cut_argv)
     notes += tree.notes
     return Result(
         image=image, kind=source.kind, digest=source.digest,
-        ref=_cut(source.ref, MAX_FIELD_CHARS) if source.ref else None,
+        ref=cut(source.ref, MAX_FIELD_CHARS) if source.ref else None,
         config_digest=source.config_digest, argv=shown,
-        argv_from=said, request=_cut(request.describe(), MAX_FIELD_CHARS)
+        argv_from=said, request=cut(request.describe(), MAX_FIELD_CHARS)
         if request.requested else "not requested",
         python=version, site=site, versions=versions, causes=causes, gpu_only=gpu_only,
         notes=cap_notes(notes, tree.dropped_notes), layers=kinds, entries=tree.entries,

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any, Protocol
 
 from epguard.probe import elf, engine, files
+from epguard.webhook.engine.text import cut
 from epguard.webhook.scan.tarstream import Budget, unlimited
 
 # Limits on what one archive may make us hold, with the reason for each.
@@ -242,8 +243,7 @@ class Tree:
         if len(self.notes) >= MAX_NOTES:
             self.dropped_notes += 1
             return
-        self.notes.append(text if len(text) <= MAX_NOTE_CHARS
-                          else text[:MAX_NOTE_CHARS - 1] + "…")
+        self.notes.append(cut(text, MAX_NOTE_CHARS))
 
     def _charge(self, name: str, link: str | None = None, directory: bool = False) -> None:
         n = ENTRY_BYTES + (64 if directory else 0) + _str_bytes(name)
