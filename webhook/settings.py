@@ -1,7 +1,12 @@
 """One settings model for the webhook and the controller.
 
 Every setting is an :class:`Option`, defined once here with its type (a parser), its
-default, its help, its command-line flag and its ``EPGUARD_*`` environment variable.
+default, its help, its command-line flag and its ``EPGUARD_*`` environment variable,
+and declared on the field of the settings dataclass that holds its value
+(:class:`Settings` for the webhook, :class:`ControllerSettings` for the controller),
+whose name is the setting's name: the option tables are read off those fields, and mypy
+checks each field's type against its option's default and parser.
+
 Precedence is flag > environment > default: the chart sets environment variables from
 its values (whose defaults are these, checked by ``tests/chart``), and a human
 debugging a pod can still override one on the command line.
@@ -19,13 +24,16 @@ import datetime as dt
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields
-from typing import Any, NoReturn
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Generic, NoReturn, TypeVar
 
 from epguard.probe.cli import PROBE_LEVELS
 from epguard.webhook.engine.namespaces import MODES, Mode, parse_mode
 from epguard.webhook.engine.verdicts import DEFAULT_TAG_TTL
 from epguard.webhook.engine.workloads import KindError, KindSpec, parse_kinds
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 TRUE = frozenset({"1", "true", "yes", "on"})
 FALSE = frozenset({"0", "false", "no", "off"})
@@ -147,17 +155,20 @@ def _hours_of(delta: dt.timedelta) -> float:
 
 # -- the model -------------------------------------------------------------------------
 
+T = TypeVar("T")
+
 
 @dataclass(frozen=True, slots=True)
-class Option:
-    """One setting: attribute name, environment variable, flag, parser, default, help."""
+class Option(Generic[T]):
+    """How one setting is read: environment variable, help, default and parser. Its name
+    is the name of the settings field it is declared on (:func:`setting`), and its flag
+    that name with dashes (``--log-level``) unless ``flag`` says otherwise."""
 
-    attr: str
     env: str
     help: str
-    default: Any
-    parse: Callable[[str], Any] = text
-    flag: str | None = None  # default: --attr-with-dashes
+    default: T
+    parse: Callable[[str], T]
+    flag: str | None = None
     # An empty variable means "empty" (e.g. no peering) instead of "unset".
     empty_is_value: bool = False
     # The flag may repeat; its values are joined with commas (the variable's syntax).
@@ -166,20 +177,29 @@ class Option:
     chart: str | None = None
     metavar: str | None = None
 
-    @property
-    def option(self) -> str:
-        return self.flag or "--" + self.attr.replace("_", "-")
+
+_OPTION = "epguard.option"  # where a settings field keeps its Option (field metadata)
 
 
-# Shared by the webhook and the controller.
+def setting(option: Option[T]) -> T:
+    """Declare a settings dataclass field read by ``option``: the field's default is the
+    option's, and mypy checks the field's type against the option's default and parser."""
+    return field(default=option.default, metadata={_OPTION: option})
+
+
+def options_of(settings: type[DataclassInstance]) -> dict[str, Option[Any]]:
+    """The options a settings dataclass is read by, by field name, in field order."""
+    return {f.name: f.metadata[_OPTION] for f in fields(settings) if _OPTION in f.metadata}
+
+
+# Shared by the webhook and the controller (one Option object: one default, one parser).
 NAMESPACE = Option(
-    "namespace",
     "EPGUARD_NAMESPACE",
     "namespace of the release (rules ConfigMap, TLS Secret)",
     "epguard-system",
+    text,
 )
 LOG_LEVEL = Option(
-    "log_level",
     "EPGUARD_LOG_LEVEL",
     "log level: debug, info, warning or error (any case)",
     "info",
@@ -187,8 +207,7 @@ LOG_LEVEL = Option(
     chart="webhook.logLevel / controller.logLevel",
 )
 
-MODE = Option(
-    "mode",
+MODE: Option[Mode] = Option(
     "EPGUARD_MODE",
     f"default mode: {', '.join(MODES)}",
     "enforce",
@@ -197,7 +216,6 @@ MODE = Option(
 )
 
 ALLOW_SKIP = Option(
-    "allow_skip",
     "EPGUARD_ALLOW_SKIP",
     "honour the epguard.io/skip annotation",
     True,
@@ -205,16 +223,13 @@ ALLOW_SKIP = Option(
     chart="webhook.allowSkip",
 )
 
-RULES_CONFIGMAP = Option(
-    "rules_configmap", "EPGUARD_RULES_CONFIGMAP", "rules ConfigMap name", "epguard-rules"
-)
+RULES_CONFIGMAP = Option("EPGUARD_RULES_CONFIGMAP", "rules ConfigMap name", "epguard-rules", text)
 
 RULES_KEY = Option(
-    "rules_key", "EPGUARD_RULES_KEY", "key of the rules in that ConfigMap", "rules.yaml"
+    "EPGUARD_RULES_KEY", "key of the rules in that ConfigMap", "rules.yaml", text
 )
 
 VERDICT_TTL = Option(
-    "verdict_ttl_hours",
     "EPGUARD_VERDICT_TTL_HOURS",
     "hours a tag-only Unusable ImageVerdict refuses before it only warns",
     _hours_of(DEFAULT_TAG_TTL),
@@ -222,8 +237,7 @@ VERDICT_TTL = Option(
     chart="webhook.verdictTTLHours",
 )
 
-EXTRA_KINDS = Option(
-    "extra_kinds",
+EXTRA_KINDS: Option[tuple[KindSpec, ...]] = Option(
     "EPGUARD_EXTRA_KINDS",
     "JSON list of workload kinds to judge besides the built-in ones (webhook.extraKinds)",
     (),
@@ -231,119 +245,141 @@ EXTRA_KINDS = Option(
     chart="webhook.extraKinds",
 )
 PROBE_KEY_SECRET = Option(
-    "probe_key_secret",
     "EPGUARD_PROBE_KEY_SECRET",
     "Secret (in the release namespace) with the keys that sign injected probes; the "
     "controller creates and rotates it, the webhook reads it",
     "epguard-probe-key",
+    text,
 )
 
-KUBECONFIG = Option(
-    "kubeconfig",
+KUBECONFIG: Option[str | None] = Option(
     "EPGUARD_KUBECONFIG",
     "kubeconfig for the API (default: the pod's service account, else $KUBECONFIG)",
     None,
+    text,
 )
 
 
-WEBHOOK_OPTIONS: tuple[Option, ...] = (
-    Option("rules", "EPGUARD_RULES", "rules YAML file (default: the built-in rules)", None),
-    Option("tls_cert", "EPGUARD_TLS_CERT", "PEM certificate (chain)", None),
-    Option("tls_key", "EPGUARD_TLS_KEY", "PEM private key", None),
-    Option(
-        "client_ca",
-        "EPGUARD_CLIENT_CA",
-        "PEM CA bundle: when set, /validate and /mutate answer only clients with a "
-        "certificate it signed (give the API server one: docs/webhook.md)",
-        None,
-    ),
-    Option("host", "EPGUARD_HOST", "listen address", "0.0.0.0"),
-    Option("port", "EPGUARD_PORT", "listen port", 8443, integer(0, 65535), chart="webhook.port"),
-    MODE,
-    ALLOW_SKIP,
-    NAMESPACE,
-    RULES_CONFIGMAP,
-    RULES_KEY,
-    PROBE_KEY_SECRET,
-    KUBECONFIG,
-    Option(
-        "watch",
-        "EPGUARD_WATCH",
-        "watch ConfigMap/Namespaces/ImageVerdicts when credentials exist: auto or off",
-        "auto",
-        choice(("auto", "off")),
-    ),
-    VERDICT_TTL,
-    Option(
-        "reload_interval",
-        "EPGUARD_RELOAD_INTERVAL",
-        "seconds between TLS/rules file checks",
-        2.0,
-        number(positive=True),
-    ),
-    LOG_LEVEL,
-    Option(
-        "max_body_bytes",
-        "EPGUARD_MAX_BODY_BYTES",
-        "largest AdmissionReview judged, in bytes; a larger one is answered by mode "
-        "(refused under enforce)",
-        MAX_BODY_BYTES,
-        integer(1, 64 * 1024 * 1024),
-    ),
-    Option(
-        "max_inflight_bytes",
-        "EPGUARD_MAX_INFLIGHT_BYTES",
-        "memory, in bytes, for all reviews being read and judged together (bodies and "
-        "decoded objects); a review that does not fit is answered by mode",
-        MAX_INFLIGHT_BYTES,
-        integer(1024 * 1024, 1024 * 1024 * 1024),
-    ),
-    Option(
-        "deadline_seconds",
-        "EPGUARD_DEADLINE_SECONDS",
-        "seconds a large review may take to judge before it is answered by mode (refused "
-        "under enforce); below the webhooks' timeoutSeconds (the chart gives 60% of it)",
-        3.0,
-        number(positive=True),
-    ),
-    Option(
-        "max_head_bytes",
-        "EPGUARD_MAX_HEAD_BYTES",
-        "largest request head (request line and headers) accepted, in bytes; over it: 431",
-        64 * 1024,
-        integer(1024, 1024 * 1024),
-    ),
-    Option(
-        "head_timeout_seconds",
-        "EPGUARD_HEAD_TIMEOUT_SECONDS",
-        "seconds a connection may take to send a request head before it is closed",
-        10.0,
-        number(positive=True),
-    ),
-    Option(
-        "body_timeout_seconds",
-        "EPGUARD_BODY_TIMEOUT_SECONDS",
-        "seconds a request may take to send its whole body, from the end of its head, "
-        "before the connection is closed",
-        10.0,
-        number(positive=True),
-    ),
-    Option(
-        "inject_image",
-        "EPGUARD_INJECT_IMAGE",
-        "image that carries the probe, for injected pods",
-        "epguard:dev",
-    ),
-    Option(
-        "probe_level",
-        "EPGUARD_PROBE_LEVEL",
-        f"probe depth in injected pods: {', '.join(PROBE_LEVELS)}",
-        PROBE_LEVELS[0],
-        choice(PROBE_LEVELS),
-        chart="injection.probeLevel",
-    ),
-    EXTRA_KINDS,
-)
+@dataclass(frozen=True)
+class Settings:
+    """The webhook's settings, each field declared by the option that reads it."""
+
+    rules: str | None = setting(
+        Option("EPGUARD_RULES", "rules YAML file (default: the built-in rules)", None, text)
+    )
+    tls_cert: str | None = setting(
+        Option("EPGUARD_TLS_CERT", "PEM certificate (chain)", None, text)
+    )
+    tls_key: str | None = setting(Option("EPGUARD_TLS_KEY", "PEM private key", None, text))
+    client_ca: str | None = setting(
+        Option(
+            "EPGUARD_CLIENT_CA",
+            "PEM CA bundle: when set, /validate and /mutate answer only clients with a "
+            "certificate it signed (give the API server one: docs/webhook.md)",
+            None,
+            text,
+        )
+    )
+    host: str = setting(Option("EPGUARD_HOST", "listen address", "0.0.0.0", text))
+    port: int = setting(
+        Option("EPGUARD_PORT", "listen port", 8443, integer(0, 65535), chart="webhook.port")
+    )
+    mode: Mode = setting(MODE)
+    allow_skip: bool = setting(ALLOW_SKIP)
+    namespace: str = setting(NAMESPACE)
+    rules_configmap: str = setting(RULES_CONFIGMAP)
+    rules_key: str = setting(RULES_KEY)
+    probe_key_secret: str = setting(PROBE_KEY_SECRET)
+    kubeconfig: str | None = setting(KUBECONFIG)
+    watch: str = setting(
+        Option(
+            "EPGUARD_WATCH",
+            "watch ConfigMap/Namespaces/ImageVerdicts when credentials exist: auto or off",
+            "auto",
+            choice(("auto", "off")),
+        )
+    )
+    verdict_ttl_hours: float = setting(VERDICT_TTL)
+    reload_interval: float = setting(
+        Option(
+            "EPGUARD_RELOAD_INTERVAL",
+            "seconds between TLS/rules file checks",
+            2.0,
+            number(positive=True),
+        )
+    )
+    log_level: str = setting(LOG_LEVEL)
+    max_body_bytes: int = setting(
+        Option(
+            "EPGUARD_MAX_BODY_BYTES",
+            "largest AdmissionReview judged, in bytes; a larger one is answered by mode "
+            "(refused under enforce)",
+            MAX_BODY_BYTES,
+            integer(1, 64 * 1024 * 1024),
+        )
+    )
+    max_inflight_bytes: int = setting(
+        Option(
+            "EPGUARD_MAX_INFLIGHT_BYTES",
+            "memory, in bytes, for all reviews being read and judged together (bodies and "
+            "decoded objects); a review that does not fit is answered by mode",
+            MAX_INFLIGHT_BYTES,
+            integer(1024 * 1024, 1024 * 1024 * 1024),
+        )
+    )
+    deadline_seconds: float = setting(
+        Option(
+            "EPGUARD_DEADLINE_SECONDS",
+            "seconds a large review may take to judge before it is answered by mode (refused "
+            "under enforce); below the webhooks' timeoutSeconds (the chart gives 60% of it)",
+            3.0,
+            number(positive=True),
+        )
+    )
+    max_head_bytes: int = setting(
+        Option(
+            "EPGUARD_MAX_HEAD_BYTES",
+            "largest request head (request line and headers) accepted, in bytes; over it: 431",
+            64 * 1024,
+            integer(1024, 1024 * 1024),
+        )
+    )
+    head_timeout_seconds: float = setting(
+        Option(
+            "EPGUARD_HEAD_TIMEOUT_SECONDS",
+            "seconds a connection may take to send a request head before it is closed",
+            10.0,
+            number(positive=True),
+        )
+    )
+    body_timeout_seconds: float = setting(
+        Option(
+            "EPGUARD_BODY_TIMEOUT_SECONDS",
+            "seconds a request may take to send its whole body, from the end of its head, "
+            "before the connection is closed",
+            10.0,
+            number(positive=True),
+        )
+    )
+    inject_image: str = setting(
+        Option(
+            "EPGUARD_INJECT_IMAGE",
+            "image that carries the probe, for injected pods",
+            "epguard:dev",
+            text,
+        )
+    )
+    probe_level: str = setting(
+        Option(
+            "EPGUARD_PROBE_LEVEL",
+            f"probe depth in injected pods: {', '.join(PROBE_LEVELS)}",
+            PROBE_LEVELS[0],
+            choice(PROBE_LEVELS),
+            chart="injection.probeLevel",
+        )
+    )
+    extra_kinds: tuple[KindSpec, ...] = setting(EXTRA_KINDS)
+
 
 # The self-managed TLS lifetimes' defaults (controller/authority.py TLSPolicy uses them):
 # a 5-year CA renewed 90 days before expiry, a 1-year serving cert renewed 30 days
@@ -354,178 +390,223 @@ CA_RENEW_BEFORE = dt.timedelta(days=90)
 CERT_VALIDITY = dt.timedelta(days=365)
 CERT_RENEW_BEFORE = dt.timedelta(days=30)
 CA_OVERLAP = dt.timedelta(hours=1)
-CONTROLLER_OPTIONS: tuple[Option, ...] = (
-    NAMESPACE,
-    PROBE_KEY_SECRET,
-    Option(
-        "probe_key_rotation_days",
-        "EPGUARD_PROBE_KEY_ROTATION_DAYS",
-        "days before the probe-signing key is replaced (the previous keys still verify)",
-        30.0,
-        number(positive=True),
-        chart="injection.keyRotationDays",
-    ),
-    Option(
-        "manage_certs",
-        "EPGUARD_MANAGE_CERTS",
-        "create/rotate the CA and serving cert and inject caBundle; false when cert-manager "
-        "does it",
-        True,
-        boolean,
-    ),
-    Option(
-        "tls_secret",
-        "EPGUARD_TLS_SECRET",
-        "Secret holding tls.crt, tls.key, ca.crt",
-        "epguard-tls",
-        chart="tls.secretName",
-    ),
-    Option(
-        "service",
-        "EPGUARD_SERVICE",
-        "the webhook Service; the serving cert is issued for its DNS names",
-        "epguard-webhook",
-    ),
-    Option(
-        "extra_san",
-        "EPGUARD_EXTRA_SANS",
-        "another subject alternative name for the serving cert besides the Service's DNS "
-        "names: an IP address (127.0.0.1, ::1) or a DNS name, for a webhook the API server "
-        "reaches by address. Repeat it or separate with commas (the variable: commas or "
-        "spaces); given on the command line it replaces the variable. Only with manage-certs",
-        "",
-        flag="--extra-san",
-        repeat=True,
-        metavar="NAME_OR_IP",
-    ),
-    Option(
-        "validating_webhook",
-        "EPGUARD_VALIDATING_WEBHOOK",
-        "ValidatingWebhookConfiguration whose caBundle is kept current",
-        "epguard",
-    ),
-    Option(
-        "mutating_webhook",
-        "EPGUARD_MUTATING_WEBHOOK",
-        "MutatingWebhookConfiguration whose caBundle is kept current; empty for none",
-        "",
-        empty_is_value=True,
-    ),
-    Option(
-        "probe_image",
-        "EPGUARD_INJECT_IMAGE",
-        "the image epguard injects to copy the probe into pods; only pods whose "
-        "epguard-copy-probe runs it are trusted to report probe outcomes. Empty trusts any "
-        "probe call",
-        "",
-        empty_is_value=True,
-    ),
-    Option(
-        "peering",
-        "EPGUARD_PEERING",
-        "kopf ClusterKopfPeering name for HA (one active replica); empty runs standalone",
-        "epguard",
-        empty_is_value=True,
-    ),
-    Option(
-        "liveness",
-        "EPGUARD_LIVENESS",
-        "kopf liveness endpoint URL; empty disables it",
-        "http://0.0.0.0:8080/healthz",
-        empty_is_value=True,
-    ),
-    Option(
-        "poll_interval",
-        "EPGUARD_CERT_POLL_SECONDS",
-        "seconds between TLS reconciliations",
-        60.0,
-        number(positive=True),
-        chart="tls.selfManaged.pollSeconds",
-    ),
-    Option(
-        "ca_validity_hours",
-        "EPGUARD_CA_VALIDITY_HOURS",
-        "CA lifetime, in hours",
-        CA_VALIDITY,
-        hours,
-        chart="tls.selfManaged.caValidityHours",
-    ),
-    Option(
-        "ca_renew_before_hours",
-        "EPGUARD_CA_RENEW_BEFORE_HOURS",
-        "renew the CA this many hours before it expires",
-        CA_RENEW_BEFORE,
-        hours,
-        chart="tls.selfManaged.caRenewBeforeHours",
-    ),
-    Option(
-        "cert_validity_hours",
-        "EPGUARD_CERT_VALIDITY_HOURS",
-        "serving cert lifetime, in hours",
-        CERT_VALIDITY,
-        hours,
-        chart="tls.selfManaged.certValidityHours",
-    ),
-    Option(
-        "cert_renew_before_hours",
-        "EPGUARD_CERT_RENEW_BEFORE_HOURS",
-        "renew the serving cert this many hours before it expires",
-        CERT_RENEW_BEFORE,
-        hours,
-        chart="tls.selfManaged.certRenewBeforeHours",
-    ),
-    Option(
-        "ca_overlap_hours",
-        "EPGUARD_CA_OVERLAP_HOURS",
-        "hours a new CA is trusted before it signs",
-        CA_OVERLAP,
-        hours,
-        chart="tls.selfManaged.caOverlapHours",
-    ),
-    KUBECONFIG,
-    # The outage backstop (webhook/controller/compiler.py). It judges as the webhook does, so it
-    # reads the webhook's mode, exemption, tag TTL, kinds, namespaces and selector.
-    Option(
-        "backstop_enabled",
-        "EPGUARD_BACKSTOP_ENABLED",
-        "keep the outage backstop installed; false removes one an earlier run left",
-        False,
-        boolean,
-    ),
-    Option(
-        "backstop",
-        "EPGUARD_BACKSTOP",
-        "name of the outage backstop (its parameter ConfigMap and the prefix of its "
-        "ValidatingAdmissionPolicies)",
-        "epguard-backstop",
-    ),
-    MODE,
-    ALLOW_SKIP,
-    VERDICT_TTL,
-    RULES_CONFIGMAP,
-    RULES_KEY,
-    EXTRA_KINDS,
-    Option(
-        "exclude_namespaces",
-        "EPGUARD_EXCLUDE_NAMESPACES",
-        "namespaces the backstop never judges, comma-separated (as the webhooks' "
-        "namespaceSelector)",
-        ("kube-system",),
-        names,
-    ),
-    Option(
-        "object_selector",
-        "EPGUARD_OBJECT_SELECTOR",
-        "the webhooks' objectSelector as JSON (webhook.objectSelector); the backstop "
-        "judges only what the webhook is asked about",
-        None,
-        json_object,
-    ),
-    LOG_LEVEL,
-)
 
 
-def _default_text(o: Option) -> str:
+@dataclass(frozen=True)
+class ControllerSettings:
+    """The controller's settings, each field declared by the option that reads it
+    (``controller/config.py`` makes the controller's configuration of them)."""
+
+    namespace: str = setting(NAMESPACE)
+    probe_key_secret: str = setting(PROBE_KEY_SECRET)
+    probe_key_rotation_days: float = setting(
+        Option(
+            "EPGUARD_PROBE_KEY_ROTATION_DAYS",
+            "days before the probe-signing key is replaced (the previous keys still verify)",
+            30.0,
+            number(positive=True),
+            chart="injection.keyRotationDays",
+        )
+    )
+    manage_certs: bool = setting(
+        Option(
+            "EPGUARD_MANAGE_CERTS",
+            "create/rotate the CA and serving cert and inject caBundle; false when "
+            "cert-manager does it",
+            True,
+            boolean,
+        )
+    )
+    tls_secret: str = setting(
+        Option(
+            "EPGUARD_TLS_SECRET",
+            "Secret holding tls.crt, tls.key, ca.crt",
+            "epguard-tls",
+            text,
+            chart="tls.secretName",
+        )
+    )
+    service: str = setting(
+        Option(
+            "EPGUARD_SERVICE",
+            "the webhook Service; the serving cert is issued for its DNS names",
+            "epguard-webhook",
+            text,
+        )
+    )
+    extra_san: str = setting(
+        Option(
+            "EPGUARD_EXTRA_SANS",
+            "another subject alternative name for the serving cert besides the Service's "
+            "DNS names: an IP address (127.0.0.1, ::1) or a DNS name, for a webhook the API "
+            "server reaches by address. Repeat it or separate with commas (the variable: "
+            "commas or spaces); given on the command line it replaces the variable. Only "
+            "with manage-certs",
+            "",
+            text,
+            flag="--extra-san",
+            repeat=True,
+            metavar="NAME_OR_IP",
+        )
+    )
+    validating_webhook: str = setting(
+        Option(
+            "EPGUARD_VALIDATING_WEBHOOK",
+            "ValidatingWebhookConfiguration whose caBundle is kept current",
+            "epguard",
+            text,
+        )
+    )
+    mutating_webhook: str = setting(
+        Option(
+            "EPGUARD_MUTATING_WEBHOOK",
+            "MutatingWebhookConfiguration whose caBundle is kept current; empty for none",
+            "",
+            text,
+            empty_is_value=True,
+        )
+    )
+    # The webhook's EPGUARD_INJECT_IMAGE too, with another meaning: "inject this" to the
+    # webhook (it needs an image), "trust only this" to the controller.
+    probe_image: str = setting(
+        Option(
+            "EPGUARD_INJECT_IMAGE",
+            "the image epguard injects to copy the probe into pods; only pods whose "
+            "epguard-copy-probe runs it are trusted to report probe outcomes. Empty trusts "
+            "any probe call",
+            "",
+            text,
+            empty_is_value=True,
+        )
+    )
+    peering: str = setting(
+        Option(
+            "EPGUARD_PEERING",
+            "kopf ClusterKopfPeering name for HA (one active replica); empty runs standalone",
+            "epguard",
+            text,
+            empty_is_value=True,
+        )
+    )
+    liveness: str = setting(
+        Option(
+            "EPGUARD_LIVENESS",
+            "kopf liveness endpoint URL; empty disables it",
+            "http://0.0.0.0:8080/healthz",
+            text,
+            empty_is_value=True,
+        )
+    )
+    poll_interval: float = setting(
+        Option(
+            "EPGUARD_CERT_POLL_SECONDS",
+            "seconds between TLS reconciliations",
+            60.0,
+            number(positive=True),
+            chart="tls.selfManaged.pollSeconds",
+        )
+    )
+    ca_validity_hours: dt.timedelta = setting(
+        Option(
+            "EPGUARD_CA_VALIDITY_HOURS",
+            "CA lifetime, in hours",
+            CA_VALIDITY,
+            hours,
+            chart="tls.selfManaged.caValidityHours",
+        )
+    )
+    ca_renew_before_hours: dt.timedelta = setting(
+        Option(
+            "EPGUARD_CA_RENEW_BEFORE_HOURS",
+            "renew the CA this many hours before it expires",
+            CA_RENEW_BEFORE,
+            hours,
+            chart="tls.selfManaged.caRenewBeforeHours",
+        )
+    )
+    cert_validity_hours: dt.timedelta = setting(
+        Option(
+            "EPGUARD_CERT_VALIDITY_HOURS",
+            "serving cert lifetime, in hours",
+            CERT_VALIDITY,
+            hours,
+            chart="tls.selfManaged.certValidityHours",
+        )
+    )
+    cert_renew_before_hours: dt.timedelta = setting(
+        Option(
+            "EPGUARD_CERT_RENEW_BEFORE_HOURS",
+            "renew the serving cert this many hours before it expires",
+            CERT_RENEW_BEFORE,
+            hours,
+            chart="tls.selfManaged.certRenewBeforeHours",
+        )
+    )
+    ca_overlap_hours: dt.timedelta = setting(
+        Option(
+            "EPGUARD_CA_OVERLAP_HOURS",
+            "hours a new CA is trusted before it signs",
+            CA_OVERLAP,
+            hours,
+            chart="tls.selfManaged.caOverlapHours",
+        )
+    )
+    kubeconfig: str | None = setting(KUBECONFIG)
+    # The outage backstop (webhook/controller/compiler.py). It judges as the webhook does,
+    # so it reads the webhook's mode, exemption, tag TTL, kinds, namespaces and selector.
+    backstop_enabled: bool = setting(
+        Option(
+            "EPGUARD_BACKSTOP_ENABLED",
+            "keep the outage backstop installed; false removes one an earlier run left",
+            False,
+            boolean,
+        )
+    )
+    backstop_name: str = setting(
+        Option(
+            "EPGUARD_BACKSTOP",
+            "name of the outage backstop (its parameter ConfigMap and the prefix of its "
+            "ValidatingAdmissionPolicies)",
+            "epguard-backstop",
+            text,
+            flag="--backstop",
+            metavar="BACKSTOP",
+        )
+    )
+    mode: Mode = setting(MODE)
+    allow_skip: bool = setting(ALLOW_SKIP)
+    verdict_ttl_hours: float = setting(VERDICT_TTL)
+    rules_configmap: str = setting(RULES_CONFIGMAP)
+    rules_key: str = setting(RULES_KEY)
+    extra_kinds: tuple[KindSpec, ...] = setting(EXTRA_KINDS)
+    exclude_namespaces: tuple[str, ...] = setting(
+        Option(
+            "EPGUARD_EXCLUDE_NAMESPACES",
+            "namespaces the backstop never judges, comma-separated (as the webhooks' "
+            "namespaceSelector)",
+            ("kube-system",),
+            names,
+        )
+    )
+    object_selector: dict[str, Any] | None = setting(
+        Option(
+            "EPGUARD_OBJECT_SELECTOR",
+            "the webhooks' objectSelector as JSON (webhook.objectSelector); the backstop "
+            "judges only what the webhook is asked about",
+            None,
+            json_object,
+        )
+    )
+    log_level: str = setting(LOG_LEVEL)
+
+
+# Every option of each component, in --help order (tests/chart checks the chart's
+# defaults against them).
+WEBHOOK_OPTIONS: tuple[Option[Any], ...] = tuple(options_of(Settings).values())
+CONTROLLER_OPTIONS: tuple[Option[Any], ...] = tuple(options_of(ControllerSettings).values())
+
+
+def _default_text(o: Option[Any]) -> str:
     d = o.default
     if isinstance(d, dt.timedelta):
         return f"{_hours_of(d):g}"
@@ -544,20 +625,22 @@ class _Parser(argparse.ArgumentParser):
 
 
 def read(
-    options: Sequence[Option],
+    options: Mapping[str, Option[Any]],
     argv: Sequence[str] | None,
     environ: Mapping[str, str] | None,
     *,
     prog: str,
     description: str,
 ) -> dict[str, Any]:
-    """Each option's value (flag > environment > default), parsed; SettingsError if bad."""
+    """Each option's value by name (flag > environment > default), parsed; SettingsError
+    if bad."""
     env = os.environ if environ is None else environ
     p = _Parser(prog=prog, description=description)
-    for o in options:
+    flags = {name: o.flag or "--" + name.replace("_", "-") for name, o in options.items()}
+    for name, o in options.items():
         p.add_argument(
-            o.option,
-            dest=o.attr,
+            flags[name],
+            dest=name,
             default=None,
             action="append" if o.repeat else "store",
             metavar=o.metavar,
@@ -565,60 +648,25 @@ def read(
         )
     ns = p.parse_args(argv)
     values: dict[str, Any] = {}
-    for o in options:
-        given = getattr(ns, o.attr)
+    for name, o in options.items():
+        given = getattr(ns, name)
         if given is not None:
-            raw, source = (",".join(given) if o.repeat else given), o.option
+            raw, source = (",".join(given) if o.repeat else given), flags[name]
         else:
             raw, source = env.get(o.env), o.env
             if raw is None or (raw == "" and not o.empty_is_value):
-                values[o.attr] = o.default
+                values[name] = o.default
                 continue
         try:
-            values[o.attr] = o.parse(raw)
+            values[name] = o.parse(raw)
         except ValueError as exc:
             raise SettingsError(f"{source}: {exc}, not {raw!r}") from None
     return values
 
 
-_D = {o.attr: o.default for o in WEBHOOK_OPTIONS}
-
-
-@dataclass(frozen=True)
-class Settings:
-    """The webhook's settings: ``WEBHOOK_OPTIONS``, each default taken from its option."""
-
-    rules: str | None
-    tls_cert: str | None
-    tls_key: str | None
-    host: str = _D["host"]
-    port: int = _D["port"]
-    mode: Mode = _D["mode"]
-    allow_skip: bool = _D["allow_skip"]
-    namespace: str = _D["namespace"]
-    rules_configmap: str = _D["rules_configmap"]
-    rules_key: str = _D["rules_key"]
-    probe_key_secret: str = _D["probe_key_secret"]
-    kubeconfig: str | None = _D["kubeconfig"]
-    watch: str = _D["watch"]
-    verdict_ttl_hours: float = _D["verdict_ttl_hours"]
-    reload_interval: float = _D["reload_interval"]
-    log_level: str = _D["log_level"]
-    max_body_bytes: int = _D["max_body_bytes"]
-    deadline_seconds: float = _D["deadline_seconds"]
-    max_head_bytes: int = _D["max_head_bytes"]
-    head_timeout_seconds: float = _D["head_timeout_seconds"]
-    max_inflight_bytes: int = _D["max_inflight_bytes"]
-    client_ca: str | None = _D["client_ca"]
-    body_timeout_seconds: float = _D["body_timeout_seconds"]
-    inject_image: str = _D["inject_image"]
-    probe_level: str = _D["probe_level"]
-    extra_kinds: tuple[KindSpec, ...] = _D["extra_kinds"]
-
-
 def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
     values = read(
-        WEBHOOK_OPTIONS,
+        options_of(Settings),
         argv,
         environ,
         prog="epguard-webhook",
@@ -631,7 +679,3 @@ def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     if values["client_ca"] and values["tls_cert"] is None:
         raise SettingsError("--client-ca needs --tls-cert and --tls-key (it is a TLS setting)")
     return Settings(**values)
-
-
-# The dataclass and the table must name the same settings.
-assert {f.name for f in fields(Settings)} == set(_D), "Settings and WEBHOOK_OPTIONS differ"

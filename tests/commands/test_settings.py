@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -14,9 +15,11 @@ from epguard.webhook.controller.config import parse
 from epguard.webhook.settings import (
     CONTROLLER_OPTIONS,
     WEBHOOK_OPTIONS,
+    ControllerSettings,
     Settings,
     SettingsError,
     load,
+    options_of,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -90,7 +93,10 @@ def test_an_empty_variable_means_empty_only_where_that_means_something() -> None
 def test_every_option_is_defined_once() -> None:
     for options in (WEBHOOK_OPTIONS, CONTROLLER_OPTIONS):
         assert len({o.env for o in options}) == len(options)
-        assert len({o.attr for o in options}) == len(options)
+    # Each is declared by a settings field, which names it (and its flag).
+    assert len(fields(Settings)) == len(options_of(Settings)) == len(WEBHOOK_OPTIONS)
+    controller = options_of(ControllerSettings)
+    assert len(fields(ControllerSettings)) == len(controller) == len(CONTROLLER_OPTIONS)
     # A variable both components read is one Option object, so one default and one parser
     # -- except the probe image, which means "inject this" to the webhook (it needs an
     # image) and "trust only this" to the controller (empty trusts any probe call).
@@ -100,11 +106,14 @@ def test_every_option_is_defined_once() -> None:
             assert webhook[o.env] is o, o.env
 
 
-def test_the_webhook_settings_defaults_are_the_options_defaults() -> None:
+def test_the_settings_defaults_are_the_options_defaults() -> None:
     built = Settings(rules=None, tls_cert=None, tls_key=None)
-    for o in WEBHOOK_OPTIONS:
-        assert getattr(built, o.attr) == o.default, o.attr
+    for name, o in options_of(Settings).items():
+        assert getattr(built, name) == o.default, name
     assert load([], {}) == built
+    controller = ControllerSettings()
+    for name, o in options_of(ControllerSettings).items():
+        assert getattr(controller, name) == o.default, name
 
 
 @pytest.mark.parametrize(("component", "level"), [("controller", "info"), ("webhook", "INFO")])
