@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import kopf
-from kopf._core.engines.peering import Identity
 
 from epguard.webhook.cluster.kube import NoCredentials, api_client
 from epguard.webhook.controller import HANDLER_MODULES
@@ -30,18 +29,21 @@ from epguard.webhook.settings import SettingsError
 log = logging.getLogger("epguard.controller")
 
 
-def _configure_settings(config: ControllerConfig, priority: int) -> Any:
-    @kopf.on.startup()
-    def _settings(settings: kopf.OperatorSettings, **_: Any) -> None:
-        settings.peering.priority = priority
-        settings.peering.mandatory = bool(config.peering)
-        settings.peering.clusterwide = True
-        # The operator's own bookkeeping stays out of the objects' annotations as much as
-        # kopf allows; events about handler progress go to the log, not to the API.
-        settings.posting.level = logging.WARNING
-        settings.persistence.finalizer = "epguard.io/controller"
-
-    return _settings
+def operator_settings(config: ControllerConfig, priority: int) -> kopf.OperatorSettings:
+    """The operator's kopf settings, given to kopf once, at start (a handler module may
+    add its own at startup, as the recorder does its pod selector): peering (mandatory
+    under ``config.peering``, standalone without it) at this replica's priority; the
+    operator's own bookkeeping stays out of the objects' annotations as much as kopf
+    allows, and events about handler progress go to the log, not to the API."""
+    settings = kopf.OperatorSettings()
+    settings.peering.standalone = not config.peering
+    settings.peering.mandatory = bool(config.peering)
+    if config.peering:
+        settings.peering.name = config.peering
+    settings.peering.priority = priority
+    settings.posting.level = logging.WARNING
+    settings.persistence.finalizer = "epguard.io/controller"
+    return settings
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -67,7 +69,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     for module in HANDLER_MODULES:
         importlib.import_module(module)
     priority = secrets.randbelow(2**31 - 1) + 1
-    _configure_settings(config, priority)
     if config.peering:
         try:
             ensure_peering(KubePeeringApi(api), config.peering)
@@ -83,15 +84,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         priority,
         config.backstop.name if config.backstop else "(off)",
     )
+    # kopf's default identity starts with getpass.getuser(), which raises in the image:
+    # UID 65532 has no passwd entry (found when the chart first ran as pods). kopf types
+    # it as a str of its own (a NewType in a private module), hence Any.
+    identity: Any = f"{socket.gethostname()}/{secrets.token_hex(4)}"
     asyncio.run(
         kopf.operator(
-            clusterwide=True,
-            standalone=not config.peering,
-            peering_name=config.peering or None,
-            priority=priority,
-            # kopf's default identity starts with getpass.getuser(), which raises in the
-            # image: UID 65532 has no passwd entry (found when the chart first ran as pods).
-            identity=Identity(f"{socket.gethostname()}/{secrets.token_hex(4)}"),
+            settings=operator_settings(config, priority),
+            clusterwide=True,  # the operator's scope; kopf's peering follows it
+            identity=identity,
             liveness_endpoint=config.liveness or None,
             memo=kopf.Memo(config=config, api=api),
         )
