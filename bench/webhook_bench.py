@@ -6,8 +6,8 @@ Starts two servers as separate processes, both uvicorn + TLS on loopback:
 * ``epguard``: the real webhook (``python -m epguard.webhook``) with the built-in rules plus
   one deny rule;
 * ``floor``: a bare FastAPI endpoint that reads the body, validates the same
-  AdmissionReview envelope and answers "allowed" -- the least any Python webhook
-  on this stack can do.
+  AdmissionReview envelope and answers "allowed" (encoded as epguard encodes its
+  answers) -- the least any Python webhook on this stack can do.
 
 Then drives each over keep-alive TLS connections (1, 8, 32) with a realistic
 ~10 KB elastic-EP pod (the webhook judges it fully: shell script split, flag
@@ -218,22 +218,18 @@ def review_bytes(obj: dict[str, Any]) -> bytes:
 
 
 def floor_app() -> Any:
-    from epguard.webhook.engine.review import (
-        AdmissionResponse,
-        AdmissionReviewRequest,
-        AdmissionReviewResponse,
-    )
+    from epguard.webhook.admission.completion import encode
+    from epguard.webhook.admission.handler import Outcome
+    from epguard.webhook.engine.review import AdmissionReviewRequest
 
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    allowed = Outcome(True, "allowed")
 
     @app.post("/validate")
     async def validate(request: Request) -> Response:
         review = AdmissionReviewRequest.model_validate_json(await request.body())
-        out = AdmissionReviewResponse(
-            apiVersion=review.apiVersion,
-            response=AdmissionResponse(uid=review.request.uid, allowed=True),
-        )
-        return Response(out.to_json(), media_type="application/json")
+        out = encode(review.apiVersion, review.request.uid, allowed)
+        return Response(out, media_type="application/json")
 
     return app
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from epguard.webhook.engine.policy import PolicyConfig, PolicyState
 from epguard.webhook.engine.review import AdmissionRequest
-from epguard.webhook.engine.rules import load_rules_text
+from epguard.webhook.engine.rules import RulesHolder, load_rules_text
 
 _uid = itertools.count(1)
 
@@ -172,7 +172,7 @@ def request(obj: Any, **kw: Any) -> AdmissionRequest:
 def make_state(**config: object) -> PolicyState:
     """Policy state holding TEST_RULES. (Here, not in conftest: several conftest modules
     share that import name, so `from conftest import` depends on collection order.)"""
-    return PolicyState.from_rules(
-        load_rules_text(TEST_RULES, "test-rules"),
-        PolicyConfig(**config),  # type: ignore[arg-type]
+    return PolicyState(
+        rules=RulesHolder(load_rules_text(TEST_RULES, "test-rules")),
+        config=PolicyConfig(**config),  # type: ignore[arg-type]
     )

@@ -12,7 +12,7 @@ import pytest
 from epguard.webhook.admission.handler import RulesConfigMap, Validator
 from epguard.webhook.engine.policy import PolicyState
 from epguard.webhook.engine.review import AdmissionRequest, GroupVersionKind
-from epguard.webhook.engine.rules import RuleSet
+from epguard.webhook.engine.rules import RuleSet, RulesHolder
 from tests.factory import TEST_RULES
 
 WHERE = RulesConfigMap("epguard-system", "epguard-rules", "rules.yaml")
@@ -31,7 +31,7 @@ def _edit(data: dict[str, Any] | None, name: str = "epguard-rules",
 
 
 def _validate(req: AdmissionRequest) -> Any:
-    return Validator(PolicyState.from_rules(RuleSet()), WHERE)(req)
+    return Validator(PolicyState(rules=RulesHolder(RuleSet())), WHERE)(req)
 
 
 def test_an_edit_whose_rules_load_is_admitted() -> None:
@@ -99,5 +99,5 @@ def test_other_configmaps_are_not_judged() -> None:
 
 
 def test_without_a_rules_configmap_a_configmap_goes_to_the_engine() -> None:
-    o = Validator(PolicyState.from_rules(RuleSet()))(_edit({"rules.yaml": "]["}))
+    o = Validator(PolicyState(rules=RulesHolder(RuleSet())))(_edit({"rules.yaml": "]["}))
     assert o.allowed

@@ -40,7 +40,7 @@ from epguard.webhook.controller.compiler import (
 from epguard.webhook.engine.imageref import parse
 from epguard.webhook.engine.policy import PolicyConfig, PolicyState, decide
 from epguard.webhook.engine.review import AdmissionRequest
-from epguard.webhook.engine.rules import Rule, RuleSet
+from epguard.webhook.engine.rules import Rule, RuleSet, RulesHolder
 from epguard.webhook.engine.verdicts import VerdictStore, verdict_from_object
 from epguard.webhook.engine.workloads import BUILTIN, PATH_KINDS
 
@@ -171,7 +171,7 @@ def judge_all(obj: dict[str, Any], params: Params, rules: RuleSet = NO_RULES) ->
 
 
 def webhook_says(obj: dict[str, Any], rules: RuleSet, store: VerdictStore) -> str | None:
-    state = PolicyState.from_rules(rules, PolicyConfig(kinds=BUILTIN))
+    state = PolicyState(rules=RulesHolder(rules), config=PolicyConfig(kinds=BUILTIN))
     state.verdicts = store
     request = AdmissionRequest.model_validate(
         {

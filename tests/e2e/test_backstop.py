@@ -32,7 +32,7 @@ from epguard.webhook.controller.compiler import BackstopConfig, compile_params
 from epguard.webhook.engine.imageref import ImageRefError, parse
 from epguard.webhook.engine.policy import PolicyConfig, PolicyState, decide
 from epguard.webhook.engine.review import AdmissionRequest
-from epguard.webhook.engine.rules import Rule, RuleSet
+from epguard.webhook.engine.rules import Rule, RuleSet, RulesHolder
 from epguard.webhook.engine.verdicts import VerdictStore, verdict_from_object
 from epguard.webhook.engine.workloads import BUILTIN, PATH_KINDS
 from tests import hostile_pods, realmanifests
@@ -376,7 +376,7 @@ def test_the_backstop_is_never_stricter_than_the_webhook_on_the_whole_corpus(
     )
     ruleset = RuleSet(tuple(rules))
     _params(cluster, ruleset, store)
-    state = PolicyState.from_rules(ruleset, PolicyConfig(kinds=BUILTIN))
+    state = PolicyState(rules=RulesHolder(ruleset), config=PolicyConfig(kinds=BUILTIN))
     state.verdicts = store
 
     both = policy_only = webhook_only = unserved = invalid = 0

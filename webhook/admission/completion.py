@@ -52,7 +52,7 @@ class Answer:
     request: AdmissionRequest | None = None
     reason: str | None = None  # why a request was refused or failed (a bounded word)
     detail: str | None = None  # the same, in words
-    # Why a review was answered by mode without being judged (transport.UNJUDGED_REASONS).
+    # Why a review was answered by mode without being judged: busy, deadline or too_large.
     unjudged: str | None = None
 
 

@@ -32,8 +32,6 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from epguard.webhook.admission.transport import CLIENT_CERT
 
-CUT_REASONS = ("head_size", "head_deadline", "body_deadline")
-
 
 @dataclass(frozen=True, slots=True)
 class HeadLimits:

@@ -72,8 +72,6 @@ PEEK_BYTES = 64 * 1024
 # Set in the ASGI scope by the connection (webhook/admission/protocol.py): True when the client
 # presented a certificate the client CA signed (tls.py).
 CLIENT_CERT = "epguard.client_cert"
-# Why a review was answered by mode instead of judged (a bounded set, for the metric).
-UNJUDGED_REASONS = ("busy", "deadline", "too_large")
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +88,6 @@ PODS_LANE = LaneSpec("pods", threads=2, waiting=4)
 # Rules-ConfigMap edits: one thread (a 1 MiB rules file takes ~1.3 s and ~50 MiB to
 # parse), one waiting; an admin's edit is rare, a stream of them is not an admin.
 RULES_LANE = LaneSpec("rules", threads=1, waiting=1)
-POOL_THREADS = PODS_LANE.threads
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,7 @@ import base64
 import contextlib
 import datetime as dt
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -375,7 +375,3 @@ async def stop_certificate_manager(memo: kopf.Memo, **_: Any) -> None:
 kopf.on.startup(id="epguard-tls-start")(start_certificate_manager)
 kopf.on.cleanup(id="epguard-tls-stop")(stop_certificate_manager)
 
-
-def ca_bundle_of(data: Mapping[str, bytes]) -> bytes:
-    """The bytes that belong in caBundle for a given Secret's data."""
-    return data[authority.CA_CRT]

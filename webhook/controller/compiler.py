@@ -59,7 +59,7 @@ import hashlib
 import itertools
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -379,12 +379,6 @@ def compile_params(store: VerdictStore, now: dt.datetime) -> Params:
     entries.sort(key=lambda e: (e.kind, e.key, e.tag))
     shards, dropped = shard_entries(entries)
     return Params(tuple(s.data() for s in shards), len(entries) - dropped, dropped, next_change)
-
-
-def verdicts_of(objects: Iterable[Verdict], tag_ttl: dt.timedelta) -> VerdictStore:
-    store = VerdictStore(tag_ttl=tag_ttl)
-    store.replace(objects)
-    return store
 
 
 # --- command lines -------------------------------------------------------------------

@@ -18,7 +18,7 @@ from epguard.webhook.engine.imageref import ImageRef, ImageRefError, parse
 from epguard.webhook.engine.namespaces import INJECT_KEY, Mode, NamespaceIndex, opts_in
 from epguard.webhook.engine.outcome import is_probe
 from epguard.webhook.engine.review import AdmissionRequest
-from epguard.webhook.engine.rules import Rule, RuleSet, RulesHolder
+from epguard.webhook.engine.rules import Rule, RulesHolder
 from epguard.webhook.engine.signing import KeyringHolder
 from epguard.webhook.engine.verdicts import NoVerdicts, VerdictHit, VerdictLookup
 from epguard.webhook.engine.workloads import (
@@ -63,10 +63,6 @@ class PolicyState:
     config: PolicyConfig = field(default_factory=PolicyConfig)
     # The probe-signing keys (webhook/engine/signing.py), from the Secret the controller keeps.
     keys: KeyringHolder = field(default_factory=KeyringHolder)
-
-    @classmethod
-    def from_rules(cls, rules: RuleSet, config: PolicyConfig | None = None) -> PolicyState:
-        return cls(rules=RulesHolder(rules), config=config or PolicyConfig())
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,8 +12,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-API_VERSIONS = ("admission.k8s.io/v1", "admission.k8s.io/v1beta1")
-
 
 class _Wire(BaseModel):
     # Kubernetes adds fields over time; unknown ones are ignored, not an error.
@@ -49,29 +47,3 @@ class AdmissionReviewRequest(_Wire):
     apiVersion: Literal["admission.k8s.io/v1", "admission.k8s.io/v1beta1"]
     kind: Literal["AdmissionReview"]
     request: AdmissionRequest
-
-
-class Status(_Wire):
-    code: int
-    message: str
-    reason: str | None = None
-
-
-class AdmissionResponse(_Wire):
-    uid: str
-    allowed: bool
-    status: Status | None = None
-    warnings: list[str] | None = None
-    auditAnnotations: dict[str, str] | None = None
-    # Mutating webhooks only: a base64-encoded RFC 6902 JSON patch.
-    patch: str | None = None
-    patchType: Literal["JSONPatch"] | None = None
-
-
-class AdmissionReviewResponse(_Wire):
-    apiVersion: str = "admission.k8s.io/v1"
-    kind: Literal["AdmissionReview"] = "AdmissionReview"
-    response: AdmissionResponse
-
-    def to_json(self) -> bytes:
-        return self.model_dump_json(exclude_none=True).encode()

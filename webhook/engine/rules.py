@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -222,10 +221,6 @@ def rule_warnings(rules: RuleSet) -> list[str]:
                 f"{rules.source}: rule {r.id!r}: image glob {r.image!r} can never match: {why}"
             )
     return out
-
-
-def rule_ids(rules: Iterable[Rule]) -> list[str]:
-    return [r.id for r in rules]
 
 
 class RulesHolder:
