@@ -14,6 +14,11 @@ Event's name is derived from the run, so posting it again is a 409, not a duplic
 Only the active peer handles events (kopf peering pauses the others), so two
 replicas do not double-count; the ImageVerdict write still carries the
 resourceVersion it read, so a race ends in a 409 and a re-read, not a lost update.
+
+Every API call goes through :class:`RecorderApi` (the real one is
+:class:`KubeRecorderApi`, on the official client), so the recording itself can be tested
+against an in-memory API with the API server's conflict semantics
+(tests/controller/test_recorder.py).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import kopf
@@ -30,6 +35,7 @@ from kubernetes.client.exceptions import ApiException
 
 from epguard.webhook.cluster.kube import (
     REQUEST_TIMEOUT,
+    Json,
     get_object,
     get_verdict,
     meta,
@@ -62,6 +68,7 @@ from epguard.webhook.engine.verdicts import (
     GROUP,
     PLURAL,
     VERSION,
+    ImageVerdictObject,
     ImageVerdictSpec,
     verdict_object,
 )
@@ -99,14 +106,109 @@ def _now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
 
-class Recorder:
-    """The API side of recording: ImageVerdict upserts, Events, owner lookups. Blocking
-    calls on the official client; kopf runs the handler that uses it in its executor."""
+class Conflict(Exception):
+    """A write lost a race (HTTP 409: the object exists, or changed since it was read):
+    re-read and decide again."""
+
+
+class Unreadable(Exception):
+    """An object that cannot be read (403: the chart's RBAC does not cover its kind;
+    404: gone). ``reason`` is the API server's."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class RecorderApi(Protocol):
+    """The API calls recording needs. The real one is :class:`KubeRecorderApi`; the tests
+    use an in-memory one with the same conflict semantics."""
+
+    def read_verdict(self, name: str) -> dict[str, Any] | None:
+        """The ImageVerdict ``name`` as raw JSON (with its resourceVersion), None when
+        there is none."""
+
+    def create_verdict(self, body: ImageVerdictObject) -> None:
+        """Create; Conflict when it exists already."""
+
+    def replace_verdict(self, name: str, body: ImageVerdictObject) -> None:
+        """Replace at the resourceVersion ``body`` carries; Conflict when it changed."""
+
+    def read_object(self, path: str) -> Json:
+        """Any object by REST path (an owner of a kind the typed APIs do not know);
+        Unreadable when the API server refuses it."""
+
+    def post_event(
+        self,
+        about: client.V1ObjectReference,
+        reason: str,
+        message: str,
+        *,
+        warning: bool,
+        key: str,
+    ) -> bool:
+        """Post one Event named by (``about``, ``key``): the same key again is the same
+        Event (a 409, which counts as posted). False when it could not be posted."""
+
+
+class KubeRecorderApi:
+    """:class:`RecorderApi` on the official client (blocking calls: kopf runs the handler
+    in its executor)."""
 
     def __init__(self, api: client.ApiClient) -> None:
         self.api = api
-        self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
+
+    def read_verdict(self, name: str) -> dict[str, Any] | None:
+        return get_verdict(self.custom, name)
+
+    def create_verdict(self, body: ImageVerdictObject) -> None:
+        try:
+            self.custom.create_cluster_custom_object(
+                GROUP, VERSION, PLURAL, dict(body), _request_timeout=REQUEST_TIMEOUT
+            )
+        except ApiException as exc:
+            if exc.status == 409:
+                raise Conflict(str(exc.reason)) from exc
+            raise
+
+    def replace_verdict(self, name: str, body: ImageVerdictObject) -> None:
+        try:
+            self.custom.replace_cluster_custom_object(
+                GROUP, VERSION, PLURAL, name, dict(body), _request_timeout=REQUEST_TIMEOUT
+            )
+        except ApiException as exc:
+            if exc.status == 409:
+                raise Conflict(str(exc.reason)) from exc
+            raise
+
+    def read_object(self, path: str) -> Json:
+        try:
+            return get_object(self.api, path)
+        except ApiException as exc:
+            raise Unreadable(str(exc.reason)) from exc
+
+    def post_event(
+        self,
+        about: client.V1ObjectReference,
+        reason: str,
+        message: str,
+        *,
+        warning: bool,
+        key: str,
+    ) -> bool:
+        return post_event(
+            self.api, about, reason, message, warning=warning, component=COMPONENT, key=key
+        )
+
+
+class Recorder:
+    """The API side of recording: ImageVerdict upserts, Events, owner lookups, through a
+    :class:`RecorderApi`; and the runs this process recorded already."""
+
+    def __init__(self, api: RecorderApi, clock: Callable[[], dt.datetime] = _now) -> None:
+        self.api = api
+        self.clock = clock
         self.done: OrderedDict[str, None] = OrderedDict()
 
     def is_done(self, run: str) -> bool:
@@ -121,25 +223,19 @@ class Recorder:
         """Count this run on the image's ImageVerdict; None when it was counted already."""
         name = verdict_name(outcome.image, outcome.digest)
         for _ in range(WRITE_ATTEMPTS):
-            existing = get_verdict(self.custom, name)
+            existing = self.api.read_verdict(name)
             previous = existing.get("spec") if existing else None
             if run in recorded_runs(previous):
                 return None
-            spec = verdict_spec(outcome, pod, _now(), previous, run)
+            spec = verdict_spec(outcome, pod, self.clock(), previous, run)
             body = verdict_object(name, spec, COMPONENT, existing)
             try:
                 if existing is None:
-                    self.custom.create_cluster_custom_object(
-                        GROUP, VERSION, PLURAL, dict(body), _request_timeout=REQUEST_TIMEOUT
-                    )
+                    self.api.create_verdict(body)
                 else:
-                    self.custom.replace_cluster_custom_object(
-                        GROUP, VERSION, PLURAL, name, dict(body), _request_timeout=REQUEST_TIMEOUT
-                    )
-            except ApiException as exc:
-                if exc.status == 409:  # lost a race (create or stale resourceVersion)
-                    continue
-                raise
+                    self.api.replace_verdict(name, body)
+            except Conflict:  # lost a race (create or stale resourceVersion)
+                continue
             return spec
         raise kopf.TemporaryError(f"ImageVerdict {name}: too many write conflicts", delay=5)
 
@@ -169,8 +265,8 @@ class Recorder:
             # Every owner kind that makes pods pluralizes as kind + "s".
             path = resource_path(api_version, kind.lower() + "s", namespace, name)
             try:
-                parent = get_object(self.api, path)
-            except ApiException as exc:
+                parent = self.api.read_object(path)
+            except Unreadable as exc:
                 # 403: the chart's RBAC does not cover this owner kind; 404: gone. Either
                 # way the owner we have is the best we can name.
                 log.debug("stopping owner walk at %s/%s: %s", kind, name, exc.reason)
@@ -190,9 +286,7 @@ class Recorder:
             reason = "MooncakeProbeFailed"
         # One name per (object, run): posting the same outcome again is a 409. An Event
         # is a courtesy: failing to post one must not stop the verdict.
-        if not post_event(
-            self.api, about, reason, message, warning=not usable, component=COMPONENT, key=run
-        ):
+        if not self.api.post_event(about, reason, message, warning=not usable, key=run):
             log.warning("could not post event on %s/%s", about.kind, about.name)
 
     def post_untrusted(self, about: client.V1ObjectReference, reason: str, uid: str) -> None:
@@ -201,14 +295,8 @@ class Recorder:
             f"epguard learns nothing from this pod's probe: {reason}. Only a probe that "
             "epguard injected and signed, unchanged since, is evidence about an image"
         )
-        if not post_event(
-            self.api,
-            about,
-            "EpguardProbeNotTrusted",
-            message,
-            warning=True,
-            component=COMPONENT,
-            key=f"{uid}/untrusted",
+        if not self.api.post_event(
+            about, "EpguardProbeNotTrusted", message, warning=True, key=f"{uid}/untrusted"
         ):
             log.warning("could not post event on pod %s", about.name)
 
@@ -240,7 +328,7 @@ def record_probe_outcomes(body: Mapping[str, Any], memo: kopf.Memo, **_: Any) ->
     probe_image = config.probe_image if config is not None else None
     recorder: Recorder | None = memo.get("recorder")
     if recorder is None:
-        recorder = Recorder(memo["api"])
+        recorder = Recorder(KubeRecorderApi(memo["api"]))
         memo["recorder"] = recorder
     fresh = [
         (o, run)

@@ -1,0 +1,700 @@
+"""The recorder (probe outcomes in pod status → ImageVerdicts and Events) against an
+in-memory API that behaves like the API server where it matters: resourceVersions, 409 on
+a lost race (a create of an object that exists, a replace at a stale resourceVersion),
+one Event per name, owners read by REST path, refused reads.
+
+Pods are signed by the real signing code, as /mutate signs them
+(tests/controller/test_signature_use.py), and carry the termination the kubelet wrote
+(tests/probe/probe_pods.py)."""
+
+from __future__ import annotations
+
+import copy
+import datetime as dt
+import itertools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import kopf
+import pytest
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from epguard.webhook.controller import recorder as recorder_module
+from epguard.webhook.controller.recorder import (
+    COMPONENT,
+    WRITE_ATTEMPTS,
+    Conflict,
+    KubeRecorderApi,
+    Recorder,
+    Unreadable,
+    record_probe_outcomes,
+)
+from epguard.webhook.engine.signing import FRESH_SECONDS, SIGNATURE_ANNOTATION, SignatureLedger
+from epguard.webhook.engine.verdicts import ImageVerdictObject
+from tests.controller.test_certificate_manager import config
+from tests.controller.test_signature_use import NOW, keys, signed_pod
+from tests.probe.probe_pods import pod_with_probe_status
+
+IMAGE = "registry.example/sglang:1"
+DIGEST = "sha256:" + "cd" * 32
+VERDICT = "sha256-" + "cd" * 32  # the ImageVerdict's name: the digest, ":" → "-"
+FINISHED = "2026-11-30T20:00:07Z"  # pod_with_probe_status's finishedAt
+T1 = NOW + dt.timedelta(minutes=10)
+T2 = NOW + dt.timedelta(minutes=20)
+
+# What the probe writes (probe/message.py), as the kubelet hands it back.
+USABLE_MSG = (
+    "epguard: mooncake elastic EP is usable: mooncake.pg imports after torch\n"
+    "versions: torch=2.13.0+cu130 sglang=0.5.18 mooncake-transfer-engine-cuda13=0.3.13.post1\n"
+    "fix: nothing to fix"
+)
+UNUSABLE_MSG = (
+    "epguard: mooncake elastic EP is unusable in this image: mooncake.pg was built for "
+    "another torch\n"
+    "versions: torch=2.13.0+cu130 sglang=0.5.18 mooncake-transfer-engine=0.3.6\n"
+    "fix: install the mooncake build for this torch"
+)
+IN_POD_MSG = (
+    "epguard: mooncake elastic EP is unusable in this pod: libcuda.so.1 not found\n"
+    "versions: torch=2.13.0+cu130 sglang=0.5.18 mooncake-transfer-engine=0.3.6\n"
+    "fix: schedule the pod on a node with the NVIDIA driver"
+)
+# "in this image", but its own scope line says environment: a self-contradicting message
+# is no evidence about the image.
+SAYS_ENVIRONMENT_MSG = (
+    "epguard: mooncake elastic EP is unusable in this image: the smoke test timed out\n"
+    "scope: environment\n"
+    "fix: retry on another node"
+)
+
+
+# --- the in-memory API ---------------------------------------------------------------
+
+
+class NotFound(Exception):
+    """A replace of an object that is not there (the API server's 404)."""
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: str
+    name: str
+    namespace: str
+    uid: str | None
+    api_version: str
+    reason: str
+    message: str
+    warning: bool
+
+
+class InMemoryApi:
+    """RecorderApi in memory. Every call is logged in ``calls``; ``before_next_write`` runs
+    once inside the next verdict write, before it is checked (another replica's write
+    landing between this one's read and write)."""
+
+    def __init__(self) -> None:
+        self.versions = itertools.count(1)
+        self.verdicts: dict[str, dict[str, Any]] = {}
+        self.objects: dict[str, dict[str, Any]] = {}  # REST path → object
+        self.refused: set[str] = set()  # paths whose read is a 403
+        self.events: dict[tuple[str, str, str, str], Event] = {}  # (ns, kind, name, key)
+        self.calls: list[tuple[str, str]] = []
+        self.verdict_writes = 0
+        self.event_posts = 0
+        self.events_down = False
+        self.before_next_write: Callable[[], None] | None = None
+
+    # RecorderApi
+
+    def read_verdict(self, name: str) -> dict[str, Any] | None:
+        self.calls.append(("read_verdict", name))
+        found = self.verdicts.get(name)
+        return copy.deepcopy(found) if found is not None else None
+
+    def create_verdict(self, body: ImageVerdictObject) -> None:
+        obj: dict[str, Any] = copy.deepcopy(dict(body))
+        name = obj["metadata"]["name"]
+        self.calls.append(("create_verdict", name))
+        self._interleave()
+        if "resourceVersion" in obj["metadata"]:
+            raise ValueError("resourceVersion should not be set on objects to be created")
+        if name in self.verdicts:
+            raise Conflict(f"imageverdicts {name!r} already exists")
+        self._store(name, obj)
+
+    def replace_verdict(self, name: str, body: ImageVerdictObject) -> None:
+        obj: dict[str, Any] = copy.deepcopy(dict(body))
+        self.calls.append(("replace_verdict", name))
+        self._interleave()
+        assert obj["metadata"]["name"] == name
+        existing = self.verdicts.get(name)
+        if existing is None:
+            raise NotFound(name)
+        version = obj["metadata"].get("resourceVersion")
+        if version is None:  # a CRD takes no unconditional update
+            raise ValueError("metadata.resourceVersion must be specified for an update")
+        if version != existing["metadata"]["resourceVersion"]:
+            raise Conflict("the object has been modified")
+        self._store(name, obj)
+
+    def read_object(self, path: str) -> dict[str, Any]:
+        self.calls.append(("read_object", path))
+        if path in self.refused:
+            raise Unreadable("Forbidden")
+        found = self.objects.get(path)
+        if found is None:
+            raise Unreadable("Not Found")
+        return copy.deepcopy(found)
+
+    def post_event(
+        self,
+        about: client.V1ObjectReference,
+        reason: str,
+        message: str,
+        *,
+        warning: bool,
+        key: str,
+    ) -> bool:
+        self.calls.append(("post_event", f"{about.kind}/{about.name}"))
+        self.event_posts += 1
+        if self.events_down:
+            return False
+        name = (str(about.namespace), str(about.kind), str(about.name), key)
+        # The same name again is a 409: one Event, and the caller counts it as posted.
+        self.events.setdefault(
+            name,
+            Event(
+                kind=str(about.kind),
+                name=str(about.name),
+                namespace=str(about.namespace),
+                uid=about.uid,
+                api_version=str(about.api_version),
+                reason=reason,
+                message=message,
+                warning=warning,
+            ),
+        )
+        return True
+
+    # helpers
+
+    def _interleave(self) -> None:
+        hook, self.before_next_write = self.before_next_write, None
+        if hook is not None:
+            hook()
+
+    def _store(self, name: str, obj: dict[str, Any]) -> None:
+        obj["metadata"]["resourceVersion"] = str(next(self.versions))
+        self.verdicts[name] = obj
+        self.verdict_writes += 1
+
+    def touch(self, name: str) -> None:
+        """Someone else writes the verdict (its resourceVersion moves on)."""
+        self.verdicts[name]["metadata"]["resourceVersion"] = str(next(self.versions))
+
+    def spec(self, name: str = VERDICT) -> dict[str, Any]:
+        spec: dict[str, Any] = self.verdicts[name]["spec"]
+        return spec
+
+    def events_on(self, kind: str, name: str) -> list[Event]:
+        return [e for e in self.events.values() if (e.kind, e.name) == (kind, name)]
+
+    def called(self, what: str) -> list[str]:
+        return [arg for call, arg in self.calls if call == what]
+
+
+# --- pods, replicas ------------------------------------------------------------------
+
+
+def probed_pod(
+    uid: str,
+    message: str,
+    exit_code: int,
+    *,
+    owners: Iterable[dict[str, Any]] = (),
+    digest: str | None = DIGEST,
+    section: str = "state",
+    restart_count: int = 0,
+) -> dict[str, Any]:
+    """A pod /mutate injected and signed (created a second after signing), as the API
+    returns it once the kubelet wrote the probe's termination."""
+    pod = signed_pod(uid, NOW, NOW + dt.timedelta(seconds=1))
+    image_id = f"registry.example/sglang@{digest}" if digest else ""
+    pod["status"] = pod_with_probe_status(
+        message,
+        exit_code,
+        image=IMAGE,
+        image_id=image_id,
+        section=section,
+        restart_count=restart_count,
+    )["status"]
+    if owners:
+        pod["metadata"]["ownerReferences"] = list(owners)
+    return pod
+
+
+def run_of(uid: str, restart_count: int = 0) -> str:
+    return f"{uid}/epguard-probe/{restart_count}/{FINISHED}"
+
+
+def replica(
+    api: InMemoryApi, at: dt.datetime = T1, *, with_keys: bool = True, **memo: Any
+) -> kopf.Memo:
+    """One controller process: its recorder (clock fixed at ``at``), keys and ledger."""
+    state = kopf.Memo(recorder=Recorder(api, clock=lambda: at), signatures=SignatureLedger())
+    if with_keys:
+        state["probe_keys"] = keys()
+    state.update(memo)
+    return state
+
+
+def record(pod: dict[str, Any], memo: kopf.Memo) -> None:
+    record_probe_outcomes(pod, memo)
+
+
+def stamp(t: dt.datetime) -> str:
+    return t.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def owner_ref(api_version: str, kind: str, name: str, *, controller: bool = True) -> dict[str, Any]:
+    return {
+        "apiVersion": api_version,
+        "kind": kind,
+        "name": name,
+        "uid": f"uid-{name}",
+        "controller": controller,
+    }
+
+
+RS = owner_ref("apps/v1", "ReplicaSet", "w-7d9f")
+DEPLOYMENT = owner_ref("apps/v1", "Deployment", "w")
+RS_PATH = "/apis/apps/v1/namespaces/ml/replicasets/w-7d9f"
+DEPLOYMENT_PATH = "/apis/apps/v1/namespaces/ml/deployments/w"
+
+
+def deployment_chain(api: InMemoryApi) -> list[dict[str, Any]]:
+    """Pod → ReplicaSet → Deployment in the API; the pod's ownerReferences."""
+    api.objects[RS_PATH] = {"metadata": {"name": "w-7d9f", "ownerReferences": [DEPLOYMENT]}}
+    api.objects[DEPLOYMENT_PATH] = {"metadata": {"name": "w"}}
+    return [RS]
+
+
+@pytest.fixture
+def api() -> InMemoryApi:
+    return InMemoryApi()
+
+
+# --- what is written -----------------------------------------------------------------
+
+
+class TestVerdicts:
+    def test_an_unusable_outcome_becomes_an_unusable_verdict(self, api: InMemoryApi) -> None:
+        record(probed_pod("u1", UNUSABLE_MSG, 1), replica(api, T1))
+        [(name, obj)] = api.verdicts.items()
+        assert name == VERDICT
+        assert obj["apiVersion"] == "epguard.io/v1alpha1" and obj["kind"] == "ImageVerdict"
+        assert obj["metadata"]["labels"] == {"app.kubernetes.io/managed-by": COMPONENT}
+        assert obj["spec"] == {
+            "image": IMAGE,
+            "digest": DIGEST,
+            "verdict": "Unusable",
+            "reason": "mooncake.pg was built for another torch",
+            "report": UNUSABLE_MSG,
+            "versions": {
+                "sglang": "0.5.18",
+                "torch": "2.13.0+cu130",
+                "mooncake": "mooncake-transfer-engine 0.3.6",
+            },
+            "firstSeen": stamp(T1),
+            "lastSeen": stamp(T1),
+            "pod": "ml/pod-u1",
+            "source": "probe",
+            "count": 1,
+            "runs": [run_of("u1")],
+        }
+
+    def test_an_unusable_outcome_is_a_warning_on_the_pod(self, api: InMemoryApi) -> None:
+        record(probed_pod("u1", UNUSABLE_MSG, 1), replica(api))
+        [event] = api.events_on("Pod", "pod-u1")
+        assert (event.reason, event.warning, event.uid) == ("MooncakeProbeFailed", True, "u1")
+        assert event.message == (
+            f"epguard probe in pod ml/pod-u1 (container epguard-probe, image {IMAGE}): "
+            + UNUSABLE_MSG.splitlines()[0]
+        )
+
+    def test_a_usable_outcome_becomes_a_usable_verdict_and_a_normal_event(
+        self, api: InMemoryApi
+    ) -> None:
+        record(probed_pod("u1", USABLE_MSG, 0), replica(api))
+        spec = api.spec()
+        assert spec["verdict"] == "Usable" and spec["digest"] == DIGEST
+        assert spec["versions"]["mooncake"] == "mooncake-transfer-engine-cuda13 0.3.13.post1"
+        assert spec["count"] == 1 and spec["runs"] == [run_of("u1")]
+        [event] = api.events_on("Pod", "pod-u1")
+        assert (event.reason, event.warning) == ("MooncakeProbePassed", False)
+
+    def test_a_new_run_of_the_probe_counts_again_and_keeps_first_seen(
+        self, api: InMemoryApi
+    ) -> None:
+        record(probed_pod("u1", UNUSABLE_MSG, 1), replica(api, T1))
+        # The pod's probe ran again (Init:CrashLoopBackOff: the run is in lastState).
+        again = probed_pod("u1", UNUSABLE_MSG, 1, section="lastState", restart_count=2)
+        record(again, replica(api, T2))
+        spec = api.spec()
+        assert spec["count"] == 2
+        assert spec["runs"] == [run_of("u1"), run_of("u1", 1)]
+        assert (spec["firstSeen"], spec["lastSeen"]) == (stamp(T1), stamp(T2))
+
+    def test_a_newer_outcome_of_another_pod_replaces_the_verdict(self, api: InMemoryApi) -> None:
+        record(probed_pod("u1", UNUSABLE_MSG, 1), replica(api, T1))
+        record(probed_pod("u2", USABLE_MSG, 0), replica(api, T2))
+        spec = api.spec()
+        assert (spec["verdict"], spec["pod"], spec["count"]) == ("Usable", "ml/pod-u2", 2)
+        assert spec["runs"] == [run_of("u1"), run_of("u2")]
+
+    def test_a_verdict_is_written_when_no_event_can_be_posted(self, api: InMemoryApi) -> None:
+        api.events_down = True
+        record(probed_pod("u1", UNUSABLE_MSG, 1, owners=deployment_chain(api)), replica(api))
+        assert api.spec()["count"] == 1
+        assert api.event_posts == 2 and not api.events  # tried pod and owner, both failed
+
+
+# --- once per run --------------------------------------------------------------------
+
+
+class TestOncePerRun:
+    def test_a_redelivered_pod_event_makes_no_api_call(self, api: InMemoryApi) -> None:
+        memo = replica(api)
+        pod = probed_pod("u1", UNUSABLE_MSG, 1, owners=deployment_chain(api))
+        record(pod, memo)
+        calls = list(api.calls)
+        assert calls  # the first delivery did read and write
+        record(pod, memo)
+        record(copy.deepcopy(pod), memo)
+        assert api.calls == calls
+
+    def test_a_restarted_controller_does_not_count_a_recorded_run_again(
+        self, api: InMemoryApi
+    ) -> None:
+        pod = probed_pod("u1", UNUSABLE_MSG, 1, owners=deployment_chain(api))
+        record(pod, replica(api, T1))
+        before = copy.deepcopy(api.verdicts)
+        events = dict(api.events)
+        # A new process: nothing in memory; the verdict's spec.runs remembers the run.
+        record(pod, replica(api, T2))
+        assert api.verdicts == before  # same count, same resourceVersion: not written
+        assert api.verdict_writes == 1
+        assert api.called("read_verdict") == [VERDICT, VERDICT]
+        assert api.events == events  # posted again under the same names: still one each
+        assert api.event_posts == 4
+
+
+# --- two replicas --------------------------------------------------------------------
+
+
+class TestRaces:
+    def test_a_create_that_loses_the_race_is_re_read_and_counted(self, api: InMemoryApi) -> None:
+        mine, other = replica(api, T2), replica(api, T1)
+        api.before_next_write = lambda: record(probed_pod("u2", USABLE_MSG, 0), other)
+        record(probed_pod("u1", UNUSABLE_MSG, 1), mine)
+        # The other replica's create landed between my read (nothing) and my create.
+        assert api.called("create_verdict") == [VERDICT, VERDICT]  # mine, then the other's
+        assert api.called("replace_verdict") == [VERDICT]  # mine, after the 409 and re-read
+        spec = api.spec()
+        assert spec["count"] == 2
+        assert spec["runs"] == [run_of("u2"), run_of("u1")]
+        assert (spec["firstSeen"], spec["lastSeen"]) == (stamp(T1), stamp(T2))
+        assert (spec["verdict"], spec["pod"]) == ("Unusable", "ml/pod-u1")
+
+    def test_a_replace_at_a_stale_resource_version_is_re_read_and_counted(
+        self, api: InMemoryApi
+    ) -> None:
+        record(probed_pod("u0", USABLE_MSG, 0), replica(api, NOW))
+        mine, other = replica(api, T2), replica(api, T1)
+        api.before_next_write = lambda: record(probed_pod("u2", USABLE_MSG, 0), other)
+        record(probed_pod("u1", UNUSABLE_MSG, 1), mine)
+        assert api.called("replace_verdict") == [VERDICT, VERDICT, VERDICT]
+        spec = api.spec()
+        assert spec["count"] == 3
+        assert spec["runs"] == [run_of("u0"), run_of("u2"), run_of("u1")]
+        assert spec["firstSeen"] == stamp(NOW)
+
+    def test_two_replicas_recording_the_same_run_count_it_once(self, api: InMemoryApi) -> None:
+        pod = probed_pod("u1", UNUSABLE_MSG, 1, owners=deployment_chain(api))
+        mine, other = replica(api, T2), replica(api, T1)
+        api.before_next_write = lambda: record(pod, other)
+        record(pod, mine)
+        assert api.verdict_writes == 1
+        spec = api.spec()
+        assert (spec["count"], spec["runs"], spec["lastSeen"]) == (1, [run_of("u1")], stamp(T1))
+        assert len(api.events_on("Pod", "pod-u1")) == 1
+        assert len(api.events_on("Deployment", "w")) == 1
+
+    def test_conflicts_on_every_attempt_end_in_a_retry_that_loses_nothing(
+        self, api: InMemoryApi
+    ) -> None:
+        record(probed_pod("u0", USABLE_MSG, 0), replica(api, T1))
+
+        def busy() -> None:  # someone writes the verdict before each of mine
+            api.touch(VERDICT)
+            api.before_next_write = busy
+
+        api.before_next_write = busy
+        memo = replica(api, T2)
+        pod = probed_pod("u1", UNUSABLE_MSG, 1)
+        with pytest.raises(kopf.TemporaryError, match="too many write conflicts"):
+            record(pod, memo)
+        assert len(api.called("replace_verdict")) == WRITE_ATTEMPTS
+        assert api.spec()["count"] == 1  # nothing counted
+        assert not api.events_on("Pod", "pod-u1")  # nor told, until it is
+        # kopf retries the handler; the run was not marked done, so it is counted now.
+        api.before_next_write = None
+        record(pod, memo)
+        assert api.spec()["count"] == 2 and api.spec()["runs"] == [run_of("u0"), run_of("u1")]
+        assert len(api.events_on("Pod", "pod-u1")) == 1
+
+
+# --- what is not evidence ------------------------------------------------------------
+
+
+def _unsigned(pod: dict[str, Any]) -> None:
+    del pod["metadata"]["annotations"][SIGNATURE_ANNOTATION]
+
+
+def _forged(pod: dict[str, Any]) -> None:
+    probe = next(c for c in pod["spec"]["initContainers"] if c["name"] == "epguard-probe")
+    probe["env"] = [{"name": "PYTHONPATH", "value": "/tmp/mine"}]
+
+
+def _signed_for_another_pod(pod: dict[str, Any]) -> None:
+    created = NOW + dt.timedelta(seconds=FRESH_SECONDS + 60)
+    pod["metadata"]["creationTimestamp"] = stamp(created)
+
+
+class TestUntrusted:
+    @pytest.mark.parametrize(
+        ("change", "why"),
+        [
+            (_unsigned, f"carry no {SIGNATURE_ANNOTATION} annotation"),
+            (_forged, "differ from what epguard signed"),
+            (_signed_for_another_pod, "was made for another pod"),
+        ],
+        ids=["unsigned", "forged", "stale-signature"],
+    )
+    def test_a_pod_whose_probe_epguard_did_not_sign_teaches_nothing(
+        self, api: InMemoryApi, change: Callable[[dict[str, Any]], None], why: str
+    ) -> None:
+        pod = probed_pod("u1", UNUSABLE_MSG, 1, owners=deployment_chain(api))
+        change(pod)
+        memo = replica(api)
+        record(pod, memo)
+        assert not api.verdicts and not api.called("read_verdict")
+        assert not api.called("read_object")  # no owner walk: told on the pod only
+        [event] = api.events.values()
+        assert (event.kind, event.name, event.uid) == ("Pod", "pod-u1", "u1")
+        assert (event.reason, event.warning) == ("EpguardProbeNotTrusted", True)
+        assert why in event.message and "learns nothing from this pod's probe" in event.message
+        posts = api.event_posts
+        record(pod, memo)  # re-delivered: told once
+        assert api.event_posts == posts
+
+    def test_a_controller_without_the_signing_key_learns_nothing(self, api: InMemoryApi) -> None:
+        record(probed_pod("u1", USABLE_MSG, 0), replica(api, with_keys=False))
+        assert not api.verdicts
+        [event] = api.events.values()
+        assert event.reason == "EpguardProbeNotTrusted"
+        assert "holds no probe-signing key" in event.message
+
+    def test_a_signature_replayed_into_another_pod_teaches_nothing(self, api: InMemoryApi) -> None:
+        memo = replica(api)
+        original = probed_pod("u1", UNUSABLE_MSG, 1)
+        record(original, memo)
+        replay = copy.deepcopy(original)
+        replay["metadata"].update(uid="u2", name="replay")
+        record(replay, memo)
+        assert api.spec()["count"] == 1 and api.spec()["runs"] == [run_of("u1")]
+        [event] = api.events_on("Pod", "replay")
+        assert event.reason == "EpguardProbeNotTrusted"
+        assert "used by pod uid u1 first" in event.message
+
+    @pytest.mark.parametrize("probe_image", ["epguard:other", "epguard:1"])
+    def test_a_pod_whose_probe_was_not_copied_from_the_probe_image_is_ignored(
+        self, api: InMemoryApi, probe_image: str
+    ) -> None:
+        # The signed pod's copy container runs epguard:1.
+        memo = replica(api, config=replace(config(), probe_image=probe_image))
+        record(probed_pod("u1", UNUSABLE_MSG, 1), memo)
+        if probe_image == "epguard:1":
+            assert api.spec()["count"] == 1
+        else:
+            assert api.calls == []
+
+
+class TestNoEvidence:
+    @pytest.mark.parametrize(
+        ("exit_code", "message"),
+        [
+            (2, UNUSABLE_MSG),  # a usage error
+            (137, UNUSABLE_MSG),  # OOM-killed
+            (143, USABLE_MSG),  # SIGTERM
+            (0, UNUSABLE_MSG),  # exit code and message disagree
+            (1, USABLE_MSG),
+        ],
+    )
+    def test_an_exit_code_that_is_no_evidence_records_nothing(
+        self, api: InMemoryApi, exit_code: int, message: str
+    ) -> None:
+        pod = probed_pod("u1", message, exit_code, owners=deployment_chain(api))
+        record(pod, replica(api))
+        assert api.calls == []
+
+    @pytest.mark.parametrize(
+        ("message", "digest", "reason"),
+        [
+            (IN_POD_MSG, DIGEST, "MooncakeProbeFailedInPod"),
+            (SAYS_ENVIRONMENT_MSG, DIGEST, "MooncakeProbeFailedInPod"),
+            (UNUSABLE_MSG, None, "MooncakeProbeFailed"),  # no digest to pin it to
+        ],
+        ids=["in-this-pod", "scope-environment", "no-digest"],
+    )
+    def test_a_failure_that_is_not_about_the_image_is_told_but_not_learned(
+        self, api: InMemoryApi, message: str, digest: str | None, reason: str
+    ) -> None:
+        pod = probed_pod("u1", message, 1, owners=deployment_chain(api), digest=digest)
+        record(pod, replica(api))
+        assert not api.verdicts and not api.called("read_verdict")
+        assert not api.called("create_verdict") and not api.called("replace_verdict")
+        for kind, name in (("Pod", "pod-u1"), ("Deployment", "w")):
+            [event] = api.events_on(kind, name)
+            assert (event.reason, event.warning) == (reason, True)
+            assert event.message.endswith(message.splitlines()[0])
+
+
+# --- where people look ---------------------------------------------------------------
+
+
+class TestOwners:
+    def test_the_outcome_is_told_on_the_pod_and_its_deployment(self, api: InMemoryApi) -> None:
+        record(probed_pod("u1", UNUSABLE_MSG, 1, owners=deployment_chain(api)), replica(api))
+        assert api.called("read_object") == [RS_PATH, DEPLOYMENT_PATH]
+        assert {(e.kind, e.name) for e in api.events.values()} == {
+            ("Pod", "pod-u1"),
+            ("Deployment", "w"),
+        }
+        [event] = api.events_on("Deployment", "w")
+        assert (event.api_version, event.namespace, event.uid) == ("apps/v1", "ml", "uid-w")
+        assert (event.reason, event.warning) == ("MooncakeProbeFailed", True)
+        assert event.message == api.events_on("Pod", "pod-u1")[0].message
+
+    def test_only_the_controller_owner_is_followed(self, api: InMemoryApi) -> None:
+        chain = deployment_chain(api)
+        not_controller = owner_ref("v1", "ConfigMap", "cfg", controller=False)
+        record(probed_pod("u1", USABLE_MSG, 0, owners=[not_controller, *chain]), replica(api))
+        assert api.called("read_object") == [RS_PATH, DEPLOYMENT_PATH]
+        assert not api.events_on("ConfigMap", "cfg")
+        assert len(api.events_on("Deployment", "w")) == 1
+
+    def test_an_owner_whose_kind_rbac_does_not_cover_is_still_named(self, api: InMemoryApi) -> None:
+        # Pod → StatefulSet → LeaderWorkerSet, with the LeaderWorkerSet's read refused.
+        lws = owner_ref("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", "lws")
+        sts_path = "/apis/apps/v1/namespaces/ml/statefulsets/lws-0"
+        lws_path = "/apis/leaderworkerset.x-k8s.io/v1/namespaces/ml/leaderworkersets/lws"
+        api.objects[sts_path] = {"metadata": {"name": "lws-0", "ownerReferences": [lws]}}
+        api.refused.add(lws_path)
+        sts = owner_ref("apps/v1", "StatefulSet", "lws-0")
+        record(probed_pod("u1", UNUSABLE_MSG, 1, owners=[sts]), replica(api))
+        assert api.called("read_object") == [sts_path, lws_path]
+        [event] = api.events_on("LeaderWorkerSet", "lws")
+        assert event.uid == "uid-lws" and event.api_version == "leaderworkerset.x-k8s.io/v1"
+        assert not api.events_on("StatefulSet", "lws-0")
+
+    def test_a_gone_owner_ends_the_walk_at_itself(self, api: InMemoryApi) -> None:
+        record(probed_pod("u1", UNUSABLE_MSG, 1, owners=[RS]), replica(api))  # RS not in API
+        assert api.called("read_object") == [RS_PATH]
+        assert len(api.events_on("ReplicaSet", "w-7d9f")) == 1
+        assert len(api.events) == 2
+
+    def test_an_owner_cycle_ends(self, api: InMemoryApi) -> None:
+        api.objects[RS_PATH] = {"metadata": {"name": "w-7d9f", "ownerReferences": [RS]}}
+        record(probed_pod("u1", UNUSABLE_MSG, 1, owners=[RS]), replica(api))
+        assert len(api.called("read_object")) == recorder_module.MAX_OWNER_DEPTH
+        assert len(api.events_on("ReplicaSet", "w-7d9f")) == 1
+
+    def test_a_pod_without_an_owner_is_told_on_itself_alone(self, api: InMemoryApi) -> None:
+        record(probed_pod("u1", UNUSABLE_MSG, 1), replica(api))
+        assert not api.called("read_object")
+        assert [(e.kind, e.name) for e in api.events.values()] == [("Pod", "pod-u1")]
+
+
+# --- the production side of the seam -------------------------------------------------
+
+
+class _Custom:
+    """CustomObjectsApi's two writes, answering with a given status."""
+
+    def __init__(self, status: int) -> None:
+        self.status = status
+        self.calls: list[tuple[Any, ...]] = []
+
+    def _answer(self, *args: Any, **kwargs: Any) -> None:
+        self.calls.append((*args, kwargs))
+        if self.status != 201:
+            raise ApiException(status=self.status, reason=f"status {self.status}")
+
+    create_cluster_custom_object = _answer
+    replace_cluster_custom_object = _answer
+
+
+@pytest.mark.parametrize("status", [409, 500, 201])
+def test_the_kube_api_turns_a_409_and_only_a_409_into_a_conflict(status: int) -> None:
+    kube = KubeRecorderApi(client.ApiClient())
+    custom = _Custom(status)
+    kube.custom = custom  # type: ignore[assignment]
+    body: ImageVerdictObject = {
+        "apiVersion": "epguard.io/v1alpha1",
+        "kind": "ImageVerdict",
+        "metadata": {"name": VERDICT, "resourceVersion": "7"},
+        "spec": {},  # type: ignore[typeddict-item]
+    }
+    expected: type[Exception] | None = {409: Conflict, 500: ApiException}.get(status)
+    for write in (kube.create_verdict, lambda b: kube.replace_verdict(VERDICT, b)):
+        if expected is None:
+            write(body)
+        else:
+            with pytest.raises(expected) as raised:
+                write(body)
+            assert type(raised.value) is expected
+    create, replace_call = custom.calls
+    assert create[:4] == ("epguard.io", "v1alpha1", "imageverdicts", dict(body))
+    assert replace_call[:5] == ("epguard.io", "v1alpha1", "imageverdicts", VERDICT, dict(body))
+    assert create[-1] == replace_call[-1] == {"_request_timeout": (5.0, 30.0)}
+
+
+def test_the_kube_api_reports_a_refused_owner_read_as_unreadable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def refuse(api: client.ApiClient, path: str) -> dict[str, Any]:
+        raise ApiException(status=403, reason="Forbidden")
+
+    monkeypatch.setattr(recorder_module, "get_object", refuse)
+    with pytest.raises(Unreadable) as raised:
+        KubeRecorderApi(client.ApiClient()).read_object(RS_PATH)
+    assert raised.value.reason == "Forbidden"
+
+
+def test_the_kube_api_posts_events_as_the_controller(monkeypatch: pytest.MonkeyPatch) -> None:
+    posted: list[tuple[Any, ...]] = []
+
+    def post(*args: Any, **kwargs: Any) -> bool:
+        posted.append((*args, kwargs))
+        return True
+
+    monkeypatch.setattr(recorder_module, "post_event", post)
+    api = client.ApiClient()
+    about = client.V1ObjectReference(kind="Pod", name="p", namespace="ml")
+    assert KubeRecorderApi(api).post_event(about, "R", "m", warning=True, key="k")
+    assert posted == [
+        (api, about, "R", "m", {"warning": True, "component": "epguard-controller", "key": "k"})
+    ]
