@@ -104,7 +104,8 @@ def _cel_replace(s: Any, old: Any, new: Any) -> Any:
     return celpy.celtypes.StringType(str(s).replace(str(old), str(new)))
 
 
-# Kubernetes CEL functions the chart's expressions use that cel-python lacks, for
+# Kubernetes CEL functions that cel-python lacks, for
 # ``Environment.program(…, functions=CEL_FUNCTIONS)``: the strings library's ``replace``
-# (every occurrence). The real API server's own is exercised by the e2e tests.
+# (every occurrence). The chart's matchConditions no longer call it (they use only
+# standard CEL); an expression that does still evaluates as on the API server.
 CEL_FUNCTIONS: dict[str, Any] = {"replace": _cel_replace}

@@ -1,10 +1,14 @@
 """The webhooks' matchConditions (CEL), evaluated with a CEL interpreter (cel-python)
-against objects of every shape: the API server must send exactly the objects whose
-containers mention the flag, and must never hit an evaluation error (which would apply
-failurePolicy to an object epguard has no business with)."""
+against objects of every shape: the API server must send every object whose containers
+mention the flag (a prefilter: it may send a few more, `--elasticsearch-url`, which the
+webhook then lets through), keep ordinary objects away, and never hit an evaluation
+error (which would apply failurePolicy to an object epguard has no business with).
+tests/chart/test_prefilter.py holds the prefilter to the engine and to the previous,
+exact, needle."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import celpy
@@ -270,8 +274,13 @@ def expressions() -> dict[str, str]:
     }
 
 
+@functools.cache
+def _program(expression: str) -> Any:
+    return ENV.program(ENV.compile(expression), functions=CEL_FUNCTIONS)
+
+
 def evaluate(expression: str, obj: Obj) -> bool:
-    program = ENV.program(ENV.compile(expression), functions=CEL_FUNCTIONS)
+    program = _program(expression)
     result = program.evaluate({"object": celpy.json_to_cel(obj)})  # type: ignore[attr-defined]
     assert isinstance(result, celpy.celtypes.BoolType), f"not a bool (an error?): {result!r}"
     return bool(result)
@@ -294,7 +303,7 @@ def test_there_is_one_expression_per_shape() -> None:
 @pytest.mark.parametrize(
     ("hook", "what", "obj", "expected"), CASES, ids=[f"{h}: {w}" for h, w, _, _ in CASES]
 )
-def test_the_api_server_sends_exactly_the_objects_that_mention_the_flag(
+def test_the_api_server_sends_the_objects_that_mention_the_flag_and_not_plain_ones(
     hook: str, what: str, obj: Obj, expected: bool
 ) -> None:
     assert evaluate(expressions()[hook], obj) is expected
@@ -308,7 +317,7 @@ def test_no_expression_errors_on_any_shape(hook: str) -> None:
         evaluate(expressions()[hook], obj)
 
 
-# --- the needle: every spelling SGLang accepts, nothing else ------------------------------
+# --- the needle: every spelling SGLang accepts, and a few words it does not --------------
 
 
 @pytest.mark.parametrize(
@@ -324,15 +333,19 @@ def test_no_expression_errors_on_any_shape(hook: str) -> None:
         (["sh", "-c", "run ${EP:+--elastic-ep-backend mooncake}"], True),
         (["sh", "-c", "run \\--elastic-ep-backend mooncake"], True),
         (["sh", "-c", "run --elastic-ep-backend>/dev/null mooncake"], True),
-        (["filebeat", "--elasticsearch-url", "http://es:9200"], False),
-        (["--elasticsearch.hosts=es:9200"], False),
-        (["--elastic-ep-backendx", "mooncake"], False),
+        # Not the flag, but they hold --el: sent, and the webhook lets them through. The
+        # price of an expression an admin can read (the exact needle was up to 32 KB of CEL).
+        (["filebeat", "--elasticsearch-url", "http://es:9200"], True),
+        (["--elasticsearch.hosts=es:9200"], True),
+        (["--elastic-ep-backendx", "mooncake"], True),
+        # No --el: never sent.
         (["--e", "mooncake"], False),
         (["--enable-elastic-ep"], False),
+        (["-elastic-ep-backend", "mooncake"], False),
         (["python3", "-m", "sglang.launch_server", "--tp", "8"], False),
     ],
 )
-def test_the_needle_matches_flag_spellings_and_not_other_words(
+def test_the_needle_matches_flag_spellings_and_keeps_words_without_it_away(
     args: list[str], expected: bool
 ) -> None:
     assert evaluate(expressions()["pods"], pod(pod_spec(c(args)))) is expected
@@ -361,18 +374,18 @@ def test_a_flag_the_shell_joins_from_quoted_pieces_is_sent(script: str) -> None:
 
 @pytest.mark.parametrize(
     "script",
-    ["filebeat -''-elasticsearch-url http://es", "run --e''lasticsearch.hosts=es",
-     "run -''-enable-elastic-ep", "echo 'it''s' --tp 8"],
+    ["run -''-enable-elastic-ep", "echo 'it''s' --tp 8", "run -'e'lastic-ep-backend mooncake",
+     "run --e''x --tp 8"],
 )  # fmt: skip
-def test_quotes_removed_still_match_nothing_but_the_flag(script: str) -> None:
+def test_quoted_text_without_the_flag_is_not_sent(script: str) -> None:
     assert not evaluate(expressions()["pods"], pod(pod_spec(c(["sh", "-c", script]))))
 
 
 def test_env_values_that_carry_the_flag_are_sent() -> None:
     env = [{"name": "EXTRA", "value": "--elastic-ep-backend mooncake"}]
     assert evaluate(expressions()["pods"], pod(pod_spec(c(["$(EXTRA)"], env=env))))
-    plain = [{"name": "ES", "value": "--elasticsearch-url=http://es"}]
-    assert not evaluate(expressions()["pods"], pod(pod_spec(c(["$(ES)"], env=plain))))
+    plain = [{"name": "TP", "value": "--tp 8 --enable-dp-attention"}]
+    assert not evaluate(expressions()["pods"], pod(pod_spec(c(["$(TP)"], env=plain))))
 
 
 def _hook_for(doc: Obj) -> str | None:

@@ -109,110 +109,147 @@ podAntiAffinity:
 {{- end -}}
 
 {{/*
-CEL for matchConditions.
+CEL for matchConditions: a prefilter, short enough to read in
+`kubectl get validatingwebhookconfiguration epguard -o yaml`. An object is sent to epguard
+when a string in one of its containers -- a command or args word, or a literal env value
+-- mentions --el: the shortest spelling of --elastic-ep-backend that some SGLang release
+accepts (tests/chart derives it from SGLang's option table, probe/cmdline.py). The
+webhook itself decides what the mention means; the prefilter only keeps every other
+object away from it, and may send a few objects it then lets through (`--elasticsearch-url`,
+`--else`), never fewer than the flag.
 
-The needle matches every spelling of --elastic-ep-backend that argparse accepts in some
-SGLang release (its prefixes down to the shortest one a release leaves unambiguous, not
-part of a longer option name: no letter, digit, "_" or "-" on either side) and nothing
-else: `--elasticsearch-url` does not match. A flag assembled from variables at run time
-(`--ela$REST`) cannot be seen here; the injected probe reads it in the pod.
-tests/chart derives the same pattern from SGLang's option table (probe/cmdline.py) and
-asserts the two agree. Any container or init container whose command, args or literal
-env values hold it is sent to epguard, which covers `--elastic-ep-backend mooncake`, the
-`=` form, prefixes, `sh -c "..."` scripts and `$(VAR)` references to env values. The
-cheap `contains` runs first, so the regular expression only sees candidates.
+Each string is tested as the webhook's own cheap test does (cmdline.mentions_flag):
+it contains --el, or -- only when it holds a quote or a backslash ("[\x27\x22\\\\]":
+' " \) -- the regular expression `-\W*-\W*e\W*l` (the letters of --el with any non-word
+characters between them) matches it. So a flag a shell joins from quoted pieces
+(`-''-elastic-ep-backend`, `--el"astic"-ep-backend`, `\--elastic-ep-backend` inside
+`sh -c`, which probe/shell.py reads as the flag) is sent too. `=`-joined flags,
+prefixes, `sh -c` scripts and `$(VAR)` references to literal env values all hold --el
+somewhere CEL reads. What CEL cannot read -- a flag assembled from variables at run time
+(`--ela$REST`), `$'\x2d…'` escapes, a `valueFrom` variable, a --config file -- is left to
+the injected probe.
 
-Each string is tested as written and, if it holds one, with the shell's quote characters
-(' " \) removed (the copy costs CEL budget, so only then: docs/cmdline.md),
-because a shell joins quoted pieces to the text beside them: `-''-elastic-ep-backend`,
-`--el"astic"-ep-backend` and `\--elastic-ep-backend` inside `sh -c` are the flag
-(probe/shell.py reads them so, and shell.unquoted is the same removal for the webhook's
-and the probe's own cheap test). Removing quotes can only add matches, never lose one
-(the string as written is still tested). What CEL cannot undo, like a variable (above)
-or a `$'\x2d'` escape, is left to the probe.
+Cost: every call is linear in the string (RE2), and the quote test keeps the regular
+expression off strings without quotes, so no string costs more of the API server's CEL
+budget than under the exact needle this replaced: measured on kube-apiserver 1.35, a
+string full of quotes exceeds the per-call limit somewhere between 1.3 and 1.5 MB
+(between 1.0 and 1.3 MB before), and failurePolicy decides; a string without quotes is
+read up to the 3 MB request limit.
+
+The expression uses only double-quoted CEL strings, so the YAML renders it single-quoted
+and kubectl prints it verbatim.
 */}}
 {{- define "epguard.cel.needle" -}}--el{{- end -}}
 {{- define "epguard.cel.needlePattern" -}}
-(^|[^A-Za-z0-9_-])--el(a(s(t(i(c(-(e(p(-(b(a(c(k(e(n(d)?)?)?)?)?)?)?)?)?)?)?)?)?)?)?)?([^A-Za-z0-9_-]|$)
-{{- end -}}
-
-{{/* CEL: string variable s, as written or with its quotes removed, holds a spelling of the flag. */}}
-{{- define "epguard.cel.holds" -}}
-([string({{ .s }})] + (string({{ .s }}).matches('[\'"\\\\]') ? [string({{ .s }}).replace("'", '').replace('"', '').replace('\\', '')] : [])).exists(q, q.contains('{{ include "epguard.cel.needle" . }}') && q.matches('{{ include "epguard.cel.needlePattern" . }}'))
-{{- end -}}
-
-{{/* CEL: container variable c mentions the flag. */}}
-{{- define "epguard.cel.container" -}}
-(has({{ .c }}.command) && {{ .c }}.command.exists(s, {{ include "epguard.cel.holds" (dict "s" "s") }})) || (has({{ .c }}.args) && {{ .c }}.args.exists(s, {{ include "epguard.cel.holds" (dict "s" "s") }})) || (has({{ .c }}.env) && {{ .c }}.env.exists(e, has(e.value) && {{ include "epguard.cel.holds" (dict "s" "e.value") }}))
+{{- splitList "" (include "epguard.cel.needle" .) | join "\\W*" -}}
 {{- end -}}
 
 {{/*
-CEL: the pod spec at dotted path .path mentions the needle. Every step of the path is
-guarded by has(), so an object of another shape (or with fields missing) evaluates to
-false instead of an error -- an error would apply failurePolicy to an unrelated object.
+The nodes an object's paths reach, as CEL: a list of them, nested .d deep (CEL before
+Kubernetes 1.34 has no flatten(), so each `[]`/`*` step that is not the last of its path
+adds a level). Returned as JSON {g: guards, b: body, d: depth}: the body is a list when
+the has() guards hold. The paths (.lists, each a list of segments: a field, `name[]` for
+every item of a list, `*` for every value of a map -- webhook/engine/workloads.py
+TemplatePath) are walked as a tree, so a shared prefix is guarded once. .var is the CEL
+expression walked so far, .depth names the loop variables.
 */}}
-{{- define "epguard.cel.podSpec" -}}
-{{- $parts := splitList "." .path -}}
+{{- define "epguard.cel.nodes" -}}
+{{- $var := .var -}}
+{{- $depth := int .depth -}}
+{{- $x := printf "x%d" $depth -}}
+{{- $order := list -}}
+{{- $groups := dict -}}
+{{- range .lists -}}
+{{- $key := "" -}}
+{{- $rest := list -}}
+{{- if . -}}{{- $key = first . -}}{{- $rest = rest . -}}{{- end -}}
+{{- if not (hasKey $groups $key) -}}
+{{- $order = append $order $key -}}
+{{- $_ := set $groups $key list -}}
+{{- end -}}
+{{- $_ := set $groups $key (append (get $groups $key) $rest) -}}
+{{- end -}}
+{{- $pieces := list -}}
+{{- range $key := $order -}}
+{{- $rests := get $groups $key -}}
+{{- $last := and (eq (len $rests) 1) (not (first $rests)) -}}
+{{- if eq $key "" -}}
+{{- $pieces = append $pieces (dict "g" list "b" (printf "[%s]" $var) "d" 1) -}}
+{{- else if or (eq $key "*") (hasSuffix "[]" $key) -}}
+{{- $items := printf "%s.map(k%d, %s[k%d])" $var $depth $var $depth -}}
 {{- $guards := list -}}
-{{- $acc := first $parts -}}
-{{- range rest $parts -}}
-{{- $acc = printf "%s.%s" $acc . -}}
-{{- $guards = append $guards (printf "has(%s)" $acc) -}}
+{{- if ne $key "*" -}}
+{{- $items = printf "%s.%s" $var (trimSuffix "[]" $key) -}}
+{{- $guards = list (printf "has(%s)" $items) -}}
 {{- end -}}
-{{- $lists := list -}}
-{{- range list "containers" "initContainers" -}}
-{{- $lists = append $lists (printf "(has(%s.%s) && %s.%s.exists(c, %s))" $acc . $acc . (include "epguard.cel.container" (dict "c" "c"))) -}}
+{{- if $last -}}
+{{- $pieces = append $pieces (dict "g" $guards "b" $items "d" 1) -}}
+{{- else -}}
+{{- $sub := include "epguard.cel.nodes" (dict "var" $x "lists" $rests "depth" (add1 $depth)) | fromJson -}}
+{{- $pieces = append $pieces (dict "g" $guards "b" (printf "%s.map(%s, %s)" $items $x (include "epguard.cel.guarded" $sub)) "d" (add1 (int $sub.d))) -}}
 {{- end -}}
-({{ if $guards }}{{ join " && " $guards }} && {{ end }}({{ join " || " $lists }}))
+{{- else -}}
+{{- $field := printf "%s.%s" $var $key -}}
+{{- $sub := include "epguard.cel.nodes" (dict "var" $field "lists" $rests "depth" $depth) | fromJson -}}
+{{- $pieces = append $pieces (dict "g" (prepend $sub.g (printf "has(%s)" $field)) "b" $sub.b "d" (int $sub.d)) -}}
+{{- end -}}
+{{- end -}}
+{{- if eq (len $pieces) 1 -}}
+{{- first $pieces | toJson -}}
+{{- else -}}
+{{- $d := 1 -}}
+{{- range $pieces -}}{{- $d = max $d (int .d) -}}{{- end -}}
+{{- $parts := list -}}
+{{- range $pieces -}}
+{{- $pad := sub $d (int .d) | int -}}
+{{- $parts = append $parts (printf "%s%s%s" (repeat $pad "[") (include "epguard.cel.guarded" .) (repeat $pad "]")) -}}
+{{- end -}}
+{{- dict "g" list "b" (join " + " $parts) "d" $d | toJson -}}
+{{- end -}}
+{{- end -}}
+
+{{/* A piece of epguard.cel.nodes as CEL: its body, or the empty list where a guard fails. */}}
+{{- define "epguard.cel.guarded" -}}
+{{- if .g -}}({{ join " && " .g }} ? {{ .b }} : []){{- else -}}{{ .b }}{{- end -}}
 {{- end -}}
 
 {{/*
-CEL: some value reached by a template path (webhook/engine/workloads.py TemplatePath: dotted
-fields, `name[]` for every item of a list, `*` for every value of a map) mentions the
-needle. .var is the CEL expression walked so far, .segs the segments left, .shape what
-the path ends on (template, podSpec or container), .depth names the loop variables.
-Every step is guarded by has(), as above.
+CEL: an object of a kind described by paths (.kind: templates, podSpecs, containers,
+as webhook/engine/workloads.py and webhook.extraKinds describe them) has a container
+string that mentions the needle. Each node reached is read as a pod spec and as a
+container at once: its containers and initContainers, and itself (a pod spec has no
+command, a container no containers), then each container's command, args and literal
+env values. Every step is guarded by has(), so an object of another shape (or with
+fields missing) is false, never an error: an error would apply failurePolicy to it.
 */}}
-{{- define "epguard.cel.walk" -}}
-{{- if not .segs -}}
-{{- if eq .shape "template" -}}
-{{ include "epguard.cel.podSpec" (dict "path" (printf "%s.spec" .var)) }}
-{{- else if eq .shape "podSpec" -}}
-{{ include "epguard.cel.podSpec" (dict "path" .var) }}
-{{- else -}}
-({{ include "epguard.cel.container" (dict "c" .var) }})
+{{- define "epguard.cel.kind" -}}
+{{- $lists := list -}}
+{{- range (.kind.templates | default list) -}}
+{{- $lists = append $lists (append (splitList "." .) "spec") -}}
 {{- end -}}
-{{- else -}}
-{{- $seg := first .segs -}}
-{{- $next := dict "segs" (rest .segs) "shape" .shape "depth" (add1 .depth) -}}
-{{- $v := printf "x%d" .depth -}}
-{{- if eq $seg "*" -}}
-{{ .var }}.map(k{{ .depth }}, {{ .var }}[k{{ .depth }}]).exists({{ $v }}, {{ include "epguard.cel.walk" (set $next "var" $v) }})
-{{- else if hasSuffix "[]" $seg -}}
-{{- $f := trimSuffix "[]" $seg -}}
-(has({{ .var }}.{{ $f }}) && {{ .var }}.{{ $f }}.exists({{ $v }}, {{ include "epguard.cel.walk" (set $next "var" $v) }}))
-{{- else -}}
-(has({{ .var }}.{{ $seg }}) && {{ include "epguard.cel.walk" (set $next "var" (printf "%s.%s" .var $seg)) }})
+{{- range concat (.kind.podSpecs | default list) (.kind.containers | default list) -}}
+{{- $lists = append $lists (splitList "." .) -}}
 {{- end -}}
-{{- end -}}
+{{- $nodes := include "epguard.cel.nodes" (dict "var" "object" "lists" $lists "depth" 0) | fromJson -}}
+{{- $d := int $nodes.d -}}
+{{- include "epguard.cel.guarded" $nodes -}}
+{{- range $i := untilStep (sub $d 1 | int) 0 -1 -}}.exists(l{{ $i }}, l{{ $i }}{{- end -}}
+.exists(p, ([p] + (has(p.containers) ? p.containers : []) + (has(p.initContainers) ? p.initContainers : []))
+{{- /**/ -}}.exists(c, ((has(c.command) ? c.command : []) + (has(c.args) ? c.args : []) + (has(c.env) ? c.env.map(e, has(e.value) ? e.value : "") : []))
+{{- /**/ -}}.exists(s, string(s).contains("{{ include "epguard.cel.needle" . }}") || string(s).matches("[\x27\x22\\\\]") && string(s).matches(r"{{ include "epguard.cel.needlePattern" . }}"))))
+{{- repeat (sub $d 1 | int) ")" -}}
 {{- end -}}
 
-{{/* CEL: an object of a kind described by template paths (.kind: templates, podSpecs,
-containers lists) mentions the needle in any of them. */}}
-{{- define "epguard.cel.kind" -}}
-{{- $any := list -}}
-{{- range $shape := list "template" "podSpec" "container" -}}
-{{- range (get $.kind (printf "%ss" $shape) | default list) -}}
-{{- $any = append $any (include "epguard.cel.walk" (dict "var" "object" "segs" (splitList "." .) "shape" $shape "depth" 0)) -}}
-{{- end -}}
-{{- end -}}
-{{ join " || " $any }}
+{{/* A string as a YAML scalar: single-quoted (nothing escaped, so a CEL expression
+reads as written) unless it holds a single quote. */}}
+{{- define "epguard.yamlString" -}}
+{{- if contains "'" . -}}{{ quote . }}{{- else -}}{{ squote . }}{{- end -}}
 {{- end -}}
 
 {{/* CEL: a Pod (object.spec) mentions the needle. The pods webhook of the validating
 configuration and both webhooks of the mutating one use exactly this text. */}}
 {{- define "epguard.cel.pod" -}}
-{{ include "epguard.cel.podSpec" (dict "path" "object.spec") }}
+{{ include "epguard.cel.kind" (dict "kind" (dict "podSpecs" (list "spec"))) }}
 {{- end -}}
 
 {{/* The values of epguard.io/inject that opt in, on a namespace label or a pod annotation
