@@ -28,7 +28,7 @@ if [ ! -f "$venv/.done" ]; then
     touch "$venv/.done"
 fi
 
-# name=requirement. The names are what tests/probe/realpkgs.py refers to.
+# name=requirement. The names are what tests/probe/probe_harness.py refers to.
 overlays=(
     "mte-0.3.13.post1=mooncake-transfer-engine==0.3.13.post1"
     "mte-cuda13-0.3.13.post1=mooncake-transfer-engine-cuda13==0.3.13.post1"

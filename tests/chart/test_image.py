@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.chart.chartlib import REPO, render
+from tests.package.wheel import PACKAGE_FILES, build_wheel
 
 DOCKERFILE = REPO / "Dockerfile"
 
@@ -117,45 +118,21 @@ class TestDockerfile:
     def test_the_build_context_admits_only_what_the_dockerfile_copies(self) -> None:
         ignore = (REPO / ".dockerignore").read_text().splitlines()
         assert ignore[ignore.index("*") :][:1] == ["*"]
-        for needed in ("pyproject.toml", "README.md", "webhook/", "probe/"):
-            assert f"!{needed}" in ignore
+        for needed in PACKAGE_FILES:
+            assert f"!{needed}{'/' if (REPO / needed).is_dir() else ''}" in ignore
+
+    def test_the_builder_copies_what_the_package_is_made_of(self) -> None:
+        copied = {src.rstrip("/") for arg in STAGES[0].all("COPY") for src in arg.split()[:-1]}
+        assert copied == set(PACKAGE_FILES)
 
 
 @pytest.fixture(scope="module")
 def image_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A directory laid out like the final image: /opt/epguard/venv and /opt/epguard/probe."""
     tmp = tmp_path_factory.mktemp("image")
-    context = tmp / "src"
-    context.mkdir()
-    # The builder's COPY lines, from a copy of the context (the build must not write
-    # build/ or *.egg-info into the shared checkout).
-    for arg in STAGES[0].all("COPY"):
-        *sources, _dest = arg.split()
-        for src in sources:
-            path = REPO / src
-            if path.is_dir():
-                shutil.copytree(path, context / src, ignore=shutil.ignore_patterns("__pycache__"))
-            else:
-                shutil.copy2(path, context / src)
-    wheels = tmp / "wheels"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--wheel-dir",
-            str(wheels),
-            str(context),
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp,
-    )
-    (wheel,) = wheels.glob("epguard-*.whl")
+    # The builder's COPY lines: what the image's wheel is built from.
+    copied = tuple(src for arg in STAGES[0].all("COPY") for src in arg.split()[:-1])
+    wheel = build_wheel(tmp, copied)
 
     root = tmp / "root"
     venv_dir = root / "opt" / "epguard" / "venv"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.chart.chartlib import CACHE, NAMESPACE, Rendered
+from tests.chart.chartlib import CACHE, NAMESPACE, VARIANT_IDS, VARIANTS, render, variant_args
 from tests.control_plane import running_control_plane
 
 pytestmark = pytest.mark.e2e
@@ -35,7 +35,11 @@ def kubeconfig() -> Iterator[Path]:
         yield cp.kubeconfig
 
 
-def test_the_api_server_accepts_every_rendered_object(variant: Rendered, kubeconfig: Path) -> None:
+@pytest.mark.parametrize("values", VARIANTS, ids=VARIANT_IDS)
+def test_the_api_server_accepts_every_rendered_object(
+    values: Path | None, kubeconfig: Path
+) -> None:
+    variant = render(*variant_args(values), name=values.stem if values else "defaults")
     objs = [o for o in variant.objects if not o["apiVersion"].startswith(FOREIGN_GROUPS)]
     proc = subprocess.run(
         [str(KUBECTL), "apply", "--dry-run=server", "-f", "-"],

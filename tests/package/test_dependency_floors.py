@@ -151,9 +151,10 @@ def _kopf_label_selectors() -> bool:
 
 
 def _kopf_identity() -> bool:
-    from kopf._core.engines import peering
+    import kopf
 
-    return peering.Identity("a/b") == "a/b"
+    parameters = inspect.signature(kopf.operator).parameters
+    return "identity" in parameters and "settings" in parameters
 
 
 def _kubernetes_watch_raw() -> bool:
@@ -253,9 +254,10 @@ NEEDS: tuple[Need, ...] = (
          "(controller/recorder.py)", "1.45.0", "1.44.6",
          "kopf/_cogs/configs/configuration.py: WatchingSettings.label_selectors",
          _kopf_label_selectors),
-    Need("kopf", "kopf._core.engines.peering.Identity: an identity without getpass "
-         "(controller/__main__.py)", "1.32.1", "1.31.0",
-         "kopf/_core/ first ships in 1.32.1 (1.32.0 is not on PyPI)", _kopf_identity),
+    Need("kopf", "kopf.operator(identity=..., settings=...): an identity without getpass "
+         "(controller/__main__.py)", "1.29.2", "0.28.3",
+         "kopf/reactor/running.py: operator() has settings in 0.28.3, identity from 1.29.2",
+         _kopf_identity),
     Need("kubernetes", "Watch.stream(..., deserialize=False): raw JSON objects "
          "(cluster/watch.py)", "34.1.0", "33.1.0",
          "kubernetes/watch/watch.py: kwargs.pop('deserialize', True)",

@@ -27,6 +27,7 @@ from epguard.webhook.admission.completion import Answer, Review, complete, unjud
 from epguard.webhook.admission.handler import Handler, Injector, RulesConfigMap, Validator
 from epguard.webhook.admission.instrumentation import Instrumented
 from epguard.webhook.admission.transport import (
+    INLINE,
     PODS_LANE,
     RULES_LANE,
     AdmissionEndpoint,
@@ -100,7 +101,7 @@ def admission_route(
 
     judge = partial(complete, handler)
 
-    def judge_validate(review: Review) -> Answer:
+    def oversized_rules(review: Review) -> str | None:
         # A rules text over what a ConfigMap can hold is never parsed (a 19 MiB one is
         # ~1 GiB of YAML nodes); no API server sends one.
         req = review.request
@@ -108,18 +109,26 @@ def admission_route(
             data = req.object.get("data") if isinstance(req.object, dict) else None
             text = data.get(rules.key) if isinstance(data, dict) else None
             if isinstance(text, str) and len(text) > MAX_RULES_TEXT:
-                why = (
+                return (
                     f"its {rules.key} is over {MAX_RULES_TEXT} characters, more than a "
                     "ConfigMap holds"
                 )
-                return by_mode(review, "too_large", why)
-        return judge(review)
+        return None
+
+    def judge_validate(review: Review) -> Answer:
+        why = oversized_rules(review)
+        return judge(review) if why is None else by_mode(review, "too_large", why)
+
+    def validate_lane(review: Review) -> str:
+        # The refusal of an oversized text costs nothing: answered at once, never queued
+        # behind rules edits that are being parsed.
+        return INLINE if oversized_rules(review) is not None else _rules_lane(review)
 
     endpoint = AdmissionEndpoint(
         judge_validate if validating else judge,
         by_mode,
         bounds,
-        _rules_lane if validating else _pods_lane,
+        validate_lane if validating else _pods_lane,
     )
     app.add_route(
         f"/{handler.endpoint}",

@@ -50,7 +50,6 @@ from epguard.webhook.engine.outcome import (
     outcomes_of,
     recorded_runs,
     run_key,
-    verdict_name,
     verdict_spec,
 )
 from epguard.webhook.engine.signing import (
@@ -64,12 +63,14 @@ from epguard.webhook.engine.signing import (
     fresh,
     verify,
 )
+from epguard.webhook.engine.text import first_line
 from epguard.webhook.engine.verdicts import (
     GROUP,
     PLURAL,
     VERSION,
     ImageVerdictObject,
     ImageVerdictSpec,
+    verdict_name,
     verdict_object,
 )
 from epguard.webhook.engine.workloads import as_list, as_map
@@ -304,10 +305,9 @@ class Recorder:
 def _message(outcome: ProbeOutcome, pod: str) -> str:
     # The probe's own first line (verdict and cause), where the ImageVerdict keeps only
     # the cause: an Event is read alone, in `kubectl describe`.
-    first_line = outcome.report.splitlines()[0] if outcome.report else outcome.reason
+    line = first_line(outcome.report) or outcome.reason
     return (
-        f"epguard probe in pod {pod} (container {outcome.container}, image {outcome.image}): "
-        f"{first_line}"
+        f"epguard probe in pod {pod} (container {outcome.container}, image {outcome.image}): {line}"
     )
 
 

@@ -24,7 +24,6 @@ from epguard.probe.message import IMAGE, SCOPE, UNUSABLE, UNUSABLE_HERE, USABLE
 from epguard.webhook.engine.argv import ExpansionTooLarge, container_argv
 from epguard.webhook.engine.text import first_line
 from epguard.webhook.engine.verdicts import SOURCE_PROBE, ImageVerdictSpec, Versions, build_spec
-from epguard.webhook.engine.verdicts import verdict_name as verdict_name  # for recorder.py
 from epguard.webhook.engine.workloads import as_list, as_map
 
 PROBE_CONTAINER = "epguard-probe"
