@@ -60,6 +60,8 @@ class InjectionSettings:
     mount_path: str = "/epguard"
     level: str = PROBE_LEVELS[0]
     image_pull_policy: str = "IfNotPresent"
+    # The preflight's probe (engine/preflight.py) judges the image's files only.
+    files_only: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,8 +166,7 @@ def _probe_container(
             f"{settings.mount_path}/probe",
             "--termination-log",
             "/dev/termination-log",
-            "--level",
-            settings.level,
+            *(["--files-only"] if settings.files_only else ["--level", settings.level]),
             "--",
             *argv,
         ],

@@ -1,0 +1,276 @@
+"""The preflight gate's pure half: the gate's patches, one key per (namespace, image,
+pull secrets, service account), and the preflight pod built from a gated worker."""
+
+from __future__ import annotations
+
+import copy
+import datetime as dt
+from typing import Any
+
+import jsonpatch
+import pytest
+import yaml
+
+from epguard.webhook.engine.injection import COPY_CONTAINER, InjectionSettings
+from epguard.webhook.engine.outcome import PROBE_CONTAINER, PROBED_LABEL
+from epguard.webhook.engine.preflight import (
+    GATE,
+    KEY_LABEL,
+    PreflightKey,
+    PreflightSettings,
+    gate_patch,
+    is_gated,
+    key_of,
+    parse_mode,
+    preflight_pod,
+    signed,
+    ungate_patch,
+    worker_images,
+)
+from epguard.webhook.engine.signing import exposure, new_keyring, verify
+from tests import realmanifests
+
+VERSION = "1.35.0"  # the local node's Kubernetes
+IMAGE = "registry.example/sglang:v0.5.18-cu130"
+SETTINGS = PreflightSettings(InjectionSettings(epguard_image="registry.example/epguard:1"), 300)
+
+
+def worker_spec(**extra: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "serviceAccountName": "sglang",
+        "imagePullSecrets": [{"name": "b"}, {"name": "a"}],
+        "nodeSelector": {"gpu": "h200"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}
+                    ]
+                }
+            }
+        },
+        "containers": [
+            {
+                "name": "worker",
+                "image": IMAGE,
+                "command": ["python3", "-m", "sglang.launch_server"],
+                "args": ["--model-path", "/models/m", "--elastic-ep-backend", "mooncake"],
+                "resources": {"limits": {"nvidia.com/gpu": "8", "memory": "1Ti"}},
+                "env": [
+                    {
+                        "name": "HF_TOKEN",
+                        "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}},
+                    }
+                ],
+                "volumeMounts": [
+                    {"name": "model", "mountPath": "/models"},
+                    {"name": "cache", "mountPath": "/cache"},
+                ],
+            },
+            {"name": "sidecar", "image": "busybox", "command": ["sleep", "inf"]},
+        ],
+        "volumes": [
+            {"name": "model", "image": {"reference": "registry.example/models/m:1"}},
+            {"name": "cache", "persistentVolumeClaim": {"claimName": "model-cache"}},
+        ],
+    }
+    spec.update(extra)
+    return spec
+
+
+def test_the_key_is_what_decides_the_pull() -> None:
+    base = key_of("team-a", worker_spec(), IMAGE)
+    assert base.pull_secrets == ("a", "b")  # as a set: order and duplicates do not matter
+    assert base == key_of(
+        "team-a", worker_spec(imagePullSecrets=[{"name": "a"}, {"name": "b"}, {"name": "a"}]), IMAGE
+    )
+    others = [
+        key_of("team-b", worker_spec(), IMAGE),
+        key_of("team-a", worker_spec(), IMAGE + "x"),
+        key_of("team-a", worker_spec(imagePullSecrets=[{"name": "a"}]), IMAGE),
+        key_of("team-a", worker_spec(serviceAccountName="other"), IMAGE),
+    ]
+    assert len({base.hash, *(k.hash for k in others)}) == 5
+    assert key_of("t", {}, IMAGE).service_account == "default"
+    assert len(base.pod_name) <= 63 and base.pod_name.startswith("epguard-preflight-")
+
+
+def test_the_key_hash_does_not_depend_on_separators_in_names() -> None:
+    # ("a", "b,c") and ("a,b", "c") must not collide through a joined string.
+    one = PreflightKey("ns", "img", ("a", "b,c"), "sa")
+    two = PreflightKey("ns", "img", ("a,b", "c"), "sa")
+    assert one.hash != two.hash
+
+
+def test_the_gate_is_added_once_beside_other_gates() -> None:
+    pod = {"spec": {"schedulingGates": [{"name": "kueue.x-k8s.io/admission"}]}}
+    gated = jsonpatch.apply_patch(pod, gate_patch(pod["spec"]))
+    assert gated["spec"]["schedulingGates"] == [
+        {"name": "kueue.x-k8s.io/admission"},
+        {"name": GATE},
+    ]
+    assert is_gated(gated) and not is_gated(pod)
+    assert gate_patch(gated["spec"]) == []
+    bare: dict[str, Any] = {"spec": {}}
+    assert jsonpatch.apply_patch(bare, gate_patch(bare["spec"]))["spec"]["schedulingGates"] == [
+        {"name": GATE}
+    ]
+
+
+def test_ungating_removes_epguards_gate_only() -> None:
+    pod = {"spec": {"schedulingGates": [{"name": "a"}, {"name": GATE}, {"name": "b"}]}}
+    out = jsonpatch.apply_patch(pod, ungate_patch(pod))
+    assert out["spec"]["schedulingGates"] == [{"name": "a"}, {"name": "b"}]
+    assert ungate_patch(out) == []
+    assert ungate_patch({"spec": {"schedulingGates": "not a list"}}) == []
+
+
+def test_ungating_fails_rather_than_remove_a_gate_that_moved() -> None:
+    pod = {"spec": {"schedulingGates": [{"name": "a"}, {"name": GATE}]}}
+    patch = ungate_patch(pod)
+    moved = {"spec": {"schedulingGates": [{"name": GATE}, {"name": "a"}]}}
+    with pytest.raises(jsonpatch.JsonPatchTestFailed):
+        jsonpatch.apply_patch(moved, patch)
+
+
+@pytest.mark.parametrize(
+    ("value", "mode"), [("gate", "gate"), ("off", "off"), ("Gate", None), ("", None), (None, None)]
+)
+def test_a_namespace_mode_is_one_epguard_knows(value: object, mode: str | None) -> None:
+    assert parse_mode(value) == mode
+
+
+def preflight(spec: dict[str, Any] | None = None, **settings: Any) -> dict[str, Any]:
+    spec = worker_spec() if spec is None else spec
+    pod = preflight_pod(
+        "team-a",
+        spec,
+        key_of("team-a", spec, IMAGE),
+        PreflightSettings(SETTINGS.injection, 300, **settings),
+    )
+    assert pod is not None
+    return pod
+
+
+def test_the_preflight_judges_files_with_the_workers_pull_and_placement() -> None:
+    spec = worker_spec()
+    pod = preflight(spec)
+    p = pod["spec"]
+    assert pod["metadata"]["name"] == key_of("team-a", spec, IMAGE).pod_name
+    assert pod["metadata"]["labels"][PROBED_LABEL] == "true"
+    assert pod["metadata"]["labels"][KEY_LABEL] == key_of("team-a", spec, IMAGE).hash
+    assert p["restartPolicy"] == "Never" and p["activeDeadlineSeconds"] == 300
+    assert p["serviceAccountName"] == "sglang"
+    assert p["imagePullSecrets"] == [{"name": "a"}, {"name": "b"}]
+    for field in ("nodeSelector", "tolerations", "affinity"):
+        assert p[field] == spec[field]
+    assert [c["name"] for c in p["initContainers"]] == [COPY_CONTAINER, PROBE_CONTAINER]
+    probe = p["initContainers"][1]
+    assert probe["image"] == IMAGE
+    cmd = probe["command"]
+    assert "--files-only" in cmd and "--level" not in cmd
+    assert cmd[cmd.index("--") + 1 :] == [
+        "python3",
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        "/models/m",
+        "--elastic-ep-backend",
+        "mooncake",
+    ]
+
+
+def test_the_preflight_mounts_none_of_the_workers_volumes_and_holds_no_gpu() -> None:
+    p = preflight()["spec"]
+    assert [v["name"] for v in p["volumes"]] == ["epguard-probe"]
+    for c in p["initContainers"] + p["containers"]:
+        assert {m["name"] for m in c.get("volumeMounts", [])} <= {"epguard-probe"}
+        for part in c.get("resources", {}).values():
+            assert set(part) <= {"cpu", "memory"}, c["name"]
+    assert p["automountServiceAccountToken"] is False
+
+
+def test_a_preflight_may_ask_for_the_workers_gpus() -> None:
+    probe = preflight(gpus="worker")["spec"]["initContainers"][1]
+    assert probe["resources"]["limits"]["nvidia.com/gpu"] == "8"
+
+
+def test_no_preflight_when_no_container_on_the_image_asks_for_mooncake() -> None:
+    spec = worker_spec()
+    spec["containers"][0]["args"] = ["--model-path", "/models/m"]
+    assert preflight_pod("t", spec, key_of("t", spec, IMAGE), SETTINGS) is None
+    assert preflight_pod("t", spec, key_of("t", spec, "busybox"), SETTINGS) is None
+
+
+def test_a_signed_preflight_verifies_and_exposes_nothing() -> None:
+    ring = new_keyring(dt.datetime.now(dt.UTC))
+    pod = signed(preflight(), ring.keys[0], dt.datetime.now(dt.UTC))
+    assert exposure(pod) is None
+    assert verify(ring, "team-a", pod).ok
+    assert not verify(ring, "team-b", pod).ok  # bound to its namespace
+    tampered = copy.deepcopy(pod)
+    tampered["spec"]["initContainers"][1]["image"] = "attacker/other:1"
+    assert not verify(ring, "team-a", tampered).ok
+
+
+def test_worker_images_are_distinct_and_in_order() -> None:
+    spec = {
+        "containers": [
+            {"name": "a", "image": "x"},
+            {"name": "b", "image": "y"},
+            {"name": "c", "image": "x"},
+            {"name": "d", "image": 3},
+        ]
+    }
+    assert worker_images(spec, ["a", "b", "c", "d"]) == ("x", "y")
+    assert worker_images(spec, ["b"]) == ("y",)
+
+
+def _pod_templates() -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    for m in realmanifests.manifests():
+        if not m.requests_mooncake:
+            continue
+        for doc in m.documents:
+            for spec in _pod_specs(doc):
+                out.append((m.file, spec))
+    return out
+
+
+def _pod_specs(node: Any) -> list[dict[str, Any]]:
+    """Every mapping under ``node`` that holds a ``containers`` list: the pod specs of
+    any kind, without knowing its paths."""
+    found: list[dict[str, Any]] = []
+    if isinstance(node, dict):
+        if isinstance(node.get("containers"), list):
+            found.append(node)
+        for value in node.values():
+            found.extend(_pod_specs(value))
+    elif isinstance(node, list):
+        for value in node:
+            found.extend(_pod_specs(value))
+    return found
+
+
+def test_every_real_mooncake_worker_gets_a_valid_preflight() -> None:
+    """Public manifests: each pod spec with a mooncake container gives a preflight pod
+    the Kubernetes 1.35 schema accepts, with the worker's argv after ``--``."""
+    from kubernetes_validate import utils as kv  # type: ignore[import-untyped]
+
+    realmanifests.require()
+    assert VERSION in kv.all_versions()
+    built = 0
+    for file, spec in _pod_templates():
+        for c in spec["containers"]:
+            if not isinstance(c, dict) or not isinstance(c.get("image"), str):
+                continue
+            pod = preflight_pod("ns", spec, key_of("ns", spec, c["image"]), SETTINGS)
+            if pod is None:
+                continue
+            built += 1
+            try:
+                kv.validate(yaml.safe_load(yaml.safe_dump(pod)), VERSION, strict=True)
+            except kv.ValidationError as e:
+                pytest.fail(f"{file}: {e}")
+    assert built >= 5

@@ -1,0 +1,248 @@
+"""The preflight gate: a worker on an unjudged image is held unscheduled while one
+preflight pod judges the image's files.
+
+The kubelet pulls image volumes and mounts PersistentVolumeClaims before any init
+container runs, so the init-container probe comes too late for a model that arrives that
+way: only a pod that is not scheduled has pulled nothing. ``/mutate`` therefore adds the
+scheduling gate :data:`GATE` to an elastic-EP worker whose image has no verdict yet, and
+the controller runs one preflight per :class:`PreflightKey` -- the namespace, the image
+reference, the image pull secrets and the service account, the four things that decide
+whether and how the image can be pulled -- so 64 replicas of a new image start one.
+
+A preflight pod is built here (:func:`preflight_pod`) from the worker: the probe is
+injected exactly as for a worker (``injection.plan``), judging the image's files only
+(``--files-only``), with the worker's pull secrets, service account and placement
+(node selector, affinity, tolerations: it pulls where the worker could run and warms
+that node's cache), none of the worker's volumes, and no GPU unless asked. The
+controller signs it like an injected pod, so its outcome is recorded by the same path
+as every probe's (``controller/recorder.py``).
+
+Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from epguard.webhook.engine.injection import InjectionSettings, plan
+from epguard.webhook.engine.outcome import PROBED_LABEL
+from epguard.webhook.engine.signing import SIGNATURE_ANNOTATION, Key, sign
+from epguard.webhook.engine.workloads import as_list, as_map
+
+GATE = "epguard.io/preflight"
+# The pod condition that says why a pod is still gated (``kubectl describe pod``).
+CONDITION = "epguard.io/Preflight"
+# On a preflight pod: the hash of its key (the gated pods carry it too, so the controller
+# finds the pods one preflight decides with a label selector).
+KEY_LABEL = "epguard.io/preflight-key"
+# On a preflight pod: "true" (what the controller watches and cleans up).
+PREFLIGHT_LABEL = "epguard.io/preflight-pod"
+# A namespace's own choice, overriding the chart's ``preflight.mode``.
+MODE_LABEL = "epguard.io/preflight"
+Mode = Literal["gate", "off"]
+MODES: tuple[Mode, ...] = ("gate", "off")
+OnError = Literal["open", "hold"]
+
+# The preflight pod's main container: it only has to exist (a pod needs one) and end.
+DONE_CONTAINER = "preflight-done"
+NAME_PREFIX = "epguard-preflight-"
+# Kubernetes names of pods are DNS subdomains; a label value is at most 63 characters.
+KEY_HEX = 20
+
+
+def parse_mode(value: object) -> Mode | None:
+    """A namespace label's mode, or None when it says nothing epguard knows."""
+    for mode in MODES:
+        if value == mode:
+            return mode
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class PreflightKey:
+    """What decides whether, where and how an image is pulled: one preflight per key."""
+
+    namespace: str
+    image: str
+    pull_secrets: tuple[str, ...]
+    service_account: str
+
+    @property
+    def hash(self) -> str:
+        text = json.dumps(
+            [self.namespace, self.image, list(self.pull_secrets), self.service_account]
+        )
+        return hashlib.sha256(text.encode()).hexdigest()[:KEY_HEX]
+
+    @property
+    def pod_name(self) -> str:
+        return NAME_PREFIX + self.hash
+
+
+def pull_secrets(spec: Mapping[str, Any]) -> tuple[str, ...]:
+    names = {
+        str(s.get("name"))
+        for s in as_list(spec.get("imagePullSecrets"))
+        if isinstance(s, Mapping) and isinstance(s.get("name"), str) and s.get("name")
+    }
+    return tuple(sorted(names))
+
+
+def key_of(namespace: str, spec: Mapping[str, Any], image: str) -> PreflightKey:
+    account = spec.get("serviceAccountName")
+    return PreflightKey(
+        namespace=namespace,
+        image=image,
+        pull_secrets=pull_secrets(spec),
+        service_account=account if isinstance(account, str) and account else "default",
+    )
+
+
+def is_gated(pod: Mapping[str, Any]) -> bool:
+    gates = as_list(as_map(pod.get("spec")).get("schedulingGates"))
+    return any(isinstance(g, Mapping) and g.get("name") == GATE for g in gates)
+
+
+def gate_patch(spec: Mapping[str, Any], path: str = "/spec") -> list[dict[str, Any]]:
+    """The JSON patch that adds :data:`GATE` to a pod spec (nothing if it is there)."""
+    gates = [g for g in as_list(spec.get("schedulingGates")) if isinstance(g, Mapping)]
+    if any(g.get("name") == GATE for g in gates):
+        return []
+    return [{"op": "add", "path": f"{path}/schedulingGates", "value": [*gates, {"name": GATE}]}]
+
+
+def ungate_patch(pod: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The JSON patch that removes :data:`GATE` and nothing else from a pod, guarded by a
+    ``test`` of the gate's place (a concurrent change of the list fails the patch rather
+    than removing another gate). Empty when the pod is not gated by epguard."""
+    gates = as_list(as_map(pod.get("spec")).get("schedulingGates"))
+    for i, g in enumerate(gates):
+        if isinstance(g, Mapping) and g.get("name") == GATE:
+            where = f"/spec/schedulingGates/{i}"
+            return [
+                {"op": "test", "path": where, "value": dict(g)},
+                {"op": "remove", "path": where},
+            ]
+    return []
+
+
+@dataclass(frozen=True, slots=True)
+class PreflightSettings:
+    injection: InjectionSettings
+    timeout_seconds: int = 600
+    gpus: Literal["0", "worker"] = "0"
+
+
+_PLACEMENT = ("nodeSelector", "affinity", "tolerations", "priorityClassName", "runtimeClassName")
+
+
+def _without_extended(container: Mapping[str, Any]) -> dict[str, Any]:
+    """The probe container without the worker's extended resources (GPUs, RDMA): a
+    preflight judges files, which any node can."""
+    out = dict(container)
+    resources = {
+        part: {k: v for k, v in as_map(values).items() if k in ("cpu", "memory")}
+        for part, values in as_map(container.get("resources")).items()
+    }
+    out["resources"] = {part: values for part, values in resources.items() if values}
+    return out
+
+
+def preflight_pod(
+    namespace: str,
+    worker_spec: Mapping[str, Any],
+    key: PreflightKey,
+    settings: PreflightSettings,
+) -> dict[str, Any] | None:
+    """The preflight pod for ``key``, from the spec of one pod gated on it; None when no
+    container of that spec on ``key.image`` asks for mooncake (nothing to judge).
+
+    Unsigned: the controller signs it (``signing.sign``) before it creates it."""
+    workers = [
+        c
+        for c in as_list(worker_spec.get("containers"))
+        if isinstance(c, Mapping) and c.get("image") == key.image
+    ]
+    injection = plan(
+        {"containers": workers},
+        replace(settings.injection, files_only=True),
+    )
+    if not injection.probes or injection.volume is None:
+        return None
+    copy, *probes = injection.containers
+    probe = probes[0]  # one worker container judges the image; the argv decides the rest
+    if settings.gpus == "0":
+        probe = _without_extended(probe)
+    spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "activeDeadlineSeconds": settings.timeout_seconds,
+        "serviceAccountName": key.service_account,
+        # The probe needs no API access; the account is there for its pull secrets.
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "initContainers": [copy, probe],
+        "containers": [_done_container(settings.injection)],
+        "volumes": [injection.volume],
+    }
+    if key.pull_secrets:
+        spec["imagePullSecrets"] = [{"name": n} for n in key.pull_secrets]
+    for field in _PLACEMENT:
+        if worker_spec.get(field):
+            spec[field] = worker_spec[field]
+    security = as_map(worker_spec.get("securityContext"))
+    if security:
+        # The image may only work as the user the worker runs it as.
+        spec["securityContext"] = dict(security)
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": key.pod_name,
+            "namespace": namespace,
+            "labels": {PROBED_LABEL: "true", PREFLIGHT_LABEL: "true", KEY_LABEL: key.hash},
+            "annotations": {"epguard.io/preflight-image": key.image},
+        },
+        "spec": spec,
+    }
+
+
+def signed(pod: Mapping[str, Any], key: Key, now: dt.datetime) -> dict[str, Any]:
+    """The preflight pod with its signature, as ``/mutate`` signs an injected pod: the
+    recorder learns from it only while the signature verifies, once."""
+    meta = dict(as_map(pod.get("metadata")))
+    namespace = str(meta.get("namespace", ""))
+    annotations = dict(as_map(meta.get("annotations")))
+    annotations[SIGNATURE_ANNOTATION] = sign(key, namespace, pod, now)
+    return {**pod, "metadata": {**meta, "annotations": annotations}}
+
+
+def _done_container(settings: InjectionSettings) -> dict[str, Any]:
+    return {
+        "name": DONE_CONTAINER,
+        "image": settings.epguard_image,
+        "imagePullPolicy": settings.image_pull_policy,
+        "command": ["python3", "-c", "pass"],
+        "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "32Mi"}},
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 65532,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+
+
+def worker_images(spec: Mapping[str, Any], requests_mooncake: Iterable[str]) -> tuple[str, ...]:
+    """The distinct images, in order, of the containers named in ``requests_mooncake``."""
+    wanted = set(requests_mooncake)
+    seen: dict[str, None] = {}
+    for c in as_list(spec.get("containers")):
+        if isinstance(c, Mapping) and c.get("name") in wanted and isinstance(c.get("image"), str):
+            seen.setdefault(c["image"], None)
+    return tuple(seen)
