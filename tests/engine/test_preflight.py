@@ -17,12 +17,14 @@ from epguard.webhook.engine.preflight import (
     GATE,
     KEY_LABEL,
     PreflightKey,
+    PreflightResult,
     PreflightSettings,
     gate_patch,
     is_gated,
     key_of,
     parse_mode,
     preflight_pod,
+    preflight_result,
     signed,
     ungate_patch,
     worker_images,
@@ -274,3 +276,122 @@ def test_every_real_mooncake_worker_gets_a_valid_preflight() -> None:
             except kv.ValidationError as e:
                 pytest.fail(f"{file}: {e}")
     assert built >= 5
+
+
+NOW = dt.datetime(2026, 12, 3, 12, 0, tzinfo=dt.UTC)
+BAD = (
+    "epguard: mooncake elastic EP is unusable in this image: torch 2.13.0 has no "
+    "mooncake backend\nscope: image (the image's files)\nfix: rebuild the image"
+)
+
+
+def status_pod(*inits: dict[str, Any], age: int = 10, **status: Any) -> dict[str, Any]:
+    created = (NOW - dt.timedelta(seconds=age)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {
+        "metadata": {"creationTimestamp": created},
+        "status": {"phase": "Pending", "initContainerStatuses": list(inits), **status},
+    }
+
+
+def terminated(code: int, message: str = "", name: str = PROBE_CONTAINER) -> dict[str, Any]:
+    return {
+        "name": name,
+        "state": {
+            "terminated": {
+                "exitCode": code,
+                "message": message,
+                "reason": "Error" if code else "Completed",
+            }
+        },
+    }
+
+
+def waiting(reason: str, message: str = "", name: str = PROBE_CONTAINER) -> dict[str, Any]:
+    return {"name": name, "state": {"waiting": {"reason": reason, "message": message}}}
+
+
+def test_an_image_cause_keeps_the_gate_with_the_probes_first_line() -> None:
+    r = preflight_result(
+        status_pod(terminated(0, name=COPY_CONTAINER), terminated(1, BAD)), NOW, 300
+    )
+    assert r.phase == "unusable"
+    assert r.message == BAD.splitlines()[0]
+
+
+def test_nothing_proven_clears_the_gate() -> None:
+    clear = "epguard: no image cause in this image's files: left for the GPU node: the driver"
+    r = preflight_result(status_pod(terminated(0, clear)), NOW, 300)
+    assert r.phase == "clear" and r.message == clear
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "epguard: mooncake elastic EP is unusable in this pod: no NVIDIA driver",
+        "epguard: probe internal error: KeyError: 'x'",
+        "",
+        BAD.replace("scope: image", "scope: environment"),  # contradicts itself
+    ],
+)
+def test_a_failure_that_is_not_an_image_cause_cannot_judge(message: str) -> None:
+    r = preflight_result(status_pod(terminated(1, message)), NOW, 300)
+    assert r.phase == "failed"
+    assert "exit code 1" in r.message
+
+
+def test_a_probe_that_cannot_start_cannot_judge() -> None:
+    # No python3 in the image: the runtime fails the exec (exit 127/128, no message).
+    r = preflight_result(status_pod(terminated(128, "")), NOW, 300)
+    assert r.phase == "failed" and "exit code 128" in r.message and "Error" in r.message
+
+
+def test_a_pull_error_is_waited_on_until_the_deadline() -> None:
+    pull = waiting("ErrImagePull", "pull access denied for x")
+    running = preflight_result(status_pod(pull, age=10), NOW, 300)
+    assert running.phase == "running"
+    assert running.stalled == (
+        f"container {PROBE_CONTAINER} is waiting: ErrImagePull: pull access denied for x"
+    )
+    late = preflight_result(status_pod(pull, age=301), NOW, 300)
+    assert late.phase == "failed"
+    assert "did not finish within 300 s" in late.message and "ErrImagePull" in late.message
+
+
+def test_an_unschedulable_preflight_fails_at_the_deadline_counted_from_creation() -> None:
+    unscheduled = {
+        "conditions": [
+            {
+                "type": "PodScheduled",
+                "status": "False",
+                "reason": "Unschedulable",
+                "message": "0/1 nodes",
+            }
+        ]
+    }
+    assert preflight_result(status_pod(age=5, **unscheduled), NOW, 300).stalled == (
+        "not scheduled: Unschedulable 0/1 nodes"
+    )
+    late = preflight_result(status_pod(age=400, **unscheduled), NOW, 300)
+    assert late.phase == "failed" and "Unschedulable" in late.message
+
+
+def test_the_kubelets_deadline_fails_the_preflight() -> None:
+    pod = status_pod(
+        waiting("PodInitializing"),
+        phase="Failed",
+        reason="DeadlineExceeded",
+        message="Pod was active on the node longer than the specified deadline",
+    )
+    r = preflight_result(pod, NOW, 300)
+    assert r.phase == "failed" and "DeadlineExceeded" in r.message
+
+
+def test_a_starting_preflight_is_running_and_not_stalled() -> None:
+    r = preflight_result(status_pod(waiting("PodInitializing")), NOW, 300)
+    assert r == PreflightResult("running", "", "")
+    assert preflight_result({"status": "junk", "metadata": []}, NOW, 300).phase == "running"
+
+
+def test_a_huge_message_is_cut_for_the_pod_condition() -> None:
+    r = preflight_result(status_pod(terminated(1, "x" * 100_000)), NOW, 300)
+    assert r.phase == "failed" and len(r.message) <= 1024

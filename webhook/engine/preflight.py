@@ -30,8 +30,9 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from epguard.webhook.engine.injection import InjectionSettings, plan
-from epguard.webhook.engine.outcome import PROBED_LABEL
+from epguard.webhook.engine.outcome import PROBE_CONTAINER, PROBED_LABEL, classify
 from epguard.webhook.engine.signing import SIGNATURE_ANNOTATION, Key, sign
+from epguard.webhook.engine.text import cut, first_line, parse_stamp
 from epguard.webhook.engine.workloads import as_list, as_map
 
 GATE = "epguard.io/preflight"
@@ -246,3 +247,74 @@ def worker_images(spec: Mapping[str, Any], requests_mooncake: Iterable[str]) -> 
         if isinstance(c, Mapping) and c.get("name") in wanted and isinstance(c.get("image"), str):
             seen.setdefault(c["image"], None)
     return tuple(seen)
+
+
+# What a preflight came to: still running; nothing proven in the files (the gate comes
+# off); an image cause (the gate stays, the recorder records the verdict); or it could
+# not judge (pull error, unschedulable, deadline, no python3: preflight.onError decides).
+Phase = Literal["running", "clear", "unusable", "failed"]
+MAX_MESSAGE = 1024  # a pod condition's message is read in `kubectl describe pod`
+
+
+@dataclass(frozen=True, slots=True)
+class PreflightResult:
+    phase: Phase
+    message: str  # the probe's first line, or why the preflight could not judge
+    stalled: str = ""  # while running: what it waits on (an image pull error, a scheduler)
+
+
+def _waiting(statuses: Iterable[Any]) -> str:
+    for status in statuses:
+        waiting = as_map(as_map(as_map(status).get("state")).get("waiting"))
+        reason = waiting.get("reason")
+        if isinstance(reason, str) and reason not in ("PodInitializing", "ContainerCreating"):
+            said = waiting.get("message")
+            detail = f": {said}" if isinstance(said, str) and said else ""
+            return f"container {as_map(status).get('name')} is waiting: {reason}{detail}"
+    return ""
+
+
+def _unschedulable(status: Mapping[str, Any]) -> str:
+    for c in as_list(status.get("conditions")):
+        c = as_map(c)
+        if c.get("type") == "PodScheduled" and c.get("status") == "False":
+            return f"not scheduled: {c.get('reason') or ''} {c.get('message') or ''}".strip()
+    return ""
+
+
+def preflight_result(
+    pod: Mapping[str, Any], now: dt.datetime, timeout_seconds: int
+) -> PreflightResult:
+    """What a preflight pod's status says, at ``now``. The deadline is counted from the
+    pod's creation, since the kubelet's ``activeDeadlineSeconds`` never starts for a pod
+    that is not scheduled or whose image is never pulled."""
+    status = as_map(pod.get("status"))
+    inits = [as_map(s) for s in as_list(status.get("initContainerStatuses"))]
+    probe = next((s for s in inits if s.get("name") == PROBE_CONTAINER), None)
+    terminated = as_map(as_map(probe.get("state")).get("terminated")) if probe else {}
+    code = terminated.get("exitCode")
+    if isinstance(code, int):
+        said = terminated.get("message")
+        message = said if isinstance(said, str) else ""
+        line = cut(first_line(message), MAX_MESSAGE)
+        if code == 0:
+            return PreflightResult("clear", line or "the preflight's probe passed")
+        if classify(message, code) == ("Unusable", "image"):
+            return PreflightResult("unusable", line)
+        why = line or str(terminated.get("reason") or "no message")
+        return PreflightResult(
+            "failed", cut(f"the preflight's probe ended with exit code {code}: {why}", MAX_MESSAGE)
+        )
+    if status.get("phase") == "Failed":
+        why = f"{status.get('reason') or 'Failed'}: {status.get('message') or ''}".strip(": ")
+        return PreflightResult("failed", cut(f"the preflight pod failed ({why})", MAX_MESSAGE))
+    stalled = cut(_waiting(inits) or _unschedulable(status), MAX_MESSAGE)
+    written = as_map(pod.get("metadata")).get("creationTimestamp")
+    created = parse_stamp(written) if isinstance(written, str) else None
+    if created is not None and (now - created).total_seconds() > timeout_seconds:
+        why = f" ({stalled})" if stalled else ""
+        return PreflightResult(
+            "failed",
+            cut(f"the preflight did not finish within {timeout_seconds} s{why}", MAX_MESSAGE),
+        )
+    return PreflightResult("running", "", stalled)
