@@ -37,6 +37,20 @@ MAX_TIMEOUT = 3600
 # How deep the probe checks; the first is the default (the webhook's EPGUARD_PROBE_LEVEL
 # and the chart's injection.probeLevel offer exactly these).
 PROBE_LEVELS = ("import", "smoke")
+# The evidence line of a verdict the image's files decided (with or without --files-only).
+FROM_FILES = ("decided from the image's files, before import torch (the probe's --no-static "
+              "imports anyway)")
+# What only the probe on a GPU node can judge (static.GPU_ONLY, in short): the first line
+# of a --files-only run whose files prove no cause. "{modules}" is what SGLang imports.
+LEFT_FOR_GPU_NODE = (
+    "the import of {modules} after torch",
+    "the NVIDIA driver (libcuda.so.1)",
+    "a visible GPU",
+    "the registration of the mooncake and mooncake-cpu backends",
+    "the one-rank smoke test",
+)
+# Causes the files show but do not prove, listed in a --files-only message.
+MAX_UNCONFIRMED = 3
 
 
 def read_config(path):
@@ -97,6 +111,12 @@ def _parser():
                    help="check even if WORKER_ARGV does not request mooncake")
     p.add_argument("--no-static", action="store_true",
                    help="always import, even when the image's files already prove a cause")
+    p.add_argument("--files-only", action="store_true",
+                   help="judge the image's files only (a preflight pod in the worker's image, "
+                        "no GPU): never start the child or import torch; exit 1 with the "
+                        "init container's message for a cause the files prove, else exit 0 "
+                        "saying what is left for the GPU node. Not with --level smoke or "
+                        "--no-static")
     return p
 
 
@@ -307,12 +327,24 @@ def main(argv=None):
     # --timeout, the reading of the image's files by --timeout).
     if not (0 < opts.timeout <= MAX_TIMEOUT):
         _parser().error(f"--timeout must be a number of seconds in (0, {MAX_TIMEOUT}]")
+    if opts.files_only and opts.level != PROBE_LEVELS[0]:
+        _parser().error(f"--files-only imports nothing, so it cannot run --level {opts.level} "
+                        "(the probe on the GPU node does)")
+    if opts.files_only and opts.no_static:
+        _parser().error("--files-only is the reading of the image's files alone: it cannot "
+                        "be combined with --no-static")
     try:
         # The timer is disarmed when the with-block ends, before the report.
         with deadline.whole_run(opts.timeout):
             return _run(opts, worker)
     except deadline.Expired:
-        return _expired(opts, deadline.RUN_STEPS * opts.timeout)
+        seconds = deadline.RUN_STEPS * opts.timeout
+        if opts.files_only:
+            # Only a cause the files prove fails a --files-only run; a hang proves none.
+            note = (f"the probe's whole run passed {seconds:g} s ({deadline.RUN_STEPS} x "
+                    "--timeout): the files decided nothing")
+            return _files_clear(opts, None, None, note, sandbox.pod_variables())
+        return _expired(opts, seconds)
     except Exception as exc:  # noqa: BLE001 - a probe bug must not block the worker
         sys.stderr.write("epguard: probe internal error (please report):\n")
         traceback.print_exc()
@@ -335,15 +367,26 @@ def _expired(opts, seconds):
         ["versions: torch=unknown sglang=unknown mooncake=unknown",
          message.SCOPE + "environment (this pod or its node; the image may be fine)"],
         fix, opts.max_message_bytes)
+    doc = message.report("unusable", [], [{"name": "deadline", "ok": False,
+                                          "detail": cause}], {}, cause, fix,
+                         classification="timeout", scope=message.ENVIRONMENT,
+                         message=text)
+    _emit(opts, text, doc)
+    return 1
+
+
+def _emit(opts, text, doc):
+    """The termination message (and stderr, for ``kubectl logs``), and with --json the
+    report on stdout."""
     _write(_termination_path(opts), text)
     sys.stderr.write(text + "\n")
     if opts.json:
-        doc = message.report("unusable", [], [{"name": "deadline", "ok": False,
-                                              "detail": cause}], {}, cause, fix,
-                             classification="timeout", scope=message.ENVIRONMENT,
-                             message=text)
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
-    return 1
+
+
+def _request_doc(req_argv):
+    return {"backend": req_argv.backend, "where": req_argv.where,
+            "dp_attention": req_argv.dp_attention}
 
 
 def _run(opts, worker):
@@ -355,21 +398,18 @@ def _run(opts, worker):
             why += f" (it asks for {req_argv.backend.strip()!r})"
         text = message.render(message.NOTHING + why, [], "nothing to fix",
                               opts.max_message_bytes).splitlines()[0]
-        _write(_termination_path(opts), text)
-        sys.stderr.write(text + "\n")
-        if opts.json:
-            doc = message.report("not-requested", [], [
-                {"name": "request", "ok": True, "detail": why}], {}, why, "nothing to fix",
-                message=text, classification="not-requested")
-            sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+        doc = message.report("not-requested", [], [
+            {"name": "request", "ok": True, "detail": why}], {}, why, "nothing to fix",
+            message=text, classification="not-requested")
+        _emit(opts, text, doc)
         return 0
+    if opts.files_only:
+        return _files_only(opts, req_argv)
 
-    diagnosis = _sibling("diagnosis")
     o, v, from_files = _judged(opts, req_argv)
     evidence = list(v.evidence)
     if from_files:
-        evidence.insert(min(2, len(evidence)), "decided from the image's files, before "
-                        "import torch (the probe's --no-static imports anyway)")
+        evidence.insert(min(2, len(evidence)), FROM_FILES)
     if v.classification == "crash" and o.output_tail:
         site = _crash_site(o.output_tail)
         if site:
@@ -380,11 +420,18 @@ def _run(opts, worker):
         o_w, v_w, _ = _judged(opts, req_argv, sandbox.worker_environment())
         o, v, evidence, usable_here = _with_pod_environment(
             o, v, evidence, o_w, v_w, sandbox.said_names(pod_vars))
+    dropped = sandbox.interpreter_variables(sandbox.worker_environment())
+    return _verdict(opts, req_argv, o, v, evidence, from_files, usable_here, dropped,
+                    pod_vars)
+
+
+def _verdict(opts, req_argv, o, v, evidence, from_files, usable_here, dropped, pod_vars):
+    """Write the verdict ``v`` (message, stderr, --json) and return the exit status."""
+    diagnosis = _sibling("diagnosis")
     if v.verdict == diagnosis.USABLE:
         head = message.USABLE_HERE if usable_here else message.USABLE
     else:
         head = message.UNUSABLE if v.scope == message.IMAGE else message.UNUSABLE_HERE
-    dropped = sandbox.interpreter_variables(sandbox.worker_environment())
     if dropped:
         # Early in the message: evidence is dropped from the end when space is short.
         said = ("environment: checked without {} (interpreter settings copied from the "
@@ -392,18 +439,80 @@ def _run(opts, worker):
         evidence.insert(min(2, len(evidence)), said)
     first = head + v.cause
     text = message.render(first, evidence, v.fix, opts.max_message_bytes)
-    _write(_termination_path(opts), text)
-    sys.stderr.write(text + "\n")
-    if opts.json:
-        doc = message.report(
-            v.verdict, o.requirement.modules, v.checks, v.versions, v.cause, v.fix,
-            classification=v.classification,
-            scope=message.ENVIRONMENT if usable_here else v.scope,
-            checked_without=dropped, pod_variables=pod_vars,
-            decided_from="files" if from_files else "import",
-            missing_libraries=v.missing_libraries,
-            request={"backend": req_argv.backend, "where": req_argv.where,
-                     "dp_attention": req_argv.dp_attention},
-            message=text)
-        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+    doc = message.report(
+        v.verdict, o.requirement.modules, v.checks, v.versions, v.cause, v.fix,
+        classification=v.classification,
+        scope=message.ENVIRONMENT if usable_here else v.scope,
+        checked_without=dropped, pod_variables=pod_vars,
+        decided_from="files" if from_files else "import",
+        missing_libraries=v.missing_libraries,
+        request=_request_doc(req_argv),
+        message=text)
+    _emit(opts, text, doc)
     return 0 if v.verdict == diagnosis.USABLE else 1
+
+
+def _without_pod_variables(pod_vars):
+    names = sandbox.said_names(pod_vars)
+    return ("environment: judged in the image's own environment, without the pod's variables "
+            f"({names}): --files-only judges the image, not a pod")
+
+
+def _files_only(opts, req_argv):
+    """--files-only: the reading of the image's files alone (static.decide), in the image's
+    own environment, under --timeout. No child is started and torch is never imported.
+    A cause the files prove is written exactly as the init container writes it (exit 1);
+    anything else says what is left for the GPU node (exit 0)."""
+    facts, found, note = _sibling("static").decide(
+        live_image(), req_argv, deadline.static_until(opts.timeout))
+    pod_vars = sandbox.pod_variables()
+    if found is None:
+        return _files_clear(opts, req_argv, facts, note, pod_vars)
+    evidence = list(found.verdict.evidence)
+    evidence.insert(min(2, len(evidence)), FROM_FILES)
+    if pod_vars:
+        evidence.insert(min(2, len(evidence)), _without_pod_variables(pod_vars))
+    # The image's own variables only: the pod's are not used here.
+    dropped = sandbox.interpreter_variables(sandbox.image_environment())
+    return _verdict(opts, req_argv, facts.outcome, found.verdict, evidence, True, False,
+                    dropped, pod_vars)
+
+
+def _files_clear(opts, req_argv, facts, note, pod_vars):
+    """--files-only and the files prove no cause (or could not be read: ``note``): exit 0
+    with what is left for the GPU node. No verdict about the image: that the files prove
+    nothing is no pass (webhook/engine/outcome.py learns nothing from it)."""
+    diagnosis = _sibling("diagnosis")
+    o = facts.outcome if facts is not None else None
+    req = o.requirement if o is not None else None
+    modules = list(req.modules) if req is not None else []
+    said = (" or " if req is not None and req.either else " and ").join(modules)
+    left = [w.format(modules=said or "mooncake's process-group module")
+            for w in LEFT_FOR_GPU_NODE]
+    cause = "left for the GPU node: {} and {}".format(", ".join(left[:-1]), left[-1])
+    notes = ([note] if note else []) + (list(facts.notes) if facts is not None else [])
+    findings = list(facts.findings) if facts is not None else []
+    versions = diagnosis.versions(o) if o is not None else {}
+    evidence = [diagnosis.versions_line(versions)] if versions else []
+    evidence += ["files: " + n for n in notes]
+    evidence += ["from the files, for the import to confirm: " + f.verdict.cause
+                 for f in findings[:MAX_UNCONFIRMED]]
+    if pod_vars:
+        evidence.append(_without_pod_variables(pod_vars))
+    if req_argv is not None:
+        evidence.append("request: " + req_argv.describe())
+    fix = ("nothing to fix in the image's files; the probe in the worker's pod, on its GPU "
+           "node, judges the rest")
+    text = message.render(message.FILES_CLEAR + cause, evidence, fix, opts.max_message_bytes)
+    checks = [{"name": "files", "ok": not notes,
+               "detail": "; ".join(notes) or "no cause the image's files prove"}]
+    checks += [{"name": "files: " + str(f.verdict.classification), "ok": False,
+                "detail": "for the import to confirm: " + f.verdict.cause}
+               for f in findings[:MAX_UNCONFIRMED]]
+    doc = message.report(
+        "unjudged", modules, checks, versions, cause, fix, classification=None, scope=None,
+        checked_without=[], pod_variables=pod_vars, decided_from="files",
+        missing_libraries=[], left_for_gpu_node=left,
+        request=_request_doc(req_argv) if req_argv is not None else None, message=text)
+    _emit(opts, text, doc)
+    return 0

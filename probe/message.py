@@ -23,6 +23,11 @@ USABLE = PREFIX + "mooncake elastic EP is usable: "
 # starts, but it is no verdict about the image (webhook/engine/outcome.py learns nothing).
 USABLE_HERE = PREFIX + "mooncake elastic EP is usable in this pod: "
 NOTHING = PREFIX + "nothing to check: "
+# --files-only (a preflight pod in the worker's image, on a node without a GPU): the
+# image's files prove no cause. Not a pass: the import, the driver, the GPU and the
+# backends are left for the probe on the GPU node, so webhook/engine/outcome.py learns
+# nothing about the image from it.
+FILES_CLEAR = PREFIX + "no image cause in this image's files: "
 
 # Values shorter than this are words like "1", "true", "cuda" that occur everywhere;
 # they cannot carry a secret, and masking them would garble the message.

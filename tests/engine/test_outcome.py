@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import datetime as dt
+import os
 from pathlib import Path
 
+from epguard.probe.message import FILES_CLEAR, NOTHING, UNUSABLE, UNUSABLE_HERE, USABLE_HERE
+from epguard.probe.message import USABLE as PROBE_USABLE
 from epguard.webhook.engine.outcome import (
     MAX_RUNS,
     classify,
@@ -16,6 +19,7 @@ from epguard.webhook.engine.outcome import (
     verdict_spec,
 )
 from epguard.webhook.engine.verdicts import SOURCE_SCAN, verdict_name
+from tests.probe import hostile_roots
 from tests.probe.probe_pods import pod_with_probe_status, run_real_probe
 
 # What the probe writes when mooncake imports and both backends register. It cannot be
@@ -212,3 +216,52 @@ def test_the_verdict_names_the_image_the_kubelet_ran_not_the_patched_spec() -> N
             c["image"] = "registry.example.com/victim:1"  # patched after the run
     [o] = outcomes_of(pod)
     assert o.image == "registry.example.com/ran:1"
+
+
+# --- a --files-only run (the preflight pod) -----------------------------------------------
+
+
+def _files_only_run(tmp_path: Path, change: str) -> tuple[int, str]:
+    """The real probe with --files-only on a crafted image root (tests/probe/hostile_roots):
+    as written, its files prove cuda-mismatch; "clear" gives it an extension they cannot
+    fault."""
+    root = hostile_roots.write_root(tmp_path / "root")
+    if change == "clear":
+        ext = root / "mooncake" / f"pg_2_13_0{hostile_roots.ext_suffix()}"
+        ext.write_bytes(hostile_roots.elf_bytes(["libc.so.6"]) + b"\0set_transfer_engine\0")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONHOME", "VIRTUAL_ENV")}
+    env.update(PYTHONPATH=str(root), PYTHONNOUSERSITE="1")
+    return run_real_probe(tmp_path, hostile_roots.WORKER, opts=["--files-only"], env=env)
+
+
+def test_a_files_only_run_whose_files_prove_nothing_is_no_evidence(tmp_path: Path) -> None:
+    code, message = _files_only_run(tmp_path, "clear")
+    assert code == 0
+    assert message.startswith(FILES_CLEAR + "left for the GPU node: ")
+    # Nothing learned: not Usable (the driver, the GPU and the import are unjudged).
+    for exit_code in (0, 1):
+        assert classify(message, exit_code) is None
+        assert outcomes_of(pod_with_probe_status(message, exit_code)) == []
+
+
+def test_a_files_only_run_whose_files_prove_a_cause_is_about_the_image(tmp_path: Path) -> None:
+    code, message = _files_only_run(tmp_path, "cuda-mismatch")
+    assert code == 1
+    [o] = outcomes_of(pod_with_probe_status(message, code))
+    assert (o.verdict, o.scope) == ("Unusable", "image")
+    assert o.about_the_image
+    assert o.reason.startswith("mooncake-transfer-engine 0.3.13.post1 is built for CUDA 12")
+
+
+def test_no_first_line_that_learns_nothing_is_ever_a_verdict() -> None:
+    # Whatever the exit code and whatever lines follow (a usable line, an image scope).
+    for first in (FILES_CLEAR + "left for the GPU node: the import of mooncake.pg",
+                  USABLE_HERE + "mooncake.pg imports after torch",
+                  NOTHING + "the worker argv does not request --elastic-ep-backend mooncake"):
+        for rest in ("", "\n" + USABLE.splitlines()[0], "\nscope: image (in the image's files)"):
+            for code in (0, 1):
+                assert classify(first + rest, code) is None, (first, rest, code)
+    # The prefixes cannot be read as one another's.
+    for verdict_line in (PROBE_USABLE, UNUSABLE, UNUSABLE_HERE):
+        assert not FILES_CLEAR.startswith(verdict_line)
+        assert not verdict_line.startswith(FILES_CLEAR)

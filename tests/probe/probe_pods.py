@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,16 +13,25 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 WORKER_ARGV = ["python3", "-m", "sglang.launch_server", "--elastic-ep-backend", "mooncake"]
 
 
-def run_real_probe(tmp_path: Path, argv: list[str] = WORKER_ARGV) -> tuple[int, str]:
-    """Run the real probe in this interpreter (no torch, no mooncake here) and return
-    its exit code and the termination message it wrote, as the kubelet would read it."""
+def run_real_probe(
+    tmp_path: Path,
+    argv: list[str] = WORKER_ARGV,
+    *,
+    opts: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> tuple[int, str]:
+    """Run the real probe in this interpreter (no torch, no mooncake here, unless ``env``
+    puts a root on PYTHONPATH) with ``opts`` and return its exit code and the termination
+    message it wrote, as the kubelet would read it."""
     log = tmp_path / "termination-log"
     proc = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "probe"), "--termination-log", str(log), "--", *argv],
+        [sys.executable, str(REPO_ROOT / "probe"), "--termination-log", str(log), *opts,
+         "--", *argv],
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
+        env=None if env is None else dict(env),
     )
     return proc.returncode, log.read_text() if log.exists() else ""
 

@@ -20,7 +20,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from epguard.probe.message import IMAGE, SCOPE, UNUSABLE, UNUSABLE_HERE, USABLE
+from epguard.probe.message import (
+    FILES_CLEAR,
+    IMAGE,
+    NOTHING,
+    SCOPE,
+    UNUSABLE,
+    UNUSABLE_HERE,
+    USABLE,
+    USABLE_HERE,
+)
 from epguard.webhook.engine.argv import ExpansionTooLarge, container_argv
 from epguard.webhook.engine.text import first_line
 from epguard.webhook.engine.verdicts import SOURCE_PROBE, ImageVerdictSpec, Versions, build_spec
@@ -34,6 +43,11 @@ PROBED_LABEL = "epguard.io/probed"
 MAX_REASON = 1024
 
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+# First lines that say nothing about the image, whatever the exit code: "nothing to
+# check", a pass only with one pod's variables, and a --files-only run (a preflight pod)
+# whose files prove no cause -- the import, the driver and the GPU are still unjudged,
+# so it is no pass.
+NOTHING_LEARNED = (NOTHING, USABLE_HERE, FILES_CLEAR)
 
 VerdictName = Literal["Usable", "Unusable"]
 # Where a failure lives (probe/diagnosis.py): only "image" causes are facts about the
@@ -140,12 +154,15 @@ def parse_versions(message: str) -> Versions:
 
 def classify(message: str, exit_code: int) -> tuple[VerdictName, Scope | None] | None:
     """The verdict a termination stands for and, for a failure, where its cause lives;
-    None when it is no evidence (including "nothing to check", which carries neither
-    verdict line). A failure's scope is its first line ("in this image" / "in this
-    pod"), and a ``scope:`` line that says otherwise makes it environment: a message
-    that contradicts itself is not evidence about the image."""
+    None when it is no evidence (:data:`NOTHING_LEARNED`: "nothing to check", "usable in
+    this pod", and a --files-only run's "no image cause in this image's files"). A
+    failure's scope is its first line ("in this image" / "in this pod"), and a ``scope:``
+    line that says otherwise makes it environment: a message that contradicts itself is
+    not evidence about the image."""
     lines = message.strip().splitlines()
     first = first_line(message)
+    if first.startswith(NOTHING_LEARNED):
+        return None
     if exit_code == 0 and first.startswith(USABLE):
         return "Usable", None
     if exit_code != 1:

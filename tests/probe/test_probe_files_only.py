@@ -1,0 +1,419 @@
+"""``--files-only``: the probe of a preflight pod, run in the worker's image on a node
+with no GPU before the worker is scheduled.
+
+It judges the image's files only (the static path, static.decide), never starts the
+child and never imports torch. A cause the files prove is written exactly as the init
+container writes it (exit 1); files that prove nothing give exit 0 and a first line
+saying what is left for the GPU node (message.FILES_CLEAR).
+
+The roots are tests/probe/hostile_roots.py's crafted image (a fake torch 2.13.0+cu130,
+a mooncake 0.3.13-shaped package, SGLang 0.5.18's import), changed per test; the fake
+torch writes a marker file when anything imports it. No real package is needed except
+in the tests marked ``realpkg`` at the end.
+"""
+
+from __future__ import annotations
+
+import glob
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from epguard.probe.message import FILES_CLEAR, NOTHING, UNUSABLE, UNUSABLE_HERE
+from tests.probe import hostile_roots
+from tests.probe.probe_harness import (
+    MTE_CUDA12,
+    MTE_CUDA13,
+    MTE_CUDA13_OLD,
+    MTE_NON_CUDA,
+    PROBE_DIR,
+    SGLANG_EP,
+    SGLANG_PG,
+    Result,
+    clean_env,
+    copy_probe,
+    overlay,
+    run_probe,
+)
+
+VERSIONS_RE = re.compile(r"^versions: torch=\S+ sglang=\S+( [a-z0-9-]+=\S+)+$")
+NOT_REQUESTED = ["python3", "-m", "sglang.launch_server", "--elastic-ep-backend", "none"]
+MARKER = "TORCH-IMPORTED"
+# torch/__init__.py of the fake torch: any import of it (the probe's own process or a
+# child) leaves MARKER beside the package.
+MARKING_TORCH = (
+    "import os\n"
+    f"open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "
+    f"{MARKER!r}), 'w').close()\n"
+    "from .version import __version__, cuda  # noqa\n"
+)
+
+
+def _ext(root: Path, leaf: str = "pg_2_13_0") -> Path:
+    return root / "mooncake" / f"{leaf}{hostile_roots.ext_suffix()}"
+
+
+def _no_extension_for_torch(root: Path) -> None:
+    _ext(root).rename(_ext(root, "pg_2_12_0"))
+
+
+def _missing_names(root: Path) -> None:
+    _ext(root).write_bytes(hostile_roots.elf_bytes(["libc.so.6"]))
+
+
+def _no_torch(root: Path) -> None:
+    shutil.rmtree(root / "torch")
+    shutil.rmtree(root / "torch-2.13.0.dist-info")
+
+
+def _no_mooncake(root: Path) -> None:
+    shutil.rmtree(root / "mooncake")
+    shutil.rmtree(root / "mooncake_transfer_engine-0.3.13.post1.dist-info")
+
+
+def _clear(root: Path) -> None:
+    # pg_2_13_0 needs only libc and defines set_transfer_engine: nothing to prove.
+    _ext(root).write_bytes(
+        hostile_roots.elf_bytes(["libc.so.6"]) + b"\0set_transfer_engine\0")
+
+
+def _unconfirmed(root: Path) -> None:
+    # A library missing from the image's search path: an image cause the files show, but
+    # the loader's search at run time may differ, so only the import proves it.
+    _ext(root).write_bytes(
+        hostile_roots.elf_bytes(["libnowhere.so.1", "libc.so.6"]) + b"\0set_transfer_engine\0")
+
+
+PROVEN: dict[str, Callable[[Path], None]] = {
+    "cuda-mismatch": lambda root: None,
+    "no-extension-for-torch": _no_extension_for_torch,
+    "missing-names": _missing_names,
+    "torch-not-installed": _no_torch,
+    "mooncake-not-installed": _no_mooncake,
+}
+
+
+def make_root(tmp_path: Path, change: Callable[[Path], None], name: str = "root") -> Path:
+    root = hostile_roots.write_root(tmp_path / name)
+    (root / "torch" / "__init__.py").write_text(MARKING_TORCH)
+    change(root)
+    return root
+
+
+def torch_imported(root: Path) -> bool:
+    return (root / MARKER).exists()
+
+
+def probe(tmp_path: Path, root: Path, *opts: str, worker: list[str] | None = None,
+          probe_dir: Path = PROBE_DIR, python: str = sys.executable,
+          **env: str) -> Result:
+    """The probe as an init container runs it, with ``root`` as the image (PYTHONPATH)."""
+    return run_probe(tmp_path, python=python, env=clean_env([root], **env), opts=list(opts),
+                     worker=hostile_roots.WORKER if worker is None else worker,
+                     probe_dir=probe_dir, timeout=120)
+
+
+def patched_probe(tmp_path: Path, module: str, old: str, new: str) -> Path:
+    """A copy of the probe with ``old`` replaced by ``new`` in ``module``; never the repo."""
+    copied = copy_probe(tmp_path / "patched")
+    src = copied / module
+    text = src.read_text()
+    assert text.count(old) == 1, old
+    src.write_text(text.replace(old, new))
+    return copied
+
+
+# --- a cause the files prove ------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cause", list(PROVEN))
+def test_a_cause_the_files_prove_is_written_exactly_as_the_init_container_writes_it(
+        tmp_path, cause):
+    root = make_root(tmp_path, PROVEN[cause])
+    files = probe(tmp_path, root, "--files-only")
+    assert not torch_imported(root)
+    full = probe(tmp_path, root)
+    # The init container decided it from the files too: the same cause, the same path.
+    assert full.report["decided_from"] == "files", full.message
+    assert full.report["classification"] == cause
+    assert files.rc == full.rc == 1, files.message + files.stderr
+    assert files.lines[0].startswith(UNUSABLE)
+    assert files.message == full.message
+    assert files.report == full.report
+    assert files.message.strip() in files.stderr
+
+
+# --- files that prove nothing -----------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_files_that_prove_nothing_exit_0_saying_what_is_left_for_the_gpu_node(tmp_path):
+    root = make_root(tmp_path, _clear)
+    r = probe(tmp_path, root, "--files-only")
+    assert r.rc == 0, r.message + r.stderr
+    assert r.lines[0].startswith(FILES_CLEAR)
+    left = r.lines[0][len(FILES_CLEAR):]
+    assert left.startswith("left for the GPU node: the import of mooncake.pg after torch")
+    for what in ("libcuda.so.1", "a visible GPU", "mooncake-cpu", "smoke test"):
+        assert what in left
+    assert [ln for ln in r.lines if VERSIONS_RE.match(ln)] == [
+        "versions: torch=2.13.0+cu130 sglang=0.5.18 mooncake-transfer-engine=0.3.13.post1"]
+    assert "request: --elastic-ep-backend mooncake (argv)" in r.lines
+    assert r.lines[-1].startswith("fix: nothing to fix in the image's files")
+    assert not any(ln.startswith("from the files, for the import to confirm") for ln in r.lines)
+    doc = r.report
+    assert (doc["verdict"], doc["decided_from"], doc["scope"], doc["classification"]) == (
+        "unjudged", "files", None, None)
+    assert doc["required_modules"] == ["mooncake.pg"]
+    assert doc["versions"]["torch"] == "2.13.0+cu130"
+    assert doc["checks"] == [
+        {"name": "files", "ok": True, "detail": "no cause the image's files prove"}]
+    assert doc["cause"] == left and doc["message"] == r.message
+    assert len(doc["left_for_gpu_node"]) == 5
+    assert r.message.strip() in r.stderr
+    # The same image without --files-only: the import decides (and imports torch).
+    full = probe(tmp_path, root)
+    assert full.report["decided_from"] == "import"
+
+
+@pytest.mark.timeout(120)
+def test_a_cause_the_files_show_but_do_not_prove_is_said_and_left_to_the_import(tmp_path):
+    root = make_root(tmp_path, _unconfirmed)
+    r = probe(tmp_path, root, "--files-only")
+    assert r.rc == 0, r.message
+    assert r.lines[0].startswith(FILES_CLEAR)
+    [line] = [ln for ln in r.lines if ln.startswith("from the files, for the import to confirm: ")]
+    assert "missing libnowhere.so.1" in line
+    assert {"name": "files: missing-libraries", "ok": False,
+            "detail": line.replace("from the files, ", "")} in r.report["checks"]
+    full = probe(tmp_path, root)
+    assert full.rc == 1 and full.report["decided_from"] == "import"
+
+
+# --- no child, no torch -----------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("change", [_clear, _unconfirmed, PROVEN["cuda-mismatch"]])
+def test_files_only_never_imports_torch(tmp_path, change):
+    root = make_root(tmp_path, change)
+    r = probe(tmp_path, root, "--files-only")
+    assert r.rc in (0, 1) and "internal error" not in r.message
+    assert not torch_imported(root)
+    if change is not PROVEN["cuda-mismatch"]:
+        # The control: without --files-only the child imports this torch, and the
+        # marker says so (the files prove nothing, so the import decides).
+        probe(tmp_path, root)
+        assert torch_imported(root)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("change", [_clear, PROVEN["cuda-mismatch"]])
+def test_files_only_starts_no_child(tmp_path, change):
+    # sandbox.Child, patched in a copy, leaves a marker and ends the probe with 97.
+    started = tmp_path / "child-started"
+    copied = patched_probe(
+        tmp_path, "sandbox.py", "        self.timeout = timeout\n",
+        f"        open({str(started)!r}, 'w').close()\n        os._exit(97)\n")
+    root = make_root(tmp_path, change)
+    r = probe(tmp_path, root, "--files-only", probe_dir=copied)
+    assert r.rc in (0, 1), r.stderr
+    assert not started.exists()
+    # The control: the init container's run starts the child first.
+    control = probe(tmp_path, root, probe_dir=copied)
+    assert control.rc == 97 and started.exists()
+
+
+# --- options ----------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("opts", "said"), [(["--level", "smoke"], "--level smoke"),
+                                            (["--no-static"], "--no-static")])
+def test_files_only_with_an_import_option_is_a_usage_error(tmp_path, opts, said):
+    root = make_root(tmp_path, _clear)
+    r = probe(tmp_path, root, "--files-only", *opts)
+    assert r.rc == 2
+    assert "usage: python3 probe" in r.stderr
+    assert "--files-only" in r.stderr and said in r.stderr
+    assert r.message == "" and r.report is None
+    # Each option alone, and --files-only with the default level, are fine.
+    assert probe(tmp_path, root, *opts, worker=NOT_REQUESTED).rc == 0
+    assert probe(tmp_path, root, "--files-only", "--level", "import").rc == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_does_not_request_mooncake_is_nothing_to_check(tmp_path):
+    root = make_root(tmp_path, PROVEN["cuda-mismatch"])
+    r = probe(tmp_path, root, "--files-only", worker=NOT_REQUESTED)
+    assert r.rc == 0
+    assert r.lines == [NOTHING + "the worker argv does not request --elastic-ep-backend "
+                       "mooncake (it asks for 'none')"]
+    assert r.report["verdict"] == "not-requested"
+    # --always checks it anyway: the files prove the cause.
+    always = probe(tmp_path, root, "--files-only", "--always", worker=NOT_REQUESTED)
+    assert always.rc == 1 and always.lines[0].startswith(UNUSABLE)
+    assert not torch_imported(root)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("change", [_clear, _unconfirmed, PROVEN["cuda-mismatch"]])
+def test_the_message_fits_max_message_bytes(tmp_path, change):
+    root = make_root(tmp_path, change)
+    full = probe(tmp_path, root, "--files-only")
+    r = probe(tmp_path, root, "--files-only", "--max-message-bytes", "200")
+    assert len(full.message.encode()) > 200  # the limit really cuts something
+    assert len(r.message.encode()) <= 200
+    assert r.lines[0][:40] == full.lines[0][:40]
+    assert r.lines[-1].startswith("fix: ")
+    assert VERSIONS_RE.match(r.lines[1]), r.message
+
+
+@pytest.mark.timeout(60)
+def test_no_termination_log_still_says_it_on_stderr(tmp_path):
+    root = make_root(tmp_path, _clear)
+    r = probe(tmp_path, root, "--files-only", "--termination-log", "")
+    assert r.rc == 0 and r.message == ""
+    assert r.stderr.startswith(FILES_CLEAR)
+
+
+@pytest.mark.timeout(120)
+def test_the_pods_variables_are_not_used_and_it_says_so(tmp_path):
+    bad = make_root(tmp_path, PROVEN["cuda-mismatch"], "bad")
+    clear = make_root(tmp_path, _clear, "clear")
+    alone = probe(tmp_path, bad, "--files-only")
+    # The pod's PYTHONPATH would hide the bad mooncake behind a clear one: not used.
+    r = probe(tmp_path, bad, "--files-only", EPGUARD_POD_PYTHONPATH=str(clear),
+              EPGUARD_POD_HF_HOME="/models/cache")
+    assert r.rc == 1 and r.lines[0] == alone.lines[0]
+    said = ("environment: judged in the image's own environment, without the pod's variables "
+            "(HF_HOME, PYTHONPATH): --files-only judges the image, not a pod")
+    assert said in r.lines
+    assert r.report["pod_variables"] == ["HF_HOME", "PYTHONPATH"]
+    # And the other way: a pod PYTHONPATH with a bad mooncake does not fail a clear image.
+    r = probe(tmp_path, clear, "--files-only", EPGUARD_POD_PYTHONPATH=str(bad))
+    assert r.rc == 0 and r.lines[0].startswith(FILES_CLEAR)
+    assert said.replace("HF_HOME, ", "") in r.lines
+
+
+@pytest.mark.timeout(120)
+def test_files_not_read_within_timeout_decide_nothing(tmp_path):
+    # The static path's deadline, patched to have passed: a proven image is then unjudged.
+    copied = patched_probe(tmp_path, "deadline.py", "def static_until(timeout, now=None):\n",
+                           "def static_until(timeout, now=None):\n    return 0.0\n")
+    root = make_root(tmp_path, PROVEN["cuda-mismatch"])
+    r = probe(tmp_path, root, "--files-only", probe_dir=copied)
+    assert r.rc == 0, r.message + r.stderr
+    assert r.lines[0].startswith(FILES_CLEAR)
+    assert ("files: the image's files were not read within --timeout: decided by the import"
+            in r.lines)
+    assert not any(ln.startswith("versions: ") for ln in r.lines)  # nothing known
+    assert r.report["checks"][0]["ok"] is False
+    assert probe(tmp_path, root, "--files-only").rc == 1  # unpatched: proven
+
+
+@pytest.mark.timeout(120)
+def test_the_whole_run_deadline_in_files_only_decides_nothing(tmp_path):
+    # The files' reading blocks (patched): the run's own deadline (16 x --timeout) ends it.
+    # The init container calls that a hang in this pod (exit 1); a files-only run only
+    # fails for a cause the files prove.
+    copied = patched_probe(tmp_path, "static.py", "def decide(image, request, until):\n",
+                           "def decide(image, request, until):\n"
+                           "    import time\n    time.sleep(300)\n")
+    root = make_root(tmp_path, PROVEN["cuda-mismatch"])
+    t = time.monotonic()
+    r = probe(tmp_path, root, "--files-only", "--timeout", "0.2", probe_dir=copied)
+    assert time.monotonic() - t < 60
+    assert r.rc == 0, r.message + r.stderr
+    assert r.lines[0].startswith(FILES_CLEAR)
+    assert ("files: the probe's whole run passed 3.2 s (16 x --timeout): the files decided "
+            "nothing") in r.lines
+    control = probe(tmp_path, root, "--timeout", "0.2", probe_dir=copied)
+    assert control.rc == 1 and control.lines[0].startswith(UNUSABLE_HERE)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("policy", "rc"), [(None, 0), ("allow", 0), ("deny", 1)])
+def test_an_internal_error_follows_on_internal_error(tmp_path, policy, rc):
+    copied = patched_probe(tmp_path, "static.py", "def decide(image, request, until):\n",
+                           "def decide(image, request, until):\n    raise KeyError('bug')\n")
+    root = make_root(tmp_path, _clear)
+    opts = [] if policy is None else [f"--on-internal-error={policy}"]
+    r = probe(tmp_path, root, "--files-only", *opts, probe_dir=copied)
+    assert r.rc == rc
+    assert r.lines[0].startswith("epguard: probe internal error: KeyError")
+
+
+def _python38() -> str | None:
+    found = shutil.which("python3.8")
+    if found and subprocess.run([found, "-V"], capture_output=True).returncode == 0:
+        return found
+    pyenv = sorted(glob.glob(str(Path.home() / ".pyenv/versions/3.8*/bin/python3.8")))
+    return pyenv[-1] if pyenv else None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(_python38() is None, reason="no Python 3.8 interpreter on this machine")
+def test_files_only_runs_on_python_3_8(tmp_path):
+    py38 = _python38()
+    assert py38 is not None
+    # The roots' compiled modules carry the suffix of the interpreter that imports them.
+    suffix = subprocess.run(
+        [py38, "-c", "import importlib.machinery as m; print(m.EXTENSION_SUFFIXES[0])"],
+        capture_output=True, text=True, check=True).stdout.strip()
+    copied = copy_probe(tmp_path)
+    for name, change, rc, head in (("clear", _clear, 0, FILES_CLEAR),
+                                   ("bad", PROVEN["cuda-mismatch"], 1, UNUSABLE)):
+        root = make_root(tmp_path, change, name)
+        _ext(root).rename(root / "mooncake" / f"pg_2_13_0{suffix}")
+        r = probe(tmp_path, root, "--files-only", probe_dir=copied, python=py38)
+        assert r.rc == rc, r.stderr
+        assert r.lines[0].startswith(head)
+        assert not torch_imported(root)
+        if rc:
+            assert r.message == probe(tmp_path, root, probe_dir=copied, python=py38).message
+
+
+# --- real wheels ------------------------------------------------------------------------
+
+
+@pytest.mark.realpkg
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("mooncake", "sglang", "cause"), [
+    (MTE_CUDA12, SGLANG_PG[0], "cuda-mismatch"),
+    (MTE_CUDA13_OLD, SGLANG_PG[0], "no-extension-for-torch"),
+    (MTE_NON_CUDA, SGLANG_PG[0], "non-cuda-wheel"),
+    (MTE_CUDA12, SGLANG_EP[0], "cuda-mismatch"),
+])
+def test_real_wheels_the_files_prove_unusable_give_the_init_containers_message(
+        tmp_path, mooncake, sglang, cause):
+    env = clean_env([overlay(mooncake), overlay(sglang)])
+    files = run_probe(tmp_path, env=env, opts=["--files-only"])
+    full = run_probe(tmp_path, env=env)
+    assert full.report["decided_from"] == "files"
+    assert full.report["classification"] == cause
+    assert files.rc == full.rc == 1
+    assert files.message == full.message
+    assert files.report == full.report
+
+
+@pytest.mark.realpkg
+@pytest.mark.timeout(300)
+def test_real_cuda13_wheel_is_left_for_the_gpu_node(tmp_path):
+    # cuda13 0.3.13.post1 over torch 2.13.0+cu130: the files prove nothing (a missing
+    # rdma-core library is for the import to confirm), the init container imports.
+    env = clean_env([overlay(MTE_CUDA13), overlay(SGLANG_PG[0])])
+    r = run_probe(tmp_path, env=env, opts=["--files-only"])
+    assert r.rc == 0, r.message
+    assert r.lines[0].startswith(FILES_CLEAR + "left for the GPU node: the import of mooncake.pg")
+    assert ("versions: torch=2.13.0+cu130 sglang=0.5.18 "
+            "mooncake-transfer-engine-cuda13=0.3.13.post1") in r.lines
+    assert r.report["verdict"] == "unjudged"
+    assert run_probe(tmp_path, env=env).report["decided_from"] == "import"
