@@ -28,7 +28,14 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Generic, NoReturn, TypeVar
 
 from epguard.probe.cli import PROBE_LEVELS
-from epguard.webhook.engine.namespaces import MODES, Mode, parse_mode
+from epguard.webhook.engine.namespaces import (
+    MODES,
+    PREFLIGHT_MODES,
+    Mode,
+    PreflightMode,
+    parse_mode,
+    parse_preflight,
+)
 from epguard.webhook.engine.verdicts import DEFAULT_TAG_TTL
 from epguard.webhook.engine.workloads import KindError, KindSpec, parse_kinds
 
@@ -122,6 +129,13 @@ def mode(value: str) -> Mode:
     parsed = parse_mode(value)
     if parsed is None:
         raise ValueError(f"must be one of {', '.join(MODES)}")
+    return parsed
+
+
+def preflight_mode(value: str) -> PreflightMode:
+    parsed = parse_preflight(value)
+    if parsed is None:
+        raise ValueError(f"must be one of {', '.join(PREFLIGHT_MODES)}")
     return parsed
 
 
@@ -378,6 +392,17 @@ class Settings:
             chart="injection.probeLevel",
         )
     )
+    preflight_mode: PreflightMode = setting(
+        Option(
+            "EPGUARD_PREFLIGHT_MODE",
+            "gate: an elastic-EP worker on an image with no verdict waits unscheduled "
+            "until a preflight judged the image; off: it is scheduled at once (a "
+            "namespace's epguard.io/preflight label overrides)",
+            "gate",
+            preflight_mode,
+            chart="preflight.mode",
+        )
+    )
     extra_kinds: tuple[KindSpec, ...] = setting(EXTRA_KINDS)
 
 
@@ -595,6 +620,47 @@ class ControllerSettings:
             "judges only what the webhook is asked about",
             None,
             json_object,
+        )
+    )
+    preflight_timeout_seconds: int = setting(
+        Option(
+            "EPGUARD_PREFLIGHT_TIMEOUT_SECONDS",
+            "seconds a preflight may take, its image pull included, counted from its "
+            "creation; then preflight.onError decides for the pods that wait on it",
+            600,
+            integer(30, 86400),
+            chart="preflight.timeoutSeconds",
+        )
+    )
+    preflight_on_error: str = setting(
+        Option(
+            "EPGUARD_PREFLIGHT_ON_ERROR",
+            "when a preflight cannot judge (pull error, unschedulable, deadline, no "
+            "python3): open removes the gate with a Warning Event, hold keeps the pods "
+            "gated",
+            "open",
+            choice(("open", "hold")),
+            chart="preflight.onError",
+        )
+    )
+    preflight_gpus: str = setting(
+        Option(
+            "EPGUARD_PREFLIGHT_GPUS",
+            "0: a preflight holds no GPU (it judges files); worker: it requests the "
+            "worker's extended resources",
+            "0",
+            choice(("0", "worker")),
+            chart="preflight.gpus",
+        )
+    )
+    preflight_retain_seconds: int = setting(
+        Option(
+            "EPGUARD_PREFLIGHT_RETAIN_SECONDS",
+            "seconds a finished preflight pod answers for its image (new pods on it are "
+            "ungated at once) before it is deleted, once no pod waits on it",
+            3600,
+            integer(0, 7 * 86400),
+            chart="preflight.retainSeconds",
         )
     )
     log_level: str = setting(LOG_LEVEL)

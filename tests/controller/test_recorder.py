@@ -21,14 +21,15 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from epguard.webhook.controller import owners
 from epguard.webhook.controller import recorder as recorder_module
+from epguard.webhook.controller.owners import Unreadable
 from epguard.webhook.controller.recorder import (
     COMPONENT,
     WRITE_ATTEMPTS,
     Conflict,
     KubeRecorderApi,
     Recorder,
-    Unreadable,
     record_probe_outcomes,
 )
 from epguard.webhook.engine.signing import FRESH_SECONDS, SIGNATURE_ANNOTATION, SignatureLedger
@@ -619,7 +620,7 @@ class TestOwners:
     def test_an_owner_cycle_ends(self, api: InMemoryApi) -> None:
         api.objects[RS_PATH] = {"metadata": {"name": "w-7d9f", "ownerReferences": [RS]}}
         record(probed_pod("u1", UNUSABLE_MSG, 1, owners=[RS]), replica(api))
-        assert len(api.called("read_object")) == recorder_module.MAX_OWNER_DEPTH
+        assert len(api.called("read_object")) == owners.MAX_OWNER_DEPTH
         assert len(api.events_on("ReplicaSet", "w-7d9f")) == 1
 
     def test_a_pod_without_an_owner_is_told_on_itself_alone(self, api: InMemoryApi) -> None:

@@ -11,7 +11,9 @@ import jsonpatch
 import pytest
 import yaml
 
+from epguard.webhook.engine.imageref import parse as parse_ref
 from epguard.webhook.engine.injection import COPY_CONTAINER, InjectionSettings
+from epguard.webhook.engine.namespaces import PREFLIGHT_KEY, NamespaceIndex, settings_from_labels
 from epguard.webhook.engine.outcome import PROBE_CONTAINER, PROBED_LABEL
 from epguard.webhook.engine.preflight import (
     GATE,
@@ -22,14 +24,15 @@ from epguard.webhook.engine.preflight import (
     gate_patch,
     is_gated,
     key_of,
-    parse_mode,
     preflight_pod,
     preflight_result,
     signed,
     ungate_patch,
+    unjudged,
     worker_images,
 )
 from epguard.webhook.engine.signing import exposure, new_keyring, verify
+from epguard.webhook.engine.verdicts import Verdict, VerdictStore
 from tests import realmanifests
 
 VERSION = "1.35.0"  # the local node's Kubernetes
@@ -137,10 +140,15 @@ def test_ungating_fails_rather_than_remove_a_gate_that_moved() -> None:
 
 
 @pytest.mark.parametrize(
-    ("value", "mode"), [("gate", "gate"), ("off", "off"), ("Gate", None), ("", None), (None, None)]
+    ("value", "mode"),
+    [("gate", "gate"), ("off", "off"), (" Gate ", "gate"), ("on", None), ("", None), (3, None)],
 )
-def test_a_namespace_mode_is_one_epguard_knows(value: object, mode: str | None) -> None:
-    assert parse_mode(value) == mode
+def test_a_namespace_says_gate_or_off_or_nothing(value: object, mode: str | None) -> None:
+    assert settings_from_labels({PREFLIGHT_KEY: value}).preflight == mode
+    index = NamespaceIndex()
+    index.upsert("team", {PREFLIGHT_KEY: value})
+    assert index.get("team").preflight == mode
+    assert len(index) == (mode is not None)
 
 
 def preflight(spec: dict[str, Any] | None = None, **settings: Any) -> dict[str, Any]:
@@ -395,3 +403,34 @@ def test_a_starting_preflight_is_running_and_not_stalled() -> None:
 def test_a_huge_message_is_cut_for_the_pod_condition() -> None:
     r = preflight_result(status_pod(terminated(1, "x" * 100_000)), NOW, 300)
     assert r.phase == "failed" and len(r.message) <= 1024
+
+
+def _verdict(image: str, usable: bool, seen: dt.datetime, digest: str | None = None) -> Verdict:
+    return Verdict(
+        object_name=f"v-{image}-{digest}",
+        image=image,
+        ref=parse_ref(image),
+        digest=digest,
+        usable=usable,
+        reason="x",
+        last_seen=seen,
+        pod=None,
+    )
+
+
+def test_an_image_is_judged_by_its_pinned_digest_or_a_fresh_tag() -> None:
+    digest = "sha256:" + "ab" * 32
+    store = VerdictStore(tag_ttl=dt.timedelta(hours=24))
+    store.upsert(_verdict("r.example/good:1", True, NOW - dt.timedelta(hours=1)), NOW)
+    store.upsert(_verdict("r.example/old:1", True, NOW - dt.timedelta(hours=30)), NOW)
+    store.upsert(_verdict("r.example/bad:1", False, NOW - dt.timedelta(hours=1)), NOW)
+    store.upsert(_verdict("r.example/pinned:1", True, NOW - dt.timedelta(days=9), digest), NOW)
+    images = [
+        "r.example/good:1",  # a fresh tag verdict: judged
+        "r.example/old:1",  # the tag's verdict is older than the TTL: the tag may have moved
+        "r.example/bad:1",  # judged (and /validate refuses it)
+        f"r.example/pinned:2@{digest}",  # the digest's verdict, however old
+        "r.example/new:1",  # never seen
+        "UPPER/Case:!",  # does not parse: its pull fails, nothing to judge
+    ]
+    assert unjudged(images, store, NOW) == ("r.example/old:1", "r.example/new:1")

@@ -20,7 +20,7 @@ from epguard.webhook.engine.injection import (
     plan,
     plan_without_probe,
 )
-from epguard.webhook.engine.namespaces import INJECT_KEY, opts_in
+from epguard.webhook.engine.namespaces import INJECT_KEY, PreflightMode, opts_in
 from epguard.webhook.engine.outcome import PROBED_LABEL
 from epguard.webhook.engine.policy import (
     SKIP_ANNOTATION,
@@ -28,6 +28,7 @@ from epguard.webhook.engine.policy import (
     PolicyState,
     decide,
 )
+from epguard.webhook.engine.preflight import PREFLIGHT_LABEL, gate_patch, unjudged
 from epguard.webhook.engine.review import AdmissionRequest
 from epguard.webhook.engine.rules import RulesError, load_rules_text, rule_warnings
 from epguard.webhook.engine.signing import (
@@ -42,12 +43,13 @@ from epguard.webhook.engine.signing import (
     fresh,
     parts_of,
     sign,
+    verify,
 )
 from epguard.webhook.engine.workloads import annotations_of, as_map, describe_object
 
 # The result of each handler: a closed set, so metric labels stay bounded.
 VALIDATE_RESULTS = ("allowed", "denied", "warned", "audited", "exempted", "ignored")
-MUTATE_RESULTS = ("injected", "unchanged", "not_opted_in", "exempted")
+MUTATE_RESULTS = ("injected", "gated", "unchanged", "not_opted_in", "exempted")
 # Results that are the everyday case: nothing to log.
 ROUTINE = frozenset({"allowed", "ignored", "unchanged", "not_opted_in"})
 
@@ -294,6 +296,9 @@ def injection_for(
     if req.kind.kind != "Pod" or req.operation != "CREATE" or req.subResource:
         return InjectionResult("unchanged", [])
     obj = as_map(req.object)
+    now = now or _utcnow()
+    if _signed_preflight(obj, state, req.namespace or "", now):
+        return InjectionResult("unchanged", [])
     annotations = annotations_of(obj)
     if not (state.namespaces.get(req.namespace).inject or opts_in(annotations.get(INJECT_KEY))):
         return _without_probe(obj, "not_opted_in")
@@ -314,9 +319,35 @@ def injection_for(
         )
     else:
         stored = {"metadata": {"labels": {PROBED_LABEL: "true"}}, "spec": injection.spec}
-        signature = sign(ring.current, req.namespace or "", stored, now or _utcnow())
-    patch = [*injection.patch, *metadata_patch(obj.get("metadata"), True, signature)]
-    return InjectionResult("injected", patch, warnings, injection.removed)
+        signature = sign(ring.current, req.namespace or "", stored, now)
+    # Without a key the controller cannot sign a preflight either: no gate then.
+    gate: list[dict[str, Any]] = []
+    if signature is not None and _preflight_mode(state, req.namespace, settings) == "gate":
+        images = dict.fromkeys(str(c.get("image")) for c in injection.containers[1:])
+        if unjudged(images, state.verdicts, now):
+            gate = gate_patch(as_map(obj.get("spec")))
+    patch = [*injection.patch, *gate, *metadata_patch(obj.get("metadata"), True, signature)]
+    return InjectionResult("gated" if gate else "injected", patch, warnings, injection.removed)
+
+
+def _preflight_mode(
+    state: PolicyState, namespace: str | None, settings: InjectionSettings
+) -> PreflightMode:
+    return state.namespaces.get(namespace).preflight or settings.preflight
+
+
+def _signed_preflight(
+    obj: Mapping[str, Any], state: PolicyState, namespace: str, now: dt.datetime
+) -> bool:
+    """A preflight pod the controller built and signed (engine/preflight.py): /mutate
+    leaves it as it is (re-injecting would replace its --files-only probe). A label alone
+    proves nothing; the signature must verify, now."""
+    labels = as_map(as_map(obj.get("metadata")).get("labels"))
+    ring = state.keys.ring
+    if labels.get(PREFLIGHT_LABEL) != "true" or ring is None:
+        return False
+    checked = verify(ring, namespace, obj)
+    return checked.ok and checked.signed_at is not None and fresh(checked.signed_at, now)
 
 
 class Injector:
@@ -340,7 +371,10 @@ class Injector:
         if not done.patch:
             return Outcome(True, done.result, warnings=done.warnings)
         name = _name_of(request.object)
-        what = "injected the probe into" if done.result == "injected" else "left no probe in"
+        what = {
+            "injected": "injected the probe into",
+            "gated": "injected the probe into, and gated until its image is judged,",
+        }.get(done.result, "left no probe in")
         removed = " (removed epguard-* parts it brought itself)" if done.removed else ""
         return Outcome(
             True,

@@ -154,7 +154,11 @@ class Runtime:
             rules_configmap=RulesConfigMap(
                 settings.namespace, settings.rules_configmap, settings.rules_key
             ),
-            injection=InjectionSettings(settings.inject_image, level=settings.probe_level),
+            injection=InjectionSettings(
+                settings.inject_image,
+                level=settings.probe_level,
+                preflight=settings.preflight_mode,
+            ),
             ready=lambda: self.ready,
             status=self.status,
             lifespan=self.lifespan,

@@ -38,11 +38,10 @@ from epguard.webhook.cluster.kube import (
     Json,
     get_object,
     get_verdict,
-    meta,
     post_event,
-    resource_path,
 )
 from epguard.webhook.controller.config import ControllerConfig
+from epguard.webhook.controller.owners import Unreadable, top_owner
 from epguard.webhook.engine.outcome import (
     PROBED_LABEL,
     ProbeOutcome,
@@ -79,7 +78,6 @@ log = logging.getLogger("epguard.controller.recorder")
 
 # Runs this process already recorded: re-delivered events skip the API entirely.
 MAX_DONE = 10_000
-MAX_OWNER_DEPTH = 5
 WRITE_ATTEMPTS = 5
 COMPONENT = "epguard-controller"
 
@@ -110,15 +108,6 @@ def _now() -> dt.datetime:
 class Conflict(Exception):
     """A write lost a race (HTTP 409: the object exists, or changed since it was read):
     re-read and decide again."""
-
-
-class Unreadable(Exception):
-    """An object that cannot be read (403: the chart's RBAC does not cover its kind;
-    404: gone). ``reason`` is the API server's."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
 
 
 class RecorderApi(Protocol):
@@ -242,38 +231,7 @@ class Recorder:
 
     def top_owner(self, namespace: str, refs: Any) -> client.V1ObjectReference | None:
         """Follow controller ownerReferences up; None when the pod has no owner."""
-        top: client.V1ObjectReference | None = None
-        for _ in range(MAX_OWNER_DEPTH):
-            ref = next(
-                (r for r in as_list(refs) if isinstance(r, Mapping) and r.get("controller")),
-                None,
-            )
-            if ref is None:
-                return top
-            api_version, kind, name = ref.get("apiVersion"), ref.get("kind"), ref.get("name")
-            if not (
-                isinstance(api_version, str) and isinstance(kind, str) and isinstance(name, str)
-            ):
-                return top
-            uid = ref.get("uid")
-            top = client.V1ObjectReference(
-                api_version=api_version,
-                kind=kind,
-                name=name,
-                namespace=namespace,
-                uid=uid if isinstance(uid, str) else None,
-            )
-            # Every owner kind that makes pods pluralizes as kind + "s".
-            path = resource_path(api_version, kind.lower() + "s", namespace, name)
-            try:
-                parent = self.api.read_object(path)
-            except Unreadable as exc:
-                # 403: the chart's RBAC does not cover this owner kind; 404: gone. Either
-                # way the owner we have is the best we can name.
-                log.debug("stopping owner walk at %s/%s: %s", kind, name, exc.reason)
-                return top
-            refs = meta(parent).get("ownerReferences")
-        return top
+        return top_owner(self.api.read_object, namespace, refs)
 
     def post_event(
         self, about: client.V1ObjectReference, outcome: ProbeOutcome, message: str, run: str

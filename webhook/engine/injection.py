@@ -40,6 +40,7 @@ from epguard.probe import shell
 from epguard.probe.cli import PROBE_LEVELS
 from epguard.probe.sandbox import POD_PREFIX
 from epguard.webhook.engine.argv import analyse_container
+from epguard.webhook.engine.namespaces import PreflightMode
 from epguard.webhook.engine.outcome import COPY_CONTAINER, PROBE_CONTAINER, PROBED_LABEL
 from epguard.webhook.engine.signing import PROBE_VOLUME, SIGNATURE_ANNOTATION, is_epguard_name
 from epguard.webhook.engine.workloads import as_list, as_map
@@ -62,6 +63,9 @@ class InjectionSettings:
     image_pull_policy: str = "IfNotPresent"
     # The preflight's probe (engine/preflight.py) judges the image's files only.
     files_only: bool = False
+    # Gate a worker on an unjudged image until a preflight judged it (engine/preflight.py);
+    # a namespace's epguard.io/preflight label overrides it.
+    preflight: PreflightMode = "off"
 
 
 @dataclass(frozen=True, slots=True)

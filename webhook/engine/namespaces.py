@@ -3,7 +3,9 @@
 ``epguard.io/mode: enforce|warn|audit`` overrides the global mode for one
 namespace (a team can trial epguard in ``warn`` before it enforces), and
 ``epguard.io/inject: enabled`` says the probe is injected there, so a missing
-probe init container in a workload template is not worth a warning.
+probe init container in a workload template is not worth a warning, and
+``epguard.io/preflight: gate|off`` overrides the chart's ``preflight.mode`` there
+(engine/preflight.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ MODE_LABEL = "epguard.io/mode"
 # The injection opt-in: a label on a Namespace, or an annotation on a pod (template).
 INJECT_KEY = "epguard.io/inject"
 INJECT_ON = frozenset({"enabled", "true"})
+# Whether /mutate gates a worker on an unjudged image until a preflight judged it.
+PreflightMode = Literal["gate", "off"]
+PREFLIGHT_MODES: tuple[PreflightMode, ...] = ("gate", "off")
+PREFLIGHT_KEY = "epguard.io/preflight"
 
 
 def opts_in(value: Any) -> bool:
@@ -32,12 +38,23 @@ def parse_mode(value: Any) -> Mode | None:
     return None
 
 
+def parse_preflight(value: Any) -> PreflightMode | None:
+    if isinstance(value, str) and value.strip().lower() in PREFLIGHT_MODES:
+        return cast(PreflightMode, value.strip().lower())
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class NamespaceSettings:
     mode: Mode | None = None
     inject: bool = False
+    preflight: PreflightMode | None = None
     # A label value we could not use, kept so the watch can log it once.
     bad_mode: str | None = None
+
+    @property
+    def says_anything(self) -> bool:
+        return self.mode is not None or self.inject or self.preflight is not None
 
 
 def settings_from_labels(labels: Any) -> NamespaceSettings:
@@ -48,6 +65,7 @@ def settings_from_labels(labels: Any) -> NamespaceSettings:
     return NamespaceSettings(
         mode=mode,
         inject=opts_in(labels.get(INJECT_KEY)),
+        preflight=parse_preflight(labels.get(PREFLIGHT_KEY)),
         bad_mode=raw_mode if isinstance(raw_mode, str) and mode is None else None,
     )
 
@@ -70,7 +88,7 @@ class NamespaceIndex:
     def upsert(self, name: str, labels: Any) -> NamespaceSettings:
         s = settings_from_labels(labels)
         with self._lock:
-            if s.mode is None and not s.inject:
+            if not s.says_anything:
                 self._settings.pop(name, None)
             else:
                 self._settings[name] = s
@@ -83,4 +101,4 @@ class NamespaceIndex:
     def replace(self, labels_by_name: Mapping[str, Any]) -> None:
         fresh = {n: settings_from_labels(lbl) for n, lbl in labels_by_name.items()}
         with self._lock:
-            self._settings = {n: s for n, s in fresh.items() if s.mode is not None or s.inject}
+            self._settings = {n: s for n, s in fresh.items() if s.says_anything}

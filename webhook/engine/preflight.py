@@ -29,10 +29,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+from epguard.webhook.engine.imageref import ImageRefError
+from epguard.webhook.engine.imageref import parse as parse_ref
 from epguard.webhook.engine.injection import InjectionSettings, plan
 from epguard.webhook.engine.outcome import PROBE_CONTAINER, PROBED_LABEL, classify
 from epguard.webhook.engine.signing import SIGNATURE_ANNOTATION, Key, sign
 from epguard.webhook.engine.text import cut, first_line, parse_stamp
+from epguard.webhook.engine.verdicts import VerdictLookup
 from epguard.webhook.engine.workloads import as_list, as_map
 
 GATE = "epguard.io/preflight"
@@ -43,10 +46,6 @@ CONDITION = "epguard.io/Preflight"
 KEY_LABEL = "epguard.io/preflight-key"
 # On a preflight pod: "true" (what the controller watches and cleans up).
 PREFLIGHT_LABEL = "epguard.io/preflight-pod"
-# A namespace's own choice, overriding the chart's ``preflight.mode``.
-MODE_LABEL = "epguard.io/preflight"
-Mode = Literal["gate", "off"]
-MODES: tuple[Mode, ...] = ("gate", "off")
 OnError = Literal["open", "hold"]
 
 # The preflight pod's main container: it only has to exist (a pod needs one) and end.
@@ -56,12 +55,20 @@ NAME_PREFIX = "epguard-preflight-"
 KEY_HEX = 20
 
 
-def parse_mode(value: object) -> Mode | None:
-    """A namespace label's mode, or None when it says nothing epguard knows."""
-    for mode in MODES:
-        if value == mode:
-            return mode
-    return None
+def unjudged(images: Iterable[str], verdicts: VerdictLookup, now: dt.datetime) -> tuple[str, ...]:
+    """The images that have no verdict yet: none by the digest a reference pins, and
+    none by its tag seen within the tag TTL. A reference that does not parse is left
+    out (its pull fails anyway: nothing for a preflight to judge)."""
+    out: list[str] = []
+    for image in images:
+        try:
+            ref = parse_ref(image)
+        except ImageRefError:
+            continue
+        hit = verdicts.lookup(ref, now)
+        if hit is None or not hit.fresh:
+            out.append(image)
+    return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)

@@ -231,6 +231,8 @@ class VerdictHit:
     verdict: Verdict
     trust: Trust
     by_digest: bool
+    # By digest, or by a tag seen within the tag TTL: the image is judged (no preflight).
+    fresh: bool = True
 
     def where(self) -> str:
         v = self.verdict
@@ -459,7 +461,7 @@ class VerdictStore:
             return None
         if ref.digest and v.digest and v.digest != ref.digest.lower():
             return None  # the tag's verdict was about other bytes than the ones pinned here
-        if v.usable:
-            return VerdictHit(v, "usable", by_digest=False)
         fresh = v.last_seen is not None and now - v.last_seen < self.tag_ttl
-        return VerdictHit(v, "deny" if fresh else "warn", by_digest=False)
+        if v.usable:
+            return VerdictHit(v, "usable", by_digest=False, fresh=fresh)
+        return VerdictHit(v, "deny" if fresh else "warn", by_digest=False, fresh=fresh)

@@ -1,0 +1,151 @@
+"""/mutate's half of the preflight gate, over real TLS: a worker on an image with no
+verdict is injected and gated (``epguard.io/preflight``); a judged image, a namespace
+that says ``off``, a server without a signing key or a pod that does not ask for
+mooncake is not; a preflight pod the controller signed is left as it is."""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonpatch
+import pytest
+
+from epguard.webhook.engine.imageref import parse as parse_ref
+from epguard.webhook.engine.injection import InjectionSettings
+from epguard.webhook.engine.namespaces import PREFLIGHT_KEY
+from epguard.webhook.engine.outcome import PROBE_CONTAINER
+from epguard.webhook.engine.preflight import (
+    GATE,
+    PreflightSettings,
+    is_gated,
+    key_of,
+    preflight_pod,
+    signed,
+)
+from epguard.webhook.engine.signing import SIGNATURE_ANNOTATION, new_keyring, verify
+from epguard.webhook.engine.verdicts import Verdict, VerdictStore
+from tests.factory import TEST_RULES, container, pod, review
+from tests.servers import RunningServer, running_server
+
+INJECT = {"epguard.io/inject": "enabled"}
+NEW = "registry.example/sglang:new"
+JUDGED = "registry.example/sglang:judged"
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    with running_server(tmp_path_factory.mktemp("gate"), TEST_RULES) as s:
+        s.runtime.state.keys.set(new_keyring(_now()))
+        store = s.runtime.state.verdicts
+        assert isinstance(store, VerdictStore)
+        store.upsert(
+            Verdict("v", JUDGED, parse_ref(JUDGED), None, True, "ok", _now(), None), _now()
+        )
+        yield s
+
+
+def mutate(server: RunningServer, obj: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the response, the pod as the API server stores it after the patch)."""
+    with server.client() as client:
+        r = client.post("/mutate", json=review(obj))
+    assert r.status_code == 200, r.text
+    response: dict[str, Any] = r.json()["response"]
+    ops = json.loads(base64.b64decode(response["patch"])) if "patch" in response else []
+    return response, jsonpatch.apply_patch(obj, ops)
+
+
+def worker(image: str = NEW, **kw: Any) -> dict[str, Any]:
+    return pod([container(image=image)], annotations=INJECT, **kw)
+
+
+def test_a_worker_on_a_new_image_is_injected_and_gated(server: RunningServer) -> None:
+    obj = worker()
+    obj["spec"]["schedulingGates"] = [{"name": "kueue.x-k8s.io/admission"}]
+    response, stored = mutate(server, obj)
+    assert response["allowed"] is True
+    assert stored["spec"]["schedulingGates"] == [
+        {"name": "kueue.x-k8s.io/admission"},
+        {"name": GATE},
+    ]
+    assert PROBE_CONTAINER in [c["name"] for c in stored["spec"]["initContainers"]]
+    ring = server.runtime.state.keys.ring
+    assert ring is not None and verify(ring, "ml", stored).ok  # the gate is not signed
+
+
+def test_a_judged_image_is_not_gated(server: RunningServer) -> None:
+    _, stored = mutate(server, worker(JUDGED))
+    assert not is_gated(stored)
+    assert PROBE_CONTAINER in [c["name"] for c in stored["spec"]["initContainers"]]
+
+
+def test_a_pod_that_does_not_ask_for_mooncake_is_not_gated(server: RunningServer) -> None:
+    plain = container(image=NEW, args=["--model-path", "/m"])
+    _, stored = mutate(server, pod([plain], annotations=INJECT))
+    assert not is_gated(stored)
+
+
+def test_a_namespace_label_overrides_the_default_both_ways(
+    server: RunningServer, tmp_path: Path
+) -> None:
+    server.runtime.state.namespaces.upsert("ml", {PREFLIGHT_KEY: "off"})
+    try:
+        _, stored = mutate(server, worker())
+        assert not is_gated(stored)
+    finally:
+        server.runtime.state.namespaces.delete("ml")
+    with running_server(tmp_path, TEST_RULES, preflight_mode="off") as off:
+        off.runtime.state.keys.set(new_keyring(_now()))
+        _, stored = mutate(off, worker())
+        assert not is_gated(stored)
+        off.runtime.state.namespaces.upsert("ml", {PREFLIGHT_KEY: "gate"})
+        _, stored = mutate(off, worker())
+        assert is_gated(stored)
+
+
+def test_without_a_signing_key_nothing_is_gated(tmp_path: Path) -> None:
+    # The controller could not sign a preflight either: the pod would wait for nothing.
+    with running_server(tmp_path, TEST_RULES) as unkeyed:
+        response, stored = mutate(unkeyed, worker())
+        assert not is_gated(stored)
+        assert any("injected unsigned" in w for w in response["warnings"])
+
+
+def _preflight(server: RunningServer) -> dict[str, Any]:
+    spec = worker()["spec"]
+    settings = PreflightSettings(InjectionSettings(server.runtime.settings.inject_image))
+    built = preflight_pod("ml", spec, key_of("ml", spec, NEW), settings)
+    assert built is not None
+    return built
+
+
+def test_a_signed_preflight_pod_is_left_as_it_is(server: RunningServer) -> None:
+    ring = server.runtime.state.keys.ring
+    assert ring is not None
+    obj = signed(_preflight(server), ring.current, _now())
+    response, stored = mutate(server, obj)
+    assert "patch" not in response
+    assert stored == obj
+    assert "--files-only" in stored["spec"]["initContainers"][1]["command"]
+
+
+def test_a_preflight_label_without_a_valid_signature_is_injected_as_any_pod(
+    server: RunningServer,
+) -> None:
+    ring = server.runtime.state.keys.ring
+    assert ring is not None
+    obj = signed(_preflight(server), ring.current, _now())
+    obj["metadata"]["annotations"][SIGNATURE_ANNOTATION] = "v2:forged:1:00"
+    obj["metadata"]["annotations"].update(INJECT)
+    _, stored = mutate(server, obj)
+    # Its main container asks for nothing, so its epguard-* parts are removed.
+    assert not [c for c in stored["spec"].get("initContainers", []) if c["name"].startswith(
+        "epguard-")]

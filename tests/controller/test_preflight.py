@@ -1,0 +1,347 @@
+"""The preflight controller's passes against an in-memory API with the API server's
+semantics where they matter here (a create of an existing name is a conflict, a JSON
+patch whose ``test`` fails changes nothing, conditions merge by type). The real API
+server and node: tests/e2e/test_preflight_on_node.py."""
+
+from __future__ import annotations
+
+import copy
+import datetime as dt
+import itertools
+from typing import Any
+
+import jsonpatch
+import pytest
+from kubernetes import client
+
+from epguard.webhook.controller.owners import Unreadable
+from epguard.webhook.controller.preflight import (
+    Conflict,
+    PreflightConfig,
+    Preflights,
+    worker_keys,
+)
+from epguard.webhook.engine.injection import InjectionSettings
+from epguard.webhook.engine.outcome import PROBE_CONTAINER, PROBED_LABEL
+from epguard.webhook.engine.preflight import (
+    CONDITION,
+    GATE,
+    KEY_LABEL,
+    PreflightSettings,
+    is_gated,
+)
+from epguard.webhook.engine.signing import Keyring, new_keyring, verify
+
+NOW = dt.datetime(2026, 12, 3, 12, 0, tzinfo=dt.UTC)
+BAD_LINE = "epguard: mooncake elastic EP is unusable in this image: torch has no mooncake"
+BAD = f"{BAD_LINE}\nscope: image (files)\nfix: rebuild"
+CLEAR = "epguard: no image cause in this image's files: left for the GPU node: the driver"
+STAMP = "%Y-%m-%dT%H:%M:%SZ"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = NOW
+
+    def __call__(self) -> dt.datetime:
+        return self.now
+
+
+class MemoryApi:
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.pods: dict[tuple[str, str], dict[str, Any]] = {}
+        self.owners: dict[str, dict[str, Any]] = {}
+        self.events: list[tuple[str, str, str, bool, str]] = []
+        self.event_keys: set[tuple[str, str]] = set()
+        self.uids = itertools.count(1)
+        self.deleted: list[str] = []
+
+    def add(self, pod: dict[str, Any]) -> dict[str, Any]:
+        pod = copy.deepcopy(pod)
+        meta = pod.setdefault("metadata", {})
+        meta.setdefault("uid", f"uid-{next(self.uids)}")
+        meta.setdefault("creationTimestamp", self.clock().strftime(STAMP))
+        self.pods[(meta["namespace"], meta["name"])] = pod
+        return pod
+
+    def list_probed_pods(self) -> list[dict[str, Any]]:
+        return [
+            copy.deepcopy(p)
+            for p in self.pods.values()
+            if p["metadata"].get("labels", {}).get(PROBED_LABEL) == "true"
+        ]
+
+    def create_pod(self, namespace: str, body: dict[str, Any]) -> None:
+        if (namespace, body["metadata"]["name"]) in self.pods:
+            raise Conflict("AlreadyExists")
+        self.add(body)
+
+    def delete_pod(self, namespace: str, name: str, uid: str) -> None:
+        pod = self.pods.get((namespace, name))
+        if pod is not None and pod["metadata"]["uid"] == uid:
+            del self.pods[(namespace, name)]
+            self.deleted.append(name)
+
+    def patch_pod(self, namespace: str, name: str, ops: list[dict[str, Any]]) -> None:
+        pod = self.pods.get((namespace, name))
+        if pod is None:
+            raise Conflict("NotFound")
+        try:
+            self.pods[(namespace, name)] = jsonpatch.apply_patch(pod, ops)
+        except (jsonpatch.JsonPatchTestFailed, jsonpatch.JsonPatchConflict) as exc:
+            raise Conflict(str(exc)) from exc
+
+    def set_condition(self, namespace: str, name: str, condition: dict[str, Any]) -> None:
+        status = self.pods[(namespace, name)].setdefault("status", {})
+        kept = [c for c in status.get("conditions", []) if c["type"] != condition["type"]]
+        status["conditions"] = [*kept, condition]
+
+    def read_object(self, path: str) -> dict[str, Any]:
+        if path not in self.owners:
+            raise Unreadable("Not Found")
+        return self.owners[path]
+
+    def post_event(
+        self, about: client.V1ObjectReference, reason: str, message: str, *, warning: bool, key: str
+    ) -> bool:
+        if (str(about.name), key) in self.event_keys:
+            return True
+        self.event_keys.add((str(about.name), key))
+        self.events.append((str(about.kind), str(about.name), reason, warning, message))
+        return True
+
+    # -- what a test looks at ------------------------------------------------------------
+
+    def pod(self, namespace: str, name: str) -> dict[str, Any]:
+        return self.pods[(namespace, name)]
+
+    def preflights(self) -> list[dict[str, Any]]:
+        return [p for p in self.pods.values() if p["metadata"]["name"].startswith(
+            "epguard-preflight-")]
+
+    def finish(self, preflight: dict[str, Any], code: int, message: str) -> None:
+        preflight["status"] = {
+            "phase": "Succeeded" if code == 0 else "Failed",
+            "initContainerStatuses": [
+                {"name": PROBE_CONTAINER, "state": {"terminated": {
+                    "exitCode": code, "message": message}}}
+            ],
+        }
+
+
+class Keys:
+    def __init__(self, ring: Keyring | None) -> None:
+        self.ring = ring
+
+    def refresh(self) -> Keyring | None:
+        return self.ring
+
+
+def gated_pod(name: str, image: str = "r.example/sglang:new", namespace: str = "ml",
+              owner: str | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": namespace,
+                            "labels": {PROBED_LABEL: "true"}}
+    if owner:
+        meta["ownerReferences"] = [{"apiVersion": "apps/v1", "kind": "ReplicaSet",
+                                    "name": owner, "uid": f"rs-{owner}", "controller": True}]
+    return {
+        "metadata": meta,
+        "spec": {
+            "schedulingGates": [{"name": GATE}],
+            "containers": [{
+                "name": "worker",
+                "image": image,
+                "args": ["--model-path", "/m", "--elastic-ep-backend", "mooncake"],
+            }],
+        },
+    }
+
+
+def setup(on_error: str = "open", retain: int = 3600, ring: bool = True,
+          ) -> tuple[Preflights, MemoryApi, Clock, Keyring | None]:
+    clock = Clock()
+    api = MemoryApi(clock)
+    keyring = new_keyring(NOW) if ring else None
+    config = PreflightConfig(
+        PreflightSettings(InjectionSettings("r.example/epguard:1"), timeout_seconds=300),
+        on_error=on_error,
+        retain_seconds=retain,
+    )
+    return Preflights(api, config, Keys(keyring), clock), api, clock, keyring
+
+
+def test_one_preflight_per_image_key_however_many_pods_wait() -> None:
+    pf, api, _, ring = setup()
+    for i in range(64):
+        api.add(gated_pod(f"w-{i}"))
+    api.add(gated_pod("other-image", image="r.example/sglang:other"))
+    api.add(gated_pod("other-ns", namespace="team-b"))
+    done = pf.run_once()
+    assert len(done.created) == 3 and len(api.preflights()) == 3
+    assert ring is not None
+    for p in api.preflights():
+        assert verify(ring, p["metadata"]["namespace"], p).ok  # signed like /mutate signs
+    assert pf.run_once().created == []  # running: nothing is created twice
+    assert all(is_gated(api.pod("ml", f"w-{i}")) for i in range(64))
+    cond = next(c for c in api.pod("ml", "w-0")["status"]["conditions"] if c["type"] == CONDITION)
+    assert cond["status"] == "False" and cond["reason"] == "PreflightRunning"
+
+
+def test_a_restarted_controller_picks_up_the_running_preflight() -> None:
+    pf, api, clock, _ = setup()
+    api.add(gated_pod("w-0"))
+    pf.run_once()
+    restarted, _, _, _ = setup()
+    restarted.api = api
+    restarted.clock = clock
+    assert restarted.run_once().created == []
+    assert len(api.preflights()) == 1
+
+
+def test_nothing_proven_takes_the_gate_off_every_waiting_pod() -> None:
+    pf, api, _, _ = setup()
+    api.add(gated_pod("w-0"))
+    api.add(gated_pod("w-1"))
+    api.pod("ml", "w-1")["spec"]["schedulingGates"].insert(0, {"name": "kueue"})
+    pf.run_once()
+    api.finish(api.preflights()[0], 0, CLEAR)
+    done = pf.run_once()
+    assert sorted(done.ungated) == ["Pod ml/w-0", "Pod ml/w-1"]
+    assert not is_gated(api.pod("ml", "w-0"))
+    assert api.pod("ml", "w-1")["spec"]["schedulingGates"] == [{"name": "kueue"}]
+    assert ("Pod", "w-0", "PreflightPassed", False) in [e[:4] for e in api.events]
+    # A new pod on the image: decided at once by the retained preflight, none created.
+    api.add(gated_pod("w-2"))
+    again = pf.run_once()
+    assert again.created == [] and again.ungated == ["Pod ml/w-2"]
+
+
+def test_an_image_cause_holds_every_waiting_pod_with_the_probes_line() -> None:
+    pf, api, _, _ = setup()
+    api.owners["/apis/apps/v1/namespaces/ml/replicasets/web-7d9f"] = {
+        "metadata": {"ownerReferences": [{"apiVersion": "apps/v1", "kind": "Deployment",
+                                          "name": "web", "uid": "d-1", "controller": True}]}
+    }
+    api.owners["/apis/apps/v1/namespaces/ml/deployments/web"] = {"metadata": {}}
+    for i in range(3):
+        api.add(gated_pod(f"w-{i}", owner="web-7d9f"))
+    pf.run_once()
+    api.finish(api.preflights()[0], 1, BAD)
+    done = pf.run_once()
+    assert len(done.held) == 3 and done.ungated == []
+    for i in range(3):
+        pod = api.pod("ml", f"w-{i}")
+        assert is_gated(pod)
+        cond = next(c for c in pod["status"]["conditions"] if c["type"] == CONDITION)
+        assert cond["status"] == "False" and cond["reason"] == "ImageUnusable"
+        assert BAD_LINE in cond["message"]
+    on_pods = [e for e in api.events if e[0] == "Pod" and e[2] == "ImageUnusable"]
+    on_owner = [e for e in api.events if e[0] == "Deployment"]
+    assert len(on_pods) == 3 and all(e[3] for e in on_pods)
+    assert len(on_owner) == 1 and BAD_LINE in on_owner[0][4]  # once, not per pod
+    # Later passes post nothing new.
+    before = len(api.events)
+    assert pf.run_once().held == [] and len(api.events) == before
+
+
+@pytest.mark.parametrize("on_error", ["open", "hold"])
+def test_a_preflight_that_cannot_judge_opens_or_holds(on_error: str) -> None:
+    pf, api, clock, _ = setup(on_error=on_error)
+    api.add(gated_pod("w-0"))
+    pf.run_once()
+    preflight = api.preflights()[0]
+    preflight["status"] = {"initContainerStatuses": [{"name": PROBE_CONTAINER, "state": {
+        "waiting": {"reason": "ImagePullBackOff", "message": "pull access denied"}}}]}
+    assert pf.run_once().ungated == []  # waits while within the deadline
+    cond = next(c for c in api.pod("ml", "w-0")["status"]["conditions"]
+                if c["type"] == CONDITION)
+    assert "ImagePullBackOff" in cond["message"]
+    clock.now += dt.timedelta(seconds=301)
+    done = pf.run_once()
+    if on_error == "open":
+        assert done.ungated == ["Pod ml/w-0"]
+        event = next(e for e in api.events if e[2] == "PreflightFailedGateOpened")
+        assert event[3] and "did not finish within 300 s" in event[4]
+    else:
+        assert done.ungated == [] and is_gated(api.pod("ml", "w-0"))
+        assert done.held == ["Pod ml/w-0"]
+
+
+def test_without_a_signing_key_no_preflight_runs_and_the_gate_opens() -> None:
+    pf, api, _, _ = setup(ring=False)
+    api.add(gated_pod("w-0"))
+    done = pf.run_once()
+    assert done.created == [] and api.preflights() == []
+    assert done.ungated == ["Pod ml/w-0"]
+
+
+def test_an_ungate_that_lost_a_race_changes_nothing() -> None:
+    pf, api, _, _ = setup()
+    api.add(gated_pod("w-0"))
+    pf.run_once()
+    api.finish(api.preflights()[0], 0, CLEAR)
+    real = api.patch_pod
+
+    def racing(namespace: str, name: str, ops: list[dict[str, Any]]) -> None:
+        # The tenant added a gate in front of ours between the list and the patch.
+        api.pod(namespace, name)["spec"]["schedulingGates"].insert(0, {"name": "mine"})
+        real(namespace, name, ops)
+
+    api.patch_pod = racing  # type: ignore[method-assign]
+    assert pf.run_once().ungated == []
+    assert api.pod("ml", "w-0")["spec"]["schedulingGates"] == [{"name": "mine"}, {"name": GATE}]
+    api.patch_pod = real  # type: ignore[method-assign]
+    assert pf.run_once().ungated == ["Pod ml/w-0"]
+    assert api.pod("ml", "w-0")["spec"]["schedulingGates"] == [{"name": "mine"}]
+
+
+def test_a_gated_pod_whose_image_changed_waits_on_the_new_image() -> None:
+    pf, api, _, _ = setup()
+    api.add(gated_pod("w-0"))
+    pf.run_once()
+    api.finish(api.preflights()[0], 0, CLEAR)
+    api.pod("ml", "w-0")["spec"]["containers"][0]["image"] = "r.example/sglang:swapped"
+    done = pf.run_once()
+    assert done.ungated == [] and len(done.created) == 1
+    (key,) = worker_keys(api.pod("ml", "w-0"))
+    assert key.image == "r.example/sglang:swapped"
+
+
+def test_preflights_nobody_waits_on_are_cleaned_up() -> None:
+    pf, api, clock, _ = setup(retain=600)
+    api.add(gated_pod("w-0"))
+    api.add(gated_pod("gone", image="r.example/sglang:gone"))
+    pf.run_once()
+    finished = next(p for p in api.preflights()
+                    if p["spec"]["initContainers"][1]["image"] == "r.example/sglang:new")
+    api.finish(finished, 0, CLEAR)
+    del api.pods[("ml", "gone")]  # its only waiter was deleted while it ran
+    done = pf.run_once()
+    assert len(done.deleted) == 1  # the running one nobody waits on
+    clock.now += dt.timedelta(seconds=599)
+    assert pf.run_once().deleted == []  # still answers for its image
+    clock.now += dt.timedelta(seconds=2)
+    assert len(pf.run_once().deleted) == 1
+    assert api.preflights() == []
+
+
+def test_a_pod_gated_by_hand_without_a_mooncake_container_is_let_go() -> None:
+    pf, api, _, _ = setup()
+    pod = gated_pod("w-0")
+    pod["spec"]["containers"][0]["args"] = ["--model-path", "/m"]
+    api.add(pod)
+    done = pf.run_once()
+    # Nothing to judge: no key, so the pod waits on nothing and the gate comes off.
+    assert done.created == [] and done.ungated == ["Pod ml/w-0"]
+    assert "nothing to judge" in api.events[-1][4]
+
+
+def test_the_preflight_key_label_is_what_matches_a_preflight_to_its_pods() -> None:
+    pf, api, _, _ = setup()
+    api.add(gated_pod("w-0"))
+    pf.run_once()
+    (preflight,) = api.preflights()
+    (key,) = worker_keys(api.pod("ml", "w-0"))
+    assert preflight["metadata"]["labels"][KEY_LABEL] == key.hash
+    assert preflight["metadata"]["name"] == key.pod_name

@@ -1,0 +1,490 @@
+"""The preflight gate's controller half: one preflight pod per image key, and the gate
+on every waiting pod decided from its result (engine/preflight.py has the pure half).
+
+Level-triggered: each pass lists the gated worker pods and the preflight pods and makes
+the world agree -- a missing preflight is created (signed, as ``/mutate`` signs an
+injected probe), a result decides every pod waiting on it, a preflight nobody waits on
+any more is deleted. So a restarted controller, or the other replica after a failover,
+picks up every gated pod and running preflight where they are: nothing stays gated
+forever (the deadline counts from the preflight's creation), and nothing runs twice
+(a preflight's name is its key's hash; a second create is a 409). Both replicas may run
+a pass at once: every write is idempotent (a 409 on create, a failed ``test`` on an
+ungate patch, Events named by their occurrence).
+
+What each result does to the pods waiting on it:
+
+* ``clear`` (the image's files prove no cause): the gate comes off; the injected
+  init-container probe still runs on the GPU node;
+* ``unusable`` (an image cause): the gate stays; the pod's ``epguard.io/Preflight``
+  condition (False) and a Warning Event on the pod and its owner carry the probe's first
+  line. The recorder learns the ImageVerdict from the signed preflight pod like from any
+  probe, and ``/validate`` refuses new pods on that image;
+* ``failed`` (it could not judge: pull error, unschedulable, deadline, no python3):
+  ``preflight.onError`` decides: ``open`` removes the gate with a Warning Event, ``hold``
+  keeps it with the condition saying why.
+
+A finished preflight answers for its key for ``preflight.retainSeconds`` (new pods on
+the image are decided at once), then it is deleted once no pod waits on it.
+
+Writes to pods: the gate's removal (a JSON patch that ``test``s the gate's place first)
+and the condition (``pods/status``); the chart's ValidatingAdmissionPolicy lets this
+ServiceAccount change nothing else in a pod, and create and delete only preflight pods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, cast
+
+import kopf
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from epguard.probe import shell
+from epguard.webhook.cluster.kube import REQUEST_TIMEOUT, Json, get_object, list_all, meta
+from epguard.webhook.cluster.kube import post_event as kube_post_event
+from epguard.webhook.controller import background
+from epguard.webhook.controller.config import ControllerConfig
+from epguard.webhook.controller.owners import Unreadable, top_owner
+from epguard.webhook.engine.argv import analyse_container
+from epguard.webhook.engine.injection import InjectionSettings
+from epguard.webhook.engine.outcome import PROBED_LABEL
+from epguard.webhook.engine.preflight import (
+    CONDITION,
+    KEY_LABEL,
+    PREFLIGHT_LABEL,
+    PreflightKey,
+    PreflightResult,
+    PreflightSettings,
+    is_gated,
+    key_of,
+    preflight_pod,
+    preflight_result,
+    signed,
+    ungate_patch,
+)
+from epguard.webhook.engine.signing import Keyring
+from epguard.webhook.engine.text import parse_stamp
+from epguard.webhook.engine.workloads import as_list, as_map, describe
+
+log = logging.getLogger("epguard.controller.preflight")
+
+COMPONENT = "epguard-controller"
+# A pass runs at least this often (a preflight's deadline, a retained one's expiry), and
+# at once after a pod event that may change something.
+INTERVAL_SECONDS = 5.0
+
+
+class Conflict(Exception):
+    """A write that lost a race (409, or a JSON patch whose ``test`` failed)."""
+
+
+class PreflightApi(Protocol):
+    """The API calls the preflight needs; the real one is :class:`KubePreflightApi`, the
+    tests use an in-memory one (tests/controller/test_preflight.py)."""
+
+    def list_probed_pods(self) -> list[Json]:
+        """Every pod with the ``epguard.io/probed`` label, in every namespace."""
+
+    def create_pod(self, namespace: str, body: Json) -> None:
+        """Create; Conflict when a pod of that name exists."""
+
+    def delete_pod(self, namespace: str, name: str, uid: str) -> None:
+        """Delete that pod (that uid only); gone already is fine."""
+
+    def patch_pod(self, namespace: str, name: str, ops: list[dict[str, Any]]) -> None:
+        """Apply a JSON patch; Conflict when a ``test`` fails or the pod changed."""
+
+    def set_condition(self, namespace: str, name: str, condition: Json) -> None:
+        """Set one condition in the pod's status (``pods/status``, merged by type)."""
+
+    def read_object(self, path: str) -> Json:
+        """Any object by REST path; Unreadable when the API server refuses it."""
+
+    def post_event(
+        self, about: client.V1ObjectReference, reason: str, message: str, *, warning: bool, key: str
+    ) -> bool:
+        """One Event named by (``about``, ``key``); False when it could not be posted."""
+
+
+class KubePreflightApi:
+    """:class:`PreflightApi` on the official client."""
+
+    def __init__(self, api: client.ApiClient) -> None:
+        self.api = api
+        self.core = client.CoreV1Api(api)
+
+    def list_probed_pods(self) -> list[Json]:
+        items, _ = list_all(
+            self.core.list_pod_for_all_namespaces, label_selector=f"{PROBED_LABEL}=true"
+        )
+        return [dict(i) for i in items]
+
+    def create_pod(self, namespace: str, body: Json) -> None:
+        try:
+            # The client sends a dict body as it is (no model round trip).
+            pod = cast(client.V1Pod, body)
+            self.core.create_namespaced_pod(namespace, pod, _request_timeout=REQUEST_TIMEOUT)
+        except ApiException as exc:
+            if exc.status == 409:
+                raise Conflict(str(exc.reason)) from exc
+            raise
+
+    def delete_pod(self, namespace: str, name: str, uid: str) -> None:
+        try:
+            self.core.delete_namespaced_pod(
+                name,
+                namespace,
+                body=client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid)),
+                _request_timeout=REQUEST_TIMEOUT,
+            )
+        except ApiException as exc:
+            if exc.status not in (404, 409):
+                raise
+
+    def patch_pod(self, namespace: str, name: str, ops: list[dict[str, Any]]) -> None:
+        try:
+            self.core.patch_namespaced_pod(
+                name,
+                namespace,
+                ops,
+                _content_type="application/json-patch+json",
+                _request_timeout=REQUEST_TIMEOUT,
+            )
+        except ApiException as exc:
+            if exc.status in (404, 409, 422):
+                raise Conflict(str(exc.reason)) from exc
+            raise
+
+    def set_condition(self, namespace: str, name: str, condition: Json) -> None:
+        self.core.patch_namespaced_pod_status(
+            name,
+            namespace,
+            {"status": {"conditions": [condition]}},
+            _content_type="application/strategic-merge-patch+json",
+            _request_timeout=REQUEST_TIMEOUT,
+        )
+
+    def read_object(self, path: str) -> Json:
+        try:
+            return get_object(self.api, path)
+        except ApiException as exc:
+            raise Unreadable(str(exc.reason)) from exc
+
+    def post_event(
+        self, about: client.V1ObjectReference, reason: str, message: str, *, warning: bool, key: str
+    ) -> bool:
+        return kube_post_event(
+            self.api, about, reason, message, warning=warning, component=COMPONENT, key=key
+        )
+
+
+class KeySource(Protocol):
+    def refresh(self) -> Keyring | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class PreflightConfig:
+    settings: PreflightSettings
+    on_error: str = "open"  # or "hold"
+    retain_seconds: int = 3600
+
+    @classmethod
+    def of(cls, config: ControllerConfig) -> PreflightConfig:
+        return cls(
+            PreflightSettings(
+                InjectionSettings(config.probe_image),
+                timeout_seconds=config.preflight_timeout_seconds,
+                gpus="worker" if config.preflight_gpus == "worker" else "0",
+            ),
+            on_error=config.preflight_on_error,
+            retain_seconds=config.preflight_retain_seconds,
+        )
+
+
+@dataclass
+class Pass:
+    """What one pass did, for the log and the tests."""
+
+    created: list[str] = field(default_factory=list)
+    ungated: list[str] = field(default_factory=list)
+    held: list[str] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+
+
+def _name(obj: Mapping[str, Any]) -> tuple[str, str, str]:
+    m = meta(obj)
+    return str(m.get("namespace") or ""), str(m.get("name") or ""), str(m.get("uid") or "")
+
+
+def _ref(obj: Mapping[str, Any]) -> client.V1ObjectReference:
+    namespace, name, uid = _name(obj)
+    return client.V1ObjectReference(
+        api_version="v1", kind="Pod", name=name, namespace=namespace, uid=uid or None
+    )
+
+
+def worker_keys(pod: Mapping[str, Any]) -> list[PreflightKey]:
+    """The keys a gated pod waits on: one per image of a container that asks for
+    mooncake, read as the webhook reads it (the pod as it is now: an UPDATE that changed
+    an image is judged on the new one)."""
+    namespace, _, _ = _name(pod)
+    spec = as_map(pod.get("spec"))
+    budget = shell.Budget()
+    images: dict[str, None] = {}
+    for c in as_list(spec.get("containers")):
+        if (
+            isinstance(c, Mapping)
+            and isinstance(c.get("image"), str)
+            and c["image"]
+            and analyse_container(c, budget).requests_mooncake
+        ):
+            images.setdefault(c["image"], None)
+    return [key_of(namespace, spec, image) for image in images]
+
+
+class Preflights:
+    """One pass at a time: see the module's docstring."""
+
+    def __init__(
+        self,
+        api: PreflightApi,
+        config: PreflightConfig,
+        keys: KeySource,
+        clock: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.UTC),
+    ) -> None:
+        self.api = api
+        self.config = config
+        self.keys = keys
+        self.clock = clock
+
+    def run_once(self) -> Pass:
+        now = self.clock()
+        done = Pass()
+        pods = self.api.list_probed_pods()
+        preflights: dict[tuple[str, str], Json] = {}
+        waiting: list[tuple[Json, list[PreflightKey]]] = []
+        for pod in pods:
+            labels = as_map(meta(pod).get("labels"))
+            if labels.get(PREFLIGHT_LABEL) == "true":
+                namespace, name, _ = _name(pod)
+                preflights[(namespace, name)] = pod
+            elif is_gated(pod) and not meta(pod).get("deletionTimestamp"):
+                waiting.append((pod, worker_keys(pod)))
+        results: dict[PreflightKey, PreflightResult] = {}
+        for pod, keys in waiting:
+            for key in keys:
+                if key not in results:
+                    results[key] = self._result(key, pod, preflights, now, done)
+        for pod, keys in waiting:
+            self._decide(pod, [results[k] for k in keys], done)
+        self._clean(preflights, {k.hash for _, keys in waiting for k in keys}, now, done)
+        return done
+
+    def _result(
+        self,
+        key: PreflightKey,
+        pod: Json,
+        preflights: Mapping[tuple[str, str], Json],
+        now: dt.datetime,
+        done: Pass,
+    ) -> PreflightResult:
+        existing = preflights.get((key.namespace, key.pod_name))
+        timeout = self.config.settings.timeout_seconds
+        if existing is not None and as_map(meta(existing).get("labels")).get(KEY_LABEL) == key.hash:
+            return preflight_result(existing, now, timeout)
+        body = preflight_pod(key.namespace, as_map(pod.get("spec")), key, self.config.settings)
+        if body is None:  # no container on that image asks for mooncake any more
+            return PreflightResult("clear", "no container on this image asks for mooncake")
+        ring = self.keys.refresh()
+        if ring is None:
+            return PreflightResult("failed", "the controller holds no probe-signing key")
+        try:
+            self.api.create_pod(key.namespace, signed(body, ring.current, now))
+            done.created.append(describe("Pod", key.namespace, key.pod_name))
+        except Conflict:
+            pass  # another pass (the other replica) created it: its result comes next pass
+        return PreflightResult("running", "")
+
+    def _decide(self, pod: Json, results: list[PreflightResult], done: Pass) -> None:
+        uid = _name(pod)[2]
+        unusable = [r for r in results if r.phase == "unusable"]
+        failed = [r for r in results if r.phase == "failed"]
+        if unusable:
+            self._hold(pod, "ImageUnusable", unusable[0].message, done)
+        elif any(r.phase == "running" for r in results):
+            stalled = next((r.stalled for r in results if r.stalled), "")
+            self._condition(
+                pod,
+                "False",
+                "PreflightRunning",
+                f"waiting for epguard's preflight of this image{': ' + stalled if stalled else ''}",
+            )
+        elif failed and self.config.on_error == "hold":
+            self._hold(pod, "PreflightFailed", failed[0].message, done)
+        else:
+            why = (
+                failed[0].message
+                if failed
+                else results[0].message
+                if results
+                else "no container of this pod asks for mooncake: nothing to judge"
+            )
+            if self._ungate(pod, done):
+                warning = bool(failed)
+                reason = "PreflightFailedGateOpened" if warning else "PreflightPassed"
+                said = (
+                    f"epguard's preflight could not judge this pod's image, so it is "
+                    f"scheduled unjudged (preflight.onError=open): {why}"
+                    if warning
+                    else f"epguard's preflight found no image cause: {why}"
+                )
+                self.api.post_event(_ref(pod), reason, said, warning=warning, key=f"{uid}/open")
+                self._condition(pod, "True", reason, said)
+
+    def _hold(self, pod: Json, reason: str, message: str, done: Pass) -> None:
+        namespace, name, uid = _name(pod)
+        said = f"epguard keeps this pod unscheduled: {message}"
+        if self._condition(pod, "False", reason, said):
+            done.held.append(describe("Pod", namespace, name))
+            self.api.post_event(_ref(pod), reason, said, warning=True, key=f"{uid}/{reason}")
+            owner = top_owner(self.api.read_object, namespace, meta(pod).get("ownerReferences"))
+            if owner is not None:
+                self.api.post_event(
+                    owner,
+                    reason,
+                    f"pod {name}: {said}",
+                    warning=True,
+                    key=f"{owner.uid or owner.name}/{reason}/{message[:200]}",
+                )
+
+    def _ungate(self, pod: Json, done: Pass) -> bool:
+        namespace, name, _ = _name(pod)
+        ops = ungate_patch(pod)
+        if not ops:
+            return False
+        try:
+            self.api.patch_pod(namespace, name, ops)
+        except Conflict:
+            return False  # changed since listed (or ungated by the other replica): next pass
+        done.ungated.append(describe("Pod", namespace, name))
+        return True
+
+    def _condition(self, pod: Json, status: str, reason: str, message: str) -> bool:
+        """Set the pod's epguard condition; False when it already says this."""
+        namespace, name, _ = _name(pod)
+        message = message[:1024]
+        for c in as_list(as_map(pod.get("status")).get("conditions")):
+            c = as_map(c)
+            if (
+                c.get("type") == CONDITION
+                and c.get("status") == status
+                and c.get("reason") == reason
+                and c.get("message") == message
+            ):
+                return False
+        condition = {
+            "type": CONDITION,
+            "status": status,
+            "reason": reason,
+            "message": message,
+            "lastTransitionTime": self.clock().strftime("%Y-%m-%dT%H:%M:%SZ"),
+        }
+        try:
+            self.api.set_condition(namespace, name, condition)
+        except ApiException as exc:
+            log.warning("could not set %s on pod %s/%s: %s", CONDITION, namespace, name, exc)
+        return True
+
+    def _clean(
+        self,
+        preflights: Mapping[tuple[str, str], Json],
+        wanted: set[str],
+        now: dt.datetime,
+        done: Pass,
+    ) -> None:
+        for (namespace, name), pod in preflights.items():
+            key = str(as_map(meta(pod).get("labels")).get(KEY_LABEL) or "")
+            if key in wanted:
+                continue
+            result = preflight_result(pod, now, self.config.settings.timeout_seconds)
+            created = parse_stamp(str(meta(pod).get("creationTimestamp") or ""))
+            age = (now - created).total_seconds() if created else float("inf")
+            # Nobody waits: a running one is not needed; a finished one is kept to answer
+            # for its image until it is older than the retention.
+            if result.phase == "running" or age > self.config.retain_seconds:
+                self.api.delete_pod(namespace, name, str(meta(pod).get("uid") or ""))
+                done.deleted.append(describe("Pod", namespace, name))
+
+
+# -- kopf wiring -------------------------------------------------------------------------
+
+NAME = "preflight"
+
+
+class _Keys:
+    """The probe-signing keys the probe_key module keeps in the memo."""
+
+    def __init__(self, memo: kopf.Memo) -> None:
+        self.memo = memo
+
+    def refresh(self) -> Keyring | None:
+        manager = self.memo.get("probe_keys")
+        if manager is None:
+            return None
+        ring: Keyring | None = manager.holder.ring or manager.refresh()
+        return ring
+
+
+async def _loop(memo: kopf.Memo, preflights: Preflights, stop: asyncio.Event) -> None:
+    wake: asyncio.Event = memo[f"{NAME}_wake"]
+    loop = asyncio.get_running_loop()
+    while not stop.is_set():
+        wake.clear()
+        try:
+            done = await loop.run_in_executor(None, preflights.run_once)
+            for what, names in (
+                ("created", done.created),
+                ("ungated", done.ungated),
+                ("held", done.held),
+                ("deleted", done.deleted),
+            ):
+                if names:
+                    log.info("preflight %s: %s", what, ", ".join(names[:20]))
+        except Exception:
+            log.exception("preflight pass failed; retrying")
+        waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(wake.wait())]
+        await asyncio.wait(waiters, timeout=INTERVAL_SECONDS, return_when=asyncio.FIRST_COMPLETED)
+        for w in waiters:
+            w.cancel()
+
+
+@kopf.on.startup(id="epguard-preflight-start")
+async def _start(memo: kopf.Memo, **_: Any) -> None:
+    config: ControllerConfig = memo["config"]
+    preflights = Preflights(KubePreflightApi(memo["api"]), PreflightConfig.of(config), _Keys(memo))
+    memo[f"{NAME}_wake"] = asyncio.Event()
+    background.start(memo, NAME, lambda stop: _loop(memo, preflights, stop))
+
+
+@kopf.on.cleanup(id="epguard-preflight-stop")
+async def _stop(memo: kopf.Memo, **_: Any) -> None:
+    await background.stop(memo, NAME)
+
+
+def _worth_a_pass(body: Any, **_: Any) -> bool:
+    labels = as_map(as_map(as_map(body).get("metadata")).get("labels"))
+    return labels.get(PREFLIGHT_LABEL) == "true" or is_gated(as_map(body))
+
+
+@kopf.on.event(
+    "", "v1", "pods", labels={PROBED_LABEL: "true"}, when=_worth_a_pass, id="epguard-preflight"
+)
+async def _pod_event(memo: kopf.Memo, **_: Any) -> None:
+    wake: asyncio.Event | None = memo.get(f"{NAME}_wake")
+    if wake is not None:
+        wake.set()
