@@ -255,6 +255,10 @@ def start_webhook(stack: Stack, cp: ControlPlane) -> str:
             NAMESPACE,
             "--inject-image",
             PROBE_IMAGE,
+            # No node runs a preflight here: a gated pod would wait for its deadline.
+            # The preflight gate is tested on the node (tests/e2e/test_preflight_on_node.py).
+            "--preflight-mode",
+            "off",
         ],
         stack.run_dir / "logs" / "webhook.log",
         env=_child_env(cp, credentials),

@@ -73,8 +73,46 @@ def test_the_scan_recorder_grants_exactly_its_written_table(defaults: Rendered) 
     assert added == written, (sorted(added - written), sorted(written - added))
 
 
-def test_neither_component_may_write_pods_or_read_other_secrets(defaults: Rendered) -> None:
+def test_only_the_preflight_writes_pods_and_no_one_reads_other_secrets(
+    defaults: Rendered,
+) -> None:
     grants = rendered(defaults)
-    assert not {g for g in grants if g[3] == "pods" and g[5] not in ("get", "list", "watch")}
+    pod_writes = {
+        (g[0], g[3], g[5])
+        for g in grants
+        if g[3] in ("pods", "pods/status") and g[5] not in ("get", "list", "watch")
+    }
+    assert pod_writes == {
+        ("epguard-controller", "pods", "create"),
+        ("epguard-controller", "pods", "delete"),
+        ("epguard-controller", "pods", "patch"),
+        ("epguard-controller", "pods/status", "patch"),
+    }
+    # ... and only together with the policy that holds the controller to the gate.
+    policy = next(
+        o
+        for o in defaults.objects
+        if o["kind"] == "ValidatingAdmissionPolicy" and o["metadata"]["name"] == "epguard-preflight"
+    )
+    (condition,) = policy["spec"]["matchConditions"]
+    assert "system:serviceaccount:epguard-system:epguard-controller" in condition["expression"]
+    assert policy["spec"]["failurePolicy"] == "Fail"
+    binding = next(
+        o
+        for o in defaults.objects
+        if o["kind"] == "ValidatingAdmissionPolicyBinding"
+        and o["spec"]["policyName"] == "epguard-preflight"
+    )
+    assert binding["spec"]["validationActions"] == ["Deny"]
     secret_reads = {g[4] for g in grants if g[3] == "secrets" and g[5] != "create"}
     assert secret_reads == {"epguard-probe-key", "epguard-tls"}
+
+
+def test_without_injection_nothing_writes_pods() -> None:
+    off = render("--set", "injection.enabled=false", name="no-injection")
+    assert not {
+        g for g in rendered(off) if g[3].startswith("pods") and g[5] not in ("get", "list", "watch")
+    }
+    assert not [
+        o for o in off.objects if o["metadata"]["name"] == "epguard-preflight"
+    ]

@@ -19,6 +19,7 @@ from epguard.webhook.controller.preflight import (
     Conflict,
     PreflightConfig,
     Preflights,
+    Refused,
     worker_keys,
 )
 from epguard.webhook.engine.injection import InjectionSettings
@@ -274,6 +275,20 @@ def test_without_a_signing_key_no_preflight_runs_and_the_gate_opens() -> None:
     done = pf.run_once()
     assert done.created == [] and api.preflights() == []
     assert done.ungated == ["Pod ml/w-0"]
+
+
+def test_a_preflight_the_api_server_refuses_cannot_judge() -> None:
+    pf, api, _, _ = setup()
+    api.add(gated_pod("w-0"))
+
+    def refuse(namespace: str, body: dict[str, Any]) -> None:
+        raise Refused("denied by the ValidatingAdmissionPolicy epguard-preflight")
+
+    api.create_pod = refuse  # type: ignore[method-assign]
+    done = pf.run_once()
+    assert done.ungated == ["Pod ml/w-0"]  # onError=open: nothing stays gated forever
+    event = next(e for e in api.events if e[2] == "PreflightFailedGateOpened")
+    assert "could not be created" in event[4] and "epguard-preflight" in event[4]
 
 
 def test_an_ungate_that_lost_a_race_changes_nothing() -> None:

@@ -126,11 +126,17 @@ def wait_probe(cp: ControlPlane, namespace: str, selector: list[str]) -> dict[st
 def opted_in_namespace(cluster: ControlPlane) -> Iterator[str]:
     """A fresh namespace opted in to probe injection, seen by the webhook, and no
     ImageVerdict left from an earlier test (each test learns its own). Deleted after
-    the test, which frees the node's (fake) GPUs for the next one."""
+    the test, which frees the node's (fake) GPUs for the next one.
+
+    The preflight gate is off here (label epguard.io/preflight=off): these tests are
+    about the probe the kubelet runs in the pod; test_preflight_on_node.py gates."""
     cluster.kubectl("delete", "imageverdicts", "--all", check=True)
     name = f"ml-{uuid.uuid4().hex[:6]}"
     cluster.kubectl("create", "namespace", name, check=True)
-    cluster.kubectl("label", "namespace", name, "epguard.io/inject=enabled", check=True)
+    cluster.kubectl(
+        "label", "namespace", name, "epguard.io/inject=enabled", "epguard.io/preflight=off",
+        check=True,
+    )  # fmt: skip
     probe = worker_pod("dry-run", name, Path("/nonexistent"))
 
     def injected_and_admitted() -> bool:

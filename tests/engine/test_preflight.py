@@ -434,3 +434,16 @@ def test_an_image_is_judged_by_its_pinned_digest_or_a_fresh_tag() -> None:
         "UPPER/Case:!",  # does not parse: its pull fails, nothing to judge
     ]
     assert unjudged(images, store, NOW) == ("r.example/old:1", "r.example/new:1")
+
+
+def test_the_preflight_runs_as_the_worker_but_without_its_privileges() -> None:
+    spec = worker_spec(
+        securityContext={"runAsUser": 1000, "fsGroup": 2000,
+                         "sysctls": [{"name": "net.core.somaxconn", "value": "1024"}]}
+    )
+    spec["containers"][0]["securityContext"] = {
+        "runAsUser": 0, "privileged": True, "capabilities": {"add": ["SYS_ADMIN"]}}
+    p = preflight(spec)["spec"]
+    assert p["securityContext"] == {"runAsUser": 1000, "fsGroup": 2000}
+    probe = p["initContainers"][1]
+    assert probe["securityContext"] == {"runAsUser": 0, "allowPrivilegeEscalation": False}

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import json
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -83,6 +84,11 @@ class Conflict(Exception):
     """A write that lost a race (409, or a JSON patch whose ``test`` failed)."""
 
 
+class Refused(Exception):
+    """A create the API server refused (403 RBAC, a policy, 422 an invalid pod): the
+    preflight cannot run, and ``preflight.onError`` decides for its pods."""
+
+
 class PreflightApi(Protocol):
     """The API calls the preflight needs; the real one is :class:`KubePreflightApi`, the
     tests use an in-memory one (tests/controller/test_preflight.py)."""
@@ -91,7 +97,8 @@ class PreflightApi(Protocol):
         """Every pod with the ``epguard.io/probed`` label, in every namespace."""
 
     def create_pod(self, namespace: str, body: Json) -> None:
-        """Create; Conflict when a pod of that name exists."""
+        """Create; Conflict when a pod of that name exists, Refused when the API server
+        refuses it."""
 
     def delete_pod(self, namespace: str, name: str, uid: str) -> None:
         """Delete that pod (that uid only); gone already is fine."""
@@ -132,6 +139,8 @@ class KubePreflightApi:
         except ApiException as exc:
             if exc.status == 409:
                 raise Conflict(str(exc.reason)) from exc
+            if exc.status in (400, 403, 404, 422):
+                raise Refused(_said(exc)) from exc
             raise
 
     def delete_pod(self, namespace: str, name: str, uid: str) -> None:
@@ -181,6 +190,16 @@ class KubePreflightApi:
         return kube_post_event(
             self.api, about, reason, message, warning=warning, component=COMPONENT, key=key
         )
+
+
+def _said(exc: ApiException) -> str:
+    """The API server's message (a policy's or RBAC's refusal), else its reason."""
+    try:
+        body = json.loads(exc.body or "{}")
+    except (TypeError, ValueError):
+        body = {}
+    message = body.get("message") if isinstance(body, dict) else None
+    return str(message or exc.reason)[:500]
 
 
 class KeySource(Protocol):
@@ -308,6 +327,8 @@ class Preflights:
             done.created.append(describe("Pod", key.namespace, key.pod_name))
         except Conflict:
             pass  # another pass (the other replica) created it: its result comes next pass
+        except Refused as exc:
+            return PreflightResult("failed", f"the preflight pod could not be created: {exc}")
         return PreflightResult("running", "")
 
     def _decide(self, pod: Json, results: list[PreflightResult], done: Pass) -> None:

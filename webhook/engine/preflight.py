@@ -146,6 +146,8 @@ class PreflightSettings:
     gpus: Literal["0", "worker"] = "0"
 
 
+_RUN_AS = ("runAsUser", "runAsGroup", "runAsNonRoot")
+_POD_SECURITY = ("fsGroup", "supplementalGroups", "seccompProfile")
 _PLACEMENT = ("nodeSelector", "affinity", "tolerations", "priorityClassName", "runtimeClassName")
 
 
@@ -186,6 +188,17 @@ def preflight_pod(
     probe = probes[0]  # one worker container judges the image; the argv decides the rest
     if settings.gpus == "0":
         probe = _without_extended(probe)
+    # Who it runs as, and nothing that widens what it can do: the worker's own privileges
+    # are for serving on the GPU node, not for reading files (the chart's policy refuses a
+    # privileged preflight).
+    own = as_map(probe.get("securityContext"))
+    probe = {
+        **probe,
+        "securityContext": {
+            **{k: own[k] for k in _RUN_AS if k in own},
+            "allowPrivilegeEscalation": False,
+        },
+    }
     spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "activeDeadlineSeconds": settings.timeout_seconds,
@@ -203,9 +216,10 @@ def preflight_pod(
         if worker_spec.get(field):
             spec[field] = worker_spec[field]
     security = as_map(worker_spec.get("securityContext"))
-    if security:
+    kept = {k: security[k] for k in (*_RUN_AS, *_POD_SECURITY) if k in security}
+    if kept:
         # The image may only work as the user the worker runs it as.
-        spec["securityContext"] = dict(security)
+        spec["securityContext"] = kept
     return {
         "apiVersion": "v1",
         "kind": "Pod",

@@ -41,6 +41,8 @@ ValidatingAdmissionPolicy (GA in 1.30); offline, the group/version and the versi
 {{- $api := .Capabilities.APIVersions -}}
 {{- if or ($api.Has "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy") (and ($api.Has "admissionregistration.k8s.io/v1") (not ($api.Has "apps/v1/Deployment")) (semverCompare ">=1.30-0" .Capabilities.KubeVersion.Version)) -}}true{{- end -}}
 {{- end -}}
+{{- /* The ValidatingAdmissionPolicy that holds the controller to preflight pods and the gate. */ -}}
+{{- define "epguard.preflightPolicyName" -}}{{ include "epguard.fullname" . | trunc 53 | trimSuffix "-" }}-preflight{{- end -}}
 {{- /* The ClusterRole, binding and policy that let scanRecorder.serviceAccounts record. */ -}}
 {{- define "epguard.scanRecorderName" -}}{{ include "epguard.fullname" . | trunc 49 | trimSuffix "-" }}-scan-recorder{{- end -}}
 

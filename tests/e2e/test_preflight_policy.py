@@ -1,0 +1,221 @@
+"""The preflight gate's least privilege, through a real kube-apiserver: the chart's
+controller RBAC and its ValidatingAdmissionPolicy (rendered by the real helm, applied
+with the real kubectl), and every write made as the controller's ServiceAccount
+(impersonated). The writes the gate needs pass; every other pod write by that account is
+refused with the policy's message; other users are not affected."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from devcluster import ControlPlane
+from epguard.webhook.engine.injection import InjectionSettings
+from epguard.webhook.engine.outcome import PROBED_LABEL
+from epguard.webhook.engine.preflight import (
+    CONDITION,
+    GATE,
+    PreflightSettings,
+    key_of,
+    preflight_pod,
+)
+from tests.chart.chartlib import CHART, NAMESPACE, RELEASE, run_helm
+from tests.control_plane import running_control_plane
+from tests.e2e.e2e_kube import eventually, output
+
+pytestmark = pytest.mark.e2e
+
+POLICY = "epguard-preflight"
+CONTROLLER = f"system:serviceaccount:{NAMESPACE}:epguard-controller"
+TENANT = "team-a"
+EPGUARD_IMAGE = "registry.example/epguard:1"
+WORKER_IMAGE = "registry.example/sglang:new"
+
+
+@pytest.fixture(scope="module")
+def cp() -> Iterator[ControlPlane]:
+    with running_control_plane() as cp:
+        for ns in (NAMESPACE, TENANT):
+            cp.kubectl("create", "namespace", ns, check=True)
+        for sa in ("epguard-controller", "sglang"):
+            cp.kubectl("create", "serviceaccount", sa, "-n",
+                       NAMESPACE if sa.startswith("epguard") else TENANT, check=True)  # fmt: skip
+        rendered = run_helm(
+            "template", RELEASE, str(CHART), "--namespace", NAMESPACE,
+            "--set", f"injection.image={EPGUARD_IMAGE}",
+            "--show-only", "templates/preflight-policy.yaml",
+            "--show-only", "templates/rbac-controller.yaml",
+        ).stdout  # fmt: skip
+        r = cp.kubectl("apply", "-f", "-", input=rendered)
+        assert r.returncode == 0, output(r)
+        eventually(lambda: "creates only preflight" in output(
+            as_controller(cp, "create", "--dry-run=server", "-f", "-",
+                          input=json.dumps(tenant_pod("probe-policy")))),
+            within=30, what=f"the {POLICY} policy to be in force")  # fmt: skip
+        yield cp
+
+
+def as_controller(
+    cp: ControlPlane, *args: str, input: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    return cp.kubectl(f"--as={CONTROLLER}", *args, input=input)
+
+
+def worker_spec() -> dict[str, Any]:
+    return {
+        "serviceAccountName": "sglang",
+        "automountServiceAccountToken": False,
+        "schedulingGates": [{"name": "kueue.x-k8s.io/admission"}, {"name": GATE}],
+        "containers": [{
+            "name": "worker",
+            "image": WORKER_IMAGE,
+            "args": ["--model-path", "/m", "--elastic-ep-backend", "mooncake"],
+        }],
+    }  # fmt: skip
+
+
+def tenant_pod(name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": TENANT, "labels": {PROBED_LABEL: "true"}},
+        "spec": worker_spec(),
+    }
+
+
+def preflight(**spec: Any) -> dict[str, Any]:
+    key = key_of(TENANT, worker_spec(), WORKER_IMAGE)
+    pod = preflight_pod(TENANT, worker_spec(), key,
+                        PreflightSettings(InjectionSettings(EPGUARD_IMAGE)))  # fmt: skip
+    assert pod is not None
+    pod["spec"].update(spec)
+    return pod
+
+
+def create(cp: ControlPlane, pod: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+    return as_controller(cp, "create", "--dry-run=server", "-f", "-", input=json.dumps(pod))
+
+
+def refused(r: subprocess.CompletedProcess[str], why: str) -> bool:
+    return r.returncode != 0 and POLICY in r.stderr and why in r.stderr
+
+
+def test_the_controller_may_create_a_preflight_pod_as_engine_preflight_builds_it(
+    cp: ControlPlane,
+) -> None:
+    r = create(cp, preflight())
+    assert r.returncode == 0, output(r)
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        (lambda p: p["metadata"]["labels"].pop("epguard.io/preflight-pod"), "only preflight pods"),
+        (lambda p: p["spec"].update(hostNetwork=True), "shares nothing with the host"),
+        (lambda p: p["spec"].update(automountServiceAccountToken=True), "no service account token"),
+        (lambda p: p["spec"]["volumes"].append(
+            {"name": "host", "hostPath": {"path": "/"}}), "mounts only the probe's emptyDir"),
+        (lambda p: p["spec"]["initContainers"][1].update(
+            securityContext={"privileged": True}), "runs nothing privileged"),
+        (lambda p: p["spec"]["containers"][0].update(image=WORKER_IMAGE),
+         "its done container, in that order"),
+        (lambda p: p["spec"]["containers"].append(
+            {"name": "extra", "image": EPGUARD_IMAGE}), "its done container, in that order"),
+    ],
+    ids=["not-a-preflight", "host-network", "token", "host-path", "privileged",
+         "other-image", "extra-container"],
+)  # fmt: skip
+def test_any_other_pod_create_by_the_controller_is_refused(
+    cp: ControlPlane, change: Any, why: str
+) -> None:
+    pod = preflight()
+    change(pod)
+    r = create(cp, pod)
+    assert refused(r, why), output(r)
+
+
+@pytest.fixture
+def gated(cp: ControlPlane) -> Iterator[str]:
+    """A tenant's gated pod (created by the admin, as /mutate would have left it)."""
+    name = "w-gated"
+    r = cp.kubectl("create", "-f", "-", input=json.dumps(tenant_pod(name)))
+    assert r.returncode == 0, output(r)
+    yield name
+    cp.kubectl("delete", "pod", name, "-n", TENANT, "--wait=false", "--ignore-not-found")
+
+
+def gates(cp: ControlPlane, name: str) -> list[str]:
+    r = cp.kubectl(
+        "get",
+        "pod",
+        name,
+        "-n",
+        TENANT,
+        "-o",
+        "json",
+    )
+    return [g["name"] for g in json.loads(r.stdout)["spec"].get("schedulingGates", [])]
+
+
+def patch(
+    cp: ControlPlane, name: str, ops: list[dict[str, Any]], *extra: str
+) -> subprocess.CompletedProcess[str]:
+    return as_controller(cp, "patch", "pod", name, "-n", TENANT, "--type=json",
+                         "-p", json.dumps(ops), *extra)  # fmt: skip
+
+
+def test_the_controller_may_remove_its_gate_and_nothing_else(cp: ControlPlane, gated: str) -> None:
+    for ops, why in [
+        ([{"op": "remove", "path": "/spec/schedulingGates/0"}], "only remove the epguard.io"),
+        ([{"op": "add", "path": "/metadata/labels/x", "value": "y"}], "only remove"),
+        ([{"op": "replace", "path": "/spec/containers/0/image", "value": "evil/other:1"}],
+         "only remove"),
+        ([{"op": "remove", "path": "/spec/schedulingGates/1"},
+          {"op": "add", "path": "/metadata/annotations", "value": {"a": "b"}}], "only remove"),
+    ]:  # fmt: skip
+        r = patch(cp, gated, ops)
+        assert refused(r, why), (ops, output(r))
+    assert gates(cp, gated) == ["kueue.x-k8s.io/admission", GATE]
+    ours = "/spec/schedulingGates/1"
+    r = patch(cp, gated, [{"op": "test", "path": ours, "value": {"name": GATE}},
+                          {"op": "remove", "path": ours}])  # fmt: skip
+    assert r.returncode == 0, output(r)
+    assert gates(cp, gated) == ["kueue.x-k8s.io/admission"]
+
+
+def test_the_controller_may_set_its_own_condition_only(cp: ControlPlane, gated: str) -> None:
+    def status(conditions: list[dict[str, Any]], **more: Any) -> subprocess.CompletedProcess[str]:
+        body = json.dumps({"status": {"conditions": conditions, **more}})
+        return as_controller(cp, "patch", "pod", gated, "-n", TENANT, "--subresource=status",
+                             "--type=strategic", "-p", body)  # fmt: skip
+
+    ours = {"type": CONDITION, "status": "False", "reason": "PreflightRunning",
+            "message": "waiting", "lastTransitionTime": "2026-12-03T00:00:00Z"}  # fmt: skip
+    r = status([ours])
+    assert r.returncode == 0, output(r)
+    other = {**ours, "type": "Ready"}
+    assert refused(status([other]), "its own epguard.io/Preflight condition")
+    assert refused(status([ours], phase="Running"), "its own epguard.io/Preflight condition")
+    got = json.loads(cp.kubectl("get", "pod", gated, "-n", TENANT, "-o", "json").stdout)
+    types = [c["type"] for c in got["status"].get("conditions", [])]
+    # The API server's own PodScheduled (reason SchedulingGated) and ours; not "Ready".
+    assert sorted(types) == sorted(["PodScheduled", CONDITION]), types
+
+
+def test_the_controller_deletes_only_preflight_pods(cp: ControlPlane, gated: str) -> None:
+    r = as_controller(cp, "delete", "pod", gated, "-n", TENANT, "--wait=false")
+    assert refused(r, "deletes only preflight pods"), output(r)
+    pod = preflight()
+    r = as_controller(cp, "create", "-f", "-", input=json.dumps(pod))
+    assert r.returncode == 0, output(r)
+    r = as_controller(cp, "delete", "pod", pod["metadata"]["name"], "-n", TENANT, "--wait=false")
+    assert r.returncode == 0, output(r)
+
+
+def test_other_users_are_not_held_by_the_policy(cp: ControlPlane, gated: str) -> None:
+    r = cp.kubectl("label", "pod", gated, "-n", TENANT, "x=y")
+    assert r.returncode == 0, output(r)
