@@ -3,6 +3,12 @@
 ``state`` (the engine's in-memory state with the test rules) and ``server`` (a real
 webhook on loopback TLS, one per module) serve the engine and admission tests.
 
+``control_plane`` (etcd + kube-apiserver) starts once per test session (a start takes a
+few seconds, and the API server's informers warm up once) and is shared by tests/e2e and
+tests/devcluster; ``epguard`` deploys the chart into it with the webhook and controller
+as local processes; tests isolate themselves with ``namespace``, a fresh namespace each,
+never deleted: without kube-controller-manager a deleted namespace stays Terminating.
+
 Tests marked ``gpu`` need an NVIDIA driver (``libcuda.so.1``) and a visible GPU;
 they are skipped on machines without one and run where one exists.
 """
@@ -10,12 +16,16 @@ they are skipped on machines without one and run where one exists.
 from __future__ import annotations
 
 import ctypes
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from devcluster import ControlPlane
+from devcluster.stack import Stack, deploy_epguard
 from epguard.webhook.engine.policy import PolicyState
+from tests.control_plane import running_control_plane
 from tests.factory import TEST_RULES, make_state
 from tests.servers import RunningServer, running_server
 
@@ -46,3 +56,41 @@ def state() -> PolicyState:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     with running_server(tmp_path_factory.mktemp("server"), TEST_RULES) as s:
         yield s
+
+
+@pytest.fixture(scope="session")
+def control_plane() -> Iterator[ControlPlane]:
+    """A running control plane: ``.kubeconfig`` (Path), ``.kubectl(*args)`` -> CompletedProcess."""
+    with running_control_plane() as cp:
+        yield cp
+
+
+@pytest.fixture(scope="session")
+def epguard(
+    control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    """epguard deployed into the session's control plane as ``make up`` does it: the
+    chart installed with helm, the webhook and the controller as local processes, and
+    the chart's ValidatingWebhookConfiguration pointed at the local webhook.
+
+    ``.webhook_url``; ``.webhook_tls`` (``.cert_file``, ``.key_file``, ``.bundle_file``);
+    ``.rotate_webhook_tls(control_plane)``; ``.run_dir`` (``webhook/rules.yaml``,
+    ``logs/{webhook,controller}.log``); ``.extras`` (the processes); ``.stages``."""
+    stack = Stack(run_dir=tmp_path_factory.mktemp("epguard"), detached=False)
+    try:
+        ok = deploy_epguard(stack, control_plane)
+        skipped = {k: v for k, v in stack.stages.items() if v.startswith("skipped")}
+        if not ok or skipped:
+            pytest.fail(f"epguard did not deploy: {stack.stages}", pytrace=False)
+        yield stack
+    finally:
+        stack.stop()
+
+
+@pytest.fixture
+def namespace(control_plane: ControlPlane) -> str:
+    """A fresh namespace for one test, labelled so policies can be scoped to it."""
+    name = f"e2e-{uuid.uuid4().hex[:8]}"
+    control_plane.kubectl("create", "namespace", name, check=True)
+    control_plane.kubectl("label", "namespace", name, f"epguard-e2e={name}", check=True)
+    return name
