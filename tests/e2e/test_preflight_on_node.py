@@ -1,0 +1,233 @@
+"""The preflight gate on the real node, with the chart as pods (its default
+``preflight.mode: gate``): workers whose model arrives as a hostPath or a
+PersistentVolumeClaim -- mounted by the kubelet before any init container runs -- on an
+image nobody has judged.
+
+* On the image that cannot work, 4 replicas start one preflight; its probe proves the
+  cause from the image's files; every replica stays unscheduled (SchedulingGated, its
+  ``epguard.io/Preflight`` condition and an Event saying why), the Deployment gets the
+  Event too, nothing of the model is mounted or touched, the ImageVerdict is recorded from
+  the signed preflight, and the next pod on the image is refused at admission.
+* On the image whose only fault here is the missing GPU, the preflight proves nothing,
+  the gate comes off, the pod is scheduled and the injected probe runs on the node,
+  where it finds the environment cause; nothing is learned about the image.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from devcluster import ControlPlane
+from devcluster.images import BAD_WORKER, ENV_ONLY_WORKER
+from epguard.webhook.engine.preflight import CONDITION, GATE, PREFLIGHT_LABEL
+from tests.e2e.e2e_kube import apply, denied_by_epguard, eventually, output
+from tests.e2e.node_e2e import running_cluster, wait_probe, worker_pod, worker_spec
+
+pytestmark = pytest.mark.e2e
+
+# The preflight reads a 5.7 GB image's files on two shared cores.
+PREFLIGHT_TIMEOUT = 300.0
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    with running_cluster(tmp_path_factory.mktemp("stack")) as cp:
+        yield cp
+
+
+@pytest.fixture
+def gated_namespace(cluster: ControlPlane) -> Iterator[str]:
+    """A namespace opted in to injection, the gate on (the chart's default), no verdict
+    left from an earlier test; the webhook has seen it when a dry run comes back gated."""
+    cluster.kubectl("delete", "imageverdicts", "--all", check=True)
+    name = f"pf-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("create", "namespace", name, check=True)
+    cluster.kubectl("label", "namespace", name, "epguard.io/inject=enabled", check=True)
+    probe = worker_pod("dry-run", name, Path("/nonexistent"))
+
+    def gated() -> bool:
+        r = cluster.kubectl(
+            "create", "--dry-run=server", "-o", "json", "-f", "-", input=json.dumps(probe)
+        )
+        return r.returncode == 0 and GATE in r.stdout
+
+    eventually(gated, within=60, what="the webhook to inject and gate")
+    yield name
+    cluster.kubectl("delete", "namespace", name, "--wait=true", "--timeout=120s", timeout=180)
+
+
+def deployment(
+    name: str, namespace: str, image: str, models: Path, replicas: int
+) -> dict[str, Any]:
+    labels = {"app": name}
+    spec = worker_spec(models, image)
+    # The model also through a claim: bound and mounted on the node before any init
+    # container, exactly what the init-container probe cannot stop.
+    spec["volumes"].append({"name": "weights", "persistentVolumeClaim": {"claimName": name}})
+    spec["containers"][0]["volumeMounts"].append({"name": "weights", "mountPath": "/weights"})
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": labels},
+            "template": {"metadata": {"labels": labels}, "spec": spec},
+        },
+    }
+
+
+def claim(cluster: ControlPlane, name: str, namespace: str, path: Path) -> None:
+    """A local PersistentVolume on the node (a hostPath directory) and its claim."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "weights.bin").write_bytes(b"\0" * 4096)
+    pv = {
+        "apiVersion": "v1", "kind": "PersistentVolume",
+        "metadata": {"name": f"{namespace}-{name}"},
+        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"],
+                 "storageClassName": "epguard-e2e", "hostPath": {"path": str(path)},
+                 "claimRef": {"namespace": namespace, "name": name}},
+    }  # fmt: skip
+    pvc = {
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "epguard-e2e",
+                 "resources": {"requests": {"storage": "1Gi"}}},
+    }  # fmt: skip
+    for obj in (pv, pvc):
+        r = apply(cluster, obj)
+        assert r.returncode == 0, output(r)
+
+
+def pods(cluster: ControlPlane, namespace: str, selector: str) -> list[dict[str, Any]]:
+    r = cluster.kubectl("get", "pods", "-n", namespace, "-l", selector, "-o", "json")
+    assert r.returncode == 0, output(r)
+    items: list[dict[str, Any]] = json.loads(r.stdout)["items"]
+    return items
+
+
+def condition(pod: dict[str, Any]) -> dict[str, Any] | None:
+    for c in pod.get("status", {}).get("conditions", []):
+        if c.get("type") == CONDITION:
+            return dict(c)
+    return None
+
+
+def events_about(cluster: ControlPlane, namespace: str, kind: str, name: str) -> list[str]:
+    r = cluster.kubectl(
+        "get", "events", "-n", namespace, "-o", "json",
+        f"--field-selector=involvedObject.kind={kind},involvedObject.name={name}",
+    )  # fmt: skip
+    return [f"{e.get('reason')}: {e.get('message')}" for e in json.loads(r.stdout)["items"]]
+
+
+def test_a_bad_image_is_never_scheduled_and_its_model_never_mounted(
+    cluster: ControlPlane, gated_namespace: str, tmp_path: Path
+) -> None:
+    ns = gated_namespace
+    models, weights = tmp_path / "models", tmp_path / "weights"
+    claim(cluster, "sglang", ns, weights)
+    r = apply(cluster, deployment("sglang", ns, BAD_WORKER.ref, models, replicas=4))
+    assert r.returncode == 0, output(r)
+    eventually(lambda: len(pods(cluster, ns, "app=sglang")) == 4, within=60,
+               what="the ReplicaSet to make 4 pods")  # fmt: skip
+
+    def held() -> bool:
+        found = pods(cluster, ns, "app=sglang")
+        return len(found) == 4 and all(
+            (c := condition(p)) is not None and c["reason"] == "ImageUnusable" for p in found
+        )
+
+    eventually(held, within=PREFLIGHT_TIMEOUT, what="the preflight to hold every replica",
+               every=1.0)  # fmt: skip
+    preflights = pods(cluster, ns, f"{PREFLIGHT_LABEL}=true")
+    assert len(preflights) == 1, [p["metadata"]["name"] for p in preflights]
+    message = condition(pods(cluster, ns, "app=sglang")[0])["message"]  # type: ignore[index]
+    assert "unusable in this image" in message
+    for p in pods(cluster, ns, "app=sglang"):
+        assert GATE in [g["name"] for g in p["spec"].get("schedulingGates", [])]
+        assert not p["spec"].get("nodeName"), "a gated pod was scheduled"
+        assert not p["status"].get("initContainerStatuses"), "something ran in a gated pod"
+    # `kubectl get pod` says why it waits; nothing of the model was touched.
+    r = cluster.kubectl("get", "pods", "-n", ns, "-l", "app=sglang", "--no-headers")
+    assert r.stdout.count("SchedulingGated") == 4, r.stdout
+    assert not (models / "started").exists() and sorted(p.name for p in weights.iterdir()) == [
+        "weights.bin"
+    ]
+    # The probe's message where people look: each pod and the Deployment.
+    name = pods(cluster, ns, "app=sglang")[0]["metadata"]["name"]
+    assert any("unusable in this image" in e for e in events_about(cluster, ns, "Pod", name))
+    on_owner = lambda: events_about(cluster, ns, "Deployment", "sglang")  # noqa: E731
+    eventually(lambda: any("ImageUnusable" in e for e in on_owner()), within=30,
+               what="the Event on the Deployment")  # fmt: skip
+    # The verdict, from the signed preflight, keyed by the digest the runtime reported.
+    image_id = preflights[0]["status"]["initContainerStatuses"][1]["imageID"]
+    digest = image_id.rsplit("@", 1)[-1]
+    verdict_name = digest.replace(":", "-")
+
+    def recorded() -> bool:
+        r = cluster.kubectl("get", "imageverdict", verdict_name, "-o", "json")
+        return r.returncode == 0 and json.loads(r.stdout)["spec"]["verdict"] == "Unusable"
+
+    eventually(recorded, within=60, what=f"ImageVerdict {verdict_name}")
+    # And the next pod on the image is refused before anything is gated or scheduled.
+    r = apply(cluster, worker_pod("next", ns, models))
+    assert denied_by_epguard(r), output(r)
+
+
+def test_an_image_whose_files_prove_nothing_is_ungated_and_probed_on_the_node(
+    cluster: ControlPlane, gated_namespace: str, tmp_path: Path
+) -> None:
+    ns = gated_namespace
+    claim(cluster, "envonly", ns, tmp_path / "weights")
+    r = apply(cluster, deployment("envonly", ns, ENV_ONLY_WORKER.ref, tmp_path / "m", 1))
+    assert r.returncode == 0, output(r)
+
+    def scheduled() -> bool:
+        found = pods(cluster, ns, "app=envonly")
+        return len(found) == 1 and bool(found[0]["spec"].get("nodeName"))
+
+    eventually(scheduled, within=PREFLIGHT_TIMEOUT, what="the gate to come off", every=1.0)
+    (pod,) = pods(cluster, ns, "app=envonly")
+    assert GATE not in [g["name"] for g in pod["spec"].get("schedulingGates", [])]
+    cond = condition(pod)
+    assert cond is not None and cond["status"] == "True" and cond["reason"] == "PreflightPassed"
+    assert "no image cause in this image's files" in cond["message"]
+    # The injected probe then runs on the node: the GPU driver is what is missing here.
+    found = wait_probe(cluster, ns, ["-l", "app=envonly"])
+    assert "unusable in this pod" in found["terminated"]["message"]
+    r = cluster.kubectl("get", "imageverdicts", "-o", "json")
+    assert json.loads(r.stdout)["items"] == [], "a files-only pass or a node's cause was learned"
+
+
+def test_a_tenant_can_remove_its_own_gate_and_learns_nothing_by_it(
+    cluster: ControlPlane, gated_namespace: str, tmp_path: Path
+) -> None:
+    """A tenant may always remove the gate from its own pod (then the pod runs unjudged,
+    with the in-pod probe only); epguard records nothing from that."""
+    ns = gated_namespace
+    r = apply(cluster, worker_pod("mine", ns, tmp_path / "m", ENV_ONLY_WORKER.ref))
+    assert r.returncode == 0, output(r)
+    got = json.loads(cluster.kubectl("get", "pod", "mine", "-n", ns, "-o", "json").stdout)
+    index = [g["name"] for g in got["spec"]["schedulingGates"]].index(GATE)
+    r = cluster.kubectl(
+        "patch", "pod", "mine", "-n", ns, "--type=json",
+        "-p", json.dumps([{"op": "remove", "path": f"/spec/schedulingGates/{index}"}]),
+    )  # fmt: skip
+    assert r.returncode == 0, output(r)
+    eventually(
+        lambda: bool(json.loads(cluster.kubectl(
+            "get", "pod", "mine", "-n", ns, "-o", "json").stdout)["spec"].get("nodeName")),
+        within=60, what="the ungated pod to be scheduled",
+    )  # fmt: skip
+    # A preflight nobody waits on any more is not left behind.
+    eventually(lambda: pods(cluster, ns, f"{PREFLIGHT_LABEL}=true") == [], within=60,
+               what="the controller to delete the preflight nobody waits on")  # fmt: skip
+    r = cluster.kubectl("get", "imageverdicts", "-o", "json")
+    assert json.loads(r.stdout)["items"] == []
