@@ -8,13 +8,17 @@
 #   2. an elastic-EP pod on a known-bad image refused at `kubectl apply`, with the reason;
 #   3. an ordinary pod admitted and Running;
 #   4. a Deployment on the bad image refused at apply;
-#   5. a worker pod on a real worker image (SGLang 0.5.23, torch 2.13.0+cu130, the CUDA 12
-#      mooncake-transfer-engine 0.3.13.post1) in a namespace opted in to injection: the
-#      kubelet runs the injected probe in the worker's own image, the pod stops in
-#      Init:Error, `kubectl describe pod` shows the termination message the kubelet
-#      wrote, and the model-download init container never starts;
+#   5. a Deployment of 4 workers on a real worker image (SGLang 0.5.23, torch 2.13.0+cu130,
+#      the CUDA 12 mooncake-transfer-engine 0.3.13.post1) that nobody has judged, in a
+#      namespace opted in to injection: every replica is held unscheduled by the
+#      preflight gate while one preflight pod runs the probe in that image under the real
+#      kubelet; its cause keeps all 4 unscheduled (`kubectl describe` says why, on the pods
+#      and the Deployment), and nothing of the model is mounted;
 #   6. the loop: the controller turns that into an ImageVerdict keyed by the digest
-#      containerd reports, and the next pod on the same image is refused at apply.
+#      containerd reports, and the next pod on the same image is refused at apply;
+#   7. a worker on an image whose files prove nothing: the gate comes off, and the probe
+#      injected first runs on the node, finds the node's cause (no GPU driver), the pod
+#      stops in Init:Error before the model download, and nothing is learned.
 #
 # Every step checks that what it shows really happened; the script exits non-zero
 # otherwise. Everything it started is stopped on exit (also on failure or Ctrl-C).
@@ -226,18 +230,9 @@ expect_text 'container "worker"'
 run kubectl get deployments -n ml
 expect_no_text "sglang-decode"
 
-# --- 4. a probe failure, as kubectl describe shows it ------------------------------------
+# --- 4. the preflight gate: workers on an image nobody has judged ------------------------
 MODELS="$WORK/models"  # the hostPath the model download would write to
-cat >sglang-0.yaml <<EOF
-apiVersion: v1
-kind: Pod
-metadata:
-  name: sglang-0
-  namespace: ml
-spec:
-  # Never: the pod stays in Init:Error for the transcript (a Deployment's pods would
-  # retry the probe in Init:CrashLoopBackOff; tests/e2e/test_probe_on_node.py has both).
-  restartPolicy: Never
+POD_SPEC=$(cat <<EOF
   terminationGracePeriodSeconds: 1
   volumes:
     - name: models
@@ -250,7 +245,7 @@ spec:
       volumeMounts: [{name: models, mountPath: /models}]
   containers:
     - name: worker
-      image: $PROBED_IMAGE
+      image: IMAGE
       imagePullPolicy: Never
       command: ["python3", "-m", "sglang.launch_server"]
       args: ["--model-path", "/models/qwen3-30b-a3b", "--elastic-ep-backend", "mooncake"]
@@ -258,72 +253,100 @@ spec:
         limits: {nvidia.com/gpu: 8}
       volumeMounts: [{name: models, mountPath: /models}]
 EOF
+)
+cat >sglang.yaml <<EOF
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: sglang
+  namespace: ml
+spec:
+  replicas: 4
+  selector:
+    matchLabels: {app: sglang}
+  template:
+    metadata:
+      labels: {app: sglang}
+    spec:
+$(sed -e 's/^/    /' -e "s|image: IMAGE|image: $PROBED_IMAGE|" <<<"$POD_SPEC")
+EOF
+pod_yaml() { # NAME IMAGE [RESTART_POLICY]
+  printf 'apiVersion: v1\nkind: Pod\nmetadata:\n  name: %s\n  namespace: ml\nspec:\n' "$1"
+  [[ -z "${3:-}" ]] || printf '  restartPolicy: %s\n' "$3"
+  sed -e "s|image: IMAGE|image: $2|" <<<"$POD_SPEC"
+}
+pod_yaml sglang-1 "$PROBED_IMAGE" >sglang-1.yaml
+
 say "Opt the namespace in to probe injection (the mutating webhook adds the probe to worker pods):"
 run kubectl label namespace ml epguard.io/inject=enabled
 expect_ok
 # The webhook reads namespace labels from a watch; wait until a dry run shows the probe.
 wait_for "the webhook to see the namespace label" 60 \
-  bash -c "kubectl create --dry-run=server -f sglang-0.yaml -o jsonpath='{.spec.initContainers[*].name}' | grep -q epguard-probe"
+  bash -c "kubectl create --dry-run=server -f sglang-1.yaml -o jsonpath='{.spec.initContainers[*].name}' | grep -q epguard-probe"
 
-say "A worker on a real image no rule knows (SGLang 0.5.23, torch 2.13.0+cu130, the CUDA 12" \
-  "mooncake-transfer-engine 0.3.13.post1): admitted, with the epguard probe injected first," \
-  "running the worker's own image with the worker's GPUs, before the model download."
+say "4 workers on a real image no rule knows (SGLang 0.5.23, torch 2.13.0+cu130, the CUDA 12" \
+  "mooncake-transfer-engine 0.3.13.post1). Their model is on a volume, which the kubelet" \
+  "mounts (an image volume: pulls) before any init container runs; so each pod is admitted" \
+  "with the probe injected and held unscheduled (scheduling gate epguard.io/preflight)" \
+  "while one preflight pod judges the image's files (docs/preflight.md):"
+run cat sglang.yaml
 APPLIED=$(date +%s.%N)
-run kubectl apply -f sglang-0.yaml
+run kubectl apply -f sglang.yaml
 expect_ok
-expect_text "pod/sglang-0 created"
-run kubectl get pod sglang-0 -n ml -o \
-  "jsonpath={range .spec.initContainers[*]}{.name}{'  '}{.image}{'  '}{.resources.limits}{'\n'}{end}"
-expect_text "epguard-copy-probe  localhost/epguard/epguard:dev"
-expect_text "epguard-probe  $PROBED_IMAGE  {\"memory\":\"4Gi\",\"nvidia.com/gpu\":\"8\"}"
-expect_re "model-download +$BUSYBOX_IMAGE"
+wait_for "the ReplicaSet's 4 pods" 120 \
+  bash -c '[[ $(kubectl get pods -n ml -l app=sglang -o name | wc -l) == 4 ]]'
+run kubectl get pods -n ml -l app=sglang -o \
+  "jsonpath={range .items[*]}{.metadata.name}{'  gates='}{.spec.schedulingGates[*].name}{'\n'}{end}"
+[[ $(grep -c "gates=epguard.io/preflight" <<<"$OUT") == 4 ]] || fail "not every replica is gated"
 
-# The kubelet runs the probe; wait (quietly) for the termination message it writes.
-wait_for "the kubelet to record the probe's termination" 480 \
-  bash -c "kubectl get pod sglang-0 -n ml -o jsonpath='{.status.initContainerStatuses[?(@.name==\"epguard-probe\")].state.terminated.message}' | grep -q ."
-printf '%s# apply -> termination message in pod status: %.1fs%s\n' "$DIM" \
+wait_for "the preflight's answer on every replica" 960 \
+  bash -c "[[ \$(kubectl get pods -n ml -l app=sglang -o jsonpath='{range .items[*]}{.status.conditions[?(@.type==\"epguard.io/Preflight\")].reason}{\"\n\"}{end}' | grep -c ImageUnusable) == 4 ]]"
+printf '%s# apply -> every replica held with the cause the probe found: %.1fs%s\n' "$DIM" \
   "$(echo "$(date +%s.%N) - $APPLIED" | bc)" "$OFF"
-# The controller records the outcome (and posts the Event describe shows) within a second
-# or so; wait for it quietly so the describe below is complete.
-wait_for "the controller's ImageVerdict" 60 \
-  bash -c "kubectl get imageverdicts -o name | grep -q imageverdict"
-wait_for "the controller's Event on the pod" 60 \
-  bash -c "kubectl get events -n ml --field-selector involvedObject.name=sglang-0,reason=MooncakeProbeFailed -o name | grep -q ."
+run kubectl get pods -n ml
+[[ $(grep -c "SchedulingGated" <<<"$OUT") == 4 ]] || fail "expected 4 SchedulingGated replicas"
+PREFLIGHT="$(kubectl get pods -n ml -l epguard.io/preflight-pod=true -o name)"
+[[ -n "$PREFLIGHT" && $(wc -l <<<"$PREFLIGHT") == 1 ]] || fail "expected one preflight: $PREFLIGHT"
 
-run kubectl get pod sglang-0 -n ml
-expect_text "Init:Error"
-say "The message below was written by the real probe in the real image, under the real kubelet:"
-run kubectl describe pod sglang-0 -n ml
-expect_re "State: +Terminated"
-expect_re "Reason: +Error"
+say "One preflight for the 4 replicas. The message below was written by the real probe in the" \
+  "real image, under the real kubelet, on a node the worker could run on, with no GPU:"
+run kubectl describe -n ml "$PREFLIGHT"
 expect_re "Message: +epguard: mooncake elastic EP is unusable in this image"
 expect_text "libcudart.so.12"
 expect_re "Exit Code: +1"
-expect_re "Warning +MooncakeProbeFailed"
 
-say "The model download never started: its init container is still waiting, and its marker" \
-  "on the hostPath does not exist:"
-run kubectl get pod sglang-0 -n ml -o \
-  "jsonpath={range .status.initContainerStatuses[*]}{.name}{'  '}{.state}{'\n'}{end}"
-expect_re 'model-download +\{"waiting":\{"reason":"PodInitializing"\}\}'
-run ls -A "$MODELS"
+say "Every replica stays unscheduled and says why, and so does the Deployment:"
+POD="$(kubectl get pods -n ml -l app=sglang -o jsonpath='{.items[0].metadata.name}')"
+wait_for "the Event on the Deployment" 60 \
+  bash -c "kubectl get events -n ml --field-selector involvedObject.kind=Deployment,reason=ImageUnusable -o name | grep -q ."
+run kubectl describe pod -n ml "$POD"
+expect_re "Warning +ImageUnusable"
+expect_text "unusable in this image"
+run kubectl get events -n ml --field-selector involvedObject.kind=Deployment
+expect_text "ImageUnusable"
+
+say "Nothing of the model was touched: no replica has a node, and the download never ran:"
+run kubectl get pods -n ml -l app=sglang -o \
+  "jsonpath={range .items[*]}{.metadata.name}{'  node='}{.spec.nodeName}{'\n'}{end}"
+expect_no_text "node=node"
 [[ ! -e "$MODELS/started" ]] || fail "the model download ran"
 
 # --- 5. the loop: the learned verdict refuses the next pod -------------------------------
-say "The controller recorded what the probe found, cluster-wide:"
+say "The controller recorded what the preflight found, cluster-wide:"
+wait_for "the controller's ImageVerdict" 60 \
+  bash -c "kubectl get imageverdicts -o name | grep -q imageverdict"
 run kubectl get imageverdicts
 expect_text "Unusable"
 expect_text "$PROBED_IMAGE"
-say "Keyed by the digest containerd reports for the image the probe ran in:"
-run kubectl get pod sglang-0 -n ml -o \
+say "Keyed by the digest containerd reports for the image the preflight ran in:"
+run kubectl get -n ml "$PREFLIGHT" -o \
   "jsonpath={.status.initContainerStatuses[?(@.name==\"epguard-probe\")].imageID}"
 IMAGE_ID="$OUT"
 DIGEST="${IMAGE_ID##*@}"
-[[ "$DIGEST" == sha256:* ]] || fail "no digest in the probe's imageID: $IMAGE_ID"
+[[ "$DIGEST" == sha256:* ]] || fail "no digest in the preflight's imageID: $IMAGE_ID"
 run kubectl get imageverdicts -o "jsonpath={range .items[*]}{.spec.digest}{'\n'}{end}"
 expect_text "$DIGEST"
 
-sed -e 's/name: sglang-0$/name: sglang-1/' sglang-0.yaml >sglang-1.yaml
 say "The next pod on that image is refused at apply, with what was learned and where:"
 # The webhook learns verdicts from a watch; give it a moment (dry runs create nothing).
 wait_for "the webhook to learn the verdict" 60 \
@@ -332,7 +355,49 @@ run kubectl apply -f sglang-1.yaml
 expect_refused
 # The webhook names the pod; the backstop policy, which the API server asks first, says
 # "in this cluster" (its entries carry no per-verdict times: docs/backstop.md).
-expect_re "seen failing in (pod ml/sglang-0 at|this cluster)"
+expect_re "seen failing in (pod ml/epguard-preflight-[0-9a-f]+ at|this cluster)"
 expect_text "[epguard verdict "
 run kubectl get pods -n ml
 expect_no_text "sglang-1"
+
+# --- 6. what only the GPU node can tell: the in-pod probe ---------------------------------
+ENV_IMAGE="$(cd "$REPO" && "$PY" -c 'from devcluster.images import ENV_ONLY_WORKER; print(ENV_ONLY_WORKER.ref)')"
+# Never: the pod stays in Init:Error for the transcript (a Deployment's pods would retry
+# the probe in Init:CrashLoopBackOff; tests/e2e/test_probe_on_node.py has both).
+pod_yaml sglang-0 "$ENV_IMAGE" Never >sglang-0.yaml
+say "A worker on another image nobody has judged, whose files are consistent (SGLang 0.5.20," \
+  "torch 2.13.0+cu130, mooncake-transfer-engine-cuda13 0.3.13.post1): the preflight proves" \
+  "nothing from its files, so the gate comes off, and the probe the webhook injected first" \
+  "runs in the worker's own image with its GPUs, before the model download:"
+APPLIED=$(date +%s.%N)
+run kubectl apply -f sglang-0.yaml
+expect_ok
+run kubectl get pod sglang-0 -n ml -o \
+  "jsonpath={range .spec.initContainers[*]}{.name}{'  '}{.image}{'  '}{.resources.limits}{'\n'}{end}"
+expect_text "epguard-copy-probe  localhost/epguard/epguard:dev"
+expect_text "epguard-probe  $ENV_IMAGE  {\"memory\":\"4Gi\",\"nvidia.com/gpu\":\"8\"}"
+expect_re "model-download +$BUSYBOX_IMAGE"
+# The kubelet runs the probe; wait (quietly) for the termination message it writes.
+wait_for "the kubelet to record the probe's termination" 960 \
+  bash -c "kubectl get pod sglang-0 -n ml -o jsonpath='{.status.initContainerStatuses[?(@.name==\"epguard-probe\")].state.terminated.message}' | grep -q ."
+printf '%s# apply -> preflight -> gate off -> termination message in pod status: %.1fs%s\n' \
+  "$DIM" "$(echo "$(date +%s.%N) - $APPLIED" | bc)" "$OFF"
+wait_for "the controller's Event on the pod" 60 \
+  bash -c "kubectl get events -n ml --field-selector involvedObject.name=sglang-0,reason=MooncakeProbeFailedInPod -o name | grep -q ."
+run kubectl get pod sglang-0 -n ml
+expect_text "Init:Error"
+say "The message below was written by the real probe in the real image, under the real kubelet:"
+run kubectl describe pod sglang-0 -n ml
+expect_re "epguard.io/Preflight +True"
+expect_re "Message: +epguard: mooncake elastic EP is unusable in this pod"
+expect_re "Exit Code: +1"
+expect_re "Warning +MooncakeProbeFailedInPod"
+say "The model download never started: its init container is still waiting, and its marker" \
+  "on the hostPath does not exist:"
+run kubectl get pod sglang-0 -n ml -o \
+  "jsonpath={range .status.initContainerStatuses[*]}{.name}{'  '}{.state}{'\n'}{end}"
+expect_re 'model-download +\{"waiting":\{"reason":"PodInitializing"\}\}'
+[[ ! -e "$MODELS/started" ]] || fail "the model download ran"
+say "A cause of this node (no GPU driver here), not of the image: nothing is learned about it:"
+run kubectl get imageverdicts -o "jsonpath={range .items[*]}{.spec.image}{'\n'}{end}"
+expect_no_text "$ENV_IMAGE"
