@@ -224,6 +224,18 @@ class TestEntrypoints:
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip() == "['epguard']"
 
+    def test_the_shipped_rules_load_from_the_installed_package(self, image_root: Path) -> None:
+        """What the webhook reads when no --rules is given (it once named the old top-level
+        package, which only the checkout's own directory provided)."""
+        code = (
+            "from epguard.webhook.engine.rules import default_rules_path, load_rules_file; "
+            "p = default_rules_path(); print(p, len(load_rules_file(p).rules))"
+        )
+        out = start(image_root, ["python", "-c", code])
+        assert out.returncode == 0, out.stderr
+        path, count = out.stdout.split()
+        assert path.startswith(str(image_root)) and int(count) > 0
+
     def test_the_default_entrypoint_starts(self, image_root: Path) -> None:
         argv = json_list(FINAL.all("ENTRYPOINT")[-1]) + json_list(FINAL.all("CMD")[-1])
         out = start(image_root, [*argv, "--help"])

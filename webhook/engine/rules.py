@@ -180,7 +180,7 @@ def load_rules_file(path: str) -> RuleSet:
 def default_rules_path() -> str:
     from importlib.resources import files
 
-    return str(files("webhook") / "data" / "default-rules.yaml")
+    return str(files("epguard.webhook") / "data" / "default-rules.yaml")
 
 
 _TAG_GLOB = re.compile(r"^[A-Za-z0-9_.\-*?\[\]!]*$")
