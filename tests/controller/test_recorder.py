@@ -22,7 +22,6 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from epguard.webhook.controller import owners
-from epguard.webhook.controller import recorder as recorder_module
 from epguard.webhook.controller.owners import Unreadable
 from epguard.webhook.controller.recorder import (
     COMPONENT,
@@ -679,7 +678,7 @@ def test_the_kube_api_reports_a_refused_owner_read_as_unreadable(
     def refuse(api: client.ApiClient, path: str) -> dict[str, Any]:
         raise ApiException(status=403, reason="Forbidden")
 
-    monkeypatch.setattr(recorder_module, "get_object", refuse)
+    monkeypatch.setattr(owners, "get_object", refuse)
     with pytest.raises(Unreadable) as raised:
         KubeRecorderApi(client.ApiClient()).read_object(RS_PATH)
     assert raised.value.reason == "Forbidden"
@@ -692,7 +691,7 @@ def test_the_kube_api_posts_events_as_the_controller(monkeypatch: pytest.MonkeyP
         posted.append((*args, kwargs))
         return True
 
-    monkeypatch.setattr(recorder_module, "post_event", post)
+    monkeypatch.setattr(owners, "post_event", post)
     api = client.ApiClient()
     about = client.V1ObjectReference(kind="Pod", name="p", namespace="ml")
     assert KubeRecorderApi(api).post_event(about, "R", "m", warning=True, key="k")

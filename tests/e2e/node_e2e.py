@@ -123,27 +123,27 @@ def wait_probe(cp: ControlPlane, namespace: str, selector: list[str]) -> dict[st
 
 
 @contextmanager
-def opted_in_namespace(cluster: ControlPlane) -> Iterator[str]:
+def opted_in_namespace(cluster: ControlPlane, preflight: str = "off") -> Iterator[str]:
     """A fresh namespace opted in to probe injection, seen by the webhook, and no
     ImageVerdict left from an earlier test (each test learns its own). Deleted after
     the test, which frees the node's (fake) GPUs for the next one.
 
-    The preflight gate is off here (label epguard.io/preflight=off): these tests are
-    about the probe the kubelet runs in the pod; test_preflight_on_node.py gates."""
+    ``preflight`` is the namespace's epguard.io/preflight label: "off" by default, since
+    most tests here are about the probe the kubelet runs in the pod;
+    test_preflight_on_node.py passes "gate" (the chart's default)."""
     cluster.kubectl("delete", "imageverdicts", "--all", check=True)
     name = f"ml-{uuid.uuid4().hex[:6]}"
     cluster.kubectl("create", "namespace", name, check=True)
-    cluster.kubectl(
-        "label", "namespace", name, "epguard.io/inject=enabled", "epguard.io/preflight=off",
-        check=True,
-    )  # fmt: skip
+    labels = ("epguard.io/inject=enabled", f"epguard.io/preflight={preflight}")
+    cluster.kubectl("label", "namespace", name, *labels, check=True)
     probe = worker_pod("dry-run", name, Path("/nonexistent"))
+    seen = PROBE if preflight == "off" else '"epguard.io/preflight"'
 
     def injected_and_admitted() -> bool:
         r = cluster.kubectl(
             "create", "--dry-run=server", "-o", "json", "-f", "-", input=json.dumps(probe)
         )
-        return r.returncode == 0 and PROBE in r.stdout
+        return r.returncode == 0 and PROBE in r.stdout and seen in r.stdout
 
     eventually(injected_and_admitted, within=60, what="the webhook to inject and admit")
     yield name

@@ -16,7 +16,6 @@ image nobody has judged.
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,13 @@ from devcluster import ControlPlane
 from devcluster.images import BAD_WORKER, ENV_ONLY_WORKER
 from epguard.webhook.engine.preflight import CONDITION, GATE, PREFLIGHT_LABEL
 from tests.e2e.e2e_kube import apply, denied_by_epguard, eventually, output
-from tests.e2e.node_e2e import running_cluster, wait_probe, worker_pod, worker_spec
+from tests.e2e.node_e2e import (
+    opted_in_namespace,
+    running_cluster,
+    wait_probe,
+    worker_pod,
+    worker_spec,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -43,23 +48,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
 
 @pytest.fixture
 def gated_namespace(cluster: ControlPlane) -> Iterator[str]:
-    """A namespace opted in to injection, the gate on (the chart's default), no verdict
-    left from an earlier test; the webhook has seen it when a dry run comes back gated."""
-    cluster.kubectl("delete", "imageverdicts", "--all", check=True)
-    name = f"pf-{uuid.uuid4().hex[:6]}"
-    cluster.kubectl("create", "namespace", name, check=True)
-    cluster.kubectl("label", "namespace", name, "epguard.io/inject=enabled", check=True)
-    probe = worker_pod("dry-run", name, Path("/nonexistent"))
-
-    def gated() -> bool:
-        r = cluster.kubectl(
-            "create", "--dry-run=server", "-o", "json", "-f", "-", input=json.dumps(probe)
-        )
-        return r.returncode == 0 and GATE in r.stdout
-
-    eventually(gated, within=60, what="the webhook to inject and gate")
-    yield name
-    cluster.kubectl("delete", "namespace", name, "--wait=true", "--timeout=120s", timeout=180)
+    with opted_in_namespace(cluster, preflight="gate") as name:
+        yield name
 
 
 def deployment(

@@ -10,13 +10,16 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kubernetes import client
+from kubernetes.client.exceptions import ApiException
 
-from epguard.webhook.cluster.kube import Json, meta, resource_path
+from epguard.webhook.cluster.kube import Json, get_object, meta, post_event, resource_path
 from epguard.webhook.engine.workloads import as_list
 
 log = logging.getLogger("epguard.controller.owners")
 
 MAX_OWNER_DEPTH = 5
+# Who the Events and the objects the controller writes say they come from.
+COMPONENT = "epguard-controller"
 
 
 class Unreadable(Exception):
@@ -63,3 +66,31 @@ def top_owner(
             return top
         refs = meta(parent).get("ownerReferences")
     return top
+
+
+class KubeObjects:
+    """The calls the recorder and the preflight both make on the official client (blocking:
+    kopf runs handlers in its executor): any object by path, for the owner walk, and
+    Events."""
+
+    def __init__(self, api: client.ApiClient) -> None:
+        self.api = api
+
+    def read_object(self, path: str) -> Json:
+        try:
+            return get_object(self.api, path)
+        except ApiException as exc:
+            raise Unreadable(str(exc.reason)) from exc
+
+    def post_event(
+        self,
+        about: client.V1ObjectReference,
+        reason: str,
+        message: str,
+        *,
+        warning: bool,
+        key: str,
+    ) -> bool:
+        return post_event(
+            self.api, about, reason, message, warning=warning, component=COMPONENT, key=key
+        )

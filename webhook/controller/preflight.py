@@ -46,11 +46,10 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from epguard.probe import shell
-from epguard.webhook.cluster.kube import REQUEST_TIMEOUT, Json, get_object, list_all, meta
-from epguard.webhook.cluster.kube import post_event as kube_post_event
+from epguard.webhook.cluster.kube import REQUEST_TIMEOUT, Json, list_all, meta
 from epguard.webhook.controller import background
 from epguard.webhook.controller.config import ControllerConfig
-from epguard.webhook.controller.owners import Unreadable, top_owner
+from epguard.webhook.controller.owners import KubeObjects, top_owner
 from epguard.webhook.engine.argv import analyse_container
 from epguard.webhook.engine.injection import InjectionSettings
 from epguard.webhook.engine.outcome import PROBED_LABEL
@@ -74,7 +73,6 @@ from epguard.webhook.engine.workloads import as_list, as_map, describe
 
 log = logging.getLogger("epguard.controller.preflight")
 
-COMPONENT = "epguard-controller"
 # A pass runs at least this often (a preflight's deadline, a retained one's expiry), and
 # at once after a pod event that may change something.
 INTERVAL_SECONDS = 5.0
@@ -118,11 +116,11 @@ class PreflightApi(Protocol):
         """One Event named by (``about``, ``key``); False when it could not be posted."""
 
 
-class KubePreflightApi:
+class KubePreflightApi(KubeObjects):
     """:class:`PreflightApi` on the official client."""
 
     def __init__(self, api: client.ApiClient) -> None:
-        self.api = api
+        super().__init__(api)
         self.core = client.CoreV1Api(api)
 
     def list_probed_pods(self) -> list[Json]:
@@ -176,19 +174,6 @@ class KubePreflightApi:
             {"status": {"conditions": [condition]}},
             _content_type="application/strategic-merge-patch+json",
             _request_timeout=REQUEST_TIMEOUT,
-        )
-
-    def read_object(self, path: str) -> Json:
-        try:
-            return get_object(self.api, path)
-        except ApiException as exc:
-            raise Unreadable(str(exc.reason)) from exc
-
-    def post_event(
-        self, about: client.V1ObjectReference, reason: str, message: str, *, warning: bool, key: str
-    ) -> bool:
-        return kube_post_event(
-            self.api, about, reason, message, warning=warning, component=COMPONENT, key=key
         )
 
 

@@ -36,12 +36,10 @@ from kubernetes.client.exceptions import ApiException
 from epguard.webhook.cluster.kube import (
     REQUEST_TIMEOUT,
     Json,
-    get_object,
     get_verdict,
-    post_event,
 )
 from epguard.webhook.controller.config import ControllerConfig
-from epguard.webhook.controller.owners import Unreadable, top_owner
+from epguard.webhook.controller.owners import COMPONENT, KubeObjects, top_owner
 from epguard.webhook.engine.outcome import (
     PROBED_LABEL,
     ProbeOutcome,
@@ -79,7 +77,6 @@ log = logging.getLogger("epguard.controller.recorder")
 # Runs this process already recorded: re-delivered events skip the API entirely.
 MAX_DONE = 10_000
 WRITE_ATTEMPTS = 5
-COMPONENT = "epguard-controller"
 
 
 class KeySource(Protocol):
@@ -141,12 +138,12 @@ class RecorderApi(Protocol):
         Event (a 409, which counts as posted). False when it could not be posted."""
 
 
-class KubeRecorderApi:
+class KubeRecorderApi(KubeObjects):
     """:class:`RecorderApi` on the official client (blocking calls: kopf runs the handler
     in its executor)."""
 
     def __init__(self, api: client.ApiClient) -> None:
-        self.api = api
+        super().__init__(api)
         self.custom = client.CustomObjectsApi(api)
 
     def read_verdict(self, name: str) -> dict[str, Any] | None:
@@ -171,25 +168,6 @@ class KubeRecorderApi:
             if exc.status == 409:
                 raise Conflict(str(exc.reason)) from exc
             raise
-
-    def read_object(self, path: str) -> Json:
-        try:
-            return get_object(self.api, path)
-        except ApiException as exc:
-            raise Unreadable(str(exc.reason)) from exc
-
-    def post_event(
-        self,
-        about: client.V1ObjectReference,
-        reason: str,
-        message: str,
-        *,
-        warning: bool,
-        key: str,
-    ) -> bool:
-        return post_event(
-            self.api, about, reason, message, warning=warning, component=COMPONENT, key=key
-        )
 
 
 class Recorder:
