@@ -10,6 +10,7 @@ repository's interpreter so one command gives the figures the issues ask for:
 * ``argv_bench.py``         hostile command lines (nested scripts, doubling $(VAR)): time, memory
 * ``hostile_bench.py``      the webhook process under issue 12's inputs: answer, stall, peak RSS
 * ``scan_bench.py``         epguard scan of the real worker archives vs ``tar -xf``: time, RSS
+* ``preflight_bench.py``    the preflight controller's passes: preflights per key, pass times
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ SCRIPTS = (
     "argv_bench.py",
     "hostile_bench.py",
     "scan_bench.py",
+    "preflight_bench.py",
 )
 
 
