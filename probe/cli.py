@@ -170,10 +170,12 @@ def _plan(req, level, timeout, modules):
             "alternates": alternates, "level": level, "timeout": timeout}
 
 
-def live_image(environ=None):
+def live_image(environ=None, driver_mounted=False):
     """This pod's root as static.py reads it: the child's sys.path (PYTHONPATH is kept
     for the child, while this interpreter may run with -I), without the probe's own
-    directory; in the image's own environment unless ``environ`` is given."""
+    directory; in the image's own environment unless ``environ`` is given.
+    ``driver_mounted``: read as if the NVIDIA driver were mounted (a preflight, which
+    runs without a GPU on purpose: the driver is the GPU node's, not the image's)."""
     static = _sibling("static")
     files = _sibling("files")
     environ = sandbox.image_environment() if environ is None else environ
@@ -181,7 +183,7 @@ def live_image(environ=None):
     env_path = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     path = env_path + [p for p in sys.path if p and os.path.abspath(p) != here]
     return static.Image(files.LIVE, path, importlib.machinery.EXTENSION_SUFFIXES,
-                        environ, driver_mounted=False)
+                        environ, driver_mounted=driver_mounted)
 
 
 def check(opts, req_argv, environ=None, executable=None):
@@ -463,8 +465,11 @@ def _files_only(opts, req_argv):
     own environment, under --timeout. No child is started and torch is never imported.
     A cause the files prove is written exactly as the init container writes it (exit 1);
     anything else says what is left for the GPU node (exit 0)."""
+    # Read as `epguard scan` reads an image: the driver counted as mounted, since this pod
+    # has no GPU on purpose and its absence here says nothing about the image (an
+    # ImageVerdict's reason must not tell everyone to mount a driver).
     facts, found, note = _sibling("static").decide(
-        live_image(), req_argv, deadline.static_until(opts.timeout))
+        live_image(driver_mounted=True), req_argv, deadline.static_until(opts.timeout))
     pod_vars = sandbox.pod_variables()
     if found is None:
         return _files_clear(opts, req_argv, facts, note, pod_vars)
