@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from devcluster import ControlPlane
-from devcluster.images import BAD_WORKER, ENV_ONLY_WORKER
+from devcluster.images import BAD_WORKER, BUSYBOX_IMAGE, ENV_ONLY_WORKER
 from epguard.webhook.engine.preflight import CONDITION, GATE, PREFLIGHT_LABEL
 from tests.e2e.e2e_kube import apply, denied_by_epguard, eventually, output
 from tests.e2e.node_e2e import (
@@ -221,3 +221,61 @@ def test_a_tenant_can_remove_its_own_gate_and_learns_nothing_by_it(
                what="the controller to delete the preflight nobody waits on")  # fmt: skip
     r = cluster.kubectl("get", "imageverdicts", "-o", "json")
     assert json.loads(r.stdout)["items"] == []
+
+
+def test_four_workloads_on_three_images_start_one_preflight_each_through_a_controller_restart(
+    cluster: ControlPlane, tmp_path: Path
+) -> None:
+    """4 Deployments in 2 namespaces on 3 images, the controller's pods killed while the
+    preflights run: exactly one preflight per (namespace, image), and every gate decided:
+    the bad image held, the files-clean one let go, and an image without python3 (its
+    preflight cannot run) let go with a Warning (preflight.onError=open)."""
+    with opted_in_namespace(cluster, "gate") as a, opted_in_namespace(cluster, "gate") as b:
+        plan = [
+            (a, "bad-1", BAD_WORKER.ref, 2),
+            (a, "bad-2", BAD_WORKER.ref, 1),
+            (a, "clean", ENV_ONLY_WORKER.ref, 1),
+            (b, "nopython", BUSYBOX_IMAGE, 1),
+        ]
+        for ns, name, image, replicas in plan:
+            r = apply(cluster, deployment(name, ns, image, tmp_path / name, replicas, claim=False))
+            assert r.returncode == 0, output(r)
+        controllers = "app.kubernetes.io/component=controller"
+        r = cluster.kubectl(
+            "delete", "pods", "-n", "epguard-system", "-l", controllers, "--wait=false"
+        )  # fmt: skip
+        assert r.returncode == 0, output(r)
+
+        def decided() -> bool:
+            for ns, name, _, replicas in plan:
+                found = pods(cluster, ns, f"app={name}")
+                if len(found) != replicas:
+                    return False
+                for p in found:
+                    c = condition(p)
+                    if c is None or c["reason"] == "PreflightRunning":
+                        return False
+            return True
+
+        eventually(decided, within=PREFLIGHT_TIMEOUT, what="every gate decided", every=2.0)
+        images = {
+            ns: sorted(p["spec"]["initContainers"][1]["image"]
+                       for p in pods(cluster, ns, f"{PREFLIGHT_LABEL}=true"))
+            for ns in (a, b)
+        }  # fmt: skip
+        assert images == {
+            a: sorted([BAD_WORKER.ref, ENV_ONLY_WORKER.ref]),
+            b: [BUSYBOX_IMAGE],
+        }, images
+        reasons = {
+            name: {condition(p)["reason"] for p in pods(cluster, ns, f"app={name}")}  # type: ignore[index]
+            for ns, name, _, _ in plan
+        }
+        assert reasons == {
+            "bad-1": {"ImageUnusable"},
+            "bad-2": {"ImageUnusable"},
+            "clean": {"PreflightPassed"},
+            "nopython": {"PreflightFailedGateOpened"},
+        }, reasons
+        (opened,) = pods(cluster, b, "app=nopython")
+        assert not [g for g in opened["spec"].get("schedulingGates", []) if g["name"] == GATE]
