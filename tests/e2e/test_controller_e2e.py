@@ -245,6 +245,13 @@ class TestRBAC:
             ("create", "events", ["-n", "default"]),
             ("create", "imageverdicts.epguard.io", []),
             ("update", "imageverdicts.epguard.io", []),
+            # The preflight gate's rights; the ValidatingAdmissionPolicy epguard-preflight
+            # narrows them to preflight pods, the gate and its own condition
+            # (tests/e2e/test_preflight_policy.py).
+            ("create", "pods", ["-n", "default"]),
+            ("delete", "pods", ["-n", "default"]),
+            ("patch", "pods", ["-n", "default"]),
+            ("patch", "pods/status", ["-n", "default"]),
         ],
     )
     def test_the_controller_may(
@@ -259,12 +266,10 @@ class TestRBAC:
             ("list", "secrets", ["-n", "default"]),
             ("patch", "validatingwebhookconfigurations/someone-elses", []),
             ("delete", "validatingwebhookconfigurations/epguard", []),
-            ("create", "pods", ["-n", "default"]),
-            ("delete", "pods", ["-n", "default"]),
-            # It reads pods only: no write to anyone's pod (it once patched an annotation).
-            ("patch", "pods", ["-n", "default"]),
-            ("patch", "pods", ["-n", "kube-system"]),
+            # Pods are patched (the gate's removal), never replaced whole.
             ("update", "pods", ["-n", "default"]),
+            ("update", "pods/status", ["-n", "default"]),
+            ("deletecollection", "pods", ["-n", "default"]),
         ],
     )
     def test_the_controller_may_not(
