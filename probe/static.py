@@ -338,6 +338,17 @@ def read(image, request, requirement=None):
                            "decide nothing, the import does")
         return facts
     image.path = path
+    for entry in path:
+        # A directory this user may not list hides what it holds: nothing it lacks is
+        # proven (a pod's runAsUser must not make an image look as if torch were absent).
+        try:
+            fs.listdir(entry or ".")
+        except PermissionError:
+            facts.notes.append(f"the sys.path entry {entry[:200]!r} cannot be listed as this "
+                               "user: the files decide nothing, the import does")
+            return facts
+        except OSError:
+            continue
     o = diagnosis.Outcome()
     o.request = request
     o.fs = fs

@@ -19,6 +19,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -80,15 +81,15 @@ def _no_mooncake(root: Path) -> None:
 
 def _clear(root: Path) -> None:
     # pg_2_13_0 needs only libc and defines set_transfer_engine: nothing to prove.
-    _ext(root).write_bytes(
-        hostile_roots.elf_bytes(["libc.so.6"]) + b"\0set_transfer_engine\0")
+    _ext(root).write_bytes(hostile_roots.elf_bytes(["libc.so.6"]) + b"\0set_transfer_engine\0")
 
 
 def _unconfirmed(root: Path) -> None:
     # A library missing from the image's search path: an image cause the files show, but
     # the loader's search at run time may differ, so only the import proves it.
     _ext(root).write_bytes(
-        hostile_roots.elf_bytes(["libnowhere.so.1", "libc.so.6"]) + b"\0set_transfer_engine\0")
+        hostile_roots.elf_bytes(["libnowhere.so.1", "libc.so.6"]) + b"\0set_transfer_engine\0"
+    )
 
 
 PROVEN: dict[str, Callable[[Path], None]] = {
@@ -111,13 +112,25 @@ def torch_imported(root: Path) -> bool:
     return (root / MARKER).exists()
 
 
-def probe(tmp_path: Path, root: Path, *opts: str, worker: list[str] | None = None,
-          probe_dir: Path = PROBE_DIR, python: str = sys.executable,
-          **env: str) -> Result:
+def probe(
+    tmp_path: Path,
+    root: Path,
+    *opts: str,
+    worker: list[str] | None = None,
+    probe_dir: Path = PROBE_DIR,
+    python: str = sys.executable,
+    **env: str,
+) -> Result:
     """The probe as an init container runs it, with ``root`` as the image (PYTHONPATH)."""
-    return run_probe(tmp_path, python=python, env=clean_env([root], **env), opts=list(opts),
-                     worker=hostile_roots.WORKER if worker is None else worker,
-                     probe_dir=probe_dir, timeout=120)
+    return run_probe(
+        tmp_path,
+        python=python,
+        env=clean_env([root], **env),
+        opts=list(opts),
+        worker=hostile_roots.WORKER if worker is None else worker,
+        probe_dir=probe_dir,
+        timeout=120,
+    )
 
 
 def patched_probe(tmp_path: Path, module: str, old: str, new: str) -> Path:
@@ -156,7 +169,8 @@ def assert_the_init_containers_cause_without_the_driver(files: Any, full: Any) -
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("cause", list(PROVEN))
 def test_a_cause_the_files_prove_is_the_init_containers_without_the_gpu_nodes_driver(
-        tmp_path, cause):
+    tmp_path, cause
+):
     root = make_root(tmp_path, PROVEN[cause])
     files = probe(tmp_path, root, "--files-only")
     assert not torch_imported(root)
@@ -178,22 +192,28 @@ def test_files_that_prove_nothing_exit_0_saying_what_is_left_for_the_gpu_node(tm
     r = probe(tmp_path, root, "--files-only")
     assert r.rc == 0, r.message + r.stderr
     assert r.lines[0].startswith(FILES_CLEAR)
-    left = r.lines[0][len(FILES_CLEAR):]
+    left = r.lines[0][len(FILES_CLEAR) :]
     assert left.startswith("left for the GPU node: the import of mooncake.pg after torch")
     for what in ("libcuda.so.1", "a visible GPU", "mooncake-cpu", "smoke test"):
         assert what in left
     assert [ln for ln in r.lines if VERSIONS_RE.match(ln)] == [
-        "versions: torch=2.13.0+cu130 sglang=0.5.18 mooncake-transfer-engine=0.3.13.post1"]
+        "versions: torch=2.13.0+cu130 sglang=0.5.18 mooncake-transfer-engine=0.3.13.post1"
+    ]
     assert "request: --elastic-ep-backend mooncake (argv)" in r.lines
     assert r.lines[-1].startswith("fix: nothing to fix in the image's files")
     assert not any(ln.startswith("from the files, for the import to confirm") for ln in r.lines)
     doc = r.report
     assert (doc["verdict"], doc["decided_from"], doc["scope"], doc["classification"]) == (
-        "unjudged", "files", None, None)
+        "unjudged",
+        "files",
+        None,
+        None,
+    )
     assert doc["required_modules"] == ["mooncake.pg"]
     assert doc["versions"]["torch"] == "2.13.0+cu130"
     assert doc["checks"] == [
-        {"name": "files", "ok": True, "detail": "no cause the image's files prove"}]
+        {"name": "files", "ok": True, "detail": "no cause the image's files prove"}
+    ]
     assert doc["cause"] == left and doc["message"] == r.message
     assert len(doc["left_for_gpu_node"]) == 5
     assert r.message.strip() in r.stderr
@@ -210,8 +230,11 @@ def test_a_cause_the_files_show_but_do_not_prove_is_said_and_left_to_the_import(
     assert r.lines[0].startswith(FILES_CLEAR)
     [line] = [ln for ln in r.lines if ln.startswith("from the files, for the import to confirm: ")]
     assert "missing libnowhere.so.1" in line
-    assert {"name": "files: missing-libraries", "ok": False,
-            "detail": line.replace("from the files, ", "")} in r.report["checks"]
+    assert {
+        "name": "files: missing-libraries",
+        "ok": False,
+        "detail": line.replace("from the files, ", ""),
+    } in r.report["checks"]
     full = probe(tmp_path, root)
     assert full.rc == 1 and full.report["decided_from"] == "import"
 
@@ -239,8 +262,11 @@ def test_files_only_starts_no_child(tmp_path, change):
     # sandbox.Child, patched in a copy, leaves a marker and ends the probe with 97.
     started = tmp_path / "child-started"
     copied = patched_probe(
-        tmp_path, "sandbox.py", "        self.timeout = timeout\n",
-        f"        open({str(started)!r}, 'w').close()\n        os._exit(97)\n")
+        tmp_path,
+        "sandbox.py",
+        "        self.timeout = timeout\n",
+        f"        open({str(started)!r}, 'w').close()\n        os._exit(97)\n",
+    )
     root = make_root(tmp_path, change)
     r = probe(tmp_path, root, "--files-only", probe_dir=copied)
     assert r.rc in (0, 1), r.stderr
@@ -254,8 +280,9 @@ def test_files_only_starts_no_child(tmp_path, change):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize(("opts", "said"), [(["--level", "smoke"], "--level smoke"),
-                                            (["--no-static"], "--no-static")])
+@pytest.mark.parametrize(
+    ("opts", "said"), [(["--level", "smoke"], "--level smoke"), (["--no-static"], "--no-static")]
+)
 def test_files_only_with_an_import_option_is_a_usage_error(tmp_path, opts, said):
     root = make_root(tmp_path, _clear)
     r = probe(tmp_path, root, "--files-only", *opts)
@@ -273,8 +300,10 @@ def test_a_worker_that_does_not_request_mooncake_is_nothing_to_check(tmp_path):
     root = make_root(tmp_path, PROVEN["cuda-mismatch"])
     r = probe(tmp_path, root, "--files-only", worker=NOT_REQUESTED)
     assert r.rc == 0
-    assert r.lines == [NOTHING + "the worker argv does not request --elastic-ep-backend "
-                       "mooncake (it asks for 'none')"]
+    assert r.lines == [
+        NOTHING + "the worker argv does not request --elastic-ep-backend "
+        "mooncake (it asks for 'none')"
+    ]
     assert r.report["verdict"] == "not-requested"
     # --always checks it anyway: the files prove the cause.
     always = probe(tmp_path, root, "--files-only", "--always", worker=NOT_REQUESTED)
@@ -309,11 +338,18 @@ def test_the_pods_variables_are_not_used_and_it_says_so(tmp_path):
     clear = make_root(tmp_path, _clear, "clear")
     alone = probe(tmp_path, bad, "--files-only")
     # The pod's PYTHONPATH would hide the bad mooncake behind a clear one: not used.
-    r = probe(tmp_path, bad, "--files-only", EPGUARD_POD_PYTHONPATH=str(clear),
-              EPGUARD_POD_HF_HOME="/models/cache")
+    r = probe(
+        tmp_path,
+        bad,
+        "--files-only",
+        EPGUARD_POD_PYTHONPATH=str(clear),
+        EPGUARD_POD_HF_HOME="/models/cache",
+    )
     assert r.rc == 1 and r.lines[0] == alone.lines[0]
-    said = ("environment: judged in the image's own environment, without the pod's variables "
-            "(HF_HOME, PYTHONPATH): --files-only judges the image, not a pod")
+    said = (
+        "environment: judged in the image's own environment, without the pod's variables "
+        "(HF_HOME, PYTHONPATH): --files-only judges the image, not a pod"
+    )
     assert said in r.lines
     assert r.report["pod_variables"] == ["HF_HOME", "PYTHONPATH"]
     # And the other way: a pod PYTHONPATH with a bad mooncake does not fail a clear image.
@@ -325,14 +361,19 @@ def test_the_pods_variables_are_not_used_and_it_says_so(tmp_path):
 @pytest.mark.timeout(120)
 def test_files_not_read_within_timeout_decide_nothing(tmp_path):
     # The static path's deadline, patched to have passed: a proven image is then unjudged.
-    copied = patched_probe(tmp_path, "deadline.py", "def static_until(timeout, now=None):\n",
-                           "def static_until(timeout, now=None):\n    return 0.0\n")
+    copied = patched_probe(
+        tmp_path,
+        "deadline.py",
+        "def static_until(timeout, now=None):\n",
+        "def static_until(timeout, now=None):\n    return 0.0\n",
+    )
     root = make_root(tmp_path, PROVEN["cuda-mismatch"])
     r = probe(tmp_path, root, "--files-only", probe_dir=copied)
     assert r.rc == 0, r.message + r.stderr
     assert r.lines[0].startswith(FILES_CLEAR)
-    assert ("files: the image's files were not read within --timeout: decided by the import"
-            in r.lines)
+    assert (
+        "files: the image's files were not read within --timeout: decided by the import" in r.lines
+    )
     assert not any(ln.startswith("versions: ") for ln in r.lines)  # nothing known
     assert r.report["checks"][0]["ok"] is False
     assert probe(tmp_path, root, "--files-only").rc == 1  # unpatched: proven
@@ -343,17 +384,21 @@ def test_the_whole_run_deadline_in_files_only_decides_nothing(tmp_path):
     # The files' reading blocks (patched): the run's own deadline (16 x --timeout) ends it.
     # The init container calls that a hang in this pod (exit 1); a files-only run only
     # fails for a cause the files prove.
-    copied = patched_probe(tmp_path, "static.py", "def decide(image, request, until):\n",
-                           "def decide(image, request, until):\n"
-                           "    import time\n    time.sleep(300)\n")
+    copied = patched_probe(
+        tmp_path,
+        "static.py",
+        "def decide(image, request, until):\n",
+        "def decide(image, request, until):\n    import time\n    time.sleep(300)\n",
+    )
     root = make_root(tmp_path, PROVEN["cuda-mismatch"])
     t = time.monotonic()
     r = probe(tmp_path, root, "--files-only", "--timeout", "0.2", probe_dir=copied)
     assert time.monotonic() - t < 60
     assert r.rc == 0, r.message + r.stderr
     assert r.lines[0].startswith(FILES_CLEAR)
-    assert ("files: the probe's whole run passed 3.2 s (16 x --timeout): the files decided "
-            "nothing") in r.lines
+    assert (
+        "files: the probe's whole run passed 3.2 s (16 x --timeout): the files decided nothing"
+    ) in r.lines
     control = probe(tmp_path, root, "--timeout", "0.2", probe_dir=copied)
     assert control.rc == 1 and control.lines[0].startswith(UNUSABLE_HERE)
 
@@ -361,8 +406,12 @@ def test_the_whole_run_deadline_in_files_only_decides_nothing(tmp_path):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("policy", "rc"), [(None, 0), ("allow", 0), ("deny", 1)])
 def test_an_internal_error_follows_on_internal_error(tmp_path, policy, rc):
-    copied = patched_probe(tmp_path, "static.py", "def decide(image, request, until):\n",
-                           "def decide(image, request, until):\n    raise KeyError('bug')\n")
+    copied = patched_probe(
+        tmp_path,
+        "static.py",
+        "def decide(image, request, until):\n",
+        "def decide(image, request, until):\n    raise KeyError('bug')\n",
+    )
     root = make_root(tmp_path, _clear)
     opts = [] if policy is None else [f"--on-internal-error={policy}"]
     r = probe(tmp_path, root, "--files-only", *opts, probe_dir=copied)
@@ -386,10 +435,15 @@ def test_files_only_runs_on_python_3_8(tmp_path):
     # The roots' compiled modules carry the suffix of the interpreter that imports them.
     suffix = subprocess.run(
         [py38, "-c", "import importlib.machinery as m; print(m.EXTENSION_SUFFIXES[0])"],
-        capture_output=True, text=True, check=True).stdout.strip()
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     copied = copy_probe(tmp_path)
-    for name, change, rc, head in (("clear", _clear, 0, FILES_CLEAR),
-                                   ("bad", PROVEN["cuda-mismatch"], 1, UNUSABLE)):
+    for name, change, rc, head in (
+        ("clear", _clear, 0, FILES_CLEAR),
+        ("bad", PROVEN["cuda-mismatch"], 1, UNUSABLE),
+    ):
         root = make_root(tmp_path, change, name)
         _ext(root).rename(root / "mooncake" / f"pg_2_13_0{suffix}")
         r = probe(tmp_path, root, "--files-only", probe_dir=copied, python=py38)
@@ -405,14 +459,18 @@ def test_files_only_runs_on_python_3_8(tmp_path):
 
 @pytest.mark.realpkg
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("mooncake", "sglang", "cause"), [
-    (MTE_CUDA12, SGLANG_PG[0], "cuda-mismatch"),
-    (MTE_CUDA13_OLD, SGLANG_PG[0], "no-extension-for-torch"),
-    (MTE_NON_CUDA, SGLANG_PG[0], "non-cuda-wheel"),
-    (MTE_CUDA12, SGLANG_EP[0], "cuda-mismatch"),
-])
+@pytest.mark.parametrize(
+    ("mooncake", "sglang", "cause"),
+    [
+        (MTE_CUDA12, SGLANG_PG[0], "cuda-mismatch"),
+        (MTE_CUDA13_OLD, SGLANG_PG[0], "no-extension-for-torch"),
+        (MTE_NON_CUDA, SGLANG_PG[0], "non-cuda-wheel"),
+        (MTE_CUDA12, SGLANG_EP[0], "cuda-mismatch"),
+    ],
+)
 def test_real_wheels_the_files_prove_unusable_give_the_init_containers_cause(
-        tmp_path, mooncake, sglang, cause):
+    tmp_path, mooncake, sglang, cause
+):
     env = clean_env([overlay(mooncake), overlay(sglang)])
     files = run_probe(tmp_path, env=env, opts=["--files-only"])
     full = run_probe(tmp_path, env=env)
@@ -430,7 +488,59 @@ def test_real_cuda13_wheel_is_left_for_the_gpu_node(tmp_path):
     r = run_probe(tmp_path, env=env, opts=["--files-only"])
     assert r.rc == 0, r.message
     assert r.lines[0].startswith(FILES_CLEAR + "left for the GPU node: the import of mooncake.pg")
-    assert ("versions: torch=2.13.0+cu130 sglang=0.5.18 "
-            "mooncake-transfer-engine-cuda13=0.3.13.post1") in r.lines
+    assert (
+        "versions: torch=2.13.0+cu130 sglang=0.5.18 mooncake-transfer-engine-cuda13=0.3.13.post1"
+    ) in r.lines
     assert r.report["verdict"] == "unjudged"
     assert run_probe(tmp_path, env=env).report["decided_from"] == "import"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
+def test_a_runasuser_that_cannot_list_the_packages_proves_nothing(
+    request: pytest.FixtureRequest,
+) -> None:
+    """An image that keeps its packages root-only (0700), read as the uid a pod chose: the
+    files it cannot list are not absent (it once proved "torch is not installed", scope
+    image, for the image's digest: a verdict for every tenant, steered by one)."""
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to switch to another uid")
+    # The system's interpreter: another uid cannot reach one under root's home (pyenv).
+    python = shutil.which("python3", path="/usr/bin:/bin")
+    if python is None:
+        pytest.skip("needs a system python3 that any uid can run")
+    # Not under tmp_path: pytest's own directories are root-only, so another uid could
+    # not reach the probe there.
+    holder = tempfile.TemporaryDirectory(prefix="epguard-rau-", dir="/tmp")
+    request.addfinalizer(holder.cleanup)
+    base = Path(holder.name)
+    root = hostile_roots.write_root(base / "site")
+    probe_dir = base / "probe"
+    shutil.copytree(PROBE_DIR, probe_dir, ignore=shutil.ignore_patterns("__pycache__"))
+    for p in (base, probe_dir, *probe_dir.rglob("*")):
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    root.chmod(0o700)
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(root), "PYTHONDONTWRITEBYTECODE": "1"}
+    results = {}
+    for who, prefix in (
+        ("root", []),
+        ("nobody", ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]),
+    ):
+        log = base / f"log-{who}"
+        log.touch()
+        log.chmod(0o666)
+        r = subprocess.run(
+            [*prefix, python, "-I", str(probe_dir), "--files-only",
+             "--termination-log", str(log), "--", *hostile_roots.WORKER],
+            env=env, capture_output=True, text=True, cwd="/tmp", timeout=100,
+        )  # fmt: skip
+        results[who] = (r.returncode, log.read_text())
+    # As root the crafted image's files decide (here: a cause or nothing, as they say);
+    # as a uid that cannot list them, nothing is proven about the image.
+    code, text = results["nobody"]
+    assert code == 0 and text.startswith(FILES_CLEAR), text
+    assert "cannot be listed as this user" in text
+    assert "torch is not installed" not in text
+    assert results["root"][1] != text  # the uid changed what was read, not what was proven
