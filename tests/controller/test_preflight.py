@@ -118,15 +118,18 @@ class MemoryApi:
         return self.pods[(namespace, name)]
 
     def preflights(self) -> list[dict[str, Any]]:
-        return [p for p in self.pods.values() if p["metadata"]["name"].startswith(
-            "epguard-preflight-")]
+        return [
+            p for p in self.pods.values() if p["metadata"]["name"].startswith("epguard-preflight-")
+        ]
 
     def finish(self, preflight: dict[str, Any], code: int, message: str) -> None:
         preflight["status"] = {
             "phase": "Succeeded" if code == 0 else "Failed",
             "initContainerStatuses": [
-                {"name": PROBE_CONTAINER, "state": {"terminated": {
-                    "exitCode": code, "message": message}}}
+                {
+                    "name": PROBE_CONTAINER,
+                    "state": {"terminated": {"exitCode": code, "message": message}},
+                }
             ],
         }
 
@@ -139,28 +142,40 @@ class Keys:
         return self.ring
 
 
-def gated_pod(name: str, image: str = "r.example/sglang:new", namespace: str = "ml",
-              owner: str | None = None) -> dict[str, Any]:
-    meta: dict[str, Any] = {"name": name, "namespace": namespace,
-                            "labels": {PROBED_LABEL: "true"}}
+def gated_pod(
+    name: str, image: str = "r.example/sglang:new", namespace: str = "ml", owner: str | None = None
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": namespace, "labels": {PROBED_LABEL: "true"}}
     if owner:
-        meta["ownerReferences"] = [{"apiVersion": "apps/v1", "kind": "ReplicaSet",
-                                    "name": owner, "uid": f"rs-{owner}", "controller": True}]
+        meta["ownerReferences"] = [
+            {
+                "apiVersion": "apps/v1",
+                "kind": "ReplicaSet",
+                "name": owner,
+                "uid": f"rs-{owner}",
+                "controller": True,
+            }
+        ]
     return {
         "metadata": meta,
         "spec": {
             "schedulingGates": [{"name": GATE}],
-            "containers": [{
-                "name": "worker",
-                "image": image,
-                "args": ["--model-path", "/m", "--elastic-ep-backend", "mooncake"],
-            }],
+            "containers": [
+                {
+                    "name": "worker",
+                    "image": image,
+                    "args": ["--model-path", "/m", "--elastic-ep-backend", "mooncake"],
+                }
+            ],
         },
     }
 
 
-def setup(on_error: str = "open", retain: int = 3600, ring: bool = True,
-          ) -> tuple[Preflights, MemoryApi, Clock, Keyring | None]:
+def setup(
+    on_error: str = "open",
+    retain: int = 3600,
+    ring: bool = True,
+) -> tuple[Preflights, MemoryApi, Clock, Keyring | None]:
     clock = Clock()
     api = MemoryApi(clock)
     keyring = new_keyring(NOW) if ring else None
@@ -196,8 +211,10 @@ def test_a_restarted_controller_picks_up_the_running_preflight() -> None:
     restarted, _, _, _ = setup()
     restarted.api = api
     restarted.clock = clock
+    restarted.keys = pf.keys  # the same Secret's keys
     assert restarted.run_once().created == []
     assert len(api.preflights()) == 1
+    assert is_gated(api.pod("ml", "w-0"))  # still waiting on the running preflight
 
 
 def test_nothing_proven_takes_the_gate_off_every_waiting_pod() -> None:
@@ -221,8 +238,17 @@ def test_nothing_proven_takes_the_gate_off_every_waiting_pod() -> None:
 def test_an_image_cause_holds_every_waiting_pod_with_the_probes_line() -> None:
     pf, api, _, _ = setup()
     api.owners["/apis/apps/v1/namespaces/ml/replicasets/web-7d9f"] = {
-        "metadata": {"ownerReferences": [{"apiVersion": "apps/v1", "kind": "Deployment",
-                                          "name": "web", "uid": "d-1", "controller": True}]}
+        "metadata": {
+            "ownerReferences": [
+                {
+                    "apiVersion": "apps/v1",
+                    "kind": "Deployment",
+                    "name": "web",
+                    "uid": "d-1",
+                    "controller": True,
+                }
+            ]
+        }
     }
     api.owners["/apis/apps/v1/namespaces/ml/deployments/web"] = {"metadata": {}}
     for i in range(3):
@@ -252,11 +278,18 @@ def test_a_preflight_that_cannot_judge_opens_or_holds(on_error: str) -> None:
     api.add(gated_pod("w-0"))
     pf.run_once()
     preflight = api.preflights()[0]
-    preflight["status"] = {"initContainerStatuses": [{"name": PROBE_CONTAINER, "state": {
-        "waiting": {"reason": "ImagePullBackOff", "message": "pull access denied"}}}]}
+    preflight["status"] = {
+        "initContainerStatuses": [
+            {
+                "name": PROBE_CONTAINER,
+                "state": {
+                    "waiting": {"reason": "ImagePullBackOff", "message": "pull access denied"}
+                },
+            }
+        ]
+    }
     assert pf.run_once().ungated == []  # waits while within the deadline
-    cond = next(c for c in api.pod("ml", "w-0")["status"]["conditions"]
-                if c["type"] == CONDITION)
+    cond = next(c for c in api.pod("ml", "w-0")["status"]["conditions"] if c["type"] == CONDITION)
     assert "ImagePullBackOff" in cond["message"]
     clock.now += dt.timedelta(seconds=301)
     done = pf.run_once()
@@ -328,8 +361,11 @@ def test_preflights_nobody_waits_on_are_cleaned_up() -> None:
     api.add(gated_pod("w-0"))
     api.add(gated_pod("gone", image="r.example/sglang:gone"))
     pf.run_once()
-    finished = next(p for p in api.preflights()
-                    if p["spec"]["initContainers"][1]["image"] == "r.example/sglang:new")
+    finished = next(
+        p
+        for p in api.preflights()
+        if p["spec"]["initContainers"][1]["image"] == "r.example/sglang:new"
+    )
     api.finish(finished, 0, CLEAR)
     del api.pods[("ml", "gone")]  # its only waiter was deleted while it ran
     done = pf.run_once()
@@ -360,3 +396,103 @@ def test_the_preflight_key_label_is_what_matches_a_preflight_to_its_pods() -> No
     (key,) = worker_keys(api.pod("ml", "w-0"))
     assert preflight["metadata"]["labels"][KEY_LABEL] == key.hash
     assert preflight["metadata"]["name"] == key.pod_name
+
+
+def test_one_namespaces_api_trouble_does_not_stop_the_others() -> None:
+    pf, api, _, _ = setup()
+    api.add(gated_pod("w", namespace="aaa"))
+    api.add(gated_pod("w", namespace="team-b", image="r.example/sglang:b"))
+    real = api.create_pod
+
+    def flaky(namespace: str, body: dict[str, Any]) -> None:
+        if namespace == "aaa":
+            raise RuntimeError("500 Internal Server Error from an image-policy webhook")
+        real(namespace, body)
+
+    api.create_pod = flaky  # type: ignore[method-assign]
+    done = pf.run_once()
+    assert done.created == [
+        "Pod team-b/epguard-preflight-" + worker_keys(api.pod("team-b", "w"))[0].hash
+    ]
+    assert done.ungated == ["Pod aaa/w"]  # onError=open for the namespace in trouble
+    api.finish(api.preflights()[0], 0, CLEAR)
+    assert pf.run_once().ungated == ["Pod team-b/w"]
+
+
+def test_a_refused_gate_removal_is_said_once_and_blocks_no_one_else() -> None:
+    pf, api, _, _ = setup()
+    api.add(gated_pod("w-0"))
+    api.add(gated_pod("w-1"))
+    pf.run_once()
+    api.finish(api.preflights()[0], 0, CLEAR)
+    real = api.patch_pod
+
+    def policy(namespace: str, name: str, ops: list[dict[str, Any]]) -> None:
+        if name == "w-0":
+            raise Refused('admission webhook "kyverno" denied the request: no updates')
+        real(namespace, name, ops)
+
+    api.patch_pod = policy  # type: ignore[method-assign]
+    assert pf.run_once().ungated == ["Pod ml/w-1"]
+    pf.run_once()
+    stuck = [e for e in api.events if e[2] == "PreflightGateStuck"]
+    assert len(stuck) == 1 and "kyverno" in stuck[0][4] and stuck[0][1] == "w-0"
+    assert is_gated(api.pod("ml", "w-0"))
+
+
+def test_a_tenants_pod_under_the_preflights_name_is_no_answer_and_is_left_alone() -> None:
+    pf, api, _, _ = setup()
+    api.add(gated_pod("w-0"))
+    (key,) = worker_keys(api.pod("ml", "w-0"))
+    fake = {"metadata": {"name": key.pod_name, "namespace": "ml", "labels": {
+        PROBED_LABEL: "true", "epguard.io/preflight-pod": "true", KEY_LABEL: key.hash}},
+        "spec": {}}  # fmt: skip
+    api.add(fake)
+    api.finish(api.pod("ml", key.pod_name), 1, BAD)  # it "says" the image is bad
+    done = pf.run_once()
+    assert done.held == [] and done.ungated == ["Pod ml/w-0"]  # onError=open
+    event = next(e for e in api.events if e[2] == "PreflightFailedGateOpened")
+    assert "did not make" in event[4]
+    assert done.deleted == [] and ("ml", key.pod_name) in api.pods
+
+
+def test_a_key_held_up_by_a_squatted_name_fails_at_the_deadline() -> None:
+    pf, api, clock, _ = setup()
+    api.add(gated_pod("w-0"))
+    (key,) = worker_keys(api.pod("ml", "w-0"))
+    api.add({"metadata": {"name": key.pod_name, "namespace": "ml"}, "spec": {}})
+    assert pf.run_once().ungated == []  # every create is a 409; it waits...
+    clock.now += dt.timedelta(seconds=300 + 61)
+    done = pf.run_once()
+    assert done.ungated == ["Pod ml/w-0"]
+    assert "no preflight answered within 360 s" in api.events[-1][4]
+
+
+def test_a_preflight_is_signed_when_it_is_created_not_when_the_pass_began() -> None:
+    pf, api, clock, ring = setup()
+    for i in range(3):
+        api.add(gated_pod(f"w-{i}", image=f"r.example/sglang:{i}"))
+    real = api.create_pod
+    signed_at: list[tuple[int | None, dt.datetime]] = []
+
+    def slow(namespace: str, body: dict[str, Any]) -> None:
+        assert ring is not None
+        signed_at.append((verify(ring, namespace, body).signed_at, clock.now))
+        clock.now += dt.timedelta(seconds=100)  # a slow API server
+        real(namespace, body)
+
+    api.create_pod = slow  # type: ignore[method-assign]
+    pf.run_once()
+    assert [s for s, _ in signed_at] == [int(t.timestamp()) for _, t in signed_at]
+
+
+def test_under_hold_a_failed_preflight_is_retried_after_the_retention() -> None:
+    pf, api, clock, _ = setup(on_error="hold", retain=600)
+    api.add(gated_pod("w-0"))
+    pf.run_once()
+    api.finish(api.preflights()[0], 128, "")  # could not start
+    assert pf.run_once().held == ["Pod ml/w-0"]
+    clock.now += dt.timedelta(seconds=601)
+    assert len(pf.run_once().deleted) == 1  # retried: the next pass starts a new one
+    assert len(pf.run_once().created) == 1
+    assert is_gated(api.pod("ml", "w-0"))

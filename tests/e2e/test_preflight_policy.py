@@ -125,9 +125,21 @@ def test_the_controller_may_create_a_preflight_pod_as_engine_preflight_builds_it
          "its done container, in that order"),
         (lambda p: p["spec"]["containers"].append(
             {"name": "extra", "image": EPGUARD_IMAGE}), "its done container, in that order"),
+        (lambda p: p["spec"]["containers"][0].update(command=["sh", "-c", "cat /secrets/*"]),
+         "and nothing else"),
+        (lambda p: p["spec"]["initContainers"][1]["command"].__setitem__(5, "--level"),
+         "and nothing else"),
+        (lambda p: p["spec"]["initContainers"][1].update(env=[{"name": "T", "valueFrom": {
+            "secretKeyRef": {"name": "other-team", "key": "token"}}}]), "has no env"),
+        (lambda p: p["spec"]["containers"][0].update(ports=[{"containerPort": 80,
+                                                            "hostPort": 80}]), "no port"),
+        (lambda p: p["spec"].update(nodeName="node-0"), "no chosen node"),
+        (lambda p: p["spec"]["securityContext"].update(seccompProfile={"type": "Unconfined"}),
+         "default seccomp profile"),
     ],
     ids=["not-a-preflight", "host-network", "token", "host-path", "privileged",
-         "other-image", "extra-container"],
+         "other-image", "extra-container", "other-command", "probe-not-files-only",
+         "secret-env", "host-port", "node-name", "unconfined"],
 )  # fmt: skip
 def test_any_other_pod_create_by_the_controller_is_refused(
     cp: ControlPlane, change: Any, why: str
@@ -200,6 +212,8 @@ def test_the_controller_may_set_its_own_condition_only(cp: ControlPlane, gated: 
     other = {**ours, "type": "Ready"}
     assert refused(status([other]), "its own epguard.io/Preflight condition")
     assert refused(status([ours], phase="Running"), "its own epguard.io/Preflight condition")
+    assert refused(status([ours], podIPs=[{"ip": "10.0.0.9"}]), "its own epguard.io/Preflight")
+    assert refused(status([ours], message="hello"), "its own epguard.io/Preflight condition")
     got = json.loads(cp.kubectl("get", "pod", gated, "-n", TENANT, "-o", "json").stdout)
     types = [c["type"] for c in got["status"].get("conditions", [])]
     # The API server's own PodScheduled (reason SchedulingGated) and ours; not "Ready".
@@ -214,6 +228,14 @@ def test_the_controller_deletes_only_preflight_pods(cp: ControlPlane, gated: str
     assert r.returncode == 0, output(r)
     r = as_controller(cp, "delete", "pod", pod["metadata"]["name"], "-n", TENANT, "--wait=false")
     assert r.returncode == 0, output(r)
+
+
+def test_the_controller_creates_no_preflight_in_kube_system(cp: ControlPlane) -> None:
+    pod = preflight()
+    pod["metadata"]["namespace"] = "kube-system"
+    r = as_controller(cp, "create", "--dry-run=server", "-n", "kube-system", "-f", "-",
+                      input=json.dumps(pod))  # fmt: skip
+    assert refused(r, "in kube-system or its own namespace"), output(r)
 
 
 def test_other_users_are_not_held_by_the_policy(cp: ControlPlane, gated: str) -> None:

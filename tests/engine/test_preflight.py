@@ -29,7 +29,6 @@ from epguard.webhook.engine.preflight import (
     signed,
     ungate_patch,
     unjudged,
-    worker_images,
 )
 from epguard.webhook.engine.signing import exposure, new_keyring, verify
 from epguard.webhook.engine.verdicts import Verdict, VerdictStore
@@ -222,19 +221,6 @@ def test_a_signed_preflight_verifies_and_exposes_nothing() -> None:
     tampered = copy.deepcopy(pod)
     tampered["spec"]["initContainers"][1]["image"] = "attacker/other:1"
     assert not verify(ring, "team-a", tampered).ok
-
-
-def test_worker_images_are_distinct_and_in_order() -> None:
-    spec = {
-        "containers": [
-            {"name": "a", "image": "x"},
-            {"name": "b", "image": "y"},
-            {"name": "c", "image": "x"},
-            {"name": "d", "image": 3},
-        ]
-    }
-    assert worker_images(spec, ["a", "b", "c", "d"]) == ("x", "y")
-    assert worker_images(spec, ["b"]) == ("y",)
 
 
 def _pod_templates() -> list[tuple[str, dict[str, Any]]]:
@@ -438,12 +424,42 @@ def test_an_image_is_judged_by_its_pinned_digest_or_a_fresh_tag() -> None:
 
 def test_the_preflight_runs_as_the_worker_but_without_its_privileges() -> None:
     spec = worker_spec(
-        securityContext={"runAsUser": 1000, "fsGroup": 2000,
-                         "sysctls": [{"name": "net.core.somaxconn", "value": "1024"}]}
+        securityContext={
+            "runAsUser": 1000,
+            "fsGroup": 2000,
+            "seccompProfile": {"type": "Localhost", "localhostProfile": "tenant.json"},
+            "sysctls": [{"name": "net.core.somaxconn", "value": "1024"}],
+        }
     )
     spec["containers"][0]["securityContext"] = {
-        "runAsUser": 0, "privileged": True, "capabilities": {"add": ["SYS_ADMIN"]}}
+        "runAsUser": 0,
+        "privileged": True,
+        "capabilities": {"add": ["SYS_ADMIN"]},
+    }
     p = preflight(spec)["spec"]
-    assert p["securityContext"] == {"runAsUser": 1000, "fsGroup": 2000}
+    assert p["securityContext"] == {
+        "runAsUser": 1000,
+        "fsGroup": 2000,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
     probe = p["initContainers"][1]
-    assert probe["securityContext"] == {"runAsUser": 0, "allowPrivilegeEscalation": False}
+    assert probe["securityContext"] == {
+        "runAsUser": 0,
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def test_the_preflight_carries_no_env_and_sets_every_limit() -> None:
+    # The worker's env names a Secret; --files-only needs none of it.
+    p = preflight()["spec"]
+    for c in p["initContainers"] + p["containers"]:
+        assert "env" not in c and "envFrom" not in c, c["name"]
+        assert {"cpu", "memory"} <= set(c["resources"]["limits"]), c["name"]
+
+
+def test_a_mesh_is_asked_not_to_inject_into_a_preflight() -> None:
+    annotations = preflight()["metadata"]["annotations"]
+    assert annotations["sidecar.istio.io/inject"] == "false"
+    assert annotations["linkerd.io/inject"] == "disabled"

@@ -55,6 +55,7 @@ from epguard.webhook.engine.injection import InjectionSettings
 from epguard.webhook.engine.outcome import PROBED_LABEL
 from epguard.webhook.engine.preflight import (
     CONDITION,
+    GATE,
     KEY_LABEL,
     PREFLIGHT_LABEL,
     PreflightKey,
@@ -67,7 +68,7 @@ from epguard.webhook.engine.preflight import (
     signed,
     ungate_patch,
 )
-from epguard.webhook.engine.signing import Keyring
+from epguard.webhook.engine.signing import Keyring, verify
 from epguard.webhook.engine.text import parse_stamp
 from epguard.webhook.engine.workloads import as_list, as_map, describe
 
@@ -102,7 +103,8 @@ class PreflightApi(Protocol):
         """Delete that pod (that uid only); gone already is fine."""
 
     def patch_pod(self, namespace: str, name: str, ops: list[dict[str, Any]]) -> None:
-        """Apply a JSON patch; Conflict when a ``test`` fails or the pod changed."""
+        """Apply a JSON patch; Conflict when a ``test`` fails or the pod changed, Refused
+        when an admission policy or webhook refuses it."""
 
     def set_condition(self, namespace: str, name: str, condition: Json) -> None:
         """Set one condition in the pod's status (``pods/status``, merged by type)."""
@@ -163,8 +165,13 @@ class KubePreflightApi(KubeObjects):
                 _request_timeout=REQUEST_TIMEOUT,
             )
         except ApiException as exc:
+            said = _said(exc)
+            # A failed `test` (the gate moved) is a 422 too; an admission refusal names
+            # the policy or webhook that refused.
+            if exc.status in (400, 403) or (exc.status == 422 and "denied" in said):
+                raise Refused(said) from exc
             if exc.status in (404, 409, 422):
-                raise Conflict(str(exc.reason)) from exc
+                raise Conflict(said) from exc
             raise
 
     def set_condition(self, namespace: str, name: str, condition: Json) -> None:
@@ -218,6 +225,24 @@ class Pass:
     ungated: list[str] = field(default_factory=list)
     held: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
+
+
+GRACE_SECONDS = 60
+
+
+def _created(obj: Mapping[str, Any]) -> dt.datetime | None:
+    written = meta(obj).get("creationTimestamp")
+    return parse_stamp(written) if isinstance(written, str) else None
+
+
+def _error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc)[:300]}"
+
+
+def _made_by_epguard(pod: Mapping[str, Any], ring: Keyring | None) -> bool:
+    """A preflight pod whose signature verifies: epguard's own (a tenant can label a pod
+    of its own as a preflight, never sign it)."""
+    return ring is not None and verify(ring, _name(pod)[0], pod).ok
 
 
 def _name(obj: Mapping[str, Any]) -> tuple[str, str, str]:
@@ -279,14 +304,41 @@ class Preflights:
                 preflights[(namespace, name)] = pod
             elif is_gated(pod) and not meta(pod).get("deletionTimestamp"):
                 waiting.append((pod, worker_keys(pod)))
+        ring = self.keys.refresh()
+        ours = {at: p for at, p in preflights.items() if _made_by_epguard(p, ring)}
         results: dict[PreflightKey, PreflightResult] = {}
+        oldest: dict[PreflightKey, dt.datetime] = {}
         for pod, keys in waiting:
+            created = _created(pod) or now
             for key in keys:
-                if key not in results:
-                    results[key] = self._result(key, pod, preflights, now, done)
+                oldest[key] = min(oldest.get(key, created), created)
+                if key in results:
+                    continue
+                # One key's trouble (an API error, a namespace's own admission policy)
+                # must not stop the pass for every other namespace.
+                try:
+                    results[key] = self._result(key, pod, preflights, ours, ring, done)
+                except Exception as exc:
+                    log.exception("preflight %s: could not start it", key.pod_name)
+                    results[key] = PreflightResult(
+                        "failed", f"the preflight could not be started: {_error(exc)}"
+                    )
+        # Whatever holds a key up (its pod squatted, relabelled, never created), nothing
+        # waits past the deadline counted from its first waiting pod (and a minute).
+        limit = dt.timedelta(seconds=self.config.settings.timeout_seconds + GRACE_SECONDS)
+        for key, result in results.items():
+            if result.phase == "running" and now - oldest[key] > limit:
+                results[key] = PreflightResult(
+                    "failed",
+                    f"no preflight answered within {int(limit.total_seconds())} s of the "
+                    f"first pod's creation{': ' + result.stalled if result.stalled else ''}",
+                )
         for pod, keys in waiting:
-            self._decide(pod, [results[k] for k in keys], done)
-        self._clean(preflights, {k.hash for _, keys in waiting for k in keys}, now, done)
+            try:
+                self._decide(pod, [results[k] for k in keys], done)
+            except Exception:
+                log.exception("preflight: could not decide %s", describe("Pod", *_name(pod)[:2]))
+        self._clean(ours, {k.hash for _, keys in waiting for k in keys}, now, done)
         return done
 
     def _result(
@@ -294,21 +346,28 @@ class Preflights:
         key: PreflightKey,
         pod: Json,
         preflights: Mapping[tuple[str, str], Json],
-        now: dt.datetime,
+        ours: Mapping[tuple[str, str], Json],
+        ring: Keyring | None,
         done: Pass,
     ) -> PreflightResult:
-        existing = preflights.get((key.namespace, key.pod_name))
-        timeout = self.config.settings.timeout_seconds
+        at = (key.namespace, key.pod_name)
+        existing = ours.get(at)
         if existing is not None and as_map(meta(existing).get("labels")).get(KEY_LABEL) == key.hash:
-            return preflight_result(existing, now, timeout)
+            return preflight_result(existing, self.clock(), self.config.settings.timeout_seconds)
+        if at in preflights:
+            # Labelled as a preflight, but not signed by epguard: a tenant's pod under
+            # the preflight's name. Its status is no answer.
+            return PreflightResult(
+                "failed", f"a pod epguard did not make holds the preflight's name {key.pod_name}"
+            )
         body = preflight_pod(key.namespace, as_map(pod.get("spec")), key, self.config.settings)
         if body is None:  # no container on that image asks for mooncake any more
             return PreflightResult("clear", "no container on this image asks for mooncake")
-        ring = self.keys.refresh()
         if ring is None:
             return PreflightResult("failed", "the controller holds no probe-signing key")
         try:
-            self.api.create_pod(key.namespace, signed(body, ring.current, now))
+            # Signed now, not at the start of the pass: /validate refuses a stale signature.
+            self.api.create_pod(key.namespace, signed(body, ring.current, self.clock()))
             done.created.append(describe("Pod", key.namespace, key.pod_name))
         except Conflict:
             pass  # another pass (the other replica) created it: its result comes next pass
@@ -377,6 +436,13 @@ class Preflights:
             self.api.patch_pod(namespace, name, ops)
         except Conflict:
             return False  # changed since listed (or ungated by the other replica): next pass
+        except Refused as exc:
+            # An admission policy of the namespace's refuses the change: say so, once.
+            uid = _name(pod)[2]
+            said = f"epguard could not remove its scheduling gate {GATE}: {exc}"
+            self.api.post_event(_ref(pod), "PreflightGateStuck", said, warning=True,
+                                key=f"{uid}/stuck")  # fmt: skip
+            return False
         done.ungated.append(describe("Pod", namespace, name))
         return True
 
@@ -415,16 +481,25 @@ class Preflights:
     ) -> None:
         for (namespace, name), pod in preflights.items():
             key = str(as_map(meta(pod).get("labels")).get(KEY_LABEL) or "")
-            if key in wanted:
-                continue
             result = preflight_result(pod, now, self.config.settings.timeout_seconds)
-            created = parse_stamp(str(meta(pod).get("creationTimestamp") or ""))
+            created = _created(pod)
             age = (now - created).total_seconds() if created else float("inf")
+            old = age > self.config.retain_seconds
+            if key in wanted:
+                # Waited on: kept, but a failed one is retried after the retention (under
+                # onError=hold its pods would otherwise wait on it forever).
+                if not (result.phase == "failed" and old):
+                    continue
             # Nobody waits: a running one is not needed; a finished one is kept to answer
             # for its image until it is older than the retention.
-            if result.phase == "running" or age > self.config.retain_seconds:
+            elif not (result.phase == "running" or old):
+                continue
+            try:
                 self.api.delete_pod(namespace, name, str(meta(pod).get("uid") or ""))
-                done.deleted.append(describe("Pod", namespace, name))
+            except Exception:
+                log.exception("preflight: could not delete %s", describe("Pod", namespace, name))
+                continue
+            done.deleted.append(describe("Pod", namespace, name))
 
 
 # -- kopf wiring -------------------------------------------------------------------------

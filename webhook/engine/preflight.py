@@ -147,7 +147,12 @@ class PreflightSettings:
 
 
 _RUN_AS = ("runAsUser", "runAsGroup", "runAsNonRoot")
-_POD_SECURITY = ("fsGroup", "supplementalGroups", "seccompProfile")
+_POD_SECURITY = ("fsGroup", "supplementalGroups")
+_CONFINED = {
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
 _PLACEMENT = ("nodeSelector", "affinity", "tolerations", "priorityClassName", "runtimeClassName")
 
 
@@ -190,15 +195,20 @@ def preflight_pod(
         probe = _without_extended(probe)
     # Who it runs as, and nothing that widens what it can do: the worker's own privileges
     # are for serving on the GPU node, not for reading files (the chart's policy refuses a
-    # privileged preflight).
+    # privileged preflight). What restricted PodSecurity asks for, so a namespace that
+    # enforces it admits the preflight when it admits the worker. No env: --files-only
+    # judges the image without the pod's variables, so none (and no Secret) is needed.
     own = as_map(probe.get("securityContext"))
     probe = {
-        **probe,
-        "securityContext": {
-            **{k: own[k] for k in _RUN_AS if k in own},
-            "allowPrivilegeEscalation": False,
-        },
+        **{k: v for k, v in probe.items() if k not in ("env", "envFrom")},
+        "securityContext": {**{k: own[k] for k in _RUN_AS if k in own}, **_CONFINED},
     }
+    probe["resources"] = {
+        **as_map(probe.get("resources")),
+        "limits": {**as_map(as_map(probe.get("resources")).get("limits")), "cpu": "1"},
+    }
+    copy = {**copy, "resources": {**copy["resources"], "limits": {
+        **copy["resources"]["limits"], "cpu": "100m"}}}  # fmt: skip
     spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "activeDeadlineSeconds": settings.timeout_seconds,
@@ -216,10 +226,13 @@ def preflight_pod(
         if worker_spec.get(field):
             spec[field] = worker_spec[field]
     security = as_map(worker_spec.get("securityContext"))
-    kept = {k: security[k] for k in (*_RUN_AS, *_POD_SECURITY) if k in security}
-    if kept:
-        # The image may only work as the user the worker runs it as.
-        spec["securityContext"] = kept
+    # The image may only work as the user the worker runs it as (a user that cannot list
+    # the image's packages proves nothing: probe/static.py); never the pod's own seccomp
+    # profile, which could make reads fail.
+    spec["securityContext"] = {
+        **{k: security[k] for k in (*_RUN_AS, *_POD_SECURITY) if k in security},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -227,7 +240,12 @@ def preflight_pod(
             "name": key.pod_name,
             "namespace": namespace,
             "labels": {PROBED_LABEL: "true", PREFLIGHT_LABEL: "true", KEY_LABEL: key.hash},
-            "annotations": {"epguard.io/preflight-image": key.image},
+            "annotations": {
+                "epguard.io/preflight-image": key.image,
+                # A mesh's injector would add a container the chart's policy refuses.
+                "sidecar.istio.io/inject": "false",
+                "linkerd.io/inject": "disabled",
+            },
         },
         "spec": spec,
     }
@@ -249,25 +267,18 @@ def _done_container(settings: InjectionSettings) -> dict[str, Any]:
         "image": settings.epguard_image,
         "imagePullPolicy": settings.image_pull_policy,
         "command": ["python3", "-c", "pass"],
-        "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "32Mi"}},
+        "resources": {
+            "requests": {"cpu": "10m", "memory": "16Mi"},
+            "limits": {"cpu": "100m", "memory": "32Mi"},
+        },
         "securityContext": {
+            **_CONFINED,
             "runAsNonRoot": True,
             "runAsUser": 65532,
-            "allowPrivilegeEscalation": False,
             "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"]},
         },
     }
 
-
-def worker_images(spec: Mapping[str, Any], requests_mooncake: Iterable[str]) -> tuple[str, ...]:
-    """The distinct images, in order, of the containers named in ``requests_mooncake``."""
-    wanted = set(requests_mooncake)
-    seen: dict[str, None] = {}
-    for c in as_list(spec.get("containers")):
-        if isinstance(c, Mapping) and c.get("name") in wanted and isinstance(c.get("image"), str):
-            seen.setdefault(c["image"], None)
-    return tuple(seen)
 
 
 # What a preflight came to: still running; nothing proven in the files (the gate comes

@@ -42,6 +42,11 @@ ValidatingAdmissionPolicy (GA in 1.30); offline, the group/version and the versi
 {{- if or ($api.Has "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy") (and ($api.Has "admissionregistration.k8s.io/v1") (not ($api.Has "apps/v1/Deployment")) (semverCompare ">=1.30-0" .Capabilities.KubeVersion.Version)) -}}true{{- end -}}
 {{- end -}}
 {{- /* The ValidatingAdmissionPolicy that holds the controller to preflight pods and the gate. */ -}}
+{{- /* The probe-copy command as webhook/engine/injection.py writes it (a chart test
+checks they agree): the policy pins what a preflight's copy container runs. */ -}}
+{{- define "epguard.preflightCopyCommand" -}}
+['python3', '-c', 'import shutil, sys; shutil.copytree(sys.argv[1], sys.argv[2], dirs_exist_ok=True)', '/opt/epguard/probe', '/epguard/probe']
+{{- end -}}
 {{- define "epguard.preflightPolicyName" -}}{{ include "epguard.fullname" . | trunc 53 | trimSuffix "-" }}-preflight{{- end -}}
 {{- /* The ClusterRole, binding and policy that let scanRecorder.serviceAccounts record. */ -}}
 {{- define "epguard.scanRecorderName" -}}{{ include "epguard.fullname" . | trunc 49 | trimSuffix "-" }}-scan-recorder{{- end -}}
