@@ -110,6 +110,12 @@ def outage(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ControlPl
             what="the webhook pods to be gone",
         )  # fmt: skip
         cp.kubectl("create", "namespace", "ml", check=True)
+        # The API server compiles an updated policy a moment after the write that the
+        # parameters' check above sees: wait until the rule refuses (a CI run under load
+        # once asked first).
+        bad = pod("w", "ml", worker(BAD_IMAGE))
+        eventually(lambda: _refused_by_backstop(cp, bad) is not None, within=30,
+                   what="the backstop to refuse the rule's image")  # fmt: skip
         yield cp, digest
 
 

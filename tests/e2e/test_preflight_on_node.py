@@ -53,14 +53,15 @@ def gated_namespace(cluster: ControlPlane) -> Iterator[str]:
 
 
 def deployment(
-    name: str, namespace: str, image: str, models: Path, replicas: int
+    name: str, namespace: str, image: str, models: Path, replicas: int, claim: bool = True
 ) -> dict[str, Any]:
     labels = {"app": name}
     spec = worker_spec(models, image)
-    # The model also through a claim: bound and mounted on the node before any init
-    # container, exactly what the init-container probe cannot stop.
-    spec["volumes"].append({"name": "weights", "persistentVolumeClaim": {"claimName": name}})
-    spec["containers"][0]["volumeMounts"].append({"name": "weights", "mountPath": "/weights"})
+    if claim:
+        # The model also through a claim: bound and mounted on the node before any init
+        # container, exactly what the init-container probe cannot stop.
+        spec["volumes"].append({"name": "weights", "persistentVolumeClaim": {"claimName": name}})
+        spec["containers"][0]["volumeMounts"].append({"name": "weights", "mountPath": "/weights"})
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
