@@ -1,5 +1,5 @@
 """The preflight controller's passes at scale, on the in-memory API of its unit tests
-(tests/controller/test_preflight.py): N gated pods over namespaces and images. Prints the
+(tests/controller/test_gatekeeper.py): N gated pods over namespaces and images. Prints the
 preflights started (at most one per namespace and image), the time of the pass that
 starts them and of the pass that decides every gate once they finished, and the peak
 Python memory of a pass. The API server's own time is not in these figures (the real
@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.controller.test_preflight import CLEAR, gated_pod, setup
+from tests.controller.test_gatekeeper import CLEAR, gated_pod, setup
 
 
 def run(pods: int, namespaces: int, images: int) -> tuple[int, float, float, int, float]:

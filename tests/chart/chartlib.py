@@ -78,6 +78,10 @@ def render(*extra: str, name: str = "") -> Rendered:
     key = tuple(extra)
     if key not in _cache:
         _cache[key] = Rendered(name or " ".join(extra) or "defaults", template(*extra))
+    elif name and _cache[key].name != name:
+        # The same render asked for under another name (tests key expectations on the
+        # variant's name): the objects are shared, the name is the caller's.
+        return Rendered(name, _cache[key].objects)
     return _cache[key]
 
 

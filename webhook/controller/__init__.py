@@ -5,7 +5,7 @@
 ``probe_key``     the key that signs injected probes: created, rotated, held
 ``background``    (a helper) the start/stop of a loop that lives as long as the operator
 ``recorder``      probe outcomes in pod status → ImageVerdicts + Events on pod and owner
-``preflight``     the preflight gate: one preflight pod per unjudged image, the gate on
+``gatekeeper``    the preflight gate: one preflight pod per unjudged image, the gate on
                   the pods waiting on it decided from its result
 ``owners``        (a helper) the top owner of a pod, for Events where people look
 ``backstop``      the outage backstop: ValidatingAdmissionPolicies compiled from the
@@ -26,6 +26,6 @@ HANDLER_MODULES: tuple[str, ...] = (
     "epguard.webhook.controller.certificates",
     "epguard.webhook.controller.probe_key",
     "epguard.webhook.controller.recorder",
-    "epguard.webhook.controller.preflight",
+    "epguard.webhook.controller.gatekeeper",
     "epguard.webhook.controller.backstop",
 )

@@ -14,14 +14,14 @@ import jsonpatch
 import pytest
 from kubernetes import client
 
-from epguard.webhook.controller.owners import Unreadable
-from epguard.webhook.controller.preflight import (
+from epguard.webhook.controller.gatekeeper import (
     Conflict,
     PreflightConfig,
     Preflights,
     Refused,
     worker_keys,
 )
+from epguard.webhook.controller.owners import Unreadable
 from epguard.webhook.engine.injection import InjectionSettings
 from epguard.webhook.engine.outcome import PROBE_CONTAINER, PROBED_LABEL
 from epguard.webhook.engine.preflight import (

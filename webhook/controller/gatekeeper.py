@@ -72,7 +72,7 @@ from epguard.webhook.engine.signing import Keyring, verify
 from epguard.webhook.engine.text import parse_stamp
 from epguard.webhook.engine.workloads import as_list, as_map, describe
 
-log = logging.getLogger("epguard.controller.preflight")
+log = logging.getLogger("epguard.controller.gatekeeper")
 
 # A pass runs at least this often (a preflight's deadline, a retained one's expiry), and
 # at once after a pod event that may change something.
@@ -90,7 +90,7 @@ class Refused(Exception):
 
 class PreflightApi(Protocol):
     """The API calls the preflight needs; the real one is :class:`KubePreflightApi`, the
-    tests use an in-memory one (tests/controller/test_preflight.py)."""
+    tests use an in-memory one (tests/controller/test_gatekeeper.py)."""
 
     def list_probed_pods(self) -> list[Json]:
         """Every pod with the ``epguard.io/probed`` label, in every namespace."""
