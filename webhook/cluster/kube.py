@@ -68,6 +68,17 @@ def status_of(exc: BaseException) -> int | None:
     return exc.status if isinstance(exc, ApiException) else None
 
 
+def api_message(exc: ApiException) -> str:
+    """The API server's own message in an error (its Status body: a policy's or RBAC's
+    refusal), else its reason; bounded."""
+    try:
+        body = json.loads(exc.body or "{}")
+    except (TypeError, ValueError):
+        body = {}
+    message = body.get("message") if isinstance(body, dict) else None
+    return str(message or exc.reason)[:500]
+
+
 def raw(response: Any) -> Json:
     """The JSON object of a ``_preload_content=False`` response (no model round trip)."""
     data = response.data if hasattr(response, "data") else response.read()

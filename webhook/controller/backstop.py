@@ -28,7 +28,6 @@ import contextlib
 import copy
 import datetime as dt
 import hashlib
-import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +36,7 @@ import kopf
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from epguard.webhook.cluster.kube import REQUEST_TIMEOUT, list_all, meta
+from epguard.webhook.cluster.kube import REQUEST_TIMEOUT, api_message, list_all, meta
 from epguard.webhook.controller.compiler import (
     PARAMS_GROUP,
     PARAMS_PLURAL,
@@ -341,7 +340,7 @@ async def run_writer(api: client.ApiClient, state: BackstopState) -> None:
                 wait = min(wait, max(0.5, (params.next_change - now).total_seconds()))
         except ApiException as exc:
             log.warning("backstop sync failed (%s %s: %s); retrying", exc.status, exc.reason,
-                        _said(exc))  # fmt: skip
+                        api_message(exc))  # fmt: skip
             wait = POLL
         except Exception as exc:  # a dropped connection must not end the writer
             log.warning("backstop sync failed (%s: %s); retrying", type(exc).__name__, exc)
@@ -383,15 +382,6 @@ async def start(api: client.ApiClient, config: ControllerConfig) -> BackstopStat
     )
 
 
-def _said(exc: ApiException) -> str:
-    """The API server's own message in an error (its Status body), bounded."""
-    try:
-        message = str(json.loads(exc.body or "{}").get("message") or "")
-    except ValueError:
-        message = ""
-    return (message or str(exc.reason))[:500]
-
-
 async def keep(api: client.ApiClient, config: ControllerConfig, memo: kopf.Memo) -> None:
     """Install (retrying: a just-started API server answered 422 on the node while its
     storage initialized), then keep the parameters current until cancelled."""
@@ -404,7 +394,7 @@ async def keep(api: client.ApiClient, config: ControllerConfig, memo: kopf.Memo)
             # The webhook still judges; the backstop is only for its outages. It must
             # not keep the controller (and certificate rotation) from starting.
             said = (
-                f"{exc.status} {exc.reason}: {_said(exc)}"
+                f"{exc.status} {exc.reason}: {api_message(exc)}"
                 if isinstance(exc, ApiException)
                 else f"{type(exc).__name__}: {exc}"
             )

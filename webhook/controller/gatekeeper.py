@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import json
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -46,7 +45,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from epguard.probe import shell
-from epguard.webhook.cluster.kube import REQUEST_TIMEOUT, Json, list_all, meta
+from epguard.webhook.cluster.kube import REQUEST_TIMEOUT, Json, api_message, list_all, meta
 from epguard.webhook.controller import background
 from epguard.webhook.controller.config import ControllerConfig
 from epguard.webhook.controller.owners import KubeObjects, top_owner
@@ -140,7 +139,7 @@ class KubePreflightApi(KubeObjects):
             if exc.status == 409:
                 raise Conflict(str(exc.reason)) from exc
             if exc.status in (400, 403, 404, 422):
-                raise Refused(_said(exc)) from exc
+                raise Refused(api_message(exc)) from exc
             raise
 
     def delete_pod(self, namespace: str, name: str, uid: str) -> None:
@@ -165,7 +164,7 @@ class KubePreflightApi(KubeObjects):
                 _request_timeout=REQUEST_TIMEOUT,
             )
         except ApiException as exc:
-            said = _said(exc)
+            said = api_message(exc)
             # A failed `test` (the gate moved) is a 422 too; an admission refusal names
             # the policy or webhook that refused.
             if exc.status in (400, 403) or (exc.status == 422 and "denied" in said):
@@ -182,16 +181,6 @@ class KubePreflightApi(KubeObjects):
             _content_type="application/strategic-merge-patch+json",
             _request_timeout=REQUEST_TIMEOUT,
         )
-
-
-def _said(exc: ApiException) -> str:
-    """The API server's message (a policy's or RBAC's refusal), else its reason."""
-    try:
-        body = json.loads(exc.body or "{}")
-    except (TypeError, ValueError):
-        body = {}
-    message = body.get("message") if isinstance(body, dict) else None
-    return str(message or exc.reason)[:500]
 
 
 class KeySource(Protocol):

@@ -46,7 +46,6 @@ CONDITION = "epguard.io/Preflight"
 KEY_LABEL = "epguard.io/preflight-key"
 # On a preflight pod: "true" (what the controller watches and cleans up).
 PREFLIGHT_LABEL = "epguard.io/preflight-pod"
-OnError = Literal["open", "hold"]
 
 # The preflight pod's main container: it only has to exist (a pod needs one) and end.
 DONE_CONTAINER = "preflight-done"
@@ -156,6 +155,14 @@ _CONFINED = {
 _PLACEMENT = ("nodeSelector", "affinity", "tolerations", "priorityClassName", "runtimeClassName")
 
 
+def _with_cpu_limit(container: Mapping[str, Any], cpu: str) -> dict[str, Any]:
+    """``container`` with a cpu limit added to its resources (a namespace's cpu quota
+    refuses a pod whose containers set none)."""
+    resources = as_map(container.get("resources"))
+    limits = {**as_map(resources.get("limits")), "cpu": cpu}
+    return {**container, "resources": {**resources, "limits": limits}}
+
+
 def _without_extended(container: Mapping[str, Any]) -> dict[str, Any]:
     """The probe container without the worker's extended resources (GPUs, RDMA): a
     preflight judges files, which any node can."""
@@ -203,12 +210,7 @@ def preflight_pod(
         **{k: v for k, v in probe.items() if k not in ("env", "envFrom")},
         "securityContext": {**{k: own[k] for k in _RUN_AS if k in own}, **_CONFINED},
     }
-    probe["resources"] = {
-        **as_map(probe.get("resources")),
-        "limits": {**as_map(as_map(probe.get("resources")).get("limits")), "cpu": "1"},
-    }
-    copy = {**copy, "resources": {**copy["resources"], "limits": {
-        **copy["resources"]["limits"], "cpu": "100m"}}}  # fmt: skip
+    probe, copy = _with_cpu_limit(probe, "1"), _with_cpu_limit(copy, "100m")
     spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "activeDeadlineSeconds": settings.timeout_seconds,
