@@ -6,8 +6,9 @@ audit's sizes: exit, seconds and peak RSS, before and after.
 Builds each archive from crafted bytes (tests/scan/hostile.py) in a temporary
 directory, then runs the scan of this tree ("after") and, with ``--before DIR`` (a
 checkout of another commit, e.g. ``git worktree add /tmp/d5scan d5affd9``), the scan
-of that tree ("before"), each as ``timeout S prlimit --as=4G python -m epguard.webhook.cli scan``
-with PYTHONPATH pointing at its tree. A run that hits the wall-clock limit prints
+of that tree ("before"), each as
+``timeout S prlimit --as=4G python -m epguard.webhook.command scan`` with PYTHONPATH
+pointing at its tree. A run that hits the wall-clock limit prints
 ``timeout``; one killed by the address-space limit shows its exit and memory. Peak
 RSS is the process tree's (RUSAGE_CHILDREN). Prints one line per case.
 
@@ -109,8 +110,8 @@ CASES: dict[str, Callable[[Path], tuple[Path, list[str]]]] = {
 def run(tree: Path, image: Path, args: list[str], seconds: float) -> str:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     cmd = ["timeout", str(seconds), "prlimit", f"--as={AS_LIMIT}", sys.executable, "-c",
-           "import sys; from epguard.webhook.cli import main; sys.exit(main())", "scan", str(image),
-           *args]
+           "import sys; from epguard.webhook.command import main; sys.exit(main())", "scan",
+           str(image), *args]
     start = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", _PEAK, *cmd], capture_output=True, text=True,
                          env=env, cwd=tree)

@@ -165,7 +165,7 @@ def _absorb(o, run):
 
 def _plan(req, level, timeout, modules):
     alternates = [] if req.either else [
-        m for m in _sibling("engine").MODULES if m not in req.modules]
+        m for m in _sibling("requirement").MODULES if m not in req.modules]
     return {"modules": modules, "names": req.names, "first_success_only": req.either,
             "alternates": alternates, "level": level, "timeout": timeout}
 
@@ -206,7 +206,7 @@ def check(opts, req_argv, environ=None, executable=None):
             child.stop()
             return facts.outcome, found.verdict
     diagnosis = _sibling("diagnosis")
-    engine = _sibling("engine")
+    requirement_mod = _sibling("requirement")
     inventory = _sibling("inventory")
     o = diagnosis.Outcome()
     o.static_note = static_note
@@ -217,7 +217,7 @@ def check(opts, req_argv, environ=None, executable=None):
     # image may install its packages on a PYTHONPATH of its own).
     files = _sibling("files")
     path = live_image(environ).path
-    o.requirement = engine.requirement(files.LIVE, path)
+    o.requirement = requirement_mod.requirement(files.LIVE, path)
     o.dists = inventory.mooncake_distributions(path)
     o.package = inventory.mooncake_package(files.LIVE, path,
                                            importlib.machinery.EXTENSION_SUFFIXES)

@@ -30,13 +30,13 @@ import re
 try:
     from . import diagnosis, files, inventory
     from . import elf as elf_mod
-    from . import engine as engine_mod
+    from . import requirement as requirement_mod
 except ImportError:  # run as `python3 probe`: the directory itself is on sys.path
     import diagnosis
     import elf as elf_mod
-    import engine as engine_mod
     import files
     import inventory
+    import requirement as requirement_mod
 
 # Mounted into the container by the NVIDIA runtime on a GPU node, never in an image.
 DRIVER_LIBS = frozenset({"libcuda.so.1", "libnvidia-ml.so.1", "libnvidia-ptxjitcompiler.so.1"})
@@ -210,7 +210,7 @@ def _outcome_with(base, imports, requirement=None, alternates=None):
 def _one_module(base, module, event, alternates):
     """Worded as if ``module`` were the one that failed, with ``event`` its report."""
     req = base.requirement
-    only = engine_mod.Requirement(
+    only = requirement_mod.Requirement(
         req.version, [module], {module: req.names.get(module, [])} if req.names else {},
         req.source, either=False)
     return _outcome_with(base, {module: event}, only, alternates)
@@ -353,7 +353,7 @@ def read(image, request, requirement=None):
     o.request = request
     o.fs = fs
     o.environ = image.environ
-    o.requirement = requirement or engine_mod.requirement(fs, image.path)
+    o.requirement = requirement or requirement_mod.requirement(fs, image.path)
     o.dists = inventory.mooncake_distributions(image.path, fs)
     o.package = inventory.mooncake_package(fs, image.path, image.suffixes)
     o.torch_metadata = inventory.dist_version("torch", image.path, fs)
@@ -381,7 +381,7 @@ def read(image, request, requirement=None):
     if not o.requirement.either and any(_absent(m, e) for m, e in events.items()):
         # As the probe says after a failed import: whether the other module would load
         # (for another SGLang), here judged from its files.
-        for m in engine_mod.MODULES:
+        for m in requirement_mod.MODULES:
             if m not in events:
                 alternates[m] = not _module_events(image, o, m, tag, major, mapped)
     for module in o.requirement.modules:

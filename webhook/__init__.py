@@ -7,5 +7,5 @@
 ``engine``      the pure decision engine: no I/O, no API calls
 
 ``settings`` (every option of both processes, one table) and ``metrics`` sit between
-the engine and the rest; ``cli`` is the ``epguard`` command.
+the engine and the rest; ``command`` is the ``epguard`` command.
 """

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from epguard.webhook.cli import main
+from epguard.webhook.command import main
 from tests.factory import GOOD_IMAGE, TEST_RULES, container, pod, pod_spec, template, workload
 
 

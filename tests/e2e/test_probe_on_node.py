@@ -178,7 +178,7 @@ def test_the_scan_of_the_archive_says_what_the_pod_says_about_the_image(
     # real pod on the same image: the same image cause (or none), for the same digest.
     archive = images_dir() / f"{image.name}.oci.tar"
     scanned = subprocess.run(
-        [sys.executable, "-m", "epguard.webhook.cli", "scan", str(archive), "--json"],
+        [sys.executable, "-m", "epguard.webhook.command", "scan", str(archive), "--json"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     doc = json.loads(scanned.stdout)

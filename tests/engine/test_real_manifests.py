@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from epguard.probe import cmdline
-from epguard.webhook.cli import main
+from epguard.webhook.command import main
 from tests import realmanifests
 from tests.factory import DENY_ALL_RULES
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from epguard.webhook.cli import main
+from epguard.webhook.command import main
 from tests import realmanifests
 from tests.factory import DENY_ALL_RULES, container, pod, review
 from tests.probe.probe_harness import PROBE_DIR, clean_env

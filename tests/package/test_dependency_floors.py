@@ -232,7 +232,7 @@ NEEDS: tuple[Need, ...] = (
     Need("msgspec", "msgspec.ValidationError (admission/transport.py)", "0.8.0", "0.7.0",
          "msgspec/__init__.pyi: class ValidationError(DecodeError) from 0.8.0",
          _msgspec_validation_error),
-    Need("pyyaml", "yaml.safe_load, safe_load_all, safe_dump, YAMLError (cli.py, "
+    Need("pyyaml", "yaml.safe_load, safe_load_all, safe_dump, YAMLError (command.py, "
          "engine/rules.py, engine/workloads.py)", "3.10", None,
          "lib3/yaml/__init__.py of 3.10, the oldest release on PyPI", _yaml_safe),
     Need("prometheus-client", "CollectorRegistry, Counter/Gauge/Histogram(registry=, "

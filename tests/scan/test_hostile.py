@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from epguard.probe import cmdline, files, static
-from epguard.webhook import cli
+from epguard.webhook import command
 from epguard.webhook.scan import scanner, tarstream, tree
 from tests.scan import hostile
 from tests.scan.scan_harness import EPGUARD, Scan
@@ -207,7 +207,7 @@ def test_an_internal_failure_is_exit_2_in_one_line_not_a_traceback(tmp_path, mon
         raise KeyError("a bug")
 
     monkeypatch.setattr(scanner, "scan", broken)
-    assert cli.main(["scan", str(tmp_path)]) == cli.EXIT_ERROR
+    assert command.main(["scan", str(tmp_path)]) == command.EXIT_ERROR
     err = capsys.readouterr().err
     assert err == ("epguard: cannot scan: internal error: KeyError: 'a bug' (a bug in "
                    "epguard, not a cause in the image)\n")
@@ -372,10 +372,10 @@ if __name__ == "__main__":
 
 
 def test_an_sglang_source_between_1_and_4_mib_is_read_whole_as_the_probe_reads_it(tmp_path):
-    """The probe's engine reads an SGLang source whole up to engine.MAX_SOURCE_BYTES
+    """The probe (requirement.py) reads an SGLang source whole up to MAX_SOURCE_BYTES
     (4 MiB); the scan kept only its first MAX_TEXT_BYTES (1 MiB), so an import of
     mooncake.pg past 1 MiB was the probe's finding and not the scan's."""
-    from epguard.probe import engine
+    from epguard.probe import requirement
     from epguard.webhook.scan import sources
 
     padding = b"#" * (files.MAX_TEXT_BYTES + 4096) + b"\n"
@@ -394,8 +394,8 @@ def test_an_sglang_source_between_1_and_4_mib_is_read_whole_as_the_probe_reads_i
     layout = hostile.one_layer(tmp_path / "img", hostile.tar_of(entries))
     scanned, _ = scanner.build_tree(sources.open_source(str(layout)))
     path = ["/" + _SITE]
-    in_pod = engine.requirement(_Under(root), path)
-    by_scan = engine.requirement(scanned, path)
+    in_pod = requirement.requirement(_Under(root), path)
+    by_scan = requirement.requirement(scanned, path)
     assert in_pod.modules == ["mooncake.pg"] and "MooncakeBackendOptions" in str(in_pod.names)
     assert (by_scan.modules, by_scan.names) == (in_pod.modules, in_pod.names)
     assert any("over 4194304: not read, as the probe does not read it" in n

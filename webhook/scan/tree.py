@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import IO, Any, Protocol
 
-from epguard.probe import elf, engine, files
+from epguard.probe import elf, files, requirement
 from epguard.webhook.engine.text import cut
 from epguard.webhook.scan.tarstream import Budget, unlimited
 
@@ -68,7 +68,7 @@ WHITEOUT = ".wh."
 
 _DIST_RE = re.compile(r"^(torch|sglang|mooncake)[-_.a-z0-9]*\.(dist-info|egg-info)$", re.I)
 _EXT_RE = re.compile(r"^(pg_|ep_|_ep\.)")
-_SGLANG_SOURCES = frozenset("sglang/" + rel for rel in engine.SOURCES)
+_SGLANG_SOURCES = frozenset("sglang/" + rel for rel in requirement.SOURCES)
 # Libraries under these are torch's own (preloaded by `import torch`); their
 # dependencies are torch's concern, and they are the largest files in the image.
 _TORCH_TREES = ("/torch/", "/nvidia/", "/triton/")
@@ -111,7 +111,7 @@ class Kept:
     elf: bool = False
     strings: bool = False
     # A text the probe reads whole or not at all, up to this many bytes (an SGLang
-    # source: probe/engine.py MAX_SOURCE_BYTES); 0: the first TEXT_BYTES, as for loaders.
+    # source: probe/requirement.py MAX_SOURCE_BYTES); 0: the first TEXT_BYTES, as for loaders.
     whole: int = 0
 
 
@@ -136,7 +136,7 @@ def wanted(path: str) -> Kept | None:
         return Kept(text=True)
     for rel in _SGLANG_SOURCES:
         if path.endswith("/" + rel):
-            return Kept(text=True, whole=engine.MAX_SOURCE_BYTES)
+            return Kept(text=True, whole=requirement.MAX_SOURCE_BYTES)
     if base.startswith("lib") and ".so" in base and not any(t in path for t in _TORCH_TREES):
         return Kept(elf=True)
     return None
@@ -351,7 +351,7 @@ class Tree:
 
     def _keep(self, node: Node, path: str, kept: Kept, data: IO[bytes]) -> None:
         if kept.text and kept.whole:
-            # Read as the probe's engine reads an SGLang source: whole, or not at all.
+            # Read as probe/requirement.py reads an SGLang source: whole, or not at all.
             if node.size > kept.whole:
                 self.note(f"{path}: {node.size} bytes, over {kept.whole}: not read, as the "
                           "probe does not read it")

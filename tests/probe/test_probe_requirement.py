@@ -9,12 +9,12 @@ import textwrap
 
 import pytest
 
-from epguard.probe import engine
+from epguard.probe import requirement
 from tests.probe.probe_harness import REPO, SGLANG_EP, SGLANG_PG, clean_env, overlay
 
 
 def scan(src: str) -> dict[str, set[str]]:
-    return engine.scan_source(textwrap.dedent(src))
+    return requirement.scan_source(textwrap.dedent(src))
 
 
 # --- both spellings ---------------------------------------------------------------------
@@ -74,8 +74,8 @@ def test_reads_imports_even_when_the_whole_file_does_not_parse():
 
 def requirement_in(pythonpath) -> dict:
     code = (
-        "import json, sys; sys.path.insert(0, sys.argv[1]); from probe import engine; "
-        "r = engine.requirement(); print(json.dumps(dict(version=r.version, "
+        "import json, sys; sys.path.insert(0, sys.argv[1]); from probe import requirement; "
+        "r = requirement.requirement(); print(json.dumps(dict(version=r.version, "
         "modules=r.modules, names=r.names, either=r.either, source=r.source)))"
     )
     out = subprocess.run(
