@@ -1,4 +1,5 @@
-"""``python -m devcluster up|down|status``: the local control plane with epguard in it."""
+"""``python -m devcluster up|down|status|model``: the local control plane with epguard in
+it, and the model image its registry serves."""
 
 from __future__ import annotations
 
@@ -36,12 +37,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     sub.add_parser("down", help="stop everything `up` started and remove the run directory")
     sub.add_parser("status", help="what runs; exit 1 unless everything is alive")
+    p_model = sub.add_parser(
+        "model",
+        help="the node registry's model image: MODEL_REF=... and MODEL_SERVED=<bytes served>",
+    )
+    p_model.add_argument(
+        "--forget", action="store_true", help="remove it from containerd first (next use pulls)"
+    )
     args = parser.parse_args(argv)
     run_dir: Path = args.run_dir.resolve()
     if args.command == "up":
         return stack.up(run_dir, args.helm_arg, args.chart.resolve())
     if args.command == "down":
         return stack.down(run_dir)
+    if args.command == "model":
+        return stack.model(run_dir, forget=args.forget)
     return stack.status(run_dir)
 
 

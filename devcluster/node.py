@@ -1,17 +1,21 @@
 """A real node for the local control plane: containerd + runc, a CNI bridge, a kubelet,
 kube-scheduler, kube-controller-manager and kube-proxy.
 
-Every Kubernetes binary is the pinned v1.35.4 build in ``$EPGUARD_CACHE/bin``
-(``scripts/tools.d/10-kube.sh``); containerd, runc and the CNI plugins are Debian's
-(``scripts/tools.d/05-system.sh``). The recipe and every obstacle met on this kind of
-machine are in ``/work/shared/notes/local-node.md`` and docs/devcluster.md; the ones
-the code below depends on:
+Every Kubernetes binary is the pinned v1.35.4 build in ``$EPGUARD_CACHE/bin``, and so
+are containerd v2.4.2, its runc shim and ``ctr`` (``scripts/tools.d/10-kube.sh``; Debian's
+containerd 1.6 cannot mount image volumes); runc and the CNI plugins are Debian's
+(``scripts/tools.d/05-system.sh``). A real OCI registry runs on the node's address
+(:mod:`devcluster.registry`) and serves the model image that image-volume tests mount.
+The recipe and every obstacle met on this kind of machine are in
+``/work/shared/notes/local-node.md`` and docs/devcluster.md; the ones the code below
+depends on:
 
 * the VM lacks ``CAP_SYS_RESOURCE``, so runc cannot lower the sandbox's
   ``oom_score_adj`` and every pod would fail with ``can't get final child's PID from
   pipe``: containerd's CRI plugin runs with ``restrict_oom_score_adj = true``;
-* no registry is reachable: the pause image is built here and set as containerd's
-  ``sandbox_image``; every image is imported with ``ctr -n k8s.io images import``;
+* no outside registry is reachable: the pause image is built here and pinned as
+  containerd's sandbox image; the epguard and worker images are imported with
+  ``ctr -n k8s.io images import``; the model image is pulled from the node's registry;
 * the kubelet runs on cgroup v1 (``failCgroupV1: false``) with the cgroupfs driver.
 
 A kubelet changes host state whatever its ``--root-dir``: mounts, cgroups,
@@ -42,6 +46,7 @@ import yaml
 from devcluster import binaries, ociimage, pki
 from devcluster.controlplane import ControlPlane, ControlPlaneError, write_kubeconfig
 from devcluster.process import ManagedProcess, free_port
+from devcluster.registry import Registry
 
 NODE_NAME = "node-0"
 POD_CIDR = "10.88.0.0/16"
@@ -151,7 +156,7 @@ def host_snapshot() -> dict[str, Any]:
     # other control planes (test sessions, another checkout) may come and go meanwhile;
     # callers check those by pid.
     names = {"kubelet", "kube-proxy", "kube-scheduler", "kube-controller", "containerd",
-             "containerd-shim", "pause"}  # fmt: skip
+             "containerd-shim", "pause", "docker-registry"}  # fmt: skip
     procs = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, ValueError):
@@ -207,7 +212,13 @@ class Node:
 
     @staticmethod
     def containerd_root() -> Path:
+        # The store of Debian's containerd 1.6 before: containerd 2 opens it in place
+        # (its metadata is migrated), so no image is imported or stored twice.
         return binaries.cache_dir() / "containerd"
+
+    @property
+    def registry(self) -> Registry:
+        return Registry(self.workdir / "registry", self.ip)
 
     def _logs(self) -> Path:
         return self.workdir / "logs"
@@ -239,11 +250,8 @@ class Node:
         for the node to be Ready and the ``default`` ServiceAccount to exist."""
         if os.geteuid() != 0:
             raise NodeError("a real node needs root (containerd, runc, CNI, the kubelet)")
-        for tool in ("containerd", "ctr"):
-            if shutil.which(tool) is None:
-                raise NodeError(
-                    f"{tool} not found: run `make tools` (scripts/tools.d/05-system.sh)"
-                )
+        for tool in ("containerd", "containerd-shim-runc-v2", "ctr"):
+            binaries.find(tool)  # MissingBinary says to run `make tools`
         if not (CNI_BIN / "bridge").exists() or not RUNC.exists():
             raise NodeError("runc or the CNI plugins are missing: run `make tools`")
         self._lock()
@@ -252,9 +260,11 @@ class Node:
         self._logs().mkdir(exist_ok=True)
         self._record()
         try:
-            self._write_pki()
+            ca = self._write_pki()
+            self._start_registry(ca)
             self._start_containerd()
             self.import_images([binaries.cache_dir() / "images" / "pause.oci.tar", *images])
+            self.registry.push_model()
             self._start_controllers()
             self._start_kubelet()
             self._wait_ready()
@@ -323,8 +333,8 @@ class Node:
     # --- images -----------------------------------------------------------------------
 
     def ctr(self, *args: str, check: bool = True, timeout: float = 600.0) -> str:
-        r = _run("ctr", "--address", str(SOCKET), "-n", "k8s.io", *args, check=False,
-                 timeout=timeout)  # fmt: skip
+        r = _run(str(binaries.find("ctr")), "--address", str(SOCKET), "-n", "k8s.io", *args,
+                 check=False, timeout=timeout)  # fmt: skip
         if check and r.returncode != 0:
             raise NodeError(f"ctr {' '.join(args)} failed: {r.stderr.strip()}")
         return r.stdout
@@ -333,6 +343,16 @@ class Node:
         """{image name: manifest digest} of what containerd holds for the kubelet."""
         rows = [line.split() for line in self.ctr("images", "ls").splitlines()[1:]]
         return {row[0]: row[2] for row in rows if len(row) > 2}
+
+    def forget_image(self, ref: str) -> None:
+        """Remove an image from containerd's store so the next use pulls it again: every
+        name CRI gave it (the tag, ``repo@sha256:<manifest>`` and ``sha256:<config>``)
+        points at the same manifest, and the content goes when the last name does."""
+        digest = self.image_digests().get(ref)
+        if digest is None:
+            return
+        names = [name for name, d in self.image_digests().items() if d == digest]
+        self.ctr("images", "rm", "--sync", *names)
 
     def import_images(self, archives: Iterable[Path]) -> None:
         """Import OCI archives, skipping those containerd already holds (its store is
@@ -351,7 +371,7 @@ class Node:
     def _pki(self, name: str) -> Path:
         return self.workdir / "pki" / name
 
-    def _write_pki(self) -> None:
+    def _write_pki(self) -> pki.CertificateAuthority:
         (self.workdir / "pki").mkdir(parents=True, exist_ok=True)
         cp_pki = self.cp.pki_dir
         ca = pki.CertificateAuthority.load(
@@ -378,12 +398,17 @@ class Node:
                 client_cert=pair.cert,
                 client_key=pair.key,
             )
+        return ca
 
     def _spawn(
-        self, name: str, argv: list[str], env: Mapping[str, str] | None = None
+        self,
+        name: str,
+        argv: list[str],
+        env: Mapping[str, str] | None = None,
+        log: Path | None = None,
     ) -> ManagedProcess:
         proc = ManagedProcess.spawn(
-            name, argv, self._logs() / f"{name}.log", env=env, detached=self.cp.detached
+            name, argv, log or self._logs() / f"{name}.log", env=env, detached=self.cp.detached
         )
         self.processes.append(proc)
         self._record()
@@ -394,6 +419,11 @@ class Node:
         path = self.workdir / _RECORD
         path.with_suffix(".tmp").write_text(json.dumps(self.to_dict()))
         path.with_suffix(".tmp").replace(path)
+
+    def _start_registry(self, ca: pki.CertificateAuthority) -> None:
+        registry = self.registry
+        argv = registry.prepare(ca)
+        registry.wait_ready(self._spawn("registry", argv, log=registry.log))
 
     def _start_containerd(self) -> None:
         cni = self.workdir / "cni"
@@ -421,7 +451,7 @@ class Node:
         (cni / "net.d" / "10-epguard.conflist").write_text(json.dumps(conflist, indent=1))
         root = self.containerd_root()
         root.mkdir(parents=True, exist_ok=True)
-        config = f"""version = 2
+        config = f"""version = 3
 root = "{root}"
 state = "{RUNTIME_STATE}"
 [grpc]
@@ -429,29 +459,37 @@ state = "{RUNTIME_STATE}"
 [ttrpc]
   address = "{SOCKET}.ttrpc"
 [plugins]
-  [plugins."io.containerd.grpc.v1.cri"]
-    sandbox_image = "{PAUSE_IMAGE}"
-    enable_cdi = false
+  [plugins.'io.containerd.cri.v1.images']
+    snapshotter = "overlayfs"
+    [plugins.'io.containerd.cri.v1.images'.pinned_images]
+      sandbox = "{PAUSE_IMAGE}"
+    [plugins.'io.containerd.cri.v1.images'.registry]
+      config_path = "{self.registry.hosts_dir}"
+  [plugins.'io.containerd.cri.v1.runtime']
     # This VM's root lacks CAP_SYS_RESOURCE: runc cannot set the sandbox's
     # oom_score_adj to -998 and every pod would fail to start.
     restrict_oom_score_adj = true
-    [plugins."io.containerd.grpc.v1.cri".containerd]
-      snapshotter = "overlayfs"
+    [plugins.'io.containerd.cri.v1.runtime'.containerd]
       default_runtime_name = "runc"
-      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
         runtime_type = "io.containerd.runc.v2"
-        [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]
           SystemdCgroup = false
           BinaryName = "{RUNC}"
-    [plugins."io.containerd.grpc.v1.cri".cni]
-      bin_dir = "{CNI_BIN}"
+    [plugins.'io.containerd.cri.v1.runtime'.cni]
+      bin_dirs = ["{CNI_BIN}"]
       conf_dir = "{cni / "net.d"}"
 """
         path = self.workdir / "containerd.toml"
         path.write_text(config)
-        proc = self._spawn("containerd", ["containerd", "--config", str(path)])
+        # containerd finds its shim on PATH: ours first, not Debian's 1.6 one.
+        env = {**os.environ, "PATH": f"{binaries.bin_dir()}:{os.environ.get('PATH', '')}"}
+        proc = self._spawn(
+            "containerd", [str(binaries.find("containerd")), "--config", str(path)], env=env
+        )
         deadline = time.monotonic() + 60
-        while _run("ctr", "--address", str(SOCKET), "version", check=False).returncode != 0:
+        ctr = str(binaries.find("ctr"))
+        while _run(ctr, "--address", str(SOCKET), "version", check=False).returncode != 0:
             if not proc.alive() or time.monotonic() > deadline:
                 raise NodeError(f"containerd did not start; last log lines:\n{proc.log_tail()}")
             time.sleep(0.2)

@@ -506,3 +506,22 @@ def status(run_dir: Path = DEFAULT_RUN_DIR) -> int:
     if stack.control_plane is not None:
         print(f"export KUBECONFIG={stack.control_plane.kubeconfig}")
     return 0 if procs and all(p.alive() for p in procs) else 1
+
+
+def model(run_dir: Path = DEFAULT_RUN_DIR, *, forget: bool = False) -> int:
+    """Print the node registry's model image as shell assignments: ``MODEL_REF`` (what a
+    pod's image volume names) and ``MODEL_SERVED`` (bytes of its layers the registry has
+    served to anyone since the node started, from the access log). ``forget`` first
+    removes it from containerd's store, so that the next use must pull it."""
+    stack = Stack.load(run_dir)
+    if stack is None or stack.node is None:
+        print("down", file=sys.stderr)
+        return 1
+    registry = stack.node.registry
+    if forget:
+        stack.node.forget_image(registry.model_ref)
+    served = registry.blob_gets()
+    layers = registry.model_layers()
+    print(f"MODEL_REF={registry.model_ref}")
+    print(f"MODEL_SERVED={sum(served[d].bytes for d in layers if d in served)}")
+    return 0

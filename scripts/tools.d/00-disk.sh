@@ -2,7 +2,8 @@
 # Fail in the first second, not after an hour, when the disk cannot hold the run.
 # What a run writes (measured on the 2-core machine; the README's `make tools` table):
 #   a fresh cache, ~60 GiB: torch environments 7 GiB, worker and scan-matrix archives
-#   19 GiB, containerd's unpacked copies 24 GiB, buildah 1 GiB, Go build cache 4 GiB;
+#   19 GiB, containerd's unpacked copies 24 GiB, buildah 1 GiB, Go build cache 4 GiB,
+#   the node registry's model image 1 GiB;
 #   every run, ~8 GiB more: the epguard image rebuild and the tests' tmp_path trees.
 # EPGUARD_MIN_FREE_GIB overrides the floor (e.g. on a machine whose cache is elsewhere).
 set -euo pipefail
@@ -18,6 +19,7 @@ missing() { need=$((need + $1)); what="$what + $2"; }
 [ -f "$cache/images/scan-matrix.oci.key" ] || missing 7 "scan-matrix archive"
 [ -d "$cache/containerd/io.containerd.content.v1.content" ] || missing 24 "containerd's copies"
 [ -x "$cache/bin/kube-apiserver" ] || missing 4 "Go build cache"
+[ -d "$cache/registry/docker" ] || missing 1 "the registry's model image"
 need="${EPGUARD_MIN_FREE_GIB:-$need}"
 fail=0
 for dir in "$cache" "${TMPDIR:-/tmp}"; do

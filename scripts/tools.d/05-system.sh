@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The Debian packages the local one-node cluster needs (scripts/tools.d and devcluster/node.py):
-# containerd + runc (the container runtime), the CNI plugins (pod network: bridge,
+# runc (containerd itself is built from Go by 10-kube.sh: Debian's 1.6 cannot mount image
+# volumes), docker-registry (CNCF distribution: the node's OCI registry, which serves the
+# model image), the CNI plugins (pod network: bridge,
 # host-local), iptables (kube-proxy), buildah (builds the Dockerfile, no daemon),
 # mmdebstrap (base image rootfs from the Debian mirror), gcc (the pause image),
 # busybox-static (a small image for the node's own tests).
 # Installed with apt-get from the configured Debian mirror, nothing else; a no-op when
 # all are present. Needs root (or sudo).
 set -euo pipefail
-pkgs=(containerd runc containernetworking-plugins iptables buildah mmdebstrap gcc libc6-dev busybox-static)
+pkgs=(runc docker-registry containernetworking-plugins iptables buildah mmdebstrap gcc libc6-dev busybox-static)
 missing=()
 for p in "${pkgs[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")

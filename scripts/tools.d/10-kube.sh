@@ -2,8 +2,8 @@
 # Build every Kubernetes binary of the local one-node cluster from the Go module proxy
 # into $EPGUARD_CACHE/bin: etcd, kube-apiserver, and (module devcluster/go/node) kubelet,
 # kube-scheduler, kube-controller-manager and kube-proxy, all from the same pinned
-# k8s.io/kubernetes. No release binaries can be downloaded here, but the proxy serves
-# the sources.
+# k8s.io/kubernetes; and (module devcluster/go/containerd) containerd v2, its runc shim and
+# ctr. No release binaries can be downloaded here, but the proxy serves the sources.
 #
 # Each binary is rebuilt only when it is missing or when its pinned module
 # (devcluster/go/<name>/go.mod + go.sum) or the link flags changed: a stamp next to the
@@ -29,6 +29,9 @@ targets=(
     "kube-scheduler node k8s.io/kubernetes/cmd/kube-scheduler"
     "kube-controller-manager node k8s.io/kubernetes/cmd/kube-controller-manager"
     "kube-proxy node k8s.io/kubernetes/cmd/kube-proxy"
+    "containerd containerd github.com/containerd/containerd/v2/cmd/containerd"
+    "containerd-shim-runc-v2 containerd github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2"
+    "ctr containerd github.com/containerd/containerd/v2/cmd/ctr"
 )
 
 for t in "${targets[@]}"; do
@@ -37,7 +40,10 @@ for t in "${targets[@]}"; do
     stamp="$bin/.$name.stamp"
     # -s -w (no symbol table, no DWARF) keeps the binaries smaller.
     ldflags="-s -w"
-    if [ "$name" != etcd ]; then
+    if [ "$mod" = containerd ]; then
+        ver="$(cd "$moddir" && go list -m -f '{{.Version}}' github.com/containerd/containerd/v2)"
+        ldflags="$ldflags -X github.com/containerd/containerd/v2/version.Version=$ver"
+    elif [ "$name" != etcd ]; then
         # A plain `go build` reports v0.0.0-master: Kubernetes stamps its version at
         # link time. Helm's kubeVersion checks, kubectl's skew warning and /version
         # all read it, so stamp it from the pinned module version.
@@ -63,4 +69,5 @@ done
 for name in kube-apiserver kubelet kube-scheduler kube-controller-manager kube-proxy; do
     "$bin/$name" --version
 done
+"$bin/containerd" --version
 "$bin/etcd" --version | sed -n 1p  # sed reads it all: head would SIGPIPE etcd (pipefail)

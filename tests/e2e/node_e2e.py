@@ -12,6 +12,7 @@ from typing import Any
 
 from devcluster import ControlPlane
 from devcluster.images import BAD_WORKER, BUSYBOX_IMAGE
+from devcluster.node import Node
 from devcluster.stack import CHART_DIR, Stack, deploy_chart, start_cluster
 from tests.e2e.e2e_kube import WORKER_ARGS, WORKER_COMMAND, eventually
 
@@ -26,6 +27,12 @@ def running_cluster(run_dir: Path) -> Iterator[ControlPlane]:
         yield stack.control_plane
     finally:
         stack.stop()
+
+
+def node_of(cluster: ControlPlane) -> Node:
+    """The node of a cluster from :func:`running_cluster` (start_cluster puts its work
+    directory beside the control plane's): its registry, its containerd."""
+    return Node(cluster, cluster.workdir.parent / "node")
 
 
 PROBE = "epguard-probe"

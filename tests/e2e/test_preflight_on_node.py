@@ -1,16 +1,18 @@
 """The preflight gate on the real node, with the chart as pods (its default
-``preflight.mode: gate``): workers whose model arrives as a hostPath or a
-PersistentVolumeClaim -- mounted by the kubelet before any init container runs -- on an
-image nobody has judged.
+``preflight.mode: gate``): workers whose model arrives as an image volume (pulled from
+the node's registry), a PersistentVolumeClaim and a hostPath -- each pulled or mounted by
+the kubelet before any init container runs -- on an image nobody has judged.
 
 * On the image that cannot work, 4 replicas start one preflight; its probe proves the
   cause from the image's files; every replica stays unscheduled (SchedulingGated, its
   ``epguard.io/Preflight`` condition and an Event saying why), the Deployment gets the
-  Event too, nothing of the model is mounted or touched, the ImageVerdict is recorded from
-  the signed preflight, and the next pod on the image is refused at admission.
+  Event too, the registry serves not one byte of the model, nothing of the other model
+  volumes is mounted or touched, the ImageVerdict is recorded from the signed preflight,
+  and the next pod on the image is refused at admission.
 * On the image whose only fault here is the missing GPU, the preflight proves nothing,
-  the gate comes off, the pod is scheduled and the injected probe runs on the node,
-  where it finds the environment cause; nothing is learned about the image.
+  the gate comes off, the pod is scheduled, the kubelet pulls the whole model from the
+  registry, and the injected probe runs on the node, where it finds the environment
+  cause; nothing is learned about the image.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from devcluster.images import BAD_WORKER, BUSYBOX_IMAGE, ENV_ONLY_WORKER
 from epguard.webhook.engine.preflight import CONDITION, GATE, PREFLIGHT_LABEL
 from tests.e2e.e2e_kube import apply, denied_by_epguard, eventually, output
 from tests.e2e.node_e2e import (
+    node_of,
     opted_in_namespace,
     running_cluster,
     wait_probe,
@@ -53,10 +56,25 @@ def gated_namespace(cluster: ControlPlane) -> Iterator[str]:
 
 
 def deployment(
-    name: str, namespace: str, image: str, models: Path, replicas: int, claim: bool = True
+    name: str,
+    namespace: str,
+    image: str,
+    models: Path,
+    replicas: int,
+    claim: bool = True,
+    model_image: str | None = None,
 ) -> dict[str, Any]:
     labels = {"app": name}
     spec = worker_spec(models, image)
+    if model_image is not None:
+        # The weights as an OCI image volume: the kubelet pulls it in SyncPod, before
+        # it starts any init container.
+        spec["volumes"].append(
+            {"name": "model", "image": {"reference": model_image, "pullPolicy": "IfNotPresent"}}
+        )
+        spec["containers"][0]["volumeMounts"].append(
+            {"name": "model", "mountPath": "/model", "readOnly": True}
+        )
     if claim:
         # The model also through a claim: bound and mounted on the node before any init
         # container, exactly what the init-container probe cannot stop.
@@ -124,7 +142,13 @@ def test_a_bad_image_is_never_scheduled_and_its_model_never_mounted(
     ns = gated_namespace
     models, weights = tmp_path / "models", tmp_path / "weights"
     claim(cluster, "sglang", ns, weights)
-    r = apply(cluster, deployment("sglang", ns, BAD_WORKER.ref, models, replicas=4))
+    node = node_of(cluster)
+    model = node.registry.model_ref
+    node.forget_image(model)  # so that a pull would show in the registry's log
+    since = node.registry.log_offset()
+    r = apply(
+        cluster, deployment("sglang", ns, BAD_WORKER.ref, models, replicas=4, model_image=model)
+    )
     assert r.returncode == 0, output(r)
     eventually(lambda: len(pods(cluster, ns, "app=sglang")) == 4, within=60,
                what="the ReplicaSet to make 4 pods")  # fmt: skip
@@ -151,6 +175,9 @@ def test_a_bad_image_is_never_scheduled_and_its_model_never_mounted(
     assert not (models / "started").exists() and sorted(p.name for p in weights.iterdir()) == [
         "weights.bin"
     ]
+    # The registry served nothing of the model: its access log has no GET of its blobs.
+    served = node.registry.blob_gets(since)
+    assert not set(served) & set(node.registry.model_layers()), served
     # The probe's message where people look: each pod and the Deployment.
     name = pods(cluster, ns, "app=sglang")[0]["metadata"]["name"]
     assert any("unusable in this image" in e for e in events_about(cluster, ns, "Pod", name))
@@ -177,7 +204,12 @@ def test_an_image_whose_files_prove_nothing_is_ungated_and_probed_on_the_node(
 ) -> None:
     ns = gated_namespace
     claim(cluster, "envonly", ns, tmp_path / "weights")
-    r = apply(cluster, deployment("envonly", ns, ENV_ONLY_WORKER.ref, tmp_path / "m", 1))
+    node = node_of(cluster)
+    model = node.registry.model_ref
+    node.forget_image(model)
+    since = node.registry.log_offset()
+    workload = deployment("envonly", ns, ENV_ONLY_WORKER.ref, tmp_path / "m", 1, model_image=model)
+    r = apply(cluster, workload)
     assert r.returncode == 0, output(r)
 
     def scheduled() -> bool:
@@ -193,6 +225,10 @@ def test_an_image_whose_files_prove_nothing_is_ungated_and_probed_on_the_node(
     # The injected probe then runs on the node: the GPU driver is what is missing here.
     found = wait_probe(cluster, ns, ["-l", "app=envonly"])
     assert "unusable in this pod" in found["terminated"]["message"]
+    # Only once the gate was off did the kubelet pull the model: every layer, whole.
+    served = node.registry.blob_gets(since)
+    sizes = node.registry.model_layer_sizes()
+    assert all(served[d].bytes >= size for d, size in sizes.items()), (served, sizes)
     r = cluster.kubectl("get", "imageverdicts", "-o", "json")
     assert json.loads(r.stdout)["items"] == [], "a files-only pass or a node's cause was learned"
 

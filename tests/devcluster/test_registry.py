@@ -1,0 +1,94 @@
+"""The node registry's pieces that need no registry process: the model layer is a
+valid, deterministic tar, and the access log is counted as the registry writes it. The
+registry itself, pulls through containerd and image volumes are exercised on the node
+(tests/e2e/test_preflight_on_node.py reads this log after real pulls)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from devcluster import registry
+from devcluster.pki import CertificateAuthority
+from devcluster.registry import BlobServed, Registry
+
+# Access lines as docker-registry 2.8 writes them (combined format), between its own
+# `time=... level=...` lines, from a real pull of the model on the node.
+LOG = """\
+time="2026-12-03T06:40:13Z" level=info msg="listening on 192.0.2.2:5000, tls"
+192.0.2.2 - - [03/Dec/2026:06:40:13 +0000] "GET /v2/ HTTP/1.1" 200 2 "" ""
+192.0.2.2 - - [03/Dec/2026:06:41:02 +0000] "HEAD /v2/models/sglang-weights/manifests/1 HTTP/1.1" 200 420 "" "containerd/v2.4.2"
+192.0.2.2 - - [03/Dec/2026:06:41:02 +0000] "GET /v2/models/sglang-weights/manifests/sha256:3e23 HTTP/1.1" 200 420 "" "containerd/v2.4.2"
+192.0.2.2 - - [03/Dec/2026:06:41:02 +0000] "GET /v2/models/sglang-weights/blobs/sha256:1594 HTTP/1.1" 200 173 "" "containerd/v2.4.2"
+time="2026-12-03T06:41:02Z" level=info msg="response completed" http.request.method=GET
+192.0.2.2 - - [03/Dec/2026:06:41:02 +0000] "GET /v2/models/sglang-weights/blobs/sha256:8886 HTTP/1.1" 200 1073745920 "" "containerd/v2.4.2"
+192.0.2.2 - - [03/Dec/2026:06:41:09 +0000] "HEAD /v2/models/sglang-weights/blobs/sha256:8886 HTTP/1.1" 200 1073745920 "" "containerd/v2.4.2"
+192.0.2.2 - - [03/Dec/2026:06:41:09 +0000] "GET /v2/models/sglang-weights/blobs/sha256:dead HTTP/1.1" 404 157 "" "containerd/v2.4.2"
+"""  # noqa: E501
+
+
+@pytest.fixture
+def small_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real layer's shape with 2 MiB shards (the node writes 256 MiB ones)."""
+    monkeypatch.setattr(registry, "SHARD_BYTES", 2 << 20)
+
+
+def test_the_access_log_counts_blob_gets_only_and_their_bytes(tmp_path: Path) -> None:
+    reg = Registry(tmp_path, "192.0.2.2")
+    reg.log.write_text(LOG)
+    assert reg.blob_gets() == {
+        "sha256:1594": BlobServed(1, 173),
+        "sha256:8886": BlobServed(1, 1073745920),
+    }
+
+
+def test_what_was_served_after_an_offset_is_counted_from_there(tmp_path: Path) -> None:
+    reg = Registry(tmp_path, "192.0.2.2")
+    assert reg.log_offset() == 0 and reg.blob_gets() == {}  # no log yet
+    reg.log.write_text(LOG)
+    since = reg.log_offset()
+    with reg.log.open("a") as f:
+        f.write(LOG)
+    assert reg.blob_gets(since)["sha256:8886"] == BlobServed(1, 1073745920)
+    assert reg.blob_gets()["sha256:8886"] == BlobServed(2, 2 * 1073745920)
+
+
+@pytest.mark.usefixtures("small_model")
+def test_the_model_layer_is_a_tar_of_the_shards_at_its_root() -> None:
+    data = b"".join(registry.model_layer())
+    assert len(data) % 512 == 0
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        members = tar.getmembers()
+        names = [m.name for m in members]
+        assert names == [f"shard-{i:03d}.bin" for i in range(registry.MODEL_SHARDS)] + [
+            "config.json"
+        ]
+        assert all(m.isfile() and m.uid == 0 and m.mtime == 0 for m in members)
+        shards = [tar.extractfile(m).read() for m in members[:-1]]  # type: ignore[union-attr]
+    assert all(len(s) == 2 << 20 for s in shards)
+    assert len({hashlib.sha256(s).digest() for s in shards}) == registry.MODEL_SHARDS
+
+
+@pytest.mark.usefixtures("small_model")
+def test_the_model_layer_has_the_same_bytes_on_every_run() -> None:
+    first = hashlib.sha256(b"".join(registry.model_layer())).hexdigest()
+    assert hashlib.sha256(b"".join(registry.model_layer())).hexdigest() == first
+
+
+def test_containerd_trusts_the_registry_by_its_hosts_file_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not registry.REGISTRY_BIN.is_file():
+        pytest.skip("docker-registry is not installed (make tools installs it)")
+    monkeypatch.setenv("EPGUARD_CACHE", str(tmp_path / "cache"))
+    reg = Registry(tmp_path / "reg", "192.0.2.2")
+    argv = reg.prepare(CertificateAuthority())
+    assert argv[-1] == str(tmp_path / "reg" / "config.yml")
+    hosts = (reg.hosts_dir / "192.0.2.2:5000" / "hosts.toml").read_text()
+    assert 'server = "https://192.0.2.2:5000"' in hosts
+    assert f'ca = "{reg.ca_file}"' in hosts
+    assert reg.ca_file.read_bytes().startswith(b"-----BEGIN CERTIFICATE-----")
