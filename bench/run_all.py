@@ -11,6 +11,8 @@ repository's interpreter so one command gives the figures the issues ask for:
 * ``hostile_bench.py``      the webhook process under issue 12's inputs: answer, stall, peak RSS
 * ``scan_bench.py``         epguard scan of the real worker archives vs ``tar -xf``: time, RSS
 * ``preflight_bench.py``    the preflight controller's passes: preflights per key, pass times
+* ``preflight_node_bench.py`` the preflight gate's budgets on the real node: apply -> held or
+  scheduled, model bytes the registry served, creates gated vs not, 200 pods at scale
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ SCRIPTS = (
     "hostile_bench.py",
     "scan_bench.py",
     "preflight_bench.py",
+    "preflight_node_bench.py",
 )
 
 

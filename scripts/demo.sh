@@ -13,11 +13,13 @@
 #      namespace opted in to injection: every replica is held unscheduled by the
 #      preflight gate while one preflight pod runs the probe in that image under the real
 #      kubelet; its cause keeps all 4 unscheduled (`kubectl describe` says why, on the pods
-#      and the Deployment), and nothing of the model is mounted;
+#      and the Deployment), and nothing of the model is mounted: its 1 GiB image volume,
+#      in the node's own OCI registry, is never pulled (the registry's access log);
 #   6. the loop: the controller turns that into an ImageVerdict keyed by the digest
 #      containerd reports, and the next pod on the same image is refused at apply;
-#   7. a worker on an image whose files prove nothing: the gate comes off, and the probe
-#      injected first runs on the node, finds the node's cause (no GPU driver), the pod
+#   7. a worker on an image whose files prove nothing: the gate comes off, the kubelet
+#      pulls the model image (now the registry serves it), and the probe injected first
+#      runs on the node, finds the node's cause (no GPU driver), the pod
 #      stops in Init:Error before the model download, and nothing is learned.
 #
 # Every step checks that what it shows really happened; the script exits non-zero
@@ -232,11 +234,17 @@ expect_no_text "sglang-decode"
 
 # --- 4. the preflight gate: workers on an image nobody has judged ------------------------
 MODELS="$WORK/models"  # the hostPath the model download would write to
+# The weights as an OCI image volume in the node's registry (devcluster/registry.py),
+# removed from containerd's store first so that any pull shows in the registry's log.
+eval "$(cd "$REPO" && "$PY" -m devcluster --run-dir "$RUN_DIR" model --forget)"
+[[ "$MODEL_SERVED" == 0 ]] || fail "the registry served the model before the demo: $MODEL_SERVED"
 POD_SPEC=$(cat <<EOF
   terminationGracePeriodSeconds: 1
   volumes:
     - name: models
       hostPath: {path: $MODELS, type: DirectoryOrCreate}
+    - name: weights
+      image: {reference: $MODEL_REF, pullPolicy: IfNotPresent}
   initContainers:
     - name: model-download
       image: $BUSYBOX_IMAGE
@@ -251,7 +259,9 @@ POD_SPEC=$(cat <<EOF
       args: ["--model-path", "/models/qwen3-30b-a3b", "--elastic-ep-backend", "mooncake"]
       resources:
         limits: {nvidia.com/gpu: 8}
-      volumeMounts: [{name: models, mountPath: /models}]
+      volumeMounts:
+        - {name: models, mountPath: /models}
+        - {name: weights, mountPath: /weights, readOnly: true}
 EOF
 )
 cat >sglang.yaml <<EOF
@@ -285,8 +295,8 @@ wait_for "the webhook to see the namespace label" 60 \
   bash -c "kubectl create --dry-run=server -f sglang-1.yaml -o jsonpath='{.spec.initContainers[*].name}' | grep -q epguard-probe"
 
 say "4 workers on a real image no rule knows (SGLang 0.5.23, torch 2.13.0+cu130, the CUDA 12" \
-  "mooncake-transfer-engine 0.3.13.post1). Their model is on a volume, which the kubelet" \
-  "mounts (an image volume: pulls) before any init container runs; so each pod is admitted" \
+  "mooncake-transfer-engine 0.3.13.post1). Their 1 GiB model is an image volume, which the" \
+  "kubelet pulls before any init container runs; so each pod is admitted" \
   "with the probe injected and held unscheduled (scheduling gate epguard.io/preflight)" \
   "while one preflight pod judges the image's files (docs/preflight.md):"
 run cat sglang.yaml
@@ -330,6 +340,9 @@ run kubectl get pods -n ml -l app=sglang -o \
   "jsonpath={range .items[*]}{.metadata.name}{'  node='}{.spec.nodeName}{'\n'}{end}"
 expect_no_text "node=node"
 [[ ! -e "$MODELS/started" ]] || fail "the model download ran"
+say "And the node's registry served not one byte of the model image (its access log, counted):"
+run env PYTHONPATH="$REPO" "$PY" -m devcluster --run-dir "$RUN_DIR" model
+expect_text "MODEL_SERVED=0"
 
 # --- 5. the loop: the learned verdict refuses the next pod -------------------------------
 say "The controller recorded what the preflight found, cluster-wide:"
@@ -398,6 +411,10 @@ run kubectl get pod sglang-0 -n ml -o \
   "jsonpath={range .status.initContainerStatuses[*]}{.name}{'  '}{.state}{'\n'}{end}"
 expect_re 'model-download +\{"waiting":\{"reason":"PodInitializing"\}\}'
 [[ ! -e "$MODELS/started" ]] || fail "the model download ran"
+say "The model image volume, though, was pulled before any init container ran (the kubelet's" \
+  "order); epguard let it happen only once the image's files were judged. The registry's log:"
+run env PYTHONPATH="$REPO" "$PY" -m devcluster --run-dir "$RUN_DIR" model
+[[ "${OUT##*MODEL_SERVED=}" -ge 1073741824 ]] || fail "the registry did not serve the whole model"
 say "A cause of this node (no GPU driver here), not of the image: nothing is learned about it:"
 run kubectl get imageverdicts -o "jsonpath={range .items[*]}{.spec.image}{'\n'}{end}"
 expect_no_text "$ENV_IMAGE"

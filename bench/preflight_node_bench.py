@@ -1,0 +1,284 @@
+"""The preflight gate's budgets on the real node (issue 20), printed, not asserted: a
+one-node cluster as ``make up`` starts it (containerd 2, the node's registry with the
+1 GiB model image, the chart as pods, ``preflight.mode: gate``).
+
+* first-seen bad image: a Deployment of 4 replicas with the model as an image volume;
+  ``kubectl apply`` -> every replica held with the probe's cause, -> the ImageVerdict;
+  the preflight's own image pull and probe run (from its Events and container times);
+  bytes of the model the registry served; GPU-seconds held by the replicas;
+* first-seen good image (its only fault here: no GPU): apply -> scheduled, and the
+  model bytes served once the gate came off;
+* an image already judged (a Usable ImageVerdict, written as the controller would after
+  a GPU node's probe passed -- a test double: no probe can pass without a GPU): pod
+  creates p50/p99 in a gated namespace vs one with the gate off, alternated;
+* scale: P gated pods over N namespaces and I image references (tags of one worker
+  image, so each is a first-seen reference): preflights started (at most N x I), the
+  gap from each preflight's end to its last gate decided, the controller pods' memory.
+
+    flock /tmp/epguard-node.lock .venv/bin/python bench/preflight_node_bench.py \
+        [--pods 200 --namespaces 20 --images 5] [--creates 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+
+from devcluster import ControlPlane
+from devcluster.images import BAD_WORKER, ENV_ONLY_WORKER
+from epguard.webhook.engine.preflight import GATE, PREFLIGHT_LABEL
+from epguard.webhook.engine.verdicts import verdict_name
+from tests.e2e.e2e_kube import apply, eventually, output
+from tests.e2e.node_e2e import node_of, opted_in_namespace, running_cluster, worker_spec
+from tests.e2e.test_preflight_on_node import condition, deployment, pods
+
+POLL = 0.2
+
+
+def _time(stamp: str | None) -> dt.datetime | None:
+    return dt.datetime.fromisoformat(stamp.replace("Z", "+00:00")) if stamp else None
+
+
+def _events(cp: ControlPlane, namespace: str, name: str) -> list[dict[str, Any]]:
+    r = cp.kubectl("get", "events", "-n", namespace, "-o", "json",
+                   f"--field-selector=involvedObject.name={name}")  # fmt: skip
+    items: list[dict[str, Any]] = json.loads(r.stdout)["items"]
+    return items
+
+
+def preflight_figures(cp: ControlPlane, namespace: str) -> str:
+    """What the one preflight in ``namespace`` spent: its pulls (kubelet Events) and its
+    probe's run (container start to end; the API's times have 1 s resolution)."""
+    found = pods(cp, namespace, f"{PREFLIGHT_LABEL}=true")
+    if len(found) != 1:
+        return f"{len(found)} preflights"
+    pod = found[0]
+    name = pod["metadata"]["name"]
+    pulls = [e["message"] for e in _events(cp, namespace, name) if e.get("reason") == "Pulled"]
+    runs = []
+    for status in pod["status"].get("initContainerStatuses", []):
+        term = status.get("state", {}).get("terminated") or {}
+        start, end = _time(term.get("startedAt")), _time(term.get("finishedAt"))
+        if start and end:
+            runs.append(f"{status['name']} {(end - start).total_seconds():.0f}s")
+    created = _time(pod["metadata"]["creationTimestamp"])
+    last = max(
+        (t for s in pod["status"].get("initContainerStatuses", [])
+         if (t := _time((s.get("state", {}).get("terminated") or {}).get("finishedAt")))),
+        default=None,
+    )  # fmt: skip
+    total = f"{(last - created).total_seconds():.0f}s" if created and last else "?"
+    return f"created->probe end {total} ({', '.join(runs)}); pulls: {' | '.join(pulls)}"
+
+
+def _first_init_started(pod: dict[str, Any]) -> bool:
+    statuses = pod["status"].get("initContainerStatuses") or [{}]
+    state = statuses[0].get("state", {})
+    return bool(state.get("running") or state.get("terminated"))
+
+
+def first_seen(cp: ControlPlane, image: str, replicas: int, bad: bool) -> None:
+    node = node_of(cp)
+    model = node.registry.model_ref
+    with opted_in_namespace(cp, preflight="gate") as ns, tempfile.TemporaryDirectory() as tmp:
+        node.forget_image(model)
+        since = node.registry.log_offset()
+        workload = deployment("w", ns, image, Path(tmp), replicas, claim=False, model_image=model)
+        started = time.monotonic()
+        r = apply(cp, workload)
+        assert r.returncode == 0, output(r)
+
+        def decided() -> bool:
+            found = pods(cp, ns, "app=w")
+            if len(found) != replicas:
+                return False
+            if bad:
+                return all((c := condition(p)) and c["reason"] == "ImageUnusable" for p in found)
+            return all(p["spec"].get("nodeName") for p in found)
+
+        eventually(decided, within=900, what="every replica decided", every=POLL)
+        took = time.monotonic() - started
+        what = "held with the probe's cause" if bad else "scheduled (gate off)"
+        print(f"  apply -> every replica {what}: {took:.1f}s")
+        if bad:
+            eventually(lambda: bool(json.loads(cp.kubectl(
+                "get", "imageverdicts", "-o", "json").stdout)["items"]), within=120,
+                what="the ImageVerdict", every=POLL)  # fmt: skip
+            print(f"  apply -> ImageVerdict: {time.monotonic() - started:.1f}s")
+            held = sum(1 for p in pods(cp, ns, "app=w") if p["spec"].get("nodeName"))
+            print(f"  replicas ever scheduled: {held} (GPU-seconds held: 0 when 0)")
+        print(f"  preflight: {preflight_figures(cp, ns)}")
+        if not bad:
+            # The kubelet pulls the model before it starts the first init container.
+            eventually(lambda: any(_first_init_started(p) for p in pods(cp, ns, "app=w")),
+                       within=300, what="the first init container", every=POLL)  # fmt: skip
+        served = node.registry.blob_gets(since)
+        layers = node.registry.model_layer_sizes()
+        got = sum(served[d].bytes for d in layers if d in served)
+        print(f"  model bytes served by the registry: {got:,} of {sum(layers.values()):,}")
+
+
+def _usable_verdict(cp: ControlPlane, image: str) -> None:
+    now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    obj = {
+        "apiVersion": "epguard.io/v1alpha1", "kind": "ImageVerdict",
+        "metadata": {"name": verdict_name(image, None)},
+        "spec": {"image": image, "digest": "", "verdict": "Usable",
+                 "reason": "epguard: mooncake elastic EP is usable in this image",
+                 "versions": {"sglang": "0.5.20", "torch": "2.13.0", "mooncake": "0.3.13"},
+                 "firstSeen": now, "lastSeen": now, "pod": "bench/gpu-node-probe", "count": 1},
+    }  # fmt: skip
+    r = apply(cp, obj)
+    assert r.returncode == 0, output(r)
+
+
+def _core(cp: ControlPlane) -> client.CoreV1Api:
+    return client.CoreV1Api(config.new_client_from_config(str(cp.kubeconfig)))
+
+
+def judged_creates(cp: ControlPlane, creates: int) -> None:
+    image = "registry.example.com/bench/sglang:judged-usable"
+    api = _core(cp)
+    with opted_in_namespace(cp, "gate") as gate_ns, opted_in_namespace(cp, "off") as off_ns:
+        _usable_verdict(cp, image)
+        time.sleep(3)  # the webhook's verdict watch
+        spec = worker_spec(Path("/tmp/bench-models"), image)
+        spec["containers"][0]["resources"] = {}
+        times: dict[str, list[float]] = {gate_ns: [], off_ns: []}
+        gated = 0
+        for i in range(creates):
+            for ns in (gate_ns, off_ns) if i % 2 else (off_ns, gate_ns):
+                body = {"metadata": {"name": f"p-{i}", "namespace": ns}, "spec": spec}
+                started = time.perf_counter()
+                made = api.create_namespaced_pod(ns, body)  # type: ignore[arg-type]
+                times[ns].append((time.perf_counter() - started) * 1000)
+                gated += ns == gate_ns and any(
+                    g.name == GATE for g in (made.spec and made.spec.scheduling_gates) or []
+                )
+        for label, ns in (("gate", gate_ns), ("off", off_ns)):
+            t = sorted(times[ns])
+            p99 = t[min(len(t) - 1, int(len(t) * 0.99))]
+            print(f"  preflight {label:>4}: p50 {statistics.median(t):.1f} ms, p99 {p99:.1f} ms "
+                  f"({len(t)} creates)")  # fmt: skip
+        print(f"  pods gated on the judged image: {gated}")
+        cp.kubectl("delete", "imageverdicts", "--all")
+
+
+def scale(cp: ControlPlane, total: int, namespaces: int, images: int) -> None:
+    node = node_of(cp)
+    source = BAD_WORKER.ref
+    refs = [f"localhost/epguard/bench-alias:{i}" for i in range(images)]
+    for ref in refs:
+        node.ctr("images", "tag", "--force", source, ref)
+    api = _core(cp)
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        spaces = [stack.enter_context(opted_in_namespace(cp, "gate")) for _ in range(namespaces)]
+        started = time.monotonic()
+        refused = 0
+        for i in range(total):
+            ns, ref = spaces[i % namespaces], refs[(i // namespaces) % images]
+            spec = worker_spec(Path(tmp), ref)
+            spec["containers"][0]["resources"] = {}
+            body = {"metadata": {"name": f"w-{i}", "namespace": ns}, "spec": spec}
+            try:
+                api.create_namespaced_pod(ns, body)  # type: ignore[arg-type]
+            except ApiException as exc:
+                # Once a preflight's verdict is recorded, the reference it ran on is
+                # refused at admission in every namespace: learned, not gated.
+                assert exc.status == 403, exc
+                refused += 1
+        print(
+            f"  {total} pod creates in {time.monotonic() - started:.1f}s, "
+            f"{refused} refused at admission by a verdict learned meanwhile"
+        )
+
+        def every_gate_decided() -> bool:
+            for ns in spaces:
+                for p in pods(cp, ns, f"!{PREFLIGHT_LABEL}"):
+                    c = condition(p)
+                    if c is None or c["reason"] not in ("ImageUnusable",):
+                        return False
+            return True
+
+        eventually(every_gate_decided, within=1800, what="every gate decided", every=2.0)
+        print(f"  every gate decided {time.monotonic() - started:.1f}s after the first create")
+        preflights, lags = 0, []
+        for ns in spaces:
+            ends: dict[str, dt.datetime] = {}
+            for p in pods(cp, ns, f"{PREFLIGHT_LABEL}=true"):
+                preflights += 1
+                statuses = p["status"].get("initContainerStatuses", [])
+                end = max((t for s in statuses if (t := _time(
+                    (s.get("state", {}).get("terminated") or {}).get("finishedAt")))),
+                    default=None)  # fmt: skip
+                if end:
+                    ends[p["spec"]["initContainers"][-1]["image"]] = end
+            for p in pods(cp, ns, f"!{PREFLIGHT_LABEL}"):
+                c = condition(p)
+                end = ends.get(p["spec"]["containers"][0]["image"])
+                if c and end and (at := _time(c.get("lastTransitionTime"))):
+                    lags.append((at - end).total_seconds())
+        print(f"  preflights started: {preflights} (bound {namespaces * images})")
+        if lags:
+            print(f"  preflight end -> gate decided: median {statistics.median(lags):.0f}s, "
+                  f"max {max(lags):.0f}s (1 s resolution)")  # fmt: skip
+        r = cp.kubectl("get", "--raw",
+                       "/api/v1/namespaces/epguard-system/pods")  # fmt: skip
+        for p in json.loads(r.stdout)["items"]:
+            if "controller" in p["metadata"]["name"]:
+                pid_rss = node_rss(p["metadata"]["uid"])
+                print(f"  {p['metadata']['name']}: {pid_rss}")
+
+
+def node_rss(uid: str) -> str:
+    """The resident memory of a pod's processes, from their cgroup (cgroup v1 here)."""
+    for base in Path("/sys/fs/cgroup/memory").rglob(f"*{uid.replace('-', '_')}*"):
+        usage = base / "memory.usage_in_bytes"
+        if usage.is_file():
+            return f"{int(usage.read_text()) / 2**20:.0f} MiB (cgroup memory.usage)"
+    for base in Path("/sys/fs/cgroup/memory").rglob(f"*{uid}*"):
+        usage = base / "memory.usage_in_bytes"
+        if usage.is_file():
+            return f"{int(usage.read_text()) / 2**20:.0f} MiB (cgroup memory.usage)"
+    return "memory not found"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pods", type=int, default=200)
+    parser.add_argument("--namespaces", type=int, default=20)
+    parser.add_argument("--images", type=int, default=5)
+    parser.add_argument("--creates", type=int, default=60)
+    parser.add_argument("--skip", action="append", default=[],
+                        choices=["bad", "good", "judged", "scale"])  # fmt: skip
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as run, running_cluster(Path(run)) as cp:
+        if "bad" not in args.skip:
+            print(f"first-seen bad image ({BAD_WORKER.ref}), 4 replicas, model image volume:")
+            first_seen(cp, BAD_WORKER.ref, 4, bad=True)
+        if "good" not in args.skip:
+            print(f"first-seen good image ({ENV_ONLY_WORKER.ref}), 1 replica, model volume:")
+            first_seen(cp, ENV_ONLY_WORKER.ref, 1, bad=False)
+        if "judged" not in args.skip:
+            print(f"an image already judged Usable, {args.creates} creates per namespace:")
+            judged_creates(cp, args.creates)
+        if "scale" not in args.skip:
+            print(f"scale: {args.pods} pods, {args.namespaces} namespaces, {args.images} refs:")
+            scale(cp, args.pods, args.namespaces, args.images)
+
+
+if __name__ == "__main__":
+    main()
