@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,7 @@ from epguard.webhook.controller.compiler import (
     NAME_SLOT,
     SHARD_BYTES,
     BackstopConfig,
+    EntryIndex,
     Params,
     _kind_containers,
     compile_params,
@@ -36,6 +38,7 @@ from epguard.webhook.controller.compiler import (
     prefilter,
     rule_checks,
     shard_objects,
+    verdict_entries,
 )
 from epguard.webhook.engine.imageref import parse
 from epguard.webhook.engine.policy import PolicyConfig, PolicyState, decide
@@ -465,3 +468,47 @@ def test_with_rules_a_good_image_runs_no_command_line_test_in_any_shard() -> Non
 
     assert not passes("lmsysorg/sglang:v0.5.18-cu130")
     assert passes("lmsysorg/sglang:v0.5.16-cu129") and passes("registry.example.com/bad/x:1")
+
+
+# --- the streamed index the controller reads verdicts into -----------------------------
+
+
+def _mixed_verdicts(seed: int, n: int) -> list[dict[str, Any]]:
+    """Verdicts that contend for keys: shared digests and tags, Usable ones newer and
+    older than Unusable ones, equal times, tags past the TTL, a lastSeen in the future, a
+    digest the policy cannot read, names that are and are not derived from the digest."""
+    rng = random.Random(seed)
+    out: list[dict[str, Any]] = []
+    names: set[str] = set()  # an object name is unique, as in any list the API returns
+    for i in range(n):
+        d = rng.choice([digest_of(rng.randrange(n // 3 + 1)), None, "sha512:" + "ab" * 64])
+        image = f"registry.example.com/t{rng.randrange(5)}/sglang:b{rng.randrange(n // 4 + 1)}"
+        derived = d is not None and d.startswith("sha256") and rng.random() < 0.5
+        name = d.replace(":", "-") if d and derived else f"v-{i}"
+        name = name if name not in names else f"v-{i}"
+        names.add(name)
+        hours = rng.choice([-2, 0, 1, 5, 23.9, 24.5, 48])
+        seen = (NOW - dt.timedelta(hours=hours)).strftime("%Y-%m-%dT%H:%M:%SZ")
+        obj = verdict(name, image, d, reason=f"cause {rng.randrange(3)}")
+        obj["spec"]["lastSeen"] = seen
+        if rng.random() < 0.3:
+            obj["spec"]["verdict"] = "Usable"
+        out.append(obj)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_streamed_index_answers_every_key_as_the_webhooks_store_does(seed: int) -> None:
+    objects = _mixed_verdicts(seed, 300)
+    verdicts = [v for v in map(verdict_from_object, objects) if v is not None]
+    store = VerdictStore(tag_ttl=dt.timedelta(hours=24), cap=10_000)
+    store.replace(verdicts, now=NOW)
+    index = EntryIndex(dt.timedelta(hours=24), NOW)
+    for v in random.Random(seed).sample(verdicts, len(verdicts)):  # any order of pages
+        index.add(v)
+    want, want_next = verdict_entries(store, NOW)
+    got, got_next = index.entries()
+    key = lambda e: (e.kind, e.key, e.tag)  # noqa: E731
+    assert sorted(got, key=key) == sorted(want, key=key) and got_next == want_next
+    assert want, "the sample refuses nothing: the comparison would prove nothing"
+    assert compile_params(index, NOW) == compile_params(store, NOW)

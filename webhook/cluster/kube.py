@@ -18,7 +18,7 @@ import datetime as dt
 import hashlib
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, cast
 
 from kubernetes import client, config
@@ -86,13 +86,12 @@ def raw(response: Any) -> Json:
     return obj if isinstance(obj, dict) else {}
 
 
-def list_all(
-    fn: Callable[..., Any], *args: Any, max_items: int | None = None, **selectors: Any
-) -> tuple[list[Mapping[str, Any]], str]:
-    """Every object a list call returns, page by page, as raw JSON (no model round trip),
-    and the resourceVersion of the snapshot: the first page's, since every page of a
-    paginated list is one snapshot. Stops after the page that reaches ``max_items``."""
-    items: list[Mapping[str, Any]] = []
+def list_pages(
+    fn: Callable[..., Any], *args: Any, **selectors: Any
+) -> Iterator[tuple[list[Mapping[str, Any]], str]]:
+    """Each page of a list call, as raw JSON (no model round trip), with the
+    resourceVersion of the snapshot: the first page's, since every page of a paginated
+    list is one snapshot. A caller that stops iterating stops the listing."""
     token: str | None = None
     first_rv = ""
     while True:
@@ -108,10 +107,25 @@ def list_all(
         )
         page_meta = meta(page)
         first_rv = first_rv or str(page_meta.get("resourceVersion") or "")
-        items.extend(i for i in page.get("items") or [] if isinstance(i, Mapping))
+        yield [i for i in page.get("items") or [] if isinstance(i, Mapping)], first_rv
         token = page_meta.get("continue") or None
-        if not token or (max_items is not None and len(items) >= max_items):
-            return items, first_rv
+        if not token:
+            return
+
+
+def list_all(
+    fn: Callable[..., Any], *args: Any, max_items: int | None = None, **selectors: Any
+) -> tuple[list[Mapping[str, Any]], str]:
+    """Every object a list call returns, and the snapshot's resourceVersion. Stops after
+    the page that reaches ``max_items``."""
+    items: list[Mapping[str, Any]] = []
+    snapshot = ""
+    for page, version in list_pages(fn, *args, **selectors):
+        items.extend(page)
+        snapshot = version
+        if max_items is not None and len(items) >= max_items:
+            break
+    return items, snapshot
 
 
 def resource_path(api_version: str, plural: str, namespace: str | None, name: str = "") -> str:

@@ -6,10 +6,12 @@ which the bindings select) that hold the Unusable verdicts. The policy changes w
 controller's settings or the deny rules do (a rule is a constant in the policy, compiled
 once by the API server); the shards follow the ImageVerdicts:
 
-* every ``POLL`` seconds, and at once on an ImageVerdict event, it lists the
-  ImageVerdicts into a ``VerdictStore`` (the index the webhook decides by) and reads the
-  rules ConfigMap by name (a ConfigMap the webhook would reject keeps the last good
-  rules, as the webhook does);
+* every ``POLL`` seconds, and on an ImageVerdict event (no sooner than ``PACE`` times
+  the last sync's duration after it), it lists the ImageVerdicts a page at a time into
+  an ``EntryIndex`` (the newest verdict per key, as the webhook's store decides, held as
+  compact entries, so every verdict up to MAX_BACKSTOP_VERDICTS is read in bounded
+  memory) and reads the rules ConfigMap by name (a ConfigMap the webhook would reject
+  keeps the last good rules, as the webhook does);
 * a tag verdict leaves the list when the webhook stops trusting it (``next_change``).
 
 The parameters are computed from the cluster's state alone, never from what one replica
@@ -29,6 +31,7 @@ import copy
 import datetime as dt
 import hashlib
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,13 +39,14 @@ import kopf
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from epguard.webhook.cluster.kube import REQUEST_TIMEOUT, api_message, list_all, meta
+from epguard.webhook.cluster.kube import REQUEST_TIMEOUT, api_message, list_pages, meta
 from epguard.webhook.controller.compiler import (
     PARAMS_GROUP,
     PARAMS_PLURAL,
     PARAMS_VERSION,
     SHARD_LABEL,
     BackstopConfig,
+    EntryIndex,
     Params,
     binding_name,
     compile_params,
@@ -53,18 +57,12 @@ from epguard.webhook.controller.compiler import (
 from epguard.webhook.controller.config import ControllerConfig
 from epguard.webhook.engine.namespaces import MODES
 from epguard.webhook.engine.rules import RulesError, RuleSet, load_rules_text
-from epguard.webhook.engine.verdicts import (
-    GROUP,
-    MAX_VERDICTS,
-    PLURAL,
-    VERSION,
-    VerdictStore,
-    verdict_from_object,
-)
+from epguard.webhook.engine.verdicts import GROUP, PLURAL, VERSION, verdict_from_object
 
 log = logging.getLogger("epguard.controller.backstop")
 
 POLL = 5.0  # seconds between two syncs without an ImageVerdict event
+PACE = 2.0  # after a sync, rest at least this many times as long as it took
 # VAP's CEL uses flatten() (the list library of Kubernetes 1.34); an older API server
 # would compile the policy with an error and, with failurePolicy Ignore, admit anyway.
 MIN_SERVER = (1, 34)
@@ -280,18 +278,37 @@ def write_params(
     return now
 
 
-def read_verdicts(api: client.ApiClient, tag_ttl: dt.timedelta) -> tuple[VerdictStore, str]:
-    """The ImageVerdicts as the webhook indexes them, and a fingerprint of what was read
-    (every object's name and resourceVersion): an unchanged fingerprint means an
-    unchanged store."""
+# ImageVerdicts the backstop reads: what MAX_SHARDS shards can hold with room to spare
+# (100,000 verdicts take 11 of 64), and the controller's memory (the entry index holds
+# about 0.9 KB per verdict: ~180 MiB here, within the chart's 256Mi limit with the rest).
+# Past it the rest are left to the webhook and counted in the log.
+MAX_BACKSTOP_VERDICTS = 200_000
+
+
+def read_verdicts(
+    api: client.ApiClient, tag_ttl: dt.timedelta, now: dt.datetime
+) -> tuple[EntryIndex, str]:
+    """Every ImageVerdict (up to MAX_BACKSTOP_VERDICTS), a page at a time, into the
+    entries they compile to, and a fingerprint of what was read (every object's name and
+    resourceVersion, in the API's order): an unchanged fingerprint means unchanged
+    entries. Never more than one page of whole objects is held."""
     custom = client.CustomObjectsApi(api)
-    objects, _ = list_all(
-        custom.list_cluster_custom_object, GROUP, VERSION, PLURAL, max_items=MAX_VERDICTS
-    )
-    store = VerdictStore(tag_ttl=tag_ttl)
-    store.replace(v for v in map(verdict_from_object, objects) if v is not None)
-    seen = sorted(f"{meta(o).get('name')}\0{meta(o).get('resourceVersion')}" for o in objects)
-    return store, hashlib.sha256("\n".join(seen).encode()).hexdigest()
+    index = EntryIndex(tag_ttl, now)
+    fingerprint = hashlib.sha256()
+    for page, _ in list_pages(custom.list_cluster_custom_object, GROUP, VERSION, PLURAL):
+        for obj in page:
+            named = f"{meta(obj).get('name')}\0{meta(obj).get('resourceVersion')}\n"
+            fingerprint.update(named.encode())
+            v = verdict_from_object(obj)
+            if v is not None:
+                index.add(v)
+        if index.verdicts >= MAX_BACKSTOP_VERDICTS:
+            log.warning(
+                "backstop: more than %d ImageVerdicts; the rest are left to the webhook",
+                MAX_BACKSTOP_VERDICTS,
+            )
+            break
+    return index, fingerprint.hexdigest()
 
 
 def sync_once(api: client.ApiClient, state: BackstopState, now: dt.datetime) -> Params:
@@ -303,7 +320,7 @@ def sync_once(api: client.ApiClient, state: BackstopState, now: dt.datetime) -> 
         state.installed = install(api, state.config, state.owner, state.rules)
         _, left = rule_checks(state.rules)
         log.info("backstop policy written (%d deny rules left to the webhook)", left)
-    store, fingerprint = read_verdicts(api, state.tag_ttl)
+    index, fingerprint = read_verdicts(api, state.tag_ttl, now)
     last = state.compiled
     if (
         last is not None
@@ -314,7 +331,7 @@ def sync_once(api: client.ApiClient, state: BackstopState, now: dt.datetime) -> 
         # runs every POLL seconds): the verdicts and the tag expiries are as they were.
         params = last[1]
     else:
-        params = compile_params(store, now)
+        params = compile_params(index, now)
         state.compiled = (fingerprint, params)
     wanted_data = {o["metadata"]["name"]: o["data"] for o in shard_objects(state.config, params)}
     if wanted_data != state.written:
@@ -333,6 +350,7 @@ async def run_writer(api: client.ApiClient, state: BackstopState) -> None:
     loop = asyncio.get_running_loop()
     while True:
         now = dt.datetime.now(dt.UTC)
+        started = time.monotonic()
         try:
             params = await loop.run_in_executor(None, sync_once, api, state, now)
             wait = POLL
@@ -346,8 +364,13 @@ async def run_writer(api: client.ApiClient, state: BackstopState) -> None:
             log.warning("backstop sync failed (%s: %s); retrying", type(exc).__name__, exc)
             wait = POLL
         state.wake.clear()
+        # A sync lists every ImageVerdict (100,000 take seconds of the API server's time
+        # too): rest twice as long as it took before an event may start the next one, so
+        # a stream of verdict events keeps the backstop at most a third of the time busy.
+        rest = min(wait, PACE * (time.monotonic() - started))
+        await asyncio.sleep(rest)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(state.wake.wait(), timeout=wait)
+            await asyncio.wait_for(state.wake.wait(), timeout=wait - rest)
 
 
 # --- kopf wiring ---------------------------------------------------------------------

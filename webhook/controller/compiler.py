@@ -66,7 +66,14 @@ from typing import Any, Literal
 from epguard.webhook.engine.namespaces import MODE_LABEL, MODES, Mode
 from epguard.webhook.engine.policy import SKIP_ANNOTATION, rule_denial, verdict_denial
 from epguard.webhook.engine.rules import Rule, RuleSet
-from epguard.webhook.engine.verdicts import Verdict, VerdictHit, VerdictStore
+from epguard.webhook.engine.verdicts import (
+    Verdict,
+    VerdictHit,
+    VerdictStore,
+    observed,
+    rank,
+    verdict_keys,
+)
 from epguard.webhook.engine.workloads import KindSpec, TemplatePath
 
 FLAG = "--elastic-ep-backend"
@@ -275,40 +282,84 @@ def _derived_prefix(v: Verdict, digest: str) -> str | None:
     return None
 
 
+def _entry(
+    kind: str, key: str, v: Verdict, tag_ttl: dt.timedelta, now: dt.datetime
+) -> tuple[Entry, dt.datetime | None] | None:
+    """What the verdict answering for a key refuses by (and, for a tag verdict, when it
+    leaves the list), or None when it refuses nothing the policy can read."""
+    if v.usable:
+        return None
+    if kind == "digest":
+        if not _SHA256.match(key):
+            return None  # the policy reads sha256 digests only
+        prefix = _derived_prefix(v, key)
+        hexd = key[len("sha256:") : len("sha256:") + DIGEST_KEY]
+        name = None if prefix is not None else v.object_name
+        return Entry("digest", hexd, "", _template(v, True, prefix), name), None
+    if v.last_seen is None:
+        return None
+    leaves = v.last_seen + tag_ttl - TAG_MARGIN
+    if leaves <= now:
+        return None
+    repo, sep, tag = key.rpartition(":")
+    if not sep or "/" in tag or len(repo) > MAX_NAME:
+        return None
+    return Entry("tag", repo, tag, _template(v, False, None), v.object_name), leaves
+
+
 def verdict_entries(
     store: VerdictStore, now: dt.datetime
 ) -> tuple[list[Entry], dt.datetime | None]:
     """The Unusable verdicts the webhook refuses by, and when the next tag one expires."""
-    out: list[Entry] = []
-    next_change: dt.datetime | None = None
+    index = EntryIndex(store.tag_ttl, now)
     for kind, key, v in store.winners():
-        if v.usable:
-            continue
-        if kind == "digest":
-            if not _SHA256.match(key):
-                continue  # the policy reads sha256 digests only
-            prefix = _derived_prefix(v, key)
-            out.append(
-                Entry(
-                    "digest",
-                    key[len("sha256:") : len("sha256:") + DIGEST_KEY],
-                    "",
-                    _template(v, True, prefix),
-                    None if prefix is not None else v.object_name,
-                )
-            )
-            continue
-        if v.last_seen is None:
-            continue
-        leaves = v.last_seen + store.tag_ttl - TAG_MARGIN
-        if leaves <= now:
-            continue
-        repo, sep, tag = key.rpartition(":")
-        if not sep or "/" in tag or len(repo) > MAX_NAME:
-            continue
-        out.append(Entry("tag", repo, tag, _template(v, False, None), v.object_name))
-        next_change = leaves if next_change is None else min(next_change, leaves)
-    return out, next_change
+        index.answer(kind, key, v)
+    return index.entries()
+
+
+@dataclass(frozen=True, slots=True)
+class _Answer:
+    rank: tuple[dt.datetime, str]
+    entry: Entry | None  # None: the newest verdict refuses nothing (Usable, expired, ...)
+    leaves: dt.datetime | None
+
+
+class EntryIndex:
+    """The newest verdict per key, held as the entry it compiles to.
+
+    Fed one verdict at a time (the controller feeds it a list page at a time), it keeps a
+    rank and an entry per key -- about 400 bytes -- never the verdicts themselves, so the
+    backstop reads every ImageVerdict in bounded memory, where the webhook's store holds
+    whole verdicts (1.4 KB each) and stops at verdicts.MAX_VERDICTS. The newest verdict
+    of a key answers for it, exactly as in the webhook's store (verdicts.rank)."""
+
+    def __init__(self, tag_ttl: dt.timedelta, now: dt.datetime) -> None:
+        self.tag_ttl = tag_ttl
+        self.now = now
+        self.verdicts = 0
+        self._answers: dict[tuple[str, str], _Answer] = {}
+
+    def add(self, v: Verdict) -> None:
+        """One verdict, as the webhook's store would hold it (its time no later than now)."""
+        self.verdicts += 1
+        v = observed(v, self.now)
+        for kind, key in verdict_keys(v):
+            self.answer(kind, key, v)
+
+    def answer(self, kind: str, key: str, v: Verdict) -> None:
+        held = self._answers.get((kind, key))
+        ranked = rank(v)
+        if held is not None and held.rank >= ranked:
+            return
+        made = _entry(kind, key, v, self.tag_ttl, self.now)
+        entry, leaves = made if made is not None else (None, None)
+        self._answers[(kind, key)] = _Answer(ranked, entry, leaves)
+
+    def entries(self) -> tuple[list[Entry], dt.datetime | None]:
+        """The entries, and when the next tag entry leaves (the controller recompiles)."""
+        out = [a.entry for a in self._answers.values() if a.entry is not None]
+        leaves = [a.leaves for a in self._answers.values() if a.leaves is not None]
+        return out, min(leaves, default=None)
 
 
 def _hash(e: Entry) -> int:
@@ -373,9 +424,12 @@ def shard_entries(entries: Sequence[Entry]) -> tuple[list[Shard], int]:
     return shards, dropped
 
 
-def compile_params(store: VerdictStore, now: dt.datetime) -> Params:
+def compile_params(store: VerdictStore | EntryIndex, now: dt.datetime) -> Params:
     """The parameters: every Unusable verdict the policy can read, sharded."""
-    entries, next_change = verdict_entries(store, now)
+    if isinstance(store, EntryIndex):
+        entries, next_change = store.entries()
+    else:
+        entries, next_change = verdict_entries(store, now)
     entries.sort(key=lambda e: (e.kind, e.key, e.tag))
     shards, dropped = shard_entries(entries)
     return Params(tuple(s.data() for s in shards), len(entries) - dropped, dropped, next_change)

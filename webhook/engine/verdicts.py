@@ -338,7 +338,7 @@ MAX_VERDICTS = 50_000
 _EPOCH = dt.datetime.min.replace(tzinfo=dt.UTC)
 
 
-def _observed(v: Verdict, now: dt.datetime, held: Verdict | None) -> Verdict:
+def observed(v: Verdict, now: dt.datetime, held: Verdict | None = None) -> Verdict:
     """``v`` with its time no later than when this process first saw it say so: ``now``,
     or the time already held for the same object and the same ``lastSeen``."""
     if v.last_seen is None:
@@ -349,10 +349,22 @@ def _observed(v: Verdict, now: dt.datetime, held: Verdict | None) -> Verdict:
     return v if v.last_seen <= bound else dataclasses.replace(v, last_seen=bound)
 
 
+def rank(v: Verdict) -> tuple[dt.datetime, str]:
+    """The newest verdict of a key answers for it ("a newer probe outcome replaces it");
+    the name breaks ties, so the answer never depends on the order events arrived in."""
+    return (v.last_seen or _EPOCH, v.object_name)
+
+
+def verdict_keys(v: Verdict) -> list[tuple[str, str]]:
+    """The keys a verdict answers for: ("digest", its digest), ("tag", its name:tag)."""
+    keys = [("digest", v.digest)] if v.digest else []
+    if v.ref is not None and v.ref.tag is not None:
+        keys.append(("tag", v.ref.name_tag))
+    return keys
+
+
 def _newest(members: Iterable[Verdict]) -> Verdict:
-    # Newest first wins ("a newer probe outcome replaces it"); the name breaks ties, so
-    # the answer never depends on the order events arrived in.
-    return max(members, key=lambda v: (v.last_seen or _EPOCH, v.object_name))
+    return max(members, key=rank)
 
 
 class VerdictStore:
@@ -378,13 +390,6 @@ class VerdictStore:
     def __len__(self) -> int:
         return len(self._by_name)
 
-    @staticmethod
-    def _keys(v: Verdict) -> list[tuple[str, str]]:
-        keys = [("digest", v.digest)] if v.digest else []
-        if v.ref is not None and v.ref.tag is not None:
-            keys.append(("tag", v.ref.name_tag))
-        return keys
-
     def _refresh(self, key: tuple[str, str]) -> None:
         names = self._members.get(key)
         if not names:
@@ -397,14 +402,14 @@ class VerdictStore:
         old = self._by_name.pop(name, None)
         if old is None:
             return []
-        keys = self._keys(old)
+        keys = verdict_keys(old)
         for key in keys:
             self._members.get(key, set()).discard(name)
         return keys
 
     def _add(self, v: Verdict) -> list[tuple[str, str]]:
         self._by_name[v.object_name] = v
-        keys = self._keys(v)
+        keys = verdict_keys(v)
         for key in keys:
             self._members.setdefault(key, set()).add(v.object_name)
         return keys
@@ -418,7 +423,7 @@ class VerdictStore:
             if held is None and len(self._by_name) >= self.cap:
                 self.dropped += 1
                 return False
-            verdict = _observed(verdict, now, held)
+            verdict = observed(verdict, now, held)
             touched = self._remove(verdict.object_name) + self._add(verdict)
             for key in set(touched):
                 self._refresh(key)
@@ -439,7 +444,7 @@ class VerdictStore:
                     self.dropped += 1
                     continue
                 self._remove(v.object_name)
-                self._add(_observed(v, now, before.get(v.object_name)))
+                self._add(observed(v, now, before.get(v.object_name)))
             for key in list(self._members):
                 self._refresh(key)
 
