@@ -278,11 +278,11 @@ def write_params(
     return now
 
 
-# ImageVerdicts the backstop reads: what MAX_SHARDS shards can hold with room to spare
-# (100,000 verdicts take 11 of 64), and the controller's memory (the entry index holds
-# about 0.9 KB per verdict: ~180 MiB here, within the chart's 256Mi limit with the rest).
-# Past it the rest are left to the webhook and counted in the log.
-MAX_BACKSTOP_VERDICTS = 200_000
+# ImageVerdicts the backstop reads: the controller's memory. At 100,000 the index holds
+# 54 MiB and a compile peaks at 122 MiB of Python allocations (bench/backstop_compile.py),
+# within the chart's 256Mi limit beside the process's own ~70 MiB; 64 shards would hold
+# more. Past it the rest are left to the webhook, and the log says so.
+MAX_BACKSTOP_VERDICTS = 125_000
 
 
 def read_verdicts(

@@ -71,7 +71,6 @@ from epguard.webhook.engine.verdicts import (
     VerdictHit,
     VerdictStore,
     observed,
-    rank,
     verdict_keys,
 )
 from epguard.webhook.engine.workloads import KindSpec, TemplatePath
@@ -282,31 +281,6 @@ def _derived_prefix(v: Verdict, digest: str) -> str | None:
     return None
 
 
-def _entry(
-    kind: str, key: str, v: Verdict, tag_ttl: dt.timedelta, now: dt.datetime
-) -> tuple[Entry, dt.datetime | None] | None:
-    """What the verdict answering for a key refuses by (and, for a tag verdict, when it
-    leaves the list), or None when it refuses nothing the policy can read."""
-    if v.usable:
-        return None
-    if kind == "digest":
-        if not _SHA256.match(key):
-            return None  # the policy reads sha256 digests only
-        prefix = _derived_prefix(v, key)
-        hexd = key[len("sha256:") : len("sha256:") + DIGEST_KEY]
-        name = None if prefix is not None else v.object_name
-        return Entry("digest", hexd, "", _template(v, True, prefix), name), None
-    if v.last_seen is None:
-        return None
-    leaves = v.last_seen + tag_ttl - TAG_MARGIN
-    if leaves <= now:
-        return None
-    repo, sep, tag = key.rpartition(":")
-    if not sep or "/" in tag or len(repo) > MAX_NAME:
-        return None
-    return Entry("tag", repo, tag, _template(v, False, None), v.object_name), leaves
-
-
 def verdict_entries(
     store: VerdictStore, now: dt.datetime
 ) -> tuple[list[Entry], dt.datetime | None]:
@@ -317,27 +291,30 @@ def verdict_entries(
     return index.entries()
 
 
-@dataclass(frozen=True, slots=True)
-class _Answer:
-    rank: tuple[dt.datetime, str]
-    entry: Entry | None  # None: the newest verdict refuses nothing (Usable, expired, ...)
-    leaves: dt.datetime | None
+# One key's answer, compact: the newest verdict's time (a POSIX timestamp) and object
+# name (for ties, as verdicts.rank orders them), its denial template (None when it
+# refuses nothing the policy can read: Usable, no time, an unreadable tag), and the name
+# to write beside the entry (None when the name is derived from the digest).
+_Answer = tuple[float, str, str | None, str | None]
+_NEVER = dt.datetime.min.replace(tzinfo=dt.UTC).timestamp()
 
 
 class EntryIndex:
     """The newest verdict per key, held as the entry it compiles to.
 
-    Fed one verdict at a time (the controller feeds it a list page at a time), it keeps a
-    rank and an entry per key -- about 400 bytes -- never the verdicts themselves, so the
-    backstop reads every ImageVerdict in bounded memory, where the webhook's store holds
-    whole verdicts (1.4 KB each) and stops at verdicts.MAX_VERDICTS. The newest verdict
-    of a key answers for it, exactly as in the webhook's store (verdicts.rank)."""
+    Fed one verdict at a time (the controller feeds it a list page at a time), it keeps
+    one small tuple per key, never the verdicts: about 0.5 KB per verdict (a digest key
+    and a tag key), where the webhook's store holds whole verdicts (1.4 KB each) and stops
+    at verdicts.MAX_VERDICTS. The newest verdict of a key answers for it, exactly as in
+    the webhook's store (verdicts.rank). Digests are keyed by the 128 bits the policy
+    reads; a digest the policy cannot read (not sha256) is never an entry, whoever wins."""
 
     def __init__(self, tag_ttl: dt.timedelta, now: dt.datetime) -> None:
         self.tag_ttl = tag_ttl
         self.now = now
         self.verdicts = 0
-        self._answers: dict[tuple[str, str], _Answer] = {}
+        self._digests: dict[bytes, _Answer] = {}
+        self._tags: dict[str, _Answer] = {}
 
     def add(self, v: Verdict) -> None:
         """One verdict, as the webhook's store would hold it (its time no later than now)."""
@@ -347,19 +324,46 @@ class EntryIndex:
             self.answer(kind, key, v)
 
     def answer(self, kind: str, key: str, v: Verdict) -> None:
-        held = self._answers.get((kind, key))
-        ranked = rank(v)
-        if held is not None and held.rank >= ranked:
+        seen = v.last_seen.timestamp() if v.last_seen is not None else _NEVER
+        if kind == "digest":
+            if not _SHA256.match(key):
+                return  # the policy reads sha256 digests only
+            digest = bytes.fromhex(key[len("sha256:") : len("sha256:") + DIGEST_KEY])
+            held = self._digests.get(digest)
+            if held is not None and (held[0], held[1]) >= (seen, v.object_name):
+                return
+            prefix = _derived_prefix(v, key)
+            template = None if v.usable else _template(v, True, prefix)
+            named = None if prefix is not None else v.object_name
+            self._digests[digest] = (seen, v.object_name, template, named)
             return
-        made = _entry(kind, key, v, self.tag_ttl, self.now)
-        entry, leaves = made if made is not None else (None, None)
-        self._answers[(kind, key)] = _Answer(ranked, entry, leaves)
+        held = self._tags.get(key)
+        if held is not None and (held[0], held[1]) >= (seen, v.object_name):
+            return
+        repo, sep, tag = key.rpartition(":")
+        readable = bool(sep) and "/" not in tag and len(repo) <= MAX_NAME
+        refuses = readable and not v.usable and v.last_seen is not None
+        template = _template(v, False, None) if refuses else None
+        self._tags[key] = (seen, v.object_name, template, v.object_name)
 
     def entries(self) -> tuple[list[Entry], dt.datetime | None]:
-        """The entries, and when the next tag entry leaves (the controller recompiles)."""
-        out = [a.entry for a in self._answers.values() if a.entry is not None]
-        leaves = [a.leaves for a in self._answers.values() if a.leaves is not None]
-        return out, min(leaves, default=None)
+        """The entries, and when the next tag entry leaves (the controller recompiles):
+        a tag verdict leaves TAG_MARGIN before the webhook stops trusting it."""
+        out = [
+            Entry("digest", digest.hex(), "", template, named)
+            for digest, (_, _, template, named) in self._digests.items()
+            if template is not None
+        ]
+        now, stay = self.now.timestamp(), (self.tag_ttl - TAG_MARGIN).total_seconds()
+        next_change: float | None = None
+        for key, (seen, _, template, named) in self._tags.items():
+            if template is None or seen + stay <= now:
+                continue
+            repo, _, tag = key.rpartition(":")
+            out.append(Entry("tag", repo, tag, template, named))
+            next_change = seen + stay if next_change is None else min(next_change, seen + stay)
+        leaves = None if next_change is None else dt.datetime.fromtimestamp(next_change, dt.UTC)
+        return out, leaves
 
 
 def _hash(e: Entry) -> int:
