@@ -111,6 +111,9 @@ def test_a_signed_pod_with_its_probe_image_patched_is_refused(signed: RunningSer
             .append({"name": "PYTHONWARNINGS", "value": "error"})
         ),
         lambda p: p["spec"]["initContainers"][0].update(image="attacker/copy:1"),
+        # The probe's image names the verdict (engine/outcome.py): patched after the run,
+        # the pod is no evidence.
+        lambda p: p["spec"]["initContainers"][1].update(image="registry.example.com/victim:1"),
         lambda p: p["spec"]["initContainers"][1]["command"].append("--extra"),
         lambda p: p["spec"]["volumes"][-1].update(emptyDir=None, hostPath={"path": "/"}),
         lambda p: p["spec"]["initContainers"].append({"name": "epguard-extra", "image": "x"}),
@@ -124,6 +127,7 @@ def test_a_signed_pod_with_its_probe_image_patched_is_refused(signed: RunningSer
     ids=[
         "env",
         "copy-image",
+        "probe-image",
         "command",
         "volume",
         "extra-container",

@@ -209,13 +209,16 @@ def test_a_pass_with_a_digest_is_about_the_image() -> None:
     assert o.verdict == "Usable" and o.scope is None and o.about_the_image
 
 
-def test_the_verdict_names_the_image_the_kubelet_ran_not_the_patched_spec() -> None:
-    pod = pod_with_probe_status(IN_THE_IMAGE, 1, image="registry.example.com/ran:1")
-    for c in pod["spec"]["initContainers"]:
-        if c["name"] == "epguard-probe":
-            c["image"] = "registry.example.com/victim:1"  # patched after the run
+def test_the_verdict_names_the_image_the_pod_asked_for_not_the_runtimes_other_name() -> None:
+    # containerd reports any name the same bytes carry on the node (another tag of the
+    # image): the next pods name the pod's own reference. (Patching that reference after
+    # the run breaks the pod's signature: tests/admission/test_signed_injection.py.)
+    pod = pod_with_probe_status(IN_THE_IMAGE, 1)
+    (status,) = pod["status"]["initContainerStatuses"]
+    status["image"] = "registry.example.com/alias:7"  # the same bytes' other name
+    asked = next(c["image"] for c in pod["spec"]["initContainers"] if c["name"] == "epguard-probe")
     [o] = outcomes_of(pod)
-    assert o.image == "registry.example.com/ran:1"
+    assert o.image == asked != status["image"]
 
 
 # --- a --files-only run (the preflight pod) -----------------------------------------------

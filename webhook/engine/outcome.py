@@ -232,10 +232,15 @@ def _outcome(status: Mapping[str, Any], spec_images: Mapping[Any, Any]) -> Probe
     if not isinstance(code, int):
         return None
     classified = classify(message, code)
-    # The image the kubelet ran (status), not the spec's: a pod's init container image
-    # can be patched after the run, and the verdict must name the bytes that were seen.
+    # The image the pod asked for (its spec), which is what the next pods name: the
+    # runtime reports in status.image any of the names the same bytes carry on that node
+    # (seen on the node: a verdict named after another tag of the image). The bytes are
+    # the digest the kubelet reports (imageID). Patching the probe's image after the run
+    # does not steer this: the image is in the signed parts, and the recorder learns only
+    # from a pod whose signature verifies as it is now.
+    asked = spec_images[name]
     ran = status.get("image")
-    image = ran if isinstance(ran, str) and ran else spec_images[name]
+    image = asked if isinstance(asked, str) and asked else ran
     if classified is None or not isinstance(image, str) or not image:
         return None
     verdict, scope = classified
