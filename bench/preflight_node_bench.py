@@ -28,18 +28,19 @@ import json
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kubernetes import client, config
+from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 
 from devcluster import ControlPlane
 from devcluster.images import BAD_WORKER, ENV_ONLY_WORKER
-from epguard.webhook.engine.preflight import GATE, PREFLIGHT_LABEL
+from epguard.webhook.engine.preflight import CONDITION, GATE, PREFLIGHT_LABEL
 from epguard.webhook.engine.verdicts import verdict_name
 from tests.e2e.e2e_kube import apply, eventually, output
 from tests.e2e.node_e2e import node_of, opted_in_namespace, running_cluster, worker_spec
@@ -90,6 +91,53 @@ def _first_init_started(pod: dict[str, Any]) -> bool:
     return bool(state.get("running") or state.get("terminated"))
 
 
+class Timeline:
+    """When each stage was first seen, from a watch on the namespace's pods (local clock,
+    not the API's 1 s timestamps): the workers created, the preflight created, its probe
+    ended, the first and the last worker decided."""
+
+    def __init__(self, cp: ControlPlane, namespace: str, replicas: int, bad: bool) -> None:
+        self.api = _core(cp)
+        self.namespace, self.replicas, self.bad = namespace, replicas, bad
+        self.started = time.monotonic()
+        self.seen: dict[str, float] = {}
+        self.decided: set[str] = set()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def _mark(self, stage: str) -> None:
+        self.seen.setdefault(stage, time.monotonic() - self.started)
+
+    def _watch(self) -> None:
+        w = watch.Watch()
+        for event in w.stream(self.api.list_namespaced_pod, self.namespace, timeout_seconds=900):
+            pod = event["object"]
+            labels = pod.metadata.labels or {}
+            if labels.get(PREFLIGHT_LABEL) == "true":
+                self._mark("preflight created")
+                for status in pod.status.init_container_statuses or []:
+                    if status.name == "epguard-probe" and status.state.terminated:
+                        self._mark("preflight probe ended")
+            else:
+                self._mark("first worker created")
+                gates = [g.name for g in (pod.spec.scheduling_gates or [])]
+                conds = {c.type: c for c in pod.status.conditions or []}
+                held = CONDITION in conds and conds[CONDITION].reason == "ImageUnusable"
+                if (self.bad and held) or (not self.bad and GATE not in gates):
+                    self.decided.add(pod.metadata.name)
+                    self._mark("first worker decided")
+                    if len(self.decided) == self.replicas:
+                        self._mark("last worker decided")
+            if self.stop.is_set():
+                w.stop()
+
+    def report(self) -> str:
+        self.stop.set()
+        order = sorted(self.seen.items(), key=lambda kv: kv[1])
+        return ", ".join(f"{stage} {at:.1f}s" for stage, at in order)
+
+
 def first_seen(cp: ControlPlane, image: str, replicas: int, bad: bool) -> None:
     node = node_of(cp)
     model = node.registry.model_ref
@@ -97,6 +145,7 @@ def first_seen(cp: ControlPlane, image: str, replicas: int, bad: bool) -> None:
         node.forget_image(model)
         since = node.registry.log_offset()
         workload = deployment("w", ns, image, Path(tmp), replicas, claim=False, model_image=model)
+        timeline = Timeline(cp, ns, replicas, bad)
         started = time.monotonic()
         r = apply(cp, workload)
         assert r.returncode == 0, output(r)
@@ -113,6 +162,7 @@ def first_seen(cp: ControlPlane, image: str, replicas: int, bad: bool) -> None:
         took = time.monotonic() - started
         what = "held with the probe's cause" if bad else "scheduled (gate off)"
         print(f"  apply -> every replica {what}: {took:.1f}s")
+        print(f"  timeline from apply: {timeline.report()}")
         if bad:
             eventually(lambda: bool(json.loads(cp.kubectl(
                 "get", "imageverdicts", "-o", "json").stdout)["items"]), within=120,
@@ -183,6 +233,14 @@ def scale(cp: ControlPlane, total: int, namespaces: int, images: int) -> None:
     refs = [f"localhost/epguard/bench-alias:{i}" for i in range(images)]
     for ref in refs:
         node.ctr("images", "tag", "--force", source, ref)
+    try:
+        _scale(cp, refs, total, namespaces, images)
+    finally:
+        # The store outlives the cluster: leave no other name on the worker's bytes.
+        node.ctr("images", "rm", *refs, check=False)
+
+
+def _scale(cp: ControlPlane, refs: list[str], total: int, namespaces: int, images: int) -> None:
     api = _core(cp)
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         spaces = [stack.enter_context(opted_in_namespace(cp, "gate")) for _ in range(namespaces)]

@@ -8,6 +8,8 @@ from __future__ import annotations
 import copy
 import datetime as dt
 import itertools
+import threading
+import time
 from typing import Any
 
 import jsonpatch
@@ -496,3 +498,37 @@ def test_under_hold_a_failed_preflight_is_retried_after_the_retention() -> None:
     assert len(pf.run_once().deleted) == 1  # retried: the next pass starts a new one
     assert len(pf.run_once().created) == 1
     assert is_gated(api.pod("ml", "w-0"))
+
+
+def test_a_pass_reads_a_shared_owner_once_and_decides_pods_side_by_side() -> None:
+    """The replicas of one ReplicaSet share its owner chain: a pass reads it once, not
+    once per pod (200 waiting pods decided one after another took ~30 s on the node)."""
+    pf, api, _, _ = setup()
+    api.owners["/apis/apps/v1/namespaces/ml/replicasets/web-7d9f"] = {
+        "metadata": {"ownerReferences": [{"apiVersion": "apps/v1", "kind": "Deployment",
+                                          "name": "web", "uid": "d-1", "controller": True}]}
+    }  # fmt: skip
+    api.owners["/apis/apps/v1/namespaces/ml/deployments/web"] = {"metadata": {}}
+    reads: list[str] = []
+    threads: set[str] = set()
+    read_object, post_event = api.read_object, api.post_event
+
+    def counted(path: str) -> dict[str, Any]:
+        reads.append(path)
+        time.sleep(0.01)  # an API round trip: lets the pass's threads overlap
+        return read_object(path)
+
+    def posted(*args: Any, **kwargs: Any) -> bool:
+        threads.add(threading.current_thread().name)
+        time.sleep(0.01)
+        return post_event(*args, **kwargs)
+
+    api.read_object = counted  # type: ignore[method-assign]
+    api.post_event = posted  # type: ignore[method-assign]
+    for i in range(16):
+        api.add(gated_pod(f"w-{i}", owner="web-7d9f"))
+    pf.run_once()
+    api.finish(api.preflights()[0], 1, BAD)
+    assert len(pf.run_once().held) == 16
+    assert sorted(reads) == sorted(api.owners)  # each once
+    assert len(threads) > 1  # the pods' writes were made side by side

@@ -37,7 +37,7 @@ from tests.e2e.node_e2e import (
     worker_spec,
 )
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.node]
 
 # The preflight reads a 5.7 GB image's files on two shared cores.
 PREFLIGHT_TIMEOUT = 300.0
@@ -194,9 +194,15 @@ def test_a_bad_image_is_never_scheduled_and_its_model_never_mounted(
         return r.returncode == 0 and json.loads(r.stdout)["spec"]["verdict"] == "Unusable"
 
     eventually(recorded, within=60, what=f"ImageVerdict {verdict_name}")
-    # And the next pod on the image is refused before anything is gated or scheduled.
-    r = apply(cluster, worker_pod("next", ns, models))
-    assert denied_by_epguard(r), output(r)
+    # And the next pod on the image is refused before anything is gated or scheduled, once
+    # the webhook's watch has the verdict (a pod created in between is gated and held at
+    # once by the finished preflight's answer).
+    def refused() -> bool:
+        r = cluster.kubectl("create", "--dry-run=server", "-f", "-",
+                            input=json.dumps(worker_pod("next", ns, models)))  # fmt: skip
+        return denied_by_epguard(r)
+
+    eventually(refused, within=30, what="the next pod refused at admission", every=0.5)
 
 
 def test_an_image_whose_files_prove_nothing_is_ungated_and_probed_on_the_node(
@@ -316,3 +322,92 @@ def test_four_workloads_on_three_images_start_one_preflight_each_through_a_contr
         }, reasons
         (opened,) = pods(cluster, b, "app=nopython")
         assert not [g for g in opened["spec"].get("schedulingGates", []) if g["name"] == GATE]
+
+
+def test_an_image_the_registry_does_not_have_says_why_its_pods_wait_and_learns_nothing(
+    cluster: ControlPlane, gated_namespace: str, tmp_path: Path
+) -> None:
+    """Bad input: a worker on an image the (real) registry does not hold. The preflight
+    cannot pull it; the waiting pod's condition says so while the deadline runs, and
+    nothing is recorded about an image nobody could read."""
+    ns = gated_namespace
+    node = node_of(cluster)
+    missing = f"{node.registry.host}/epguard/not-pushed:1"
+    since = node.registry.log_offset()
+    pod = worker_pod("ghost", ns, tmp_path / "m", missing)
+    pod["spec"]["containers"][0]["imagePullPolicy"] = "IfNotPresent"
+    r = apply(cluster, pod)
+    assert r.returncode == 0, output(r)
+
+    def says_why() -> bool:
+        (p,) = pods(cluster, ns, "!" + PREFLIGHT_LABEL)
+        c = condition(p)
+        return c is not None and c["reason"] == "PreflightRunning" and (
+            "ErrImagePull" in c["message"] or "ImagePullBackOff" in c["message"]
+        )
+
+    eventually(says_why, within=120, what="the pull error in the pod's condition", every=1.0)
+    (p,) = pods(cluster, ns, "!" + PREFLIGHT_LABEL)
+    assert GATE in [g["name"] for g in p["spec"]["schedulingGates"]]
+    assert not p["spec"].get("nodeName")
+    # The registry was asked, and answered that it has no such manifest.
+    log = node.registry.log.read_bytes()[since:].decode()
+    assert '"HEAD /v2/epguard/not-pushed/manifests/1 HTTP/1.1" 404' in log, log[-2000:]
+    r = cluster.kubectl("get", "imageverdicts", "-o", "json")
+    assert json.loads(r.stdout)["items"] == []
+
+
+def test_swapping_a_gated_pods_worker_image_in_place_is_refused(
+    cluster: ControlPlane, gated_namespace: str, tmp_path: Path
+) -> None:
+    """An UPDATE that changes the image of a gated pod: its injected probe (and the
+    preflight the pod waits on) were for the old image, so epguard refuses the swap
+    (stale-probe) and the pod stays what was judged."""
+    ns = gated_namespace
+    r = apply(cluster, worker_pod("swap", ns, tmp_path / "m", ENV_ONLY_WORKER.ref))
+    assert r.returncode == 0, output(r)
+    got = json.loads(cluster.kubectl("get", "pod", "swap", "-n", ns, "-o", "json").stdout)
+    assert GATE in [g["name"] for g in got["spec"]["schedulingGates"]]
+    r = cluster.kubectl("set", "image", "pod/swap", "-n", ns, f"worker={BAD_WORKER.ref}")
+    assert denied_by_epguard(r) and "stale-probe" in r.stderr, output(r)
+    got = json.loads(cluster.kubectl("get", "pod", "swap", "-n", ns, "-o", "json").stdout)
+    assert got["spec"]["containers"][0]["image"] == ENV_ONLY_WORKER.ref
+
+
+def test_with_the_webhook_down_a_pod_is_created_ungated_and_unprobed(
+    cluster: ControlPlane, gated_namespace: str, tmp_path: Path
+) -> None:
+    """What an outage of the webhook costs (docs/preflight.md): injection is best effort
+    (failurePolicy Ignore), so a worker created meanwhile gets neither the gate nor the
+    probe -- only the backstop policy (known-bad images) still applies. Once the webhook
+    is back, the next pod is gated again."""
+    ns = gated_namespace
+    webhook = ["-n", "epguard-system", "deployment/epguard-webhook"]
+    r = cluster.kubectl("scale", *webhook, "--replicas=0")
+    assert r.returncode == 0, output(r)
+    try:
+        eventually(lambda: pods(cluster, "epguard-system",
+                                "app.kubernetes.io/component=webhook") == [],
+                   within=60, what="the webhook's pods to go")  # fmt: skip
+        during = worker_pod("during", ns, tmp_path / "m", ENV_ONLY_WORKER.ref)
+        during["spec"]["restartPolicy"] = "Never"  # it runs unjudged: once is enough
+        r = apply(cluster, during)
+        assert r.returncode == 0, output(r)
+        got = json.loads(cluster.kubectl("get", "pod", "during", "-n", ns, "-o", "json").stdout)
+        assert not got["spec"].get("schedulingGates")
+        assert [c["name"] for c in got["spec"].get("initContainers", [])] == ["model-download"]
+    finally:
+        r = cluster.kubectl("scale", *webhook, "--replicas=2")
+        assert r.returncode == 0, output(r)
+        r = cluster.kubectl("rollout", "status", *webhook, "--timeout=120s")
+        assert r.returncode == 0, output(r)
+
+    def gated_again() -> bool:
+        name = f"after-{len(pods(cluster, ns, '!' + PREFLIGHT_LABEL))}"
+        r = cluster.kubectl(
+            "create", "--dry-run=server", "-o", "json", "-f", "-",
+            input=json.dumps(worker_pod(name, ns, tmp_path / "m", ENV_ONLY_WORKER.ref)),
+        )  # fmt: skip
+        return r.returncode == 0 and GATE in r.stdout
+
+    eventually(gated_again, within=60, what="the webhook to gate pods again", every=1.0)
