@@ -22,7 +22,7 @@ from devcluster.images import BUSYBOX_IMAGE, build_busybox
 from devcluster.node import NODE_NAME, Node, node_ip
 from tests.e2e.e2e_kube import eventually
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.node]
 
 BUSYBOX = {"image": BUSYBOX_IMAGE, "imagePullPolicy": "Never"}
 

@@ -33,7 +33,7 @@ from tests.e2e.e2e_kube import (
 )
 from tests.e2e.node_e2e import running_cluster
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.node]
 
 BACKSTOP = "epguard-backstop"
 FOLLOW_WITHIN = 10.0

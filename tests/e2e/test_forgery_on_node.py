@@ -30,7 +30,7 @@ from epguard.probe.message import SCOPE, UNUSABLE, USABLE
 from tests.e2e.e2e_kube import apply, as_yaml, eventually, wait_event
 from tests.e2e.node_e2e import fresh_namespace, running_cluster, wait_probe, worker_pod
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.node]
 
 TENANT = "tenant-a"
 VICTIM = ENV_ONLY_WORKER.ref

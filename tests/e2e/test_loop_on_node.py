@@ -18,7 +18,7 @@ from devcluster.images import BAD_WORKER
 from tests.e2e.e2e_kube import apply, denied_by_epguard, eventually, output, pod, worker
 from tests.e2e.node_e2e import opted_in_namespace, running_cluster, wait_probe, workload
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.node]
 
 PRINTER_COLUMNS = [
     "NAME",

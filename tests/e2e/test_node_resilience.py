@@ -23,7 +23,7 @@ from tests.e2e.node_e2e import (
     worker_pod,
 )
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.node]
 
 RELEASE_NS = "epguard-system"
 

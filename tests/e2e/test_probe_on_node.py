@@ -24,7 +24,7 @@ from devcluster.images import BAD_WORKER, ENV_ONLY_WORKER, WorkerImage, images_d
 from tests.e2e.e2e_kube import apply, denied_by_epguard, eventually, wait_event
 from tests.e2e.node_e2e import opted_in_namespace, running_cluster, wait_probe, worker_pod, workload
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.node]
 
 
 @pytest.fixture(scope="module")
