@@ -404,7 +404,7 @@ def _verdict(image: str, usable: bool, seen: dt.datetime, digest: str | None = N
     )
 
 
-def test_an_image_is_judged_by_its_pinned_digest_or_a_fresh_tag() -> None:
+def test_only_a_usable_verdict_by_pinned_digest_or_fresh_tag_clears_an_image() -> None:
     digest = "sha256:" + "ab" * 32
     store = VerdictStore(tag_ttl=dt.timedelta(hours=24))
     store.upsert(_verdict("r.example/good:1", True, NOW - dt.timedelta(hours=1)), NOW)
@@ -414,12 +414,12 @@ def test_an_image_is_judged_by_its_pinned_digest_or_a_fresh_tag() -> None:
     images = [
         "r.example/good:1",  # a fresh tag verdict: judged
         "r.example/old:1",  # the tag's verdict is older than the TTL: the tag may have moved
-        "r.example/bad:1",  # judged (and /validate refuses it)
+        "r.example/bad:1",  # /validate refuses it; gated too, should a replica admit it
         f"r.example/pinned:2@{digest}",  # the digest's verdict, however old
         "r.example/new:1",  # never seen
         "UPPER/Case:!",  # does not parse: its pull fails, nothing to judge
     ]
-    assert unjudged(images, store, NOW) == ("r.example/old:1", "r.example/new:1")
+    assert unjudged(images, store, NOW) == ("r.example/old:1", "r.example/bad:1", "r.example/new:1")
 
 
 def test_the_preflight_runs_as_the_worker_but_without_its_privileges() -> None:

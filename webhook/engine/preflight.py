@@ -55,9 +55,12 @@ KEY_HEX = 20
 
 
 def unjudged(images: Iterable[str], verdicts: VerdictLookup, now: dt.datetime) -> tuple[str, ...]:
-    """The images that have no verdict yet: none by the digest a reference pins, and
-    none by its tag seen within the tag TTL. A reference that does not parse is left
-    out (its pull fails anyway: nothing for a preflight to judge)."""
+    """The images no verdict clears: none Usable by the digest a reference pins, nor by
+    its tag seen within the tag TTL. An image with an Unusable verdict is in the list
+    too: /validate refuses such a pod, and if it does not -- another webhook replica whose
+    watch has not had the verdict yet, seen on the node with 200 pods -- the gate holds
+    the pod and the finished preflight's answer keeps it held. A reference that does not
+    parse is left out (its pull fails anyway: nothing for a preflight to judge)."""
     out: list[str] = []
     for image in images:
         try:
@@ -65,7 +68,7 @@ def unjudged(images: Iterable[str], verdicts: VerdictLookup, now: dt.datetime) -
         except ImageRefError:
             continue
         hit = verdicts.lookup(ref, now)
-        if hit is None or not hit.fresh:
+        if hit is None or not hit.fresh or hit.trust != "usable":
             out.append(image)
     return tuple(out)
 
