@@ -19,8 +19,11 @@ lint: venv
 	$(PY) -m mypy
 	.venv/bin/lint-imports  # .importlinter: the parts' layers, the pure engine, the stdlib probe
 
+# Two pytest workers (pytest-xdist, --dist loadgroup): the tests marked node (the
+# machine's one node) run one after another on one of them, each other e2e module stays
+# on one worker (tests/conftest.py), and the rest spread over both.
 test: tools lint
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadgroup
 
 # The fast half (2.5 minutes on 2 cores, two pytest workers): every test that needs no
 # cluster, no node, no image and no real torch/mooncake wheel; only helm and kubectl are
