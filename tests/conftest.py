@@ -38,6 +38,7 @@ def _has_gpu() -> bool:
     return Path("/dev/nvidia0").exists() or Path("/dev/nvidiactl").exists()
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the test ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # Under pytest-xdist's --dist loadgroup (make test): a machine has one node, so every
     # test marked ``node`` runs on one worker, one after another; each other e2e module
