@@ -38,16 +38,7 @@ def _has_gpu() -> bool:
     return Path("/dev/nvidia0").exists() or Path("/dev/nvidiactl").exists()
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the test ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # Under pytest-xdist's --dist loadgroup (make test): a machine has one node, so every
-    # test marked ``node`` runs on one worker, one after another; each other e2e module
-    # stays on one worker (its module-scoped API server starts once); the rest spread.
-    for item in items:
-        if "node" in item.keywords:
-            item.add_marker(pytest.mark.xdist_group("node"))
-        elif "e2e" in item.keywords:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
     if _has_gpu():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU and driver (libcuda.so.1)")
