@@ -348,10 +348,10 @@ class Node:
         """Remove an image from containerd's store so the next use pulls it again: every
         name CRI gave it (the tag, ``repo@sha256:<manifest>`` and ``sha256:<config>``)
         points at the same manifest, and the content goes when the last name does."""
-        digest = self.image_digests().get(ref)
-        if digest is None:
+        held = self.image_digests()
+        if ref not in held:
             return
-        names = [name for name, d in self.image_digests().items() if d == digest]
+        names = [name for name, digest in held.items() if digest == held[ref]]
         self.ctr("images", "rm", "--sync", *names)
 
     def import_images(self, archives: Iterable[Path]) -> None:

@@ -71,6 +71,7 @@ from epguard.webhook.engine.verdicts import (
     VerdictHit,
     VerdictStore,
     observed,
+    rank,
     verdict_keys,
 )
 from epguard.webhook.engine.workloads import KindSpec, TemplatePath
@@ -296,7 +297,6 @@ def verdict_entries(
 # refuses nothing the policy can read: Usable, no time, an unreadable tag), and the name
 # to write beside the entry (None when the name is derived from the digest).
 _Answer = tuple[float, str, str | None, str | None]
-_NEVER = dt.datetime.min.replace(tzinfo=dt.UTC).timestamp()
 
 
 class EntryIndex:
@@ -324,7 +324,8 @@ class EntryIndex:
             self.answer(kind, key, v)
 
     def answer(self, kind: str, key: str, v: Verdict) -> None:
-        seen = v.last_seen.timestamp() if v.last_seen is not None else _NEVER
+        at, _ = rank(v)
+        seen = at.timestamp()
         if kind == "digest":
             if not _SHA256.match(key):
                 return  # the policy reads sha256 digests only

@@ -306,7 +306,6 @@ class Preflights:
         self.config = config
         self.keys = keys
         self.clock = clock
-        self._read: Callable[[str], Json] = api.read_object
 
     def run_once(self) -> Pass:
         now = self.clock()
@@ -345,14 +344,14 @@ class Preflights:
         def decide(item: tuple[Json, list[PreflightKey]]) -> None:
             pod, keys = item
             try:
-                self._decide(pod, [results[k] for k in keys], done)
+                self._decide(pod, [results[k] for k in keys], read, done)
             except Exception:
                 log.exception("preflight: could not decide %s", describe("Pod", *_name(pod)[:2]))
 
         # Each key and each pod is a few API calls of its own: the pass makes them on
         # PASS_WORKERS threads (one after another, 200 waiting pods took ~30 s to decide
         # on the 2-core node), and reads each owner once (a ReplicaSet's replicas share it).
-        self._read = _ReadOnce(self.api.read_object)
+        read = _ReadOnce(self.api.read_object)
         with ThreadPoolExecutor(PASS_WORKERS) as pool:
             results = dict(pool.map(result_of, first.items()))
         # Whatever holds a key up (its pod squatted, relabelled, never created), nothing
@@ -404,12 +403,14 @@ class Preflights:
             return PreflightResult("failed", f"the preflight pod could not be created: {exc}")
         return PreflightResult("running", "")
 
-    def _decide(self, pod: Json, results: list[PreflightResult], done: Pass) -> None:
+    def _decide(
+        self, pod: Json, results: list[PreflightResult], read: Callable[[str], Json], done: Pass
+    ) -> None:
         uid = _name(pod)[2]
         unusable = [r for r in results if r.phase == "unusable"]
         failed = [r for r in results if r.phase == "failed"]
         if unusable:
-            self._hold(pod, "ImageUnusable", unusable[0].message, done)
+            self._hold(pod, "ImageUnusable", unusable[0].message, read, done)
         elif any(r.phase == "running" for r in results):
             stalled = next((r.stalled for r in results if r.stalled), "")
             self._condition(
@@ -419,7 +420,7 @@ class Preflights:
                 f"waiting for epguard's preflight of this image{': ' + stalled if stalled else ''}",
             )
         elif failed and self.config.on_error == "hold":
-            self._hold(pod, "PreflightFailed", failed[0].message, done)
+            self._hold(pod, "PreflightFailed", failed[0].message, read, done)
         else:
             why = (
                 failed[0].message
@@ -440,13 +441,15 @@ class Preflights:
                 self.api.post_event(_ref(pod), reason, said, warning=warning, key=f"{uid}/open")
                 self._condition(pod, "True", reason, said)
 
-    def _hold(self, pod: Json, reason: str, message: str, done: Pass) -> None:
+    def _hold(
+        self, pod: Json, reason: str, message: str, read: Callable[[str], Json], done: Pass
+    ) -> None:
         namespace, name, uid = _name(pod)
         said = f"epguard keeps this pod unscheduled: {message}"
         if self._condition(pod, "False", reason, said):
             done.held.append(describe("Pod", namespace, name))
             self.api.post_event(_ref(pod), reason, said, warning=True, key=f"{uid}/{reason}")
-            owner = top_owner(self._read, namespace, meta(pod).get("ownerReferences"))
+            owner = top_owner(read, namespace, meta(pod).get("ownerReferences"))
             if owner is not None:
                 self.api.post_event(
                     owner,
