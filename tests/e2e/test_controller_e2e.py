@@ -10,10 +10,12 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,7 +23,7 @@ import yaml
 
 from devcluster import ControlPlane
 from devcluster.process import free_port
-from devcluster.stack import NAMESPACE, REPO_ROOT
+from devcluster.stack import NAMESPACE
 from epguard.webhook.controller import authority as certs
 from tests.chart.chartlib import render
 from tests.control_plane import running_control_plane
@@ -110,7 +112,7 @@ def controller(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> It
     log = tmp_path_factory.mktemp("controller") / "controller.log"
     with log.open("w") as out:
         proc = subprocess.Popen(
-            [str(REPO_ROOT / ".venv" / "bin" / container["command"][0])],
+            [str(Path(sys.executable).with_name(container["command"][0]))],
             env={**cluster.env, **env},
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -29,11 +29,10 @@ from devcluster.stack import Stack
 from epguard.webhook.scan import record
 from tests.chart.chartlib import CHART, NAMESPACE, RELEASE, run_helm
 from tests.e2e.e2e_kube import denied_by_epguard, eventually, exists, output, pod, worker
+from tests.scan.scan_harness import EPGUARD
 
 pytestmark = [pytest.mark.e2e, pytest.mark.realpkg]
 
-REPO = Path(__file__).resolve().parents[2]
-EPGUARD = REPO / ".venv" / "bin" / "epguard"
 POLICY = "epguard-scan-recorder"
 ALLOWED, OTHER = "image-scanner", "someone-else"
 

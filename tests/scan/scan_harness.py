@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +24,9 @@ from tests.probe.probe_harness import TORCH_ENV, overlay
 from tests.scan.imagebuild import LayerSpec, write_layer
 
 REPO = Path(__file__).resolve().parents[2]
-EPGUARD = REPO / ".venv" / "bin" / "epguard"
+# The console script installed beside the interpreter running the tests (make's .venv, or
+# any other environment epguard was installed into).
+EPGUARD = Path(sys.executable).with_name("epguard")
 SITE = "usr/local/lib/python3.11/dist-packages"
 TORCH_SITE = next((TORCH_ENV / "lib").glob("python3*/site-packages"), TORCH_ENV / "missing")
 IMAGES = Path(os.environ.get("EPGUARD_CACHE", Path.home() / ".cache" / "epguard")) / "images"
