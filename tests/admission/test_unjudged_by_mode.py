@@ -40,9 +40,9 @@ JSON = {"content-type": "application/json"}
 
 
 def metric(server: RunningServer, name: str, **labels: str) -> float:
+    """The sum of ``name`` over the series that carry ``labels``."""
     with server.client() as c:
         text = c.get("/metrics").text
-    """The sum of ``name`` over the series that carry ``labels``."""
     want = [f'{k}="{v}"' for k, v in labels.items()]
     total = 0.0
     for line in text.splitlines():
@@ -86,6 +86,7 @@ def test_a_large_bad_pod_is_refused_during_a_flood_of_rules_edits(
     flood = rules_edit_review()
     pod_body = large_bad_pod_review()
     assert len(pod_body) > INLINE_BYTES
+    cut_before = metric(webhook, "epguard_connections_cut_total", reason="body_deadline")
     stop = threading.Event()
     flooding = threading.Barrier(5)
     statuses: list[int] = []
@@ -96,7 +97,12 @@ def test_a_large_bad_pod_is_refused_during_a_flood_of_rules_edits(
             for _ in range(6):  # bounded, whatever happens
                 if stop.is_set():
                     return
-                statuses.append(c.post("/validate", content=flood, headers=JSON).status_code)
+                try:
+                    statuses.append(c.post("/validate", content=flood, headers=JSON).status_code)
+                except httpx.TransportError:
+                    # The webhook may drop a flooding connection (its queue is full):
+                    # what this test checks is the pod review's answer, not the flood's.
+                    statuses.append(0)
 
     threads = [threading.Thread(target=flooder, daemon=True) for _ in range(4)]
     for t in threads:
@@ -116,8 +122,12 @@ def test_a_large_bad_pod_is_refused_during_a_flood_of_rules_edits(
     # Judged (the rule's refusal), or on a machine too loaded to judge it within the
     # deadline, refused by mode: never a 500.
     assert refused_for_the_image(response["status"]["message"])
-    # The flood itself is answered too: judged, or refused at once when its lane is full.
-    assert statuses and set(statuses) == {200}
+    # The flood itself is answered too (judged, or refused at once when its lane is
+    # full), or, on a machine too loaded to read a 1 MiB body within this module's 1 s
+    # body deadline, cut by that deadline: counted as such, never dropped unexplained.
+    cut = metric(webhook, "epguard_connections_cut_total", reason="body_deadline") - cut_before
+    assert 200 in statuses and set(statuses) <= {200, 0}, statuses
+    assert statuses.count(0) == cut, (statuses, cut)
 
 
 def test_an_escaped_update_over_7_mib_swapping_to_a_refused_image_is_judged_not_413(
