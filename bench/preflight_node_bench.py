@@ -40,6 +40,7 @@ from kubernetes.client.exceptions import ApiException
 
 from devcluster import ControlPlane
 from devcluster.images import BAD_WORKER, ENV_ONLY_WORKER
+from devcluster.stack import NAMESPACE
 from epguard.webhook.engine.preflight import CONDITION, GATE, PREFLIGHT_LABEL
 from epguard.webhook.engine.verdicts import verdict_name
 from tests.e2e.e2e_kube import apply, eventually, output
@@ -175,10 +176,26 @@ def first_seen(cp: ControlPlane, image: str, replicas: int, bad: bool) -> None:
             # The kubelet pulls the model before it starts the first init container.
             eventually(lambda: any(_first_init_started(p) for p in pods(cp, ns, "app=w")),
                        within=300, what="the first init container", every=POLL)  # fmt: skip
+        print("  the controllers' decisions (each replica's log):")
+        for line in _controller_lines(cp, "preflight "):
+            print(f"    {line}")
         served = node.registry.blob_gets(since)
         layers = node.registry.model_layer_sizes()
         got = sum(served[d].bytes for d in layers if d in served)
         print(f"  model bytes served by the registry: {got:,} of {sum(layers.values()):,}")
+
+
+def _controller_lines(cp: ControlPlane, containing: str) -> list[str]:
+    """The lines of each controller replica's log that contain ``containing``, each
+    prefixed with its pod's name, in time order (the log's own timestamps)."""
+    r = cp.kubectl("get", "pods", "-n", NAMESPACE, "-l", "app.kubernetes.io/component=controller",
+                   "-o", "jsonpath={.items[*].metadata.name}")  # fmt: skip
+    lines = []
+    for name in r.stdout.split():
+        log = cp.kubectl("logs", "-n", NAMESPACE, name, "--since=15m").stdout
+        lines += [f"{line[11:23]} {name[-5:]} {line[24:]}" for line in log.splitlines()
+                  if containing in line]  # fmt: skip
+    return sorted(lines)
 
 
 def _usable_verdict(cp: ControlPlane, image: str) -> None:

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import jsonpatch
+import kopf
 import pytest
 from kubernetes import client
 
@@ -22,6 +23,7 @@ from epguard.webhook.controller.gatekeeper import (
     Preflights,
     Refused,
     worker_keys,
+    worth_a_pass,
 )
 from epguard.webhook.controller.owners import Unreadable
 from epguard.webhook.engine.injection import InjectionSettings
@@ -30,6 +32,7 @@ from epguard.webhook.engine.preflight import (
     CONDITION,
     GATE,
     KEY_LABEL,
+    PREFLIGHT_LABEL,
     PreflightSettings,
     is_gated,
 )
@@ -532,3 +535,18 @@ def test_a_pass_reads_a_shared_owner_once_and_decides_pods_side_by_side() -> Non
     assert len(pf.run_once().held) == 16
     assert sorted(reads) == sorted(api.owners)  # each once
     assert len(threads) > 1  # the pods' writes were made side by side
+
+
+def test_a_gated_or_preflight_pods_event_wakes_a_pass_through_kopfs_own_body() -> None:
+    """The event filter is handed a ``kopf.Body`` (a Mapping view, not a dict). Read as a
+    dict, it saw no labels and no gate: no event ever woke a pass, and every preflight
+    was created and every gate decided on the 5 s timer (up to 5 s late, twice)."""
+    preflight = gated_pod("epguard-preflight-1")
+    preflight["spec"].pop("schedulingGates")
+    preflight["metadata"]["labels"][PREFLIGHT_LABEL] = "true"
+    ungated = gated_pod("w-open")
+    ungated["spec"]["schedulingGates"] = [{"name": "kueue.x-k8s.io/admission"}]
+    assert worth_a_pass(body=kopf.Body(gated_pod("w-0")))
+    assert worth_a_pass(body=kopf.Body(preflight))
+    assert not worth_a_pass(body=kopf.Body(ungated))
+    assert not worth_a_pass(body=kopf.Body({}))

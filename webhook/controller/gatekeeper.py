@@ -556,8 +556,10 @@ class _Keys:
 async def _loop(memo: kopf.Memo, preflights: Preflights, stop: asyncio.Event) -> None:
     wake: asyncio.Event = memo[f"{NAME}_wake"]
     loop = asyncio.get_running_loop()
+    woken = "start"
     while not stop.is_set():
         wake.clear()
+        started = loop.time()
         try:
             done = await loop.run_in_executor(None, preflights.run_once)
             for what, names in (
@@ -567,11 +569,18 @@ async def _loop(memo: kopf.Memo, preflights: Preflights, stop: asyncio.Event) ->
                 ("deleted", done.deleted),
             ):
                 if names:
-                    log.info("preflight %s: %s", what, ", ".join(names[:20]))
+                    log.info(
+                        "preflight %s (a pass of %.2f s, after %s): %s",
+                        what,
+                        loop.time() - started,
+                        woken,
+                        ", ".join(names[:20]),
+                    )
         except Exception:
             log.exception("preflight pass failed; retrying")
         waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(wake.wait())]
         await asyncio.wait(waiters, timeout=INTERVAL_SECONDS, return_when=asyncio.FIRST_COMPLETED)
+        woken = "a pod event" if wake.is_set() else "the timer"
         for w in waiters:
             w.cancel()
 
@@ -589,13 +598,18 @@ async def _stop(memo: kopf.Memo, **_: Any) -> None:
     await background.stop(memo, NAME)
 
 
-def _worth_a_pass(body: Any, **_: Any) -> bool:
-    labels = as_map(as_map(as_map(body).get("metadata")).get("labels"))
-    return labels.get(PREFLIGHT_LABEL) == "true" or is_gated(as_map(body))
+def worth_a_pass(body: Any, **_: Any) -> bool:
+    """kopf filter: a preflight pod or a gated pod changed. ``body`` is a ``kopf.Body``,
+    a Mapping view and not a dict (whose items are the raw dicts): ``as_map(body)`` would
+    see nothing in it, and every pass would then wait for the timer."""
+    if not isinstance(body, Mapping):
+        return False
+    labels = as_map(as_map(body.get("metadata")).get("labels"))
+    return labels.get(PREFLIGHT_LABEL) == "true" or is_gated(body)
 
 
 @kopf.on.event(
-    "", "v1", "pods", labels={PROBED_LABEL: "true"}, when=_worth_a_pass, id="epguard-preflight"
+    "", "v1", "pods", labels={PROBED_LABEL: "true"}, when=worth_a_pass, id="epguard-preflight"
 )
 async def _pod_event(memo: kopf.Memo, **_: Any) -> None:
     wake: asyncio.Event | None = memo.get(f"{NAME}_wake")
