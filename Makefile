@@ -19,13 +19,10 @@ lint: venv
 	$(PY) -m mypy
 	.venv/bin/lint-imports  # .importlinter: the parts' layers, the pure engine, the stdlib probe
 
-# Two phases: every test but the node's on two pytest workers (pytest-xdist, each module on
-# one worker, so a module's API server starts once), then the tests marked node (the
-# machine's one node) one after another. (xdist's loadgroup cannot keep the node tests on
-# one worker with pytest 9: the group never reaches the test ids.)
+# Two streams side by side (scripts/test.sh): the tests marked node (the machine's one
+# node) one after another, and every other test on two pytest workers.
 test: tools lint
-	$(PY) -m pytest -n 2 --dist loadscope -m "not node"
-	$(PY) -m pytest -m node
+	@scripts/test.sh
 
 # The fast half (2.5 minutes on 2 cores, two pytest workers): every test that needs no
 # cluster, no node, no image and no real torch/mooncake wheel; only helm and kubectl are
