@@ -46,7 +46,7 @@ import yaml
 from devcluster import binaries, ociimage, pki
 from devcluster.controlplane import ControlPlane, ControlPlaneError, write_kubeconfig
 from devcluster.process import ManagedProcess, free_port
-from devcluster.registry import Registry
+from devcluster.registry import PRIVATE_PORT, Registry
 
 NODE_NAME = "node-0"
 POD_CIDR = "10.88.0.0/16"
@@ -219,6 +219,11 @@ class Node:
     @property
     def registry(self) -> Registry:
         return Registry(self.workdir / "registry", self.ip)
+
+    @property
+    def private_registry(self) -> Registry:
+        """Every pull from it needs credentials: a namespace without the pull secret."""
+        return Registry(self.workdir / "private-registry", self.ip, PRIVATE_PORT, private=True)
 
     def _logs(self) -> Path:
         return self.workdir / "logs"
@@ -421,9 +426,10 @@ class Node:
         path.with_suffix(".tmp").replace(path)
 
     def _start_registry(self, ca: pki.CertificateAuthority) -> None:
-        registry = self.registry
-        argv = registry.prepare(ca)
-        registry.wait_ready(self._spawn("registry", argv, log=registry.log))
+        for name, registry in (("registry", self.registry), ("private-registry",
+                                                             self.private_registry)):
+            argv = registry.prepare(ca)
+            registry.wait_ready(self._spawn(name, argv, log=registry.log))
 
     def _start_containerd(self) -> None:
         cni = self.workdir / "cni"

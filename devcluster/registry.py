@@ -15,6 +15,11 @@ layer, at the layer's root, so an image volume mounted at ``/model`` shows
 digests on every machine.
 
 ``blob_gets`` reads the access log: which blobs were served, how often, how many bytes.
+
+A second, *private* instance (:data:`PRIVATE_PORT`, empty storage) answers every
+request without credentials ``401 Unauthorized`` with a token challenge (distribution's
+``silly`` auth: it checks only that an ``Authorization`` header is there): an image on it
+is what a namespace without the right ``imagePullSecrets`` meets in a real cluster.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from devcluster.process import ManagedProcess
 
 REGISTRY_BIN = Path("/usr/bin/docker-registry")
 PORT = 5000
+PRIVATE_PORT = 5001
 MODEL_REPOSITORY = "models/sglang-weights"
 MODEL_TAG = "1"
 MODEL_SHARDS = 4
@@ -69,14 +75,17 @@ class Registry:
 
     workdir: Path
     ip: str
+    port: int = PORT
+    # Every request needs credentials (see the module's docstring); nothing is stored.
+    private: bool = False
 
     @property
     def host(self) -> str:
-        return f"{self.ip}:{PORT}"
+        return f"{self.ip}:{self.port}"
 
     @property
     def storage(self) -> Path:
-        return binaries.cache_dir() / "registry"
+        return self.workdir / "storage" if self.private else binaries.cache_dir() / "registry"
 
     @property
     def log(self) -> Path:
@@ -84,8 +93,9 @@ class Registry:
 
     @property
     def hosts_dir(self) -> Path:
-        """containerd's ``config_path``: one directory per ``host:port``."""
-        return self.workdir / "hosts"
+        """containerd's ``config_path``: one directory per ``host:port``, shared by the
+        node's registries."""
+        return self.workdir.parent / "registry-hosts"
 
     @property
     def ca_file(self) -> Path:
@@ -124,6 +134,10 @@ class Registry:
                 "tls": {"certificate": str(tls / "registry.crt"), "key": str(tls / "registry.key")},
             },
         }
+        if self.private:
+            config["auth"] = {
+                "silly": {"realm": f"https://{self.host}/token", "service": "epguard-private"}
+            }
         path = self.workdir / "config.yml"
         path.write_text(json.dumps(config, indent=1))  # YAML is a superset of JSON
         hosts = self.hosts_dir / self.host
@@ -141,7 +155,7 @@ class Registry:
         while True:
             try:
                 status, _, _ = self.request("GET", "/v2/")
-                if status == 200:
+                if status == (401 if self.private else 200):
                     return
             except OSError:
                 pass
@@ -156,7 +170,7 @@ class Registry:
 
     def _connection(self) -> http.client.HTTPSConnection:
         context = ssl.create_default_context(cafile=str(self.ca_file))
-        return http.client.HTTPSConnection(self.ip, PORT, context=context, timeout=60)
+        return http.client.HTTPSConnection(self.ip, self.port, context=context, timeout=60)
 
     def request(
         self,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import socket
 import tarfile
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 
 from devcluster import registry
 from devcluster.pki import CertificateAuthority
+from devcluster.process import ManagedProcess
 from devcluster.registry import BlobServed, Registry
 
 # Access lines as docker-registry 2.8 writes them (combined format), between its own
@@ -92,3 +94,34 @@ def test_containerd_trusts_the_registry_by_its_hosts_file_only(
     assert 'server = "https://192.0.2.2:5000"' in hosts
     assert f'ca = "{reg.ca_file}"' in hosts
     assert reg.ca_file.read_bytes().startswith(b"-----BEGIN CERTIFICATE-----")
+
+
+def test_the_private_registry_refuses_every_pull_without_credentials(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The node's second registry: what a namespace without the pull secret meets. A
+    real docker-registry process on loopback: /v2/ and a manifest answer 401 with a
+    token challenge, and it keeps nothing in the shared cache."""
+    if not registry.REGISTRY_BIN.is_file():
+        pytest.skip("docker-registry is not installed (make tools installs it)")
+    monkeypatch.setenv("EPGUARD_CACHE", str(tmp_path / "cache"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    reg = Registry(tmp_path / "private", "127.0.0.1", port, private=True)
+    public = Registry(tmp_path / "reg", "127.0.0.1")
+    assert reg.hosts_dir == public.hosts_dir  # containerd reads one config_path
+    proc = ManagedProcess.spawn("private", reg.prepare(CertificateAuthority()), reg.log)
+    try:
+        reg.wait_ready(proc)
+        status, headers, _ = reg.request("HEAD", "/v2/team/sglang-private/manifests/1")
+        assert status == 401
+        assert headers["WWW-Authenticate"].startswith("Bearer realm=")
+        status, _, _ = reg.request("GET", "/v2/", headers={"Authorization": "Bearer x"})
+        assert status == 200  # the header is all it checks: credentials make the difference
+    finally:
+        proc.stop()
+    assert reg.storage.is_relative_to(tmp_path / "private")
+    assert not (tmp_path / "cache" / "registry").exists()
+    hosts = (reg.hosts_dir / f"127.0.0.1:{port}" / "hosts.toml").read_text()
+    assert f'server = "https://127.0.0.1:{port}"' in hosts

@@ -324,17 +324,23 @@ def test_four_workloads_on_three_images_start_one_preflight_each_through_a_contr
         assert not [g for g in opened["spec"].get("schedulingGates", []) if g["name"] == GATE]
 
 
-def test_an_image_the_registry_does_not_have_says_why_its_pods_wait_and_learns_nothing(
-    cluster: ControlPlane, gated_namespace: str, tmp_path: Path
+@pytest.mark.parametrize("case", ["not pushed", "needs a pull secret"])
+def test_an_image_no_one_can_pull_says_why_its_pods_wait_and_learns_nothing(
+    case: str, cluster: ControlPlane, gated_namespace: str, tmp_path: Path
 ) -> None:
-    """Bad input: a worker on an image the (real) registry does not hold. The preflight
-    cannot pull it; the waiting pod's condition says so while the deadline runs, and
-    nothing is recorded about an image nobody could read."""
+    """Bad input: a worker on an image the (real) registry does not hold, or one behind a
+    registry that wants credentials the namespace has no pull secret for (the node's
+    private registry: 401 without them). The preflight cannot pull it; the waiting pod's
+    condition says so while the deadline runs, and nothing is recorded about an image
+    nobody could read."""
     ns = gated_namespace
     node = node_of(cluster)
-    missing = f"{node.registry.host}/epguard/not-pushed:1"
-    since = node.registry.log_offset()
-    pod = worker_pod("ghost", ns, tmp_path / "m", missing)
+    registry = node.registry if case == "not pushed" else node.private_registry
+    repository, status = ("epguard/not-pushed", 404) if case == "not pushed" else (
+        "team/sglang-private", 401)  # fmt: skip
+    image = f"{registry.host}/{repository}:1"
+    since = registry.log_offset()
+    pod = worker_pod("ghost", ns, tmp_path / "m", image)
     pod["spec"]["containers"][0]["imagePullPolicy"] = "IfNotPresent"
     r = apply(cluster, pod)
     assert r.returncode == 0, output(r)
@@ -350,9 +356,9 @@ def test_an_image_the_registry_does_not_have_says_why_its_pods_wait_and_learns_n
     (p,) = pods(cluster, ns, "!" + PREFLIGHT_LABEL)
     assert GATE in [g["name"] for g in p["spec"]["schedulingGates"]]
     assert not p["spec"].get("nodeName")
-    # The registry was asked, and answered that it has no such manifest.
-    log = node.registry.log.read_bytes()[since:].decode()
-    assert '"HEAD /v2/epguard/not-pushed/manifests/1 HTTP/1.1" 404' in log, log[-2000:]
+    # The registry was asked, and answered: no such manifest, or not without credentials.
+    log = registry.log.read_bytes()[since:].decode()
+    assert f'"HEAD /v2/{repository}/manifests/1 HTTP/1.1" {status}' in log, log[-2000:]
     r = cluster.kubectl("get", "imageverdicts", "-o", "json")
     assert json.loads(r.stdout)["items"] == []
 
