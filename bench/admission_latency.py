@@ -7,6 +7,13 @@
                evaluated inside the API server -- the floor for any admission check);
 * ``vap-refused``: that VAP refusing the rule-denied image (a refusal writes nothing to
                etcd, so it is compared with a refusal);
+* ``floor``:   the least any webhook costs on this path: a bare FastAPI endpoint in
+               epguard's own image (uvicorn + TLS, as epguard serves) that reads the
+               review and answers "allowed", deployed as a pod behind a Service and
+               called by the API server exactly as epguard's webhook is (its own
+               ValidatingWebhookConfiguration, scoped to its namespace). What it costs
+               over ``none`` is the API server's webhook call: encoding the review, the
+               Service hop, TLS, and the answer -- none of it epguard's judging;
 * ``webhook``: epguard's chart installed with helm on the real one-node cluster, exactly
                as ``make up`` does it: the webhook runs as the chart's pods and the API
                server calls it through its Service (the chart's ``service``
@@ -45,6 +52,7 @@ or not. A benchmark prints figures; it asserts nothing.
 from __future__ import annotations
 
 import argparse
+import base64
 import datetime as dt
 import json
 import os
@@ -65,6 +73,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from devcluster import ControlPlane  # noqa: E402
+from devcluster.images import EPGUARD_IMAGE  # noqa: E402
+from devcluster.pki import CertificateAuthority  # noqa: E402
 from devcluster.stack import CHART_DIR, Stack, deploy_chart, start_cluster  # noqa: E402
 from epguard.webhook.controller.backstop import write_params  # noqa: E402
 from epguard.webhook.controller.compiler import DIGEST_KEY, BackstopConfig, compile_params  # noqa: E402
@@ -72,9 +82,32 @@ from epguard.webhook.engine.text import stamp  # noqa: E402
 from epguard.webhook.engine.verdicts import VerdictStore, verdict_from_object  # noqa: E402
 
 SCENARIOS = (
-    "none", "vap", "vap-refused", "webhook", "backstop", "refused-rule", "refused-verdict"
+    "none", "vap", "vap-refused", "floor", "webhook", "backstop", "refused-rule",
+    "refused-verdict",
 )  # fmt: skip
-NAMESPACED = ("none", "vap", "webhook", "backstop")  # vap-refused and refused-* reuse these
+# vap-refused and refused-* reuse these
+NAMESPACED = ("none", "vap", "floor", "webhook", "backstop")
+FLOOR = "epguard-bench-floor"
+# The floor webhook: read the review, answer "allowed" with its uid (what any webhook
+# must do at the least), on epguard's server stack (uvicorn, httptools, TLS).
+FLOOR_APP = """
+import json, uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+app = FastAPI()
+@app.post("/validate")
+async def validate(request: Request) -> Response:
+    body = await request.body()
+    review = json.loads(body)
+    response = {"uid": review["request"]["uid"], "allowed": b"floor-refuse" not in body}
+    if not response["allowed"]:  # lets the benchmark check that it is called
+        response["status"] = {"code": 403, "message": "refused by the floor webhook"}
+    answer = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+              "response": response}
+    return Response(json.dumps(answer), media_type="application/json")
+uvicorn.run(app, host="0.0.0.0", port=8443, ssl_certfile="/tls/tls.crt",
+            ssl_keyfile="/tls/tls.key", log_level="warning", http="httptools")
+"""
 BACKSTOP = "epguard-backstop"
 EXPECTED = {"vap-refused": 403, "refused-rule": 403, "refused-verdict": 403}
 TARGET_ADMITTED = 1.3  # the default install's p50 over the VAP's
@@ -269,11 +302,12 @@ def setup(stack: Stack) -> tuple[ControlPlane, dict[str, str]]:
         if scenario not in NAMESPACED:
             continue
         cp.kubectl("create", "namespace", ns, check=True)
-        if scenario in ("none", "vap"):  # out of epguard's webhooks' and backstop's reach
+        if scenario in ("none", "vap", "floor"):  # out of epguard's webhooks' and backstop's reach
             cp.kubectl("label", "namespace", ns, "epguard.io/ignore=true", check=True)
         # kube-controller-manager makes the `default` ServiceAccount a pod needs.
         until(lambda ns=ns: cp.kubectl("get", "sa", "default", "-n", ns).returncode == 0,
               f"the default ServiceAccount in {ns}")  # fmt: skip
+    deploy_floor(cp, namespaces["floor"])
     objs = vap_objects(namespaces["vap"])
     cp.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List",
                "items": objs}), check=True)  # fmt: skip
@@ -290,6 +324,49 @@ def setup(stack: Stack) -> tuple[ControlPlane, dict[str, str]]:
           "the controller to stop", timeout=120)  # fmt: skip
     rebind_backstop(cp, [namespaces["backstop"]])
     return cp, namespaces
+
+
+def deploy_floor(cp: ControlPlane, namespace: str) -> None:
+    """The floor webhook (see the module's docstring) as a pod, a Service and a
+    ValidatingWebhookConfiguration for ``namespace`` only, with a serving certificate
+    from a CA made here."""
+    ca = CertificateAuthority()
+    host = f"{FLOOR}.epguard-system.svc"
+    pair = ca.issue_serving(FLOOR, dns_names=[host], ips=[])
+    labels = {"app": FLOOR}
+    objects: list[dict[str, Any]] = [
+        {"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+         "metadata": {"name": FLOOR, "namespace": "epguard-system"},
+         "data": {"tls.crt": base64.b64encode(pair.cert).decode(),
+                  "tls.key": base64.b64encode(pair.key).decode()}},
+        {"apiVersion": "v1", "kind": "Pod",
+         "metadata": {"name": FLOOR, "namespace": "epguard-system", "labels": labels},
+         "spec": {"containers": [{
+             "name": "floor", "image": EPGUARD_IMAGE, "imagePullPolicy": "Never",
+             "command": ["python3", "-c", FLOOR_APP],
+             "ports": [{"containerPort": 8443}],
+             "readinessProbe": {"tcpSocket": {"port": 8443}, "periodSeconds": 1},
+             "volumeMounts": [{"name": "tls", "mountPath": "/tls", "readOnly": True}]}],
+             "volumes": [{"name": "tls", "secret": {"secretName": FLOOR}}]}},
+        {"apiVersion": "v1", "kind": "Service",
+         "metadata": {"name": FLOOR, "namespace": "epguard-system"},
+         "spec": {"selector": labels, "ports": [{"port": 443, "targetPort": 8443}]}},
+        {"apiVersion": "admissionregistration.k8s.io/v1",
+         "kind": "ValidatingWebhookConfiguration", "metadata": {"name": FLOOR},
+         "webhooks": [{
+             "name": "floor.bench.epguard.io", "admissionReviewVersions": ["v1"],
+             "sideEffects": "None", "failurePolicy": "Fail", "timeoutSeconds": 5,
+             "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
+             "rules": [{"apiGroups": [""], "apiVersions": ["v1"],
+                        "operations": ["CREATE", "UPDATE"], "resources": ["pods"]}],
+             "clientConfig": {"caBundle": base64.b64encode(ca.cert_pem).decode(),
+                              "service": {"name": FLOOR, "namespace": "epguard-system",
+                                          "path": "/validate", "port": 443}}}]},
+    ]  # fmt: skip
+    cp.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List",
+               "items": objects}), check=True)  # fmt: skip
+    cp.kubectl("wait", "--for=condition=Ready", f"pod/{FLOOR}", "-n", "epguard-system",
+               "--timeout=120s", check=True)  # fmt: skip
 
 
 def rebind_backstop(cp: ControlPlane, namespaces: list[str]) -> None:
@@ -373,6 +450,8 @@ def check_policies(creator: Creator, namespaces: dict[str, str], image: Images) 
         return r.status_code in (403, 422) and marker in r.text
 
     until(lambda: refused("vap", "ValidatingAdmissionPolicy"), "the VAP to take effect")
+    until(lambda: refused("floor", "refused by the floor webhook", GOOD_IMAGE + "-floor-refuse"),
+          "the floor webhook to be called")  # fmt: skip
     until(lambda: refused("webhook", f"[epguard rule {RULE_ID}]"), "epguard to judge")
     until(lambda: not refused("webhook", "ValidatingAdmissionPolicy"), "the rebinding")
     until(lambda: refused("backstop", f"'{BACKSTOP}-enforce'"), "the backstop to refuse")
@@ -485,6 +564,12 @@ def report(
             f"{s} p50 / VAP refusal p50 = {r:.2f} "
             f"(target <= {TARGET_REFUSED}: {'met' if r <= TARGET_REFUSED else 'NOT met'})"
         )
+    floor = stats["floor"]["p50"] / stats["vap"]["p50"]
+    print(
+        f"the floor webhook (answers allowed, judges nothing) p50 / VAP p50 = {floor:.2f}: "
+        f"what any webhook on this path costs; epguard's webhook is "
+        f"{stats['webhook']['p50'] - stats['floor']['p50']:+.2f} ms beside it"
+    )
     extra = stats["backstop"]["p50"] - stats["webhook"]["p50"]
     print(
         f"the backstop adds {extra:.2f} ms at p50 over the webhook alone; "
