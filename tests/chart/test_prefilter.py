@@ -223,7 +223,9 @@ def _placed(text: str) -> Iterator[tuple[str, Obj]]:
 
 
 def test_the_strings_cover_the_previous_needle() -> None:
-    assert len(PREVIOUSLY_SENT) >= 150
+    # The generated and hostile strings alone give 146; the real command lines add more
+    # where the shared folder is there (a clone elsewhere has none: realmanifests).
+    assert len(PREVIOUSLY_SENT) >= (150 if realmanifests.available() else 120)
     assert any(previously_sent(s) and not PREVIOUS.search(s) for s in PREVIOUSLY_SENT)
 
 

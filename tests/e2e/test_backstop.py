@@ -420,8 +420,9 @@ def test_the_backstop_is_never_stricter_than_the_webhook_on_the_whole_corpus(
         f"by the policy only {policy_only}; not served {unserved}, invalid for the API {invalid}"
     )
     assert stricter == []
-    # The check must have teeth: a good share of the corpus is refused by the policy.
-    assert both >= 30, both
+    # The check must have teeth: a good share of the corpus is refused by the policy
+    # (the admission cases alone give 25; the real manifests, where present, more).
+    assert both >= (30 if realmanifests.available() else 20), both
 
 
 def test_turned_off_after_it_was_on_it_is_removed(cluster: Cluster) -> None:
