@@ -19,8 +19,8 @@ lint: venv
 	$(PY) -m mypy
 	.venv/bin/lint-imports  # .importlinter: the parts' layers, the pure engine, the stdlib probe
 
-# Two streams side by side (scripts/test.sh): the tests marked node (the machine's one
-# node) one after another, and every other test on two pytest workers.
+# Two phases (scripts/test.sh): every test but the node's on two pytest workers, then
+# the tests marked node (the machine's one node) one after another.
 test: tools lint
 	@scripts/test.sh
 

@@ -7,6 +7,7 @@ deleted is followed within 10 s.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import Iterator
@@ -69,6 +70,17 @@ def _params(cp: ControlPlane) -> str:
     return "\n".join(r.stdout for r in (policy, shards) if r.returncode == 0)
 
 
+@contextlib.contextmanager
+def _controller_log_on_failure(cp: ControlPlane) -> Iterator[None]:
+    """A wait that gives up says what the controller said meanwhile (its pod's log is
+    gone with the node once the test ends)."""
+    try:
+        yield
+    except AssertionError as exc:
+        r = cp.kubectl("logs", "deployment/epguard-controller", "-n", RELEASE_NS, "--tail=60")
+        raise AssertionError(f"{exc}\nthe controller's log:\n{r.stdout}{r.stderr}") from None
+
+
 def _refused_by_backstop(cp: ControlPlane, obj: dict[str, Any]) -> str | None:
     r = apply(cp, obj, dry_run=True)
     if r.returncode != 0 and f"binding '{BACKSTOP}-enforce'" in r.stderr:
@@ -82,21 +94,25 @@ def outage(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ControlPl
     """The cluster with a deny rule and one digest verdict learned, then the webhook
     gone: its Deployment scaled to zero and every one of its pods deleted."""
     with running_cluster(tmp_path_factory.mktemp("stack")) as cp:
-        eventually(
-            lambda: cp.kubectl("get", "validatingadmissionpolicy", BACKSTOP).returncode == 0,
-            within=120,
-            what="the controller to install the backstop",
-        )
+        # Installed means the policy is there and the writer has written its parameters
+        # once (on a loaded machine the install's writes alone took over a minute).
+        with _controller_log_on_failure(cp):
+            eventually(
+                lambda: '"kind": "RefusedImageList"' in _params(cp),
+                within=180,
+                what="the controller to install the backstop and write its parameters",
+            )
         set_rules_text(cp, with_rule(rules_text(cp), DENY_RULE))
         digest = _digest("outage")
         r = apply(cp, _verdict("outage-verdict", digest))
         assert r.returncode == 0, r.stderr
         key = digest.removeprefix("sha256:")[:32]  # the shards key a digest by 128 bits
-        eventually(
-            lambda: DENY_RULE_ID in _params(cp) and key in _params(cp),
-            within=30,
-            what="the backstop parameters to hold the rule and the verdict",
-        )
+        with _controller_log_on_failure(cp):
+            eventually(
+                lambda: DENY_RULE_ID in _params(cp) and key in _params(cp),
+                within=30,
+                what="the backstop parameters to hold the rule and the verdict",
+            )
         cp.kubectl("scale", "deployment", "epguard-webhook", "-n", RELEASE_NS, "--replicas=0",
                    check=True)  # fmt: skip
         cp.kubectl("delete", "pods", "-n", RELEASE_NS, "-l", "app.kubernetes.io/component=webhook",
