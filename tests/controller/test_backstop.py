@@ -8,16 +8,18 @@ ImageVerdicts through the same code in tests/e2e/test_backstop_scale.py.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import json
 import logging
+import time
 from typing import Any
 
 import pytest
 
 from epguard.webhook.controller import backstop
-from epguard.webhook.controller.compiler import compile_params
-from epguard.webhook.engine.verdicts import MAX_VERDICTS
+from epguard.webhook.controller.compiler import BackstopConfig, compile_params
+from epguard.webhook.engine.verdicts import MAX_VERDICTS, VerdictStore
 
 NOW = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.UTC)
 TTL = dt.timedelta(hours=24)
@@ -93,3 +95,40 @@ def test_past_its_own_cap_the_backstop_stops_reading_and_says_so(
         index, _ = backstop.read_verdicts(object(), TTL, NOW)  # type: ignore[arg-type]
     assert index.verdicts == 1_000 and listing.pages == 2  # pages of 500: no third page read
     assert "more than 1000 ImageVerdicts" in caplog.text
+
+
+def test_a_verdict_event_during_a_sync_starts_the_next_one_without_waiting_for_the_poll(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The writer's wake-up: an ImageVerdict event that arrives while a sync reads the
+    verdicts must not be lost (it was cleared after the sync, so the change waited for
+    the next 5 s poll). sync_once is replaced: the writer's loop is what is tested."""
+    calls: list[float] = []
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        state = backstop.BackstopState(
+            config=BackstopConfig(params_namespace="epguard-system"),
+            rules_configmap="epguard-rules",
+            rules_key="rules.yaml",
+            tag_ttl=dt.timedelta(days=1),
+        )
+
+        def sync(api: Any, st: backstop.BackstopState, now: dt.datetime) -> Any:
+            calls.append(loop.time())
+            if len(calls) == 1:  # the event comes in while the first sync reads
+                loop.call_soon_threadsafe(st.wake.set)
+                time.sleep(0.05)
+            return compile_params(VerdictStore(), now)
+
+        monkeypatch.setattr(backstop, "sync_once", sync)
+        task = asyncio.create_task(backstop.run_writer(None, state))  # type: ignore[arg-type]
+        await asyncio.sleep(1.0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(scenario())
+    assert backstop.POLL >= 5
+    assert len(calls) >= 2, calls  # the second sync came from the event, not the poll
+    assert calls[1] - calls[0] < 0.5

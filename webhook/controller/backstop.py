@@ -351,6 +351,9 @@ async def run_writer(api: client.ApiClient, state: BackstopState) -> None:
     while True:
         now = dt.datetime.now(dt.UTC)
         started = time.monotonic()
+        # Cleared before the sync, not after: a verdict event while it reads must start
+        # the next sync once it has rested, not wait for the poll.
+        state.wake.clear()
         try:
             params = await loop.run_in_executor(None, sync_once, api, state, now)
             wait = POLL
@@ -363,7 +366,6 @@ async def run_writer(api: client.ApiClient, state: BackstopState) -> None:
         except Exception as exc:  # a dropped connection must not end the writer
             log.warning("backstop sync failed (%s: %s); retrying", type(exc).__name__, exc)
             wait = POLL
-        state.wake.clear()
         # A sync lists every ImageVerdict (100,000 take seconds of the API server's time
         # too): rest twice as long as it took before an event may start the next one, so
         # a stream of verdict events keeps the backstop at most a third of the time busy.
