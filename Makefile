@@ -24,7 +24,7 @@ lint: venv
 test: tools lint
 	@scripts/test.sh
 
-# The fast half (2.5 minutes on 2 cores, two pytest workers): every test that needs no
+# The fast half (3 minutes on 2 cores, two pytest workers): every test that needs no
 # cluster, no node, no image and no real torch/mooncake wheel; only helm and kubectl are
 # fetched (3 s).
 UNIT := -n 2 -m "not e2e and not realpkg and not gpu" --ignore=tests/e2e --ignore=tests/devcluster
