@@ -342,7 +342,7 @@ def deploy_floor(cp: ControlPlane, namespace: str) -> None:
         {"apiVersion": "v1", "kind": "Pod",
          "metadata": {"name": FLOOR, "namespace": "epguard-system", "labels": labels},
          "spec": {"containers": [{
-             "name": "floor", "image": EPGUARD_IMAGE, "imagePullPolicy": "Never",
+             "name": "floor", "image": EPGUARD_IMAGE, "imagePullPolicy": "IfNotPresent",
              "command": ["python3", "-c", FLOOR_APP],
              "ports": [{"containerPort": 8443}],
              "readinessProbe": {"tcpSocket": {"port": 8443}, "periodSeconds": 1},

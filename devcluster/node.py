@@ -13,9 +13,10 @@ depends on:
 * the VM lacks ``CAP_SYS_RESOURCE``, so runc cannot lower the sandbox's
   ``oom_score_adj`` and every pod would fail with ``can't get final child's PID from
   pipe``: containerd's CRI plugin runs with ``restrict_oom_score_adj = true``;
-* no outside registry is reachable: the pause image is built here and pinned as
-  containerd's sandbox image; the epguard and worker images are imported with
-  ``ctr -n k8s.io images import``; the model image is pulled from the node's registry;
+* no outside registry is reachable: every image is built here (the pause image, pinned
+  as containerd's sandbox image, busybox, epguard, the workers), pushed into the node's
+  registry at start, and pulled from it by the kubelet like the model image; containerd
+  discards a layer's blob once it is unpacked (the registry keeps the one copy);
 * the kubelet runs on cgroup v1 (``failCgroupV1: false``) with the cgroupfs driver.
 
 A kubelet changes host state whatever its ``--root-dir``: mounts, cgroups,
@@ -43,7 +44,7 @@ from typing import Any
 
 import yaml
 
-from devcluster import binaries, ociimage, pki
+from devcluster import binaries, pki
 from devcluster.controlplane import ControlPlane, ControlPlaneError, write_kubeconfig
 from devcluster.process import ManagedProcess, free_port
 from devcluster.registry import PRIVATE_PORT, Registry
@@ -191,8 +192,8 @@ class Node:
     """One real node joined to ``cp`` (a :class:`ControlPlane` started with ``node_ip``).
 
     ``workdir`` holds the node's certificates, configs, kubelet root and logs;
-    containerd's content store lives in ``$EPGUARD_CACHE/containerd`` so imported
-    images survive ``down`` (they are content-addressed: importing again is a no-op).
+    containerd's store lives in ``$EPGUARD_CACHE/containerd`` so pulled images survive
+    ``down`` (an image it holds at the digest the registry serves is not pulled again).
     """
 
     def __init__(self, cp: ControlPlane, workdir: Path) -> None:
@@ -250,9 +251,10 @@ class Node:
     # --- lifecycle --------------------------------------------------------------------
 
     def start(self, images: Sequence[Path] = ()) -> None:
-        """Start containerd, import the pause image and ``images`` (OCI archives), start
-        kube-controller-manager, kube-scheduler, kube-proxy and the kubelet, and wait
-        for the node to be Ready and the ``default`` ServiceAccount to exist."""
+        """Start the registries and containerd, push the pause image and ``images`` (OCI
+        archives) and the model into the registry, start kube-controller-manager,
+        kube-scheduler, kube-proxy and the kubelet, and wait for the node to be Ready and
+        the ``default`` ServiceAccount to exist."""
         if os.geteuid() != 0:
             raise NodeError("a real node needs root (containerd, runc, CNI, the kubelet)")
         for tool in ("containerd", "containerd-shim-runc-v2", "ctr"):
@@ -268,7 +270,7 @@ class Node:
             ca = self._write_pki()
             self._start_registry(ca)
             self._start_containerd()
-            self.import_images([binaries.cache_dir() / "images" / "pause.oci.tar", *images])
+            self.publish_images([binaries.cache_dir() / "images" / "pause.oci.tar", *images])
             self.registry.push_model()
             self._start_controllers()
             self._start_kubelet()
@@ -359,17 +361,21 @@ class Node:
         names = [name for name, digest in held.items() if digest == held[ref]]
         self.ctr("images", "rm", "--sync", *names)
 
-    def import_images(self, archives: Iterable[Path]) -> None:
-        """Import OCI archives, skipping those containerd already holds (its store is
-        in the cache and survives `down`): a multi-GB worker image is read once."""
-        present = self.image_digests()
+    def publish_images(self, archives: Iterable[Path]) -> dict[str, str]:
+        """Push OCI archives into the node's registry (a tag already serving the same
+        manifest is skipped), and drop from containerd any image held under one of their
+        names at another digest (a rebuilt ``epguard:dev``), so that the next pod pulls
+        the new one. Returns {image name: manifest digest}."""
+        pushed: dict[str, str] = {}
         for archive in archives:
             if not archive.is_file():
                 raise NodeError(f"image archive {archive} missing: run `make tools`")
-            wanted = ociimage.archive_images(archive)
-            if wanted and all(present.get(name) == d for name, d in wanted.items()):
-                continue
-            self.ctr("images", "import", str(archive))
+            pushed.update(self.registry.push_archive(archive))
+        held = self.image_digests()
+        for name, digest in pushed.items():
+            if held.get(name, digest) != digest:
+                self.forget_image(name)
+        return pushed
 
     # --- internals --------------------------------------------------------------------
 
@@ -429,6 +435,8 @@ class Node:
         for name, registry in (("registry", self.registry), ("private-registry",
                                                              self.private_registry)):
             argv = registry.prepare(ca)
+            if not registry.private:
+                registry.collect_garbage()
             registry.wait_ready(self._spawn(name, argv, log=registry.log))
 
     def _start_containerd(self) -> None:
@@ -467,6 +475,8 @@ state = "{RUNTIME_STATE}"
 [plugins]
   [plugins.'io.containerd.cri.v1.images']
     snapshotter = "overlayfs"
+    # The registry keeps each blob; containerd keeps the unpacked snapshot only.
+    discard_unpacked_layers = true
     [plugins.'io.containerd.cri.v1.images'.pinned_images]
       sandbox = "{PAUSE_IMAGE}"
     [plugins.'io.containerd.cri.v1.images'.registry]

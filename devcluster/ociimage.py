@@ -1,10 +1,11 @@
 """OCI image archives written directly, for images that are only files (no build steps).
 
-No registry is reachable here, so every image the node runs is imported from an
-archive (``ctr -n k8s.io images import``). For an image that is a static binary
+No outside registry is reachable here, so every image the node runs is built here as
+an archive, which the node pushes into its own registry (``Registry.push_archive``) and
+the kubelet pulls. For an image that is a static binary
 (the pause image) or a prepared root filesystem, a build tool adds nothing: this
-writes the OCI image layout (``oci-layout``, ``index.json``, blobs) as one tar that
-containerd imports as ``ref``. Layers are written with fixed mtimes, owners and
+writes the OCI image layout (``oci-layout``, ``index.json``, blobs) as one tar naming
+the image ``ref``. Layers are written with fixed mtimes, owners and
 order, so the same files give the same digests, and the cache can key on them.
 """
 

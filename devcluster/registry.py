@@ -1,4 +1,4 @@
-"""A real OCI registry on the node's address, and the model image it serves.
+"""A real OCI registry on the node's address: every image the node runs is pulled from it.
 
 Debian's ``docker-registry`` (CNCF distribution v2.8) runs as one of the node's
 processes, on ``<node ip>:5000`` with a serving certificate from the cluster's CA;
@@ -6,6 +6,13 @@ containerd trusts that CA through its registry ``hosts.toml`` (no system trust s
 touched). Its storage is ``$EPGUARD_CACHE/registry`` so that what was pushed survives
 ``down``; its access log is in the node's work directory, so each node start reads only
 its own pulls.
+
+The images built here (:mod:`devcluster.images`: pause, busybox, epguard, the workers)
+keep their names ``localhost/epguard/<name>:<tag>``; :meth:`Registry.push_archive` copies
+an OCI archive's blobs and manifest into the registry byte for byte (the manifest digest
+pods pin is the archive's), and a ``hosts.toml`` for ``localhost`` sends containerd's pulls
+of those names to this registry. So the kubelet pulls them (``imagePullPolicy:
+IfNotPresent``) as it would from any registry, and reports their manifest digests.
 
 The model image is what the preflight gate promises never to pull for a bad worker:
 :data:`MODEL_SHARDS` shards of deterministic bytes (1 GiB in all) in one uncompressed
@@ -30,6 +37,7 @@ import json
 import random
 import re
 import ssl
+import subprocess
 import tarfile
 import time
 from collections.abc import Iterator
@@ -37,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from devcluster import binaries, pki
+from devcluster import binaries, ociimage, pki
 from devcluster.process import ManagedProcess
 
 REGISTRY_BIN = Path("/usr/bin/docker-registry")
@@ -48,10 +56,17 @@ MODEL_TAG = "1"
 MODEL_SHARDS = 4
 SHARD_BYTES = 256 << 20
 _CHUNK = 1 << 20
+# The registry host of the images built here: their names stay ``localhost/...`` (no
+# outside registry can be meant by it), and containerd resolves it to this registry.
+LOCAL_HOST = "localhost"
 START_TIMEOUT = 30.0
 MANIFEST_TYPE = "application/vnd.oci.image.manifest.v1+json"
 CONFIG_TYPE = "application/vnd.oci.image.config.v1+json"
 LAYER_TYPE = "application/vnd.oci.image.layer.v1.tar"
+# The distribution spec's grammar of a repository name and a tag.
+_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_REPOSITORY = re.compile(rf"{_COMPONENT}(?:/{_COMPONENT})*")
+_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 # One access-log line (combined format): the request, its status and the bytes sent.
 _ACCESS = re.compile(r'"(GET|HEAD) (/v2/\S+) HTTP/[\d.]+" (\d{3}) (\d+|-)')
 
@@ -140,15 +155,28 @@ class Registry:
             }
         path = self.workdir / "config.yml"
         path.write_text(json.dumps(config, indent=1))  # YAML is a superset of JSON
-        hosts = self.hosts_dir / self.host
-        hosts.mkdir(parents=True, exist_ok=True)
-        (hosts / "hosts.toml").write_text(
-            f'server = "https://{self.host}"\n'
-            f'[host."https://{self.host}"]\n'
-            '  capabilities = ["pull", "resolve"]\n'
-            f'  ca = "{self.ca_file}"\n'
-        )
+        names = [self.host] if self.private else [self.host, LOCAL_HOST]
+        for name in names:
+            hosts = self.hosts_dir / name
+            hosts.mkdir(parents=True, exist_ok=True)
+            (hosts / "hosts.toml").write_text(
+                f'server = "https://{self.host}"\n'
+                f'[host."https://{self.host}"]\n'
+                '  capabilities = ["pull", "resolve"]\n'
+                f'  ca = "{self.ca_file}"\n'
+            )
         return [str(REGISTRY_BIN), "serve", str(path)]
+
+    def collect_garbage(self) -> None:
+        """Remove what no tag names any more (a rebuilt epguard image's old layers) from
+        the storage, before the registry serves: distribution collects only offline."""
+        config = self.workdir / "config.yml"
+        r = subprocess.run(
+            [str(REGISTRY_BIN), "garbage-collect", "--delete-untagged", str(config)],
+            capture_output=True, text=True, timeout=600, check=False,
+        )  # fmt: skip
+        if r.returncode != 0:
+            raise RegistryError(f"garbage-collect failed: {(r.stderr or r.stdout)[-2000:]}")
 
     def wait_ready(self, proc: ManagedProcess) -> None:
         deadline = time.monotonic() + START_TIMEOUT
@@ -191,9 +219,17 @@ class Registry:
             conn.close()
 
     def has_manifest(self, repository: str, tag: str) -> bool:
-        status, _, _ = self.request(
+        return self.manifest_digest(repository, tag) is not None
+
+    def manifest_digest(self, repository: str, tag: str) -> str | None:
+        """The digest the registry serves under ``repository:tag``, None if none."""
+        status, headers, _ = self.request(
             "HEAD", f"/v2/{repository}/manifests/{tag}", headers={"Accept": MANIFEST_TYPE}
         )
+        return headers.get("Docker-Content-Digest") if status == 200 else None
+
+    def has_blob(self, repository: str, digest: str) -> bool:
+        status, _, _ = self.request("HEAD", f"/v2/{repository}/blobs/{digest}")
         return status == 200
 
     def _upload(
@@ -261,6 +297,48 @@ class Registry:
             raise RegistryError(f"model manifest refused: {status} {said[:200]!r}")
         return self.model_ref
 
+    def push_archive(self, archive: Path) -> dict[str, str]:
+        """Copy each image of an OCI archive (written by :mod:`devcluster.ociimage` or
+        buildah) named ``localhost/<repository>:<tag>`` into the registry, blobs and
+        manifest byte for byte, unless the tag already serves that manifest; returns
+        {image name: manifest digest}. A blob the repository holds is not sent again (the
+        workers share their multi-GB torch layer)."""
+        pushed: dict[str, str] = {}
+        with tarfile.open(archive) as tar:
+            for name, digest in ociimage.archive_images(archive).items():
+                repository, tag = local_repository(name)
+                pushed[name] = digest
+                if self.manifest_digest(repository, tag) == digest:
+                    continue
+                manifest = _member(tar, digest)
+                doc = json.loads(manifest)
+                blobs = [doc["config"], *doc["layers"]]
+                for blob in blobs:
+                    if not self.has_blob(repository, blob["digest"]):
+                        self._push_blob(tar, repository, str(blob["digest"]))
+                status, _, said = self.request(
+                    "PUT", f"/v2/{repository}/manifests/{tag}", body=manifest,
+                    headers={"Content-Type": str(doc.get("mediaType", MANIFEST_TYPE))},
+                )  # fmt: skip
+                if status != 201:
+                    raise RegistryError(f"manifest of {name} refused: {status} {said[:200]!r}")
+        return pushed
+
+    def _push_blob(self, tar: tarfile.TarFile, repository: str, digest: str) -> None:
+        member = tar.getmember(_blob_path(digest))
+        f = tar.extractfile(member)
+        if f is None:
+            raise RegistryError(f"{digest} is not a file in the archive")
+        hashed = hashlib.sha256()
+
+        def chunks() -> Iterator[bytes]:
+            while chunk := f.read(_CHUNK):
+                hashed.update(chunk)
+                yield chunk
+
+        if self._upload(repository, hashed, chunks()) != digest:
+            raise RegistryError(f"the archive's blob {digest} does not match its digest")
+
     def model_layer_sizes(self) -> dict[str, int]:
         """{digest: size} of the model image's layers (what a pull of the model fetches)."""
         status, _, body = self.request(
@@ -303,6 +381,28 @@ class Registry:
                 before.requests + 1, before.bytes + (int(sent) if sent != "-" else 0)
             )
         return served
+
+
+def local_repository(name: str) -> tuple[str, str]:
+    """``localhost/epguard/sglang:0.5.23`` -> (``epguard/sglang``, ``0.5.23``): where an
+    image built here lives in the node's registry."""
+    host, _, rest = name.partition("/")
+    repository, _, tag = rest.rpartition(":")
+    if host != LOCAL_HOST or not _REPOSITORY.fullmatch(repository) or not _TAG.fullmatch(tag):
+        raise RegistryError(f"{name!r} is not an image built here (localhost/<repository>:<tag>)")
+    return repository, tag
+
+
+def _blob_path(digest: str) -> str:
+    algorithm, _, hexdigest = digest.partition(":")
+    return f"blobs/{algorithm}/{hexdigest}"
+
+
+def _member(tar: tarfile.TarFile, digest: str) -> bytes:
+    f = tar.extractfile(_blob_path(digest))
+    if f is None:
+        raise RegistryError(f"{digest} is not a file in the archive")
+    return f.read()
 
 
 def _path_of(location: str) -> str:

@@ -358,13 +358,13 @@ def deploy_epguard(
     return True
 
 
-# The chart's image values for the locally built image (devcluster.images): it is
-# imported into containerd, never pulled.
+# The chart's image values for the locally built image (devcluster.images): the node
+# pushes it into its registry at start, and the kubelet pulls it from there.
 IMAGE_VALUES = (
     "--set=image.registry=localhost",
     "--set=image.repository=epguard/epguard",
     "--set=image.tag=dev",
-    "--set=image.pullPolicy=Never",
+    "--set=image.pullPolicy=IfNotPresent",
 )
 CHART_READY_TIMEOUT = "5m"
 # What the node advertises as nvidia.com/gpu so that worker pods with a GPU request

@@ -107,7 +107,7 @@ wait_for() {
 
 cd "$WORK"
 BAD_IMAGE="registry.example.com/ml/sglang:0.5.22-mte0.3.13"
-# Built by `make tools` (devcluster/images.py) and imported into the node's containerd.
+# Built by `make tools` (devcluster/images.py); the kubelet pulls it from the node's registry.
 PROBED_IMAGE="$(cd "$REPO" && "$PY" -c 'from devcluster.images import BAD_WORKER; print(BAD_WORKER.ref)')"
 BUSYBOX_IMAGE="$(cd "$REPO" && "$PY" -c 'from devcluster.images import BUSYBOX_IMAGE; print(BUSYBOX_IMAGE)')"
 
@@ -188,7 +188,7 @@ spec:
   containers:
     - name: web
       image: $BUSYBOX_IMAGE
-      imagePullPolicy: Never
+      imagePullPolicy: IfNotPresent
       command: ["httpd", "-f", "-p", "8080"]
 EOF
 say "An ordinary pod (it never even reaches epguard: the webhook's matchConditions skip it):"
@@ -248,13 +248,13 @@ POD_SPEC=$(cat <<EOF
   initContainers:
     - name: model-download
       image: $BUSYBOX_IMAGE
-      imagePullPolicy: Never
+      imagePullPolicy: IfNotPresent
       command: ["sh", "-c", "echo downloading > /models/started"]
       volumeMounts: [{name: models, mountPath: /models}]
   containers:
     - name: worker
       image: IMAGE
-      imagePullPolicy: Never
+      imagePullPolicy: IfNotPresent
       command: ["python3", "-m", "sglang.launch_server"]
       args: ["--model-path", "/models/qwen3-30b-a3b", "--elastic-ep-backend", "mooncake"]
       resources:

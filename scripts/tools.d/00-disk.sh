@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Fail in the first second, not after an hour, when the disk cannot hold the run.
 # What a run writes (measured on the 2-core machine; the README's `make tools` table):
-#   a fresh cache, ~60 GiB: torch environments 7 GiB, worker and scan-matrix archives
-#   19 GiB, containerd's unpacked copies 24 GiB, buildah 1 GiB, Go build cache 4 GiB,
-#   the node registry's model image 1 GiB;
+#   a fresh cache, ~56 GiB: torch environments 7 GiB, worker and scan-matrix archives
+#   19 GiB, containerd's unpacked snapshots 13 GiB (it discards pulled layers' blobs),
+#   buildah 1 GiB, Go build cache 4 GiB, the node registry's images 8 GiB (the
+#   workers' blobs, stored once, and the 1 GiB model);
 #   every run, ~8 GiB more: the epguard image rebuild and the tests' tmp_path trees.
 # EPGUARD_MIN_FREE_GIB overrides the floor (e.g. on a machine whose cache is elsewhere).
 set -euo pipefail
@@ -17,9 +18,10 @@ missing() { need=$((need + $1)); what="$what + $2"; }
 [ -f "$cache/images/worker-bad.oci.key" ] && [ -f "$cache/images/worker-env-only.oci.key" ] \
     || missing 13 "worker images"
 [ -f "$cache/images/scan-matrix.oci.key" ] || missing 7 "scan-matrix archive"
-[ -d "$cache/containerd/io.containerd.content.v1.content" ] || missing 24 "containerd's copies"
+[ -d "$cache/containerd/io.containerd.content.v1.content" ] || missing 13 "containerd's snapshots"
 [ -x "$cache/bin/kube-apiserver" ] || missing 4 "Go build cache"
-[ -d "$cache/registry/docker" ] || missing 1 "the registry's model image"
+[ -d "$cache/registry/docker/registry/v2/repositories/epguard/sglang" ] \
+    || missing 8 "the registry's images"
 need="${EPGUARD_MIN_FREE_GIB:-$need}"
 fail=0
 for dir in "$cache" "${TMPDIR:-/tmp}"; do

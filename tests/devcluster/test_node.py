@@ -17,27 +17,32 @@ from typing import Any
 import pytest
 import yaml
 
-from devcluster import ControlPlane
+from devcluster import ControlPlane, ociimage
 from devcluster.images import BUSYBOX_IMAGE, build_busybox
 from devcluster.node import NODE_NAME, Node, node_ip
 from tests.e2e.e2e_kube import eventually
 
 pytestmark = [pytest.mark.e2e, pytest.mark.node]
 
-BUSYBOX = {"image": BUSYBOX_IMAGE, "imagePullPolicy": "Never"}
+BUSYBOX = {"image": BUSYBOX_IMAGE, "imagePullPolicy": "IfNotPresent"}
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     cp = ControlPlane(node_ip=node_ip())
     cp.start()
     node = Node(cp, tmp_path_factory.mktemp("node"))
     try:
         node.start(images=[build_busybox()])
-        yield cp
+        yield node
     finally:
         node.stop()
         cp.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(node: Node) -> ControlPlane:
+    return node.cp
 
 
 def apply(cp: ControlPlane, obj: dict[str, Any]) -> None:
@@ -77,6 +82,41 @@ def test_the_node_registers_ready_with_the_pinned_kubelet(cluster: ControlPlane)
         within=30,
         what="the node-lifecycle controller to lift the not-ready taint",
     )
+
+
+def test_the_kubelet_pulls_an_image_built_here_from_the_nodes_registry(node: Node) -> None:
+    # Nothing is imported into containerd: an image it lacks is pulled by name
+    # (localhost/epguard/...) from the node's registry, every blob of it counted in the
+    # registry's access log, and the kubelet reports the archive's manifest digest.
+    [(name, digest)] = ociimage.archive_images(build_busybox()).items()
+    node.forget_image(name)
+    assert name not in node.image_digests()
+    since = node.registry.log_offset()
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "pulled", "namespace": "default"},
+        "spec": {
+            "restartPolicy": "Never",
+            "containers": [{"name": "main", **BUSYBOX, "command": ["true"]}],
+        },
+    }
+    apply(node.cp, pod)
+
+    def finished() -> dict[str, Any] | None:
+        statuses = get(node.cp, "pod", "pulled").get("status", {}).get("containerStatuses", [])
+        return statuses[0] if statuses and "terminated" in statuses[0]["state"] else None
+
+    status = wait_for("the pulled pod to finish", finished)
+    assert status["state"]["terminated"]["exitCode"] == 0
+    assert status["imageID"] == f"{name.rsplit(':', 1)[0]}@{digest}"
+    assert node.image_digests()[name] == digest
+    manifest = json.loads(node.ctr("content", "get", digest))
+    served = node.registry.blob_gets(since)
+    for layer in manifest["layers"]:
+        assert served[layer["digest"]].bytes == layer["size"]
+    events = node.cp.kubectl("get", "events", "--field-selector=involvedObject.name=pulled").stdout
+    assert f'Pulling image "{name}"' in events and "Successfully pulled image" in events
 
 
 def test_a_failing_init_container_stops_the_pod_with_the_message_the_kubelet_wrote(

@@ -1,19 +1,21 @@
-"""The node registry's pieces that need no registry process: the model layer is a
-valid, deterministic tar, and the access log is counted as the registry writes it. The
-registry itself, pulls through containerd and image volumes are exercised on the node
-(tests/e2e/test_preflight_on_node.py reads this log after real pulls)."""
+"""The node registry: the model layer is a valid, deterministic tar, the access log is
+counted as the registry writes it, and (a real docker-registry on loopback) archives are
+pushed byte for byte and a replaced tag collected. Pulls through containerd and image
+volumes are exercised on the node (tests/devcluster/test_node.py,
+tests/e2e/test_preflight_on_node.py read this log after real pulls)."""
 
 from __future__ import annotations
 
 import hashlib
 import io
+import json
 import socket
 import tarfile
 from pathlib import Path
 
 import pytest
 
-from devcluster import registry
+from devcluster import ociimage, registry
 from devcluster.pki import CertificateAuthority
 from devcluster.process import ManagedProcess
 from devcluster.registry import BlobServed, Registry
@@ -125,3 +127,97 @@ def test_the_private_registry_refuses_every_pull_without_credentials(
     assert not (tmp_path / "cache" / "registry").exists()
     hosts = (reg.hosts_dir / f"127.0.0.1:{port}" / "hosts.toml").read_text()
     assert f'server = "https://127.0.0.1:{port}"' in hosts
+
+
+def test_a_public_registry_also_serves_the_images_named_localhost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not registry.REGISTRY_BIN.is_file():
+        pytest.skip("docker-registry is not installed (make tools installs it)")
+    monkeypatch.setenv("EPGUARD_CACHE", str(tmp_path / "cache"))
+    reg = Registry(tmp_path / "reg", "192.0.2.2")
+    reg.prepare(CertificateAuthority())
+    local = (reg.hosts_dir / registry.LOCAL_HOST / "hosts.toml").read_text()
+    assert local == (reg.hosts_dir / "192.0.2.2:5000" / "hosts.toml").read_text()
+    private = Registry(tmp_path / "private", "192.0.2.2", registry.PRIVATE_PORT, private=True)
+    (reg.hosts_dir / registry.LOCAL_HOST / "hosts.toml").unlink()
+    private.prepare(CertificateAuthority())
+    assert not (reg.hosts_dir / registry.LOCAL_HOST / "hosts.toml").exists()
+
+
+@pytest.mark.parametrize(
+    "name", ["docker.io/library/busybox:1", "localhost/epguard/busybox", "localhost:5000/a:1",
+             "localhost/a@sha256:00", "epguard/busybox:1"],
+)  # fmt: skip
+def test_only_an_image_named_localhost_repository_tag_is_pushed(name: str) -> None:
+    with pytest.raises(registry.RegistryError, match="not an image built here"):
+        registry.local_repository(name)
+
+
+def _archive(path: Path, ref: str, payload: bytes) -> str:
+    big = path.with_suffix(".layer.tar")  # a file layer, as the workers' torch layer is
+    big.write_bytes(ociimage.layer_from_files([ociimage.LayerFile("data/big", payload)]))
+    small = ociimage.layer_from_files([ociimage.LayerFile("etc/ref", ref.encode(), 0o644)])
+    return ociimage.write_archive(path, ref, [small, big], {"Cmd": ["/bin/sh"]})
+
+
+def test_an_archive_is_pushed_byte_for_byte_once_and_a_replaced_tag_is_collected(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real docker-registry on loopback: the manifest it serves has the archive's
+    digest, a second push sends no blob, and after the tag is pushed again from a
+    rebuilt archive the garbage collection removes only the old image's blobs."""
+    if not registry.REGISTRY_BIN.is_file():
+        pytest.skip("docker-registry is not installed (make tools installs it)")
+    monkeypatch.setenv("EPGUARD_CACHE", str(tmp_path / "cache"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    reg = Registry(tmp_path / "reg", "127.0.0.1", port)
+    ca = CertificateAuthority()
+
+    def serve() -> ManagedProcess:
+        proc = ManagedProcess.spawn("registry", reg.prepare(ca), reg.log)
+        reg.wait_ready(proc)
+        return proc
+
+    first = _archive(tmp_path / "v1.oci.tar", "localhost/epguard/tool:dev", b"1" * (3 << 20))
+    proc = serve()
+    try:
+        assert reg.push_archive(tmp_path / "v1.oci.tar") == {"localhost/epguard/tool:dev": first}
+        assert reg.manifest_digest("epguard/tool", "dev") == first
+        status, _, body = reg.request("GET", f"/v2/epguard/tool/manifests/{first}",
+                                      headers={"Accept": registry.MANIFEST_TYPE})  # fmt: skip
+        assert status == 200 and "sha256:" + hashlib.sha256(body).hexdigest() == first
+        old_layers = [d["digest"] for d in json.loads(body)["layers"]]
+        uploads = reg.log.read_text().count('"POST /v2/epguard/tool/blobs/uploads/')
+        assert uploads == 3  # config and two layers
+        reg.push_archive(tmp_path / "v1.oci.tar")
+        assert reg.log.read_text().count('"POST /v2/epguard/tool/blobs/uploads/') == uploads
+        second = _archive(tmp_path / "v2.oci.tar", "localhost/epguard/tool:dev", b"2" * (3 << 20))
+        assert reg.push_archive(tmp_path / "v2.oci.tar") == {"localhost/epguard/tool:dev": second}
+        assert reg.manifest_digest("epguard/tool", "dev") == second
+    finally:
+        proc.stop()
+    blobs = reg.storage / "docker" / "registry" / "v2" / "blobs" / "sha256"
+    assert (blobs / old_layers[1][7:9] / old_layers[1][7:]).is_dir()
+    reg.collect_garbage()
+    assert not (blobs / old_layers[1][7:9] / old_layers[1][7:]).exists()
+    assert not (blobs / first[7:9] / first[7:]).exists()
+    assert (blobs / second[7:9] / second[7:]).is_dir()
+    assert (blobs / old_layers[0][7:9] / old_layers[0][7:]).is_dir()  # shared by v2
+    proc = serve()
+    try:
+        assert reg.manifest_digest("epguard/tool", "dev") == second
+    finally:
+        proc.stop()
+
+
+def test_every_image_the_node_runs_has_a_place_in_the_registry() -> None:
+    from devcluster.images import BUSYBOX_IMAGE, EPGUARD_IMAGE, WORKER_IMAGES
+    from devcluster.node import PAUSE_IMAGE
+
+    refs = [PAUSE_IMAGE, BUSYBOX_IMAGE, EPGUARD_IMAGE, *(w.ref for w in WORKER_IMAGES)]
+    places = [registry.local_repository(ref) for ref in refs]
+    assert ("epguard/sglang", "0.5.23-mte0.3.13") in places
+    assert [f"localhost/{repo}:{tag}" for repo, tag in places] == refs

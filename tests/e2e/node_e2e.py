@@ -52,7 +52,7 @@ def worker_spec(models: Path, image: str = BAD_WORKER.ref) -> dict[str, Any]:
             {
                 "name": "model-download",
                 "image": BUSYBOX_IMAGE,
-                "imagePullPolicy": "Never",
+                "imagePullPolicy": "IfNotPresent",
                 "command": ["sh", "-c", "echo downloading > /models/started"],
                 "volumeMounts": [{"name": "models", "mountPath": "/models"}],
             }
@@ -61,7 +61,7 @@ def worker_spec(models: Path, image: str = BAD_WORKER.ref) -> dict[str, Any]:
             {
                 "name": "worker",
                 "image": image,
-                "imagePullPolicy": "Never",
+                "imagePullPolicy": "IfNotPresent",
                 "command": list(WORKER_COMMAND),
                 "args": list(WORKER_ARGS),
                 "resources": {"limits": {"nvidia.com/gpu": 8}},

@@ -97,13 +97,13 @@ def forged_pod(
                 {
                     "name": "epguard-copy-probe",
                     "image": EPGUARD_IMAGE,
-                    "imagePullPolicy": "Never",
+                    "imagePullPolicy": "IfNotPresent",
                     "command": ["python3", "-c", "pass"],
                 },
                 {
                     "name": "epguard-probe",
                     "image": VICTIM,
-                    "imagePullPolicy": "Never",
+                    "imagePullPolicy": "IfNotPresent",
                     # The probe call's shape: "…/probe -- WORKER_ARGV".
                     "command": ["python3", "-c", script, message, "/epguard/probe", "--"],
                     "args": worker_args,
@@ -113,7 +113,7 @@ def forged_pod(
                 {
                     "name": "worker",
                     "image": VICTIM,
-                    "imagePullPolicy": "Never",
+                    "imagePullPolicy": "IfNotPresent",
                     "command": worker_args,
                 }
             ],
@@ -304,7 +304,7 @@ def test_signed_parts_replayed_around_a_neighbour_teach_nothing(cluster: Control
         {
             "name": "rewrite",
             "image": EPGUARD_IMAGE,
-            "imagePullPolicy": "Never",
+            "imagePullPolicy": "IfNotPresent",
             "command": ["python3", "-c", rewrite],
             "volumeMounts": [{"name": "epguard-probe", "mountPath": "/epguard"}],
         },

@@ -187,9 +187,9 @@ def test_the_scan_of_the_archive_says_what_the_pod_says_about_the_image(
     assert apply(cluster, pod).returncode == 0
     found = wait_probe(cluster, opted_in, ["--field-selector=metadata.name=sglang-scan"])
     first = found["terminated"]["message"].splitlines()[0]
-    # Imported with `ctr images import` (no registry), the kubelet names the image by its
-    # ID, the config digest; a pulled image would show the manifest digest.
-    assert found["status"]["imageID"].endswith(doc["config_digest"])
+    # Pulled from the node's registry: the kubelet reports the manifest digest, the one
+    # the scan names (and pods pin).
+    assert found["status"]["imageID"] == f"{image.ref.rsplit(':', 1)[0]}@{doc['digest']}"
     if image is BAD_WORKER:
         assert scanned.returncode == 1
         [cause] = [c for c in doc["causes"] if c["classification"] == "cuda-mismatch"]

@@ -74,7 +74,7 @@ class Source:
     layers: list[Layer] = field(default_factory=list)
     rootfs: Path | None = None  # kind == "rootfs": the directory itself
     # The image ID: what the kubelet reports as imageID for an image with no registry
-    # digest (imported with `ctr images import`), where pulled ones show the manifest's.
+    # digest (one imported with `ctr images import`); a pulled one shows the manifest's.
     config_digest: str | None = None
     close: Callable[[], None] = lambda: None
     # A multi-platform image: the manifest of the platform read, inside the index.
