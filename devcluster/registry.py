@@ -375,7 +375,8 @@ class Registry:
             method, path, status, sent = match.groups()
             if method != "GET" or "/blobs/" not in path or not status.startswith("2"):
                 continue
-            digest = path.rsplit("/blobs/", 1)[1]
+            # A pull through a mirror (a ``localhost/...`` name) adds ``?ns=localhost``.
+            digest = path.rsplit("/blobs/", 1)[1].partition("?")[0]
             before = served.get(digest, BlobServed(0, 0))
             served[digest] = BlobServed(
                 before.requests + 1, before.bytes + (int(sent) if sent != "-" else 0)

@@ -32,6 +32,7 @@ time="2026-12-03T06:41:02Z" level=info msg="response completed" http.request.met
 192.0.2.2 - - [03/Dec/2026:06:41:02 +0000] "GET /v2/models/sglang-weights/blobs/sha256:8886 HTTP/1.1" 200 1073745920 "" "containerd/v2.4.2"
 192.0.2.2 - - [03/Dec/2026:06:41:09 +0000] "HEAD /v2/models/sglang-weights/blobs/sha256:8886 HTTP/1.1" 200 1073745920 "" "containerd/v2.4.2"
 192.0.2.2 - - [03/Dec/2026:06:41:09 +0000] "GET /v2/models/sglang-weights/blobs/sha256:dead HTTP/1.1" 404 157 "" "containerd/v2.4.2"
+192.0.2.2 - - [03/Dec/2026:14:05:33 +0000] "GET /v2/epguard/busybox/blobs/sha256:bdd8?ns=localhost HTTP/1.1" 200 1031415 "" "containerd/v2.4.2"
 """  # noqa: E501
 
 
@@ -47,6 +48,7 @@ def test_the_access_log_counts_blob_gets_only_and_their_bytes(tmp_path: Path) ->
     assert reg.blob_gets() == {
         "sha256:1594": BlobServed(1, 173),
         "sha256:8886": BlobServed(1, 1073745920),
+        "sha256:bdd8": BlobServed(1, 1031415),  # pulled by its localhost/... name
     }
 
 
