@@ -4,7 +4,9 @@ one-node cluster as ``make up`` starts it (containerd 2, the node's registry wit
 
 * first-seen bad image: a Deployment of 4 replicas with the model as an image volume;
   ``kubectl apply`` -> every replica held with the probe's cause, -> the ImageVerdict;
-  the preflight's own image pull and probe run (from its Events and container times);
+  the preflight's own image pull (a real one from the node's registry: the worker image
+  is removed from containerd first unless ``--warm``) and probe run (from its Events and
+  container times);
   bytes of the model the registry served; GPU-seconds held by the replicas;
 * first-seen good image (its only fault here: no GPU): apply -> scheduled, and the
   model bytes served once the gate came off;
@@ -16,7 +18,7 @@ one-node cluster as ``make up`` starts it (containerd 2, the node's registry wit
   gap from each preflight's end to its last gate decided, the controller pods' memory.
 
     flock /tmp/epguard-node.lock .venv/bin/python bench/preflight_node_bench.py \
-        [--pods 200 --namespaces 20 --images 5] [--creates 150]
+        [--pods 200 --namespaces 20 --images 5] [--creates 150] [--warm]
 """
 
 from __future__ import annotations
@@ -139,11 +141,13 @@ class Timeline:
         return ", ".join(f"{stage} {at:.1f}s" for stage, at in order)
 
 
-def first_seen(cp: ControlPlane, image: str, replicas: int, bad: bool) -> None:
+def first_seen(cp: ControlPlane, image: str, replicas: int, bad: bool, cold: bool) -> None:
     node = node_of(cp)
     model = node.registry.model_ref
     with opted_in_namespace(cp, preflight="gate") as ns, tempfile.TemporaryDirectory() as tmp:
         node.forget_image(model)
+        if cold:  # the node has never pulled the worker: the preflight's pull is real
+            node.forget_image(image)
         since = node.registry.log_offset()
         workload = deployment("w", ns, image, Path(tmp), replicas, claim=False, model_image=model)
         timeline = Timeline(cp, ns, replicas, bad)
@@ -183,6 +187,8 @@ def first_seen(cp: ControlPlane, image: str, replicas: int, bad: bool) -> None:
         layers = node.registry.model_layer_sizes()
         got = sum(served[d].bytes for d in layers if d in served)
         print(f"  model bytes served by the registry: {got:,} of {sum(layers.values()):,}")
+        worker = sum(b.bytes for d, b in served.items() if d not in layers)
+        print(f"  worker image bytes served by the registry: {worker:,}")
 
 
 def _controller_lines(cp: ControlPlane, containing: str) -> list[str]:
@@ -345,16 +351,19 @@ def main() -> None:
     parser.add_argument("--namespaces", type=int, default=20)
     parser.add_argument("--images", type=int, default=5)
     parser.add_argument("--creates", type=int, default=150)
+    parser.add_argument("--warm", action="store_true",
+                        help="keep the worker images the node holds (default: forget each "
+                             "before its first-seen run, so the preflight pulls it)")  # fmt: skip
     parser.add_argument("--skip", action="append", default=[],
                         choices=["bad", "good", "judged", "scale"])  # fmt: skip
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as run, running_cluster(Path(run)) as cp:
         if "bad" not in args.skip:
             print(f"first-seen bad image ({BAD_WORKER.ref}), 4 replicas, model image volume:")
-            first_seen(cp, BAD_WORKER.ref, 4, bad=True)
+            first_seen(cp, BAD_WORKER.ref, 4, bad=True, cold=not args.warm)
         if "good" not in args.skip:
             print(f"first-seen good image ({ENV_ONLY_WORKER.ref}), 1 replica, model volume:")
-            first_seen(cp, ENV_ONLY_WORKER.ref, 1, bad=False)
+            first_seen(cp, ENV_ONLY_WORKER.ref, 1, bad=False, cold=not args.warm)
         if "judged" not in args.skip:
             print(f"an image already judged Usable, {args.creates} creates per namespace:")
             judged_creates(cp, args.creates)

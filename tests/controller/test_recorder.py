@@ -29,6 +29,7 @@ from epguard.webhook.controller.recorder import (
     Conflict,
     KubeRecorderApi,
     Recorder,
+    has_probe,
     record_probe_outcomes,
 )
 from epguard.webhook.engine.signing import FRESH_SECONDS, SIGNATURE_ANNOTATION, SignatureLedger
@@ -698,3 +699,15 @@ def test_the_kube_api_posts_events_as_the_controller(monkeypatch: pytest.MonkeyP
     assert posted == [
         (api, about, "R", "m", {"warning": True, "component": "epguard-controller", "key": "k"})
     ]
+
+
+def test_the_recorders_filter_sees_the_probe_through_kopfs_own_body() -> None:
+    # kopf hands the filter a Body (a Mapping view, not a dict): a filter that read it
+    # as a dict would see no probe and record nothing.
+    pod = probed_pod("p-1", "epguard: mooncake elastic EP is unusable in this image: x", 1)
+    assert has_probe(body=kopf.Body(pod))
+    plain = copy.deepcopy(pod)
+    plain["spec"]["initContainers"] = [{"name": "download", "image": "busybox"}]
+    assert not has_probe(body=kopf.Body(plain))
+    assert not has_probe(body=kopf.Body({}))
+    assert not has_probe(body=None)

@@ -71,7 +71,7 @@ from epguard.webhook.engine.preflight import (
 )
 from epguard.webhook.engine.signing import Keyring, verify
 from epguard.webhook.engine.text import parse_stamp
-from epguard.webhook.engine.workloads import as_list, as_map, describe
+from epguard.webhook.engine.workloads import as_list, as_map, as_mapping, describe
 
 log = logging.getLogger("epguard.controller.gatekeeper")
 
@@ -599,13 +599,11 @@ async def _stop(memo: kopf.Memo, **_: Any) -> None:
 
 
 def worth_a_pass(body: Any, **_: Any) -> bool:
-    """kopf filter: a preflight pod or a gated pod changed. ``body`` is a ``kopf.Body``,
-    a Mapping view and not a dict (whose items are the raw dicts): ``as_map(body)`` would
-    see nothing in it, and every pass would then wait for the timer."""
-    if not isinstance(body, Mapping):
-        return False
-    labels = as_map(as_map(body.get("metadata")).get("labels"))
-    return labels.get(PREFLIGHT_LABEL) == "true" or is_gated(body)
+    """kopf filter: a preflight pod or a gated pod changed (else every pass would wait
+    for the timer)."""
+    pod = as_mapping(body)
+    labels = as_map(as_map(pod.get("metadata")).get("labels"))
+    return labels.get(PREFLIGHT_LABEL) == "true" or is_gated(pod)
 
 
 @kopf.on.event(

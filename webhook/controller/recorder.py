@@ -70,7 +70,7 @@ from epguard.webhook.engine.verdicts import (
     verdict_name,
     verdict_object,
 )
-from epguard.webhook.engine.workloads import as_list, as_map
+from epguard.webhook.engine.workloads import as_list, as_map, as_mapping
 
 log = logging.getLogger("epguard.controller.recorder")
 
@@ -88,14 +88,9 @@ class KeySource(Protocol):
 
 
 def has_probe(body: Any, **_: Any) -> bool:
-    """kopf filter: only pods that carry the probe init container are worth a look.
-
-    Reads ``body`` (whose items are the raw dicts), not kopf's ``spec`` kwarg: that is a
-    ``kopf.Spec`` view, not a dict, so ``as_map`` would see nothing in it."""
-    spec = body.get("spec") if isinstance(body, Mapping) else None
-    return any(
-        isinstance(c, Mapping) and is_probe(c) for c in as_list(as_map(spec).get("initContainers"))
-    )
+    """kopf filter: only pods that carry the probe init container are worth a look."""
+    spec = as_map(as_mapping(body).get("spec"))
+    return any(isinstance(c, Mapping) and is_probe(c) for c in as_list(spec.get("initContainers")))
 
 
 def _now() -> dt.datetime:

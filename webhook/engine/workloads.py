@@ -226,6 +226,13 @@ def as_map(value: Any) -> Mapping[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+def as_mapping(value: Any) -> Mapping[str, Any]:
+    """:func:`as_map` for any Mapping: kopf hands its handlers and filters a ``Body``, a
+    Mapping view (not a dict) whose items are the raw dicts, in which as_map sees
+    nothing."""
+    return value if isinstance(value, Mapping) else {}
+
+
 def as_list(value: Any) -> list[Any]:
     return value if isinstance(value, list) else []
 
