@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import datetime as dt
 import itertools
+import json
 import threading
 import time
 from typing import Any
@@ -16,12 +17,15 @@ import jsonpatch
 import kopf
 import pytest
 from kubernetes import client
+from kubernetes.client.exceptions import ApiException
 
 from epguard.webhook.controller.gatekeeper import (
     Conflict,
+    KubePreflightApi,
     PreflightConfig,
     Preflights,
     Refused,
+    Terminating,
     worker_keys,
     worth_a_pass,
 )
@@ -550,3 +554,52 @@ def test_a_gated_or_preflight_pods_event_wakes_a_pass_through_kopfs_own_body() -
     assert worth_a_pass(body=kopf.Body(preflight))
     assert not worth_a_pass(body=kopf.Body(ungated))
     assert not worth_a_pass(body=kopf.Body({}))
+
+
+def test_a_held_pod_in_a_namespace_being_deleted_is_not_opened_on_its_way_out() -> None:
+    # Seen on the node: the namespace controller deleted the preflight first; the next
+    # pass could not create another ("being terminated") and, under onError=open, took
+    # the gate off a held pod of a bad image, which could then be scheduled.
+    pf, api, _, _ = setup()
+    api.add(gated_pod("w-0"))
+    api.add(gated_pod("w-1"))
+    pf.run_once()
+    api.finish(api.preflights()[0], 1, BAD)
+    assert len(pf.run_once().held) == 2
+    preflight = api.preflights()[0]
+    api.delete_pod("ml", preflight["metadata"]["name"], preflight["metadata"]["uid"])
+    api.add(gated_pod("w-2"))  # created just before the namespace began to go
+
+    def terminating(namespace: str, body: dict[str, Any]) -> None:
+        raise Terminating("unable to create new content in namespace ml: being terminated")
+
+    api.create_pod = terminating  # type: ignore[method-assign]
+    done = pf.run_once()
+    assert done.ungated == [] and done.created == []
+    assert all(is_gated(api.pod("ml", f"w-{i}")) for i in range(3))
+    assert not any(e[2] == "PreflightFailedGateOpened" for e in api.events)
+
+
+def test_the_api_servers_namespace_terminating_refusal_is_told_apart() -> None:
+    body = {
+        "kind": "Status", "status": "Failure", "reason": "Forbidden", "code": 403,
+        "message": 'pods "epguard-preflight-1" is forbidden: unable to create new content in '
+                   "namespace ml because it is being terminated",
+        "details": {"name": "epguard-preflight-1", "kind": "pods", "causes": [
+            {"reason": "NamespaceTerminating", "type": "NamespaceTerminating",
+             "message": "namespace ml is being terminated", "field": "metadata.namespace"}]},
+    }  # fmt: skip
+    terminating = ApiException(status=403, reason="Forbidden")
+    terminating.body = json.dumps(body)
+    rbac = ApiException(status=403, reason="Forbidden")
+    rbac.body = json.dumps({**body, "details": {"name": "epguard-preflight-1", "kind": "pods"}})
+    for exc, raised in ((terminating, Terminating), (rbac, Refused)):
+
+        class Core:
+            def create_namespaced_pod(self, *args: Any, error: Exception = exc, **kw: Any) -> None:
+                raise error
+
+        api = KubePreflightApi(client.ApiClient())  # nothing is sent: core is replaced
+        api.core = Core()  # type: ignore[assignment]
+        with pytest.raises(raised, match="being terminated"):
+            api.create_pod("ml", {"metadata": {"name": "epguard-preflight-1"}})

@@ -79,6 +79,20 @@ def api_message(exc: ApiException) -> str:
     return str(message or exc.reason)[:500]
 
 
+def status_causes(exc: ApiException) -> list[str]:
+    """The ``details.causes[].type`` of an error's Status body (``NamespaceTerminating``
+    when a create lands in a namespace being deleted); empty when there are none."""
+    try:
+        body = json.loads(exc.body or "{}")
+    except (TypeError, ValueError):
+        return []
+    details = body.get("details") if isinstance(body, dict) else None
+    causes = details.get("causes") if isinstance(details, dict) else None
+    if not isinstance(causes, list):
+        return []
+    return [str(c["type"]) for c in causes[:100] if isinstance(c, dict) and "type" in c]
+
+
 def raw(response: Any) -> Json:
     """The JSON object of a ``_preload_content=False`` response (no model round trip)."""
     data = response.data if hasattr(response, "data") else response.read()

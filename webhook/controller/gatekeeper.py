@@ -47,7 +47,14 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from epguard.probe import shell
-from epguard.webhook.cluster.kube import REQUEST_TIMEOUT, Json, api_message, list_all, meta
+from epguard.webhook.cluster.kube import (
+    REQUEST_TIMEOUT,
+    Json,
+    api_message,
+    list_all,
+    meta,
+    status_causes,
+)
 from epguard.webhook.controller import background
 from epguard.webhook.controller.config import ControllerConfig
 from epguard.webhook.controller.owners import KubeObjects, top_owner
@@ -91,6 +98,12 @@ class Refused(Exception):
     preflight cannot run, and ``preflight.onError`` decides for its pods."""
 
 
+class Terminating(Exception):
+    """The pod's namespace is being deleted (the API server creates nothing in it): its
+    pods go with it, so they are left as they are -- a held pod is not opened on its
+    way out."""
+
+
 class PreflightApi(Protocol):
     """The API calls the preflight needs; the real one is :class:`KubePreflightApi`, the
     tests use an in-memory one (tests/controller/test_gatekeeper.py)."""
@@ -99,8 +112,8 @@ class PreflightApi(Protocol):
         """Every pod with the ``epguard.io/probed`` label, in every namespace."""
 
     def create_pod(self, namespace: str, body: Json) -> None:
-        """Create; Conflict when a pod of that name exists, Refused when the API server
-        refuses it."""
+        """Create; Conflict when a pod of that name exists, Terminating when the
+        namespace is being deleted, Refused when the API server refuses it."""
 
     def delete_pod(self, namespace: str, name: str, uid: str) -> None:
         """Delete that pod (that uid only); gone already is fine."""
@@ -142,6 +155,8 @@ class KubePreflightApi(KubeObjects):
         except ApiException as exc:
             if exc.status == 409:
                 raise Conflict(str(exc.reason)) from exc
+            if exc.status == 403 and "NamespaceTerminating" in status_causes(exc):
+                raise Terminating(api_message(exc)) from exc
             if exc.status in (400, 403, 404, 422):
                 raise Refused(api_message(exc)) from exc
             raise
@@ -399,6 +414,8 @@ class Preflights:
             done.created.append(describe("Pod", key.namespace, key.pod_name))
         except Conflict:
             pass  # another pass (the other replica) created it: its result comes next pass
+        except Terminating:
+            return PreflightResult("gone", "the namespace is being deleted")
         except Refused as exc:
             return PreflightResult("failed", f"the preflight pod could not be created: {exc}")
         return PreflightResult("running", "")
@@ -407,6 +424,8 @@ class Preflights:
         self, pod: Json, results: list[PreflightResult], read: Callable[[str], Json], done: Pass
     ) -> None:
         uid = _name(pod)[2]
+        if any(r.phase == "gone" for r in results):
+            return  # its namespace is being deleted: it goes as it is, held or gated
         unusable = [r for r in results if r.phase == "unusable"]
         failed = [r for r in results if r.phase == "failed"]
         if unusable:

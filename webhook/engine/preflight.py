@@ -289,7 +289,8 @@ def _done_container(settings: InjectionSettings) -> dict[str, Any]:
 # What a preflight came to: still running; nothing proven in the files (the gate comes
 # off); an image cause (the gate stays, the recorder records the verdict); or it could
 # not judge (pull error, unschedulable, deadline, no python3: preflight.onError decides).
-Phase = Literal["running", "clear", "unusable", "failed"]
+# "gone": the preflight cannot be created because its namespace is being deleted.
+Phase = Literal["running", "clear", "unusable", "failed", "gone"]
 MAX_MESSAGE = 1024  # a pod condition's message is read in `kubectl describe pod`
 
 
