@@ -256,13 +256,15 @@ def judged_creates(cp: ControlPlane, creates: int) -> None:
 def scale(cp: ControlPlane, total: int, namespaces: int, images: int) -> None:
     node = node_of(cp)
     source = BAD_WORKER.ref
-    refs = [f"localhost/epguard/bench-alias:{i}" for i in range(images)]
+    # More tags of the worker in the node's registry: each a first-seen reference, pulled
+    # by its preflight (a manifest only: the layers are unpacked on the node already).
+    refs = [f"{source.rsplit(':', 1)[0]}:bench-alias-{i}" for i in range(images)]
     for ref in refs:
-        node.ctr("images", "tag", "--force", source, ref)
+        node.registry.tag(source, ref)
     try:
         _scale(cp, refs, total, namespaces, images)
     finally:
-        # The store outlives the cluster: leave no other name on the worker's bytes.
+        # containerd's store outlives the cluster: leave no other name on the worker.
         node.ctr("images", "rm", *refs, check=False)
 
 

@@ -324,6 +324,27 @@ class Registry:
                     raise RegistryError(f"manifest of {name} refused: {status} {said[:200]!r}")
         return pushed
 
+    def tag(self, name: str, alias: str) -> str:
+        """Serve the manifest of ``name`` under ``alias`` too (both built here, in one
+        repository: no blob is copied); returns its digest. distribution 2.8 cannot
+        delete a tag alone, so an alias stays (a link of a few bytes)."""
+        repository, tag = local_repository(name)
+        alias_repository, alias_tag = local_repository(alias)
+        if alias_repository != repository:
+            raise RegistryError(f"{alias!r} is not in the repository of {name!r}")
+        status, headers, body = self.request(
+            "GET", f"/v2/{repository}/manifests/{tag}", headers={"Accept": MANIFEST_TYPE}
+        )
+        if status != 200:
+            raise RegistryError(f"no manifest for {name} ({status})")
+        status, _, said = self.request(
+            "PUT", f"/v2/{repository}/manifests/{alias_tag}", body=body,
+            headers={"Content-Type": headers.get("Content-Type", MANIFEST_TYPE)},
+        )  # fmt: skip
+        if status != 201:
+            raise RegistryError(f"tag {alias} refused: {status} {said[:200]!r}")
+        return str(headers["Docker-Content-Digest"])
+
     def _push_blob(self, tar: tarfile.TarFile, repository: str, digest: str) -> None:
         member = tar.getmember(_blob_path(digest))
         f = tar.extractfile(member)

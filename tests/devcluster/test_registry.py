@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import shutil
 import socket
 import tarfile
 from pathlib import Path
@@ -196,6 +197,11 @@ def test_an_archive_is_pushed_byte_for_byte_once_and_a_replaced_tag_is_collected
         assert uploads == 3  # config and two layers
         reg.push_archive(tmp_path / "v1.oci.tar")
         assert reg.log.read_text().count('"POST /v2/epguard/tool/blobs/uploads/') == uploads
+        assert reg.tag("localhost/epguard/tool:dev", "localhost/epguard/tool:alias") == first
+        assert reg.manifest_digest("epguard/tool", "alias") == first
+        assert reg.log.read_text().count('"POST /v2/epguard/tool/blobs/uploads/') == uploads
+        with pytest.raises(registry.RegistryError, match="not in the repository"):
+            reg.tag("localhost/epguard/tool:dev", "localhost/epguard/other:alias")
         second = _archive(tmp_path / "v2.oci.tar", "localhost/epguard/tool:dev", b"2" * (3 << 20))
         assert reg.push_archive(tmp_path / "v2.oci.tar") == {"localhost/epguard/tool:dev": second}
         assert reg.manifest_digest("epguard/tool", "dev") == second
@@ -203,6 +209,10 @@ def test_an_archive_is_pushed_byte_for_byte_once_and_a_replaced_tag_is_collected
         proc.stop()
     blobs = reg.storage / "docker" / "registry" / "v2" / "blobs" / "sha256"
     assert (blobs / old_layers[1][7:9] / old_layers[1][7:]).is_dir()
+    reg.collect_garbage()
+    assert (blobs / old_layers[1][7:9] / old_layers[1][7:]).is_dir()  # the alias names it
+    tags = reg.storage / "docker" / "registry" / "v2" / "repositories" / "epguard" / "tool"
+    shutil.rmtree(tags / "_manifests" / "tags" / "alias")  # what a tag delete would do
     reg.collect_garbage()
     assert not (blobs / old_layers[1][7:9] / old_layers[1][7:]).exists()
     assert not (blobs / first[7:9] / first[7:]).exists()
