@@ -603,3 +603,29 @@ def test_the_api_servers_namespace_terminating_refusal_is_told_apart() -> None:
         api.core = Core()  # type: ignore[assignment]
         with pytest.raises(raised, match="being terminated"):
             api.create_pod("ml", {"metadata": {"name": "epguard-preflight-1"}})
+
+
+def test_pods_whose_preflight_answered_are_decided_before_the_waiting_ones_are_written() -> None:
+    # 40 pods on an image whose preflight still runs, listed before 3 on an image whose
+    # preflight has answered: the answered ones' decisions come first in the pass, not
+    # behind 40 "waiting" condition writes (on a loaded API server, seconds each pass).
+    pf, api, _, _ = setup()
+    for i in range(3):
+        api.add(gated_pod(f"bad-{i}", image="r.example/sglang:bad"))
+    pf.run_once()  # the bad image's preflight, created
+    api.finish(api.preflights()[0], 1, BAD)
+    for i in range(40):
+        api.add(gated_pod(f"new-{i}", image="r.example/sglang:new"))
+    api.pods = dict(sorted(api.pods.items(), key=lambda kv: not kv[0][1].startswith("new-")))
+    order: list[str] = []
+    write = api.set_condition
+
+    def recorded(namespace: str, name: str, condition: dict[str, Any]) -> None:
+        order.append(f"{name} {condition['reason']}")
+        write(namespace, name, condition)
+
+    api.set_condition = recorded  # type: ignore[method-assign]
+    done = pf.run_once()
+    assert len(done.held) == 3
+    held = [i for i, what in enumerate(order) if what.endswith("ImageUnusable")]
+    assert len(held) == 3 and max(held) < 3 + 8, order[: max(held) + 1]  # 8 = PASS_WORKERS

@@ -379,6 +379,10 @@ class Preflights:
                     f"no preflight answered within {int(limit.total_seconds())} s of the "
                     f"first pod's creation{': ' + result.stalled if result.stalled else ''}",
                 )
+        # Pods whose preflight has answered first: a pass that also writes "waiting"
+        # conditions on many pods must not make an answered one wait behind them (200
+        # pods on the 2-core node: up to 27 s from the answer to the gate decided).
+        waiting.sort(key=lambda item: all(results[k].phase == "running" for k in item[1]))
         with ThreadPoolExecutor(PASS_WORKERS) as pool:
             list(pool.map(decide, waiting))
         self._clean(ours, {k.hash for _, keys in waiting for k in keys}, now, done)
