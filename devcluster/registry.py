@@ -43,6 +43,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 from urllib.parse import urlsplit
 
 from devcluster import binaries, ociimage, pki
@@ -310,7 +311,7 @@ class Registry:
                 pushed[name] = digest
                 if self.manifest_digest(repository, tag) == digest:
                     continue
-                manifest = _member(tar, digest)
+                manifest = _blob(tar, digest).read()
                 doc = json.loads(manifest)
                 blobs = [doc["config"], *doc["layers"]]
                 for blob in blobs:
@@ -346,10 +347,7 @@ class Registry:
         return str(headers["Docker-Content-Digest"])
 
     def _push_blob(self, tar: tarfile.TarFile, repository: str, digest: str) -> None:
-        member = tar.getmember(_blob_path(digest))
-        f = tar.extractfile(member)
-        if f is None:
-            raise RegistryError(f"{digest} is not a file in the archive")
+        f = _blob(tar, digest)
         hashed = hashlib.sha256()
 
         def chunks() -> Iterator[bytes]:
@@ -415,16 +413,13 @@ def local_repository(name: str) -> tuple[str, str]:
     return repository, tag
 
 
-def _blob_path(digest: str) -> str:
+def _blob(tar: tarfile.TarFile, digest: str) -> IO[bytes]:
+    """The blob ``digest`` of an OCI archive (``blobs/<algorithm>/<hex>``), to read."""
     algorithm, _, hexdigest = digest.partition(":")
-    return f"blobs/{algorithm}/{hexdigest}"
-
-
-def _member(tar: tarfile.TarFile, digest: str) -> bytes:
-    f = tar.extractfile(_blob_path(digest))
+    f = tar.extractfile(f"blobs/{algorithm}/{hexdigest}")
     if f is None:
         raise RegistryError(f"{digest} is not a file in the archive")
-    return f.read()
+    return f
 
 
 def _path_of(location: str) -> str:

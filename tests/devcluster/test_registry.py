@@ -10,7 +10,6 @@ import hashlib
 import io
 import json
 import shutil
-import socket
 import tarfile
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import pytest
 
 from devcluster import ociimage, registry
 from devcluster.pki import CertificateAuthority
-from devcluster.process import ManagedProcess
+from devcluster.process import ManagedProcess, free_port
 from devcluster.registry import BlobServed, Registry
 
 # Access lines as docker-registry 2.8 writes them (combined format), between its own
@@ -110,9 +109,7 @@ def test_the_private_registry_refuses_every_pull_without_credentials(
     if not registry.REGISTRY_BIN.is_file():
         pytest.skip("docker-registry is not installed (make tools installs it)")
     monkeypatch.setenv("EPGUARD_CACHE", str(tmp_path / "cache"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     reg = Registry(tmp_path / "private", "127.0.0.1", port, private=True)
     public = Registry(tmp_path / "reg", "127.0.0.1")
     assert reg.hosts_dir == public.hosts_dir  # containerd reads one config_path
@@ -173,9 +170,7 @@ def test_an_archive_is_pushed_byte_for_byte_once_and_a_replaced_tag_is_collected
     if not registry.REGISTRY_BIN.is_file():
         pytest.skip("docker-registry is not installed (make tools installs it)")
     monkeypatch.setenv("EPGUARD_CACHE", str(tmp_path / "cache"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     reg = Registry(tmp_path / "reg", "127.0.0.1", port)
     ca = CertificateAuthority()
 

@@ -26,6 +26,7 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
 from epguard.webhook.engine.verdicts import GROUP, PLURAL, VERSION
+from epguard.webhook.engine.workloads import as_list, as_map
 
 # Seconds: (connect, read). Generous for a loaded API server, short against a dead one.
 REQUEST_TIMEOUT = (5.0, 30.0)
@@ -68,28 +69,25 @@ def status_of(exc: BaseException) -> int | None:
     return exc.status if isinstance(exc, ApiException) else None
 
 
-def api_message(exc: ApiException) -> str:
-    """The API server's own message in an error (its Status body: a policy's or RBAC's
-    refusal), else its reason; bounded."""
+def _status(exc: ApiException) -> dict[str, Any]:
+    """The Status object in an error's body ({} when there is none)."""
     try:
         body = json.loads(exc.body or "{}")
     except (TypeError, ValueError):
-        body = {}
-    message = body.get("message") if isinstance(body, dict) else None
-    return str(message or exc.reason)[:500]
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def api_message(exc: ApiException) -> str:
+    """The API server's own message in an error (its Status body: a policy's or RBAC's
+    refusal), else its reason; bounded."""
+    return str(_status(exc).get("message") or exc.reason)[:500]
 
 
 def status_causes(exc: ApiException) -> list[str]:
     """The ``details.causes[].type`` of an error's Status body (``NamespaceTerminating``
     when a create lands in a namespace being deleted); empty when there are none."""
-    try:
-        body = json.loads(exc.body or "{}")
-    except (TypeError, ValueError):
-        return []
-    details = body.get("details") if isinstance(body, dict) else None
-    causes = details.get("causes") if isinstance(details, dict) else None
-    if not isinstance(causes, list):
-        return []
+    causes = as_list(as_map(_status(exc).get("details")).get("causes"))
     return [str(c["type"]) for c in causes[:100] if isinstance(c, dict) and "type" in c]
 
 
