@@ -371,10 +371,8 @@ class Node:
             if not archive.is_file():
                 raise NodeError(f"image archive {archive} missing: run `make tools`")
             pushed.update(self.registry.push_archive(archive))
-        held = self.image_digests()
-        for name, digest in pushed.items():
-            if held.get(name, digest) != digest:
-                self.forget_image(name)
+        for name in stale_images(pushed, self.image_digests()):
+            self.forget_image(name)
         return pushed
 
     # --- internals --------------------------------------------------------------------
@@ -666,6 +664,20 @@ state = "{RUNTIME_STATE}"
             if path not in existed and os.path.lexists(path):
                 _remove_tree(Path(path))
         _remove_tree(self.workdir)
+
+
+def stale_images(pushed: Mapping[str, str], held: Mapping[str, str]) -> list[str]:
+    """The names containerd holds (``held``: name -> digest) that the kubelet should pull
+    again from what the registry now serves (``pushed``): held at another digest (a
+    rebuilt ``epguard:dev``), or not pulled at all -- an image ``ctr images import``ed by
+    an older checkout has no ``<repository>@<digest>`` name, and the kubelet would report
+    its config digest instead of the manifest's."""
+    return [
+        name
+        for name, digest in pushed.items()
+        if name in held
+        and (held[name] != digest or f"{name.rsplit(':', 1)[0]}@{digest}" not in held)
+    ]
 
 
 def _recorded(workdir: Path) -> Node | None:

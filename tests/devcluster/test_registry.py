@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from devcluster import ociimage, registry
+from devcluster.node import stale_images
 from devcluster.pki import CertificateAuthority
 from devcluster.process import ManagedProcess, free_port
 from devcluster.registry import BlobServed, Registry
@@ -228,3 +229,18 @@ def test_every_image_the_node_runs_has_a_place_in_the_registry() -> None:
     places = [registry.local_repository(ref) for ref in refs]
     assert ("epguard/sglang", "0.5.23-mte0.3.13") in places
     assert [f"localhost/{repo}:{tag}" for repo, tag in places] == refs
+
+
+def test_an_image_held_imported_or_at_another_digest_is_pulled_again() -> None:
+    new, old = "sha256:" + "1" * 64, "sha256:" + "2" * 64
+    pushed = {"localhost/epguard/epguard:dev": new, "localhost/epguard/busybox:1": new,
+              "localhost/epguard/pause:3.10": new, "localhost/epguard/sglang:a": new}  # fmt: skip
+    held = {
+        "localhost/epguard/epguard:dev": old,  # rebuilt since
+        "localhost/epguard/epguard@" + old: old,
+        "localhost/epguard/busybox:1": new,  # pulled: its repository@digest name is there
+        "localhost/epguard/busybox@" + new: new,
+        "localhost/epguard/pause:3.10": new,  # imported by an older checkout: no such name
+    }
+    assert stale_images(pushed, held) == ["localhost/epguard/epguard:dev",
+                                          "localhost/epguard/pause:3.10"]  # fmt: skip
