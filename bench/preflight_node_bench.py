@@ -18,7 +18,7 @@ one-node cluster as ``make up`` starts it (containerd 2, the node's registry wit
   gap from each preflight's end to its last gate decided, the controller pods' memory.
 
     flock /tmp/epguard-node.lock .venv/bin/python bench/preflight_node_bench.py \
-        [--pods 200 --namespaces 20 --images 5] [--creates 150] [--warm]
+        [--pods 200 --namespaces 20 --images 5] [--creates 150] [--warm] [--run-dir D]
 """
 
 from __future__ import annotations
@@ -402,8 +402,16 @@ def main() -> None:
                              "before its first-seen run, so the preflight pulls it)")  # fmt: skip
     parser.add_argument("--skip", action="append", default=[],
                         choices=["bad", "good", "judged", "scale"])  # fmt: skip
+    parser.add_argument(
+        "--run-dir",
+        type=Path,
+        help="keep the node's work directory (its logs: kubelet, containerd, the registry's "
+        "access log) here instead of a temporary one",
+    )
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as run, running_cluster(Path(run)) as cp:
+    with contextlib.ExitStack() as stack:
+        run = args.run_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        cp = stack.enter_context(running_cluster(run))
         if "bad" not in args.skip:
             print(f"first-seen bad image ({BAD_WORKER.ref}), 4 replicas, model image volume:")
             first_seen(cp, BAD_WORKER.ref, 4, bad=True, cold=not args.warm)

@@ -42,7 +42,7 @@ from sglang.srt.server_args import ServerArgs
 parser = argparse.ArgumentParser(prog="sglang serve")
 ServerArgs.add_cli_args(parser)
 """
-DUMP = BUILD + r"""
+TABLE = BUILD + r"""
 options, choices = [], []
 for action in parser._actions:
     if not action.option_strings:
@@ -50,12 +50,17 @@ for action in parser._actions:
     options.append([action.nargs] + list(action.option_strings))
     if "--elastic-ep-backend" in action.option_strings:
         choices = [str(c) for c in (action.choices or [])]
-json.dump({"version": importlib.metadata.version("sglang"), "options": options,
-           "backend_choices": choices}, sys.stdout)
+table = {"version": importlib.metadata.version("sglang"), "options": options,
+         "backend_choices": choices}
 """
-# One JSON argv per input line -> {"ok": true, "backend": ...} or {"ok": false, "error":
-# ...}: SGLang's own verdict on a command line, for tests/probe/test_sglang_parser.py.
-SERVE = BUILD + r"""
+DUMP = TABLE + r"""
+json.dump(table, sys.stdout)
+"""
+# First line: {"ready": <version>, "table": <what DUMP prints>}; then one JSON argv per
+# input line -> {"ok": true, "backend": ...} or {"ok": false, "error": ...}: SGLang's own
+# verdict on a command line, for tests/probe/test_sglang_parser.py (which checks the
+# shipped table with the same process: one import of each release, not two).
+SERVE = TABLE + r"""
 class Refused(Exception):
     pass
 def error(message):
@@ -63,7 +68,7 @@ def error(message):
 parser.error = error
 answers = sys.stdout
 sys.stdout = sys.stderr  # SGLang's actions may print (deprecations): keep the pipe clean
-print(json.dumps({"ready": importlib.metadata.version("sglang")}), file=answers, flush=True)
+print(json.dumps({"ready": table["version"], "table": table}), file=answers, flush=True)
 for line in sys.stdin:
     try:
         ns = parser.parse_args(json.loads(line))

@@ -9,6 +9,10 @@ tests/devcluster; ``epguard`` deploys the chart into it with the webhook and con
 as local processes; tests isolate themselves with ``namespace``, a fresh namespace each,
 never deleted: without kube-controller-manager a deleted namespace stays Terminating.
 
+``shared_node`` is the one-node cluster with the chart's pods (tests/e2e/node_e2e.py)
+that the node modules share; a module that starts a node of its own asks for
+``machine_to_itself`` first.
+
 Tests marked ``gpu`` need an NVIDIA driver (``libcuda.so.1``) and a visible GPU;
 they are skipped on machines without one and run where one exists.
 """
@@ -26,6 +30,7 @@ from devcluster import ControlPlane
 from devcluster.stack import Stack, deploy_epguard
 from epguard.webhook.engine.policy import PolicyState
 from tests.control_plane import running_control_plane
+from tests.e2e.node_e2e import SharedCluster
 from tests.factory import TEST_RULES, make_state
 from tests.servers import RunningServer, running_server
 
@@ -85,6 +90,22 @@ def epguard(
         yield stack
     finally:
         stack.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedCluster]:
+    shared = SharedCluster(lambda: tmp_path_factory.mktemp("stack"))
+    try:
+        yield shared
+    finally:
+        shared.stop()
+
+
+@pytest.fixture(scope="module")
+def machine_to_itself(shared_node: SharedCluster) -> None:
+    """For a module that starts a node of its own: the shared one is stopped first (and
+    started again by the next module that asks for it)."""
+    shared_node.stop()
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from devcluster.process import running
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = [pytest.mark.e2e, pytest.mark.node]
+pytestmark = [pytest.mark.e2e, pytest.mark.node, pytest.mark.usefixtures("machine_to_itself")]
 
 
 def _devcluster(run_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:

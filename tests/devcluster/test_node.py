@@ -28,7 +28,7 @@ BUSYBOX = {"image": BUSYBOX_IMAGE, "imagePullPolicy": "IfNotPresent"}
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+def node(tmp_path_factory: pytest.TempPathFactory, machine_to_itself: None) -> Iterator[Node]:
     cp = ControlPlane(node_ip=node_ip())
     cp.start()
     node = Node(cp, tmp_path_factory.mktemp("node"))

@@ -16,7 +16,7 @@ from devcluster.node import Node, host_snapshot, node_ip
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = [pytest.mark.e2e, pytest.mark.node]
+pytestmark = [pytest.mark.e2e, pytest.mark.node, pytest.mark.usefixtures("machine_to_itself")]
 
 _OWNER = """
 import sys, time

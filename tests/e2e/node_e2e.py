@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,50 @@ def running_cluster(run_dir: Path) -> Iterator[ControlPlane]:
         yield stack.control_plane
     finally:
         stack.stop()
+
+
+class SharedCluster:
+    """The cluster of :func:`running_cluster` that the node modules leaving it as they
+    found it share (a start is ~30 s of the node phase on two cores): started on first
+    use, stopped at the session's end, or before a module starts a node of its own (the
+    machine has one: its ports, its containerd, its registry)."""
+
+    def __init__(self, run_dir: Callable[[], Path]) -> None:
+        self._run_dir = run_dir
+        self._running: ExitStack | None = None
+        self._cluster: ControlPlane | None = None
+        self._namespaces: set[str] = set()
+
+    def cluster(self) -> ControlPlane:
+        if self._cluster is None:
+            with ExitStack() as running:
+                self._cluster = running.enter_context(running_cluster(self._run_dir()))
+                self._running = running.pop_all()
+            self._namespaces = set(_namespaces(self._cluster))
+        assert self._cluster is not None
+        return self._cluster
+
+    def tidy(self) -> None:
+        """After a module: every namespace it made deleted (its pods hold the node's fake
+        GPUs and run probes) and every ImageVerdict it learned forgotten."""
+        if self._cluster is None:
+            return
+        made = sorted(set(_namespaces(self._cluster)) - self._namespaces)
+        if made:
+            self._cluster.kubectl(
+                "delete", "namespace", *made, "--wait=true", "--timeout=180s", check=True
+            )
+        self._cluster.kubectl("delete", "imageverdicts", "--all", check=True)
+
+    def stop(self) -> None:
+        running, self._running, self._cluster = self._running, None, None
+        if running is not None:
+            running.close()
+
+
+def _namespaces(cluster: ControlPlane) -> list[str]:
+    r = cluster.kubectl("get", "namespaces", "-o", "name", check=True)
+    return [line.removeprefix("namespace/") for line in r.stdout.split()]
 
 
 def node_of(cluster: ControlPlane) -> Node:

@@ -90,9 +90,12 @@ def _refused_by_backstop(cp: ControlPlane, obj: dict[str, Any]) -> str | None:
 
 
 @pytest.fixture(scope="module")
-def outage(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ControlPlane, str]]:
+def outage(
+    tmp_path_factory: pytest.TempPathFactory, machine_to_itself: None
+) -> Iterator[tuple[ControlPlane, str]]:
     """The cluster with a deny rule and one digest verdict learned, then the webhook
-    gone: its Deployment scaled to zero and every one of its pods deleted."""
+    gone: its Deployment scaled to zero and every one of its pods deleted (a cluster of
+    its own: it leaves the webhook gone)."""
     with running_cluster(tmp_path_factory.mktemp("stack")) as cp:
         # Installed means the policy is there and the writer has written its parameters
         # once (on a loaded machine the install's writes alone took over a minute).

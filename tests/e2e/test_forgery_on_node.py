@@ -28,7 +28,7 @@ from devcluster import ControlPlane
 from devcluster.images import BAD_WORKER, ENV_ONLY_WORKER, EPGUARD_IMAGE
 from epguard.probe.message import SCOPE, UNUSABLE, USABLE
 from tests.e2e.e2e_kube import apply, as_yaml, eventually, wait_event
-from tests.e2e.node_e2e import fresh_namespace, running_cluster, wait_probe, worker_pod
+from tests.e2e.node_e2e import SharedCluster, fresh_namespace, wait_probe, worker_pod
 
 pytestmark = [pytest.mark.e2e, pytest.mark.node]
 
@@ -37,9 +37,9 @@ VICTIM = ENV_ONLY_WORKER.ref
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
-    with running_cluster(tmp_path_factory.mktemp("stack")) as cp:
-        yield cp
+def cluster(shared_node: SharedCluster) -> Iterator[ControlPlane]:
+    yield shared_node.cluster()
+    shared_node.tidy()
 
 
 def tenant_namespace(cp: ControlPlane, inject: bool = False) -> str:
@@ -335,9 +335,7 @@ def test_swapping_a_probed_workers_image_in_place_is_refused(cluster: ControlPla
         r = as_tenant(cluster, "create", "-o", "json", "-f", "-", input=as_yaml(pod))
         if r.returncode != 0:
             return False
-        if "epguard.io/probe-signature" in json.loads(r.stdout)["metadata"].get(
-            "annotations", {}
-        ):
+        if "epguard.io/probe-signature" in json.loads(r.stdout)["metadata"].get("annotations", {}):
             return True
         as_tenant(cluster, "delete", "pod", "swapped", "-n", ns, "--wait=true")
         return False

@@ -16,7 +16,7 @@ import pytest
 from devcluster import ControlPlane
 from devcluster.images import BAD_WORKER
 from tests.e2e.e2e_kube import apply, denied_by_epguard, eventually, output, pod, worker
-from tests.e2e.node_e2e import opted_in_namespace, running_cluster, wait_probe, workload
+from tests.e2e.node_e2e import SharedCluster, opted_in_namespace, wait_probe, workload
 
 pytestmark = [pytest.mark.e2e, pytest.mark.node]
 
@@ -35,9 +35,9 @@ PRINTER_COLUMNS = [
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
-    with running_cluster(tmp_path_factory.mktemp("stack")) as cp:
-        yield cp
+def cluster(shared_node: SharedCluster) -> Iterator[ControlPlane]:
+    yield shared_node.cluster()
+    shared_node.tidy()
 
 
 @pytest.fixture(scope="module")

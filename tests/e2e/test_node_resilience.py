@@ -16,9 +16,9 @@ from devcluster import ControlPlane
 from devcluster.images import BUSYBOX_IMAGE
 from tests.e2e.e2e_kube import apply, eventually, plain, pod, wait_event, worker
 from tests.e2e.node_e2e import (
+    SharedCluster,
     fresh_namespace,
     opted_in_namespace,
-    running_cluster,
     wait_probe,
     worker_pod,
 )
@@ -29,9 +29,9 @@ RELEASE_NS = "epguard-system"
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
-    with running_cluster(tmp_path_factory.mktemp("stack")) as cp:
-        yield cp
+def cluster(shared_node: SharedCluster) -> Iterator[ControlPlane]:
+    yield shared_node.cluster()
+    shared_node.tidy()
 
 
 def _answered_by_epguard(result: Any) -> bool:

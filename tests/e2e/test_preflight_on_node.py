@@ -29,9 +29,9 @@ from devcluster.images import BAD_WORKER, BUSYBOX_IMAGE, ENV_ONLY_WORKER
 from epguard.webhook.engine.preflight import CONDITION, GATE, PREFLIGHT_LABEL
 from tests.e2e.e2e_kube import apply, denied_by_epguard, eventually, output
 from tests.e2e.node_e2e import (
+    SharedCluster,
     node_of,
     opted_in_namespace,
-    running_cluster,
     wait_probe,
     worker_pod,
     worker_spec,
@@ -44,9 +44,9 @@ PREFLIGHT_TIMEOUT = 300.0
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
-    with running_cluster(tmp_path_factory.mktemp("stack")) as cp:
-        yield cp
+def cluster(shared_node: SharedCluster) -> Iterator[ControlPlane]:
+    yield shared_node.cluster()
+    shared_node.tidy()
 
 
 @pytest.fixture
@@ -194,6 +194,7 @@ def test_a_bad_image_is_never_scheduled_and_its_model_never_mounted(
         return r.returncode == 0 and json.loads(r.stdout)["spec"]["verdict"] == "Unusable"
 
     eventually(recorded, within=60, what=f"ImageVerdict {verdict_name}")
+
     # And the next pod on the image is refused before anything is gated or scheduled, once
     # the webhook's watch has the verdict (a pod created in between is gated and held at
     # once by the finished preflight's answer).
@@ -348,8 +349,10 @@ def test_an_image_no_one_can_pull_says_why_its_pods_wait_and_learns_nothing(
     def says_why() -> bool:
         (p,) = pods(cluster, ns, "!" + PREFLIGHT_LABEL)
         c = condition(p)
-        return c is not None and c["reason"] == "PreflightRunning" and (
-            "ErrImagePull" in c["message"] or "ImagePullBackOff" in c["message"]
+        return (
+            c is not None
+            and c["reason"] == "PreflightRunning"
+            and ("ErrImagePull" in c["message"] or "ImagePullBackOff" in c["message"])
         )
 
     eventually(says_why, within=120, what="the pull error in the pod's condition", every=1.0)

@@ -22,15 +22,15 @@ import pytest
 from devcluster import ControlPlane
 from devcluster.images import BAD_WORKER, ENV_ONLY_WORKER, WorkerImage, images_dir
 from tests.e2e.e2e_kube import apply, denied_by_epguard, eventually, wait_event
-from tests.e2e.node_e2e import opted_in_namespace, running_cluster, wait_probe, worker_pod, workload
+from tests.e2e.node_e2e import SharedCluster, opted_in_namespace, wait_probe, worker_pod, workload
 
 pytestmark = [pytest.mark.e2e, pytest.mark.node]
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
-    with running_cluster(tmp_path_factory.mktemp("stack")) as cp:
-        yield cp
+def cluster(shared_node: SharedCluster) -> Iterator[ControlPlane]:
+    yield shared_node.cluster()
+    shared_node.tidy()
 
 
 @pytest.fixture
@@ -194,8 +194,7 @@ def test_the_scan_of_the_archive_says_what_the_pod_says_about_the_image(
         assert scanned.returncode == 1
         [cause] = [c for c in doc["causes"] if c["classification"] == "cuda-mismatch"]
         shared = cause["cause"].split("; also missing")[0]
-        assert first.startswith("epguard: mooncake elastic EP is unusable in this image: "
-                                + shared)
+        assert first.startswith("epguard: mooncake elastic EP is unusable in this image: " + shared)
     else:
         assert scanned.returncode == 0, doc["causes"]
         assert first.startswith("epguard: mooncake elastic EP is unusable in this pod: ")

@@ -37,6 +37,7 @@ import asyncio
 import datetime as dt
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -233,6 +234,12 @@ class Pass:
     ungated: list[str] = field(default_factory=list)
     held: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
+    # Where the pass's time went (seconds): the list, the keys' results (creates
+    # included), the pods' decisions; and how many pods the list held.
+    listed: float = 0.0
+    judged: float = 0.0
+    decided: float = 0.0
+    pods: int = 0
 
 
 GRACE_SECONDS = 60
@@ -325,7 +332,9 @@ class Preflights:
     def run_once(self) -> Pass:
         now = self.clock()
         done = Pass()
+        started = time.monotonic()
         pods = self.api.list_probed_pods()
+        done.pods, done.listed = len(pods), time.monotonic() - started
         preflights: dict[tuple[str, str], Json] = {}
         waiting: list[tuple[Json, list[PreflightKey]]] = []
         for pod in pods:
@@ -369,6 +378,7 @@ class Preflights:
         read = _ReadOnce(self.api.read_object)
         with ThreadPoolExecutor(PASS_WORKERS) as pool:
             results = dict(pool.map(result_of, first.items()))
+        done.judged = time.monotonic() - started - done.listed
         # Whatever holds a key up (its pod squatted, relabelled, never created), nothing
         # waits past the deadline counted from its first waiting pod (and a minute).
         limit = dt.timedelta(seconds=self.config.settings.timeout_seconds + GRACE_SECONDS)
@@ -385,6 +395,7 @@ class Preflights:
         waiting.sort(key=lambda item: all(results[k].phase == "running" for k in item[1]))
         with ThreadPoolExecutor(PASS_WORKERS) as pool:
             list(pool.map(decide, waiting))
+        done.decided = time.monotonic() - started - done.listed - done.judged
         self._clean(ours, {k.hash for _, keys in waiting for k in keys}, now, done)
         return done
 
@@ -576,13 +587,33 @@ class _Keys:
         return ring
 
 
+class _Wake(asyncio.Event):
+    """The pass loop's wake-up: set by a pod event; ``at`` is when the first event since
+    the last pass set it (the loop's clock), so the log says how long a change waited."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.at: float | None = None
+
+    def set(self) -> None:
+        if self.at is None:
+            self.at = asyncio.get_running_loop().time()
+        super().set()
+
+    def clear(self) -> None:
+        self.at = None
+        super().clear()
+
+
 async def _loop(memo: kopf.Memo, preflights: Preflights, stop: asyncio.Event) -> None:
-    wake: asyncio.Event = memo[f"{NAME}_wake"]
+    wake: _Wake = memo[f"{NAME}_wake"]
     loop = asyncio.get_running_loop()
     woken = "start"
     while not stop.is_set():
+        started, event_at = loop.time(), wake.at
         wake.clear()
-        started = loop.time()
+        if event_at is not None:
+            woken = f"a pod event {started - event_at:.2f} s before"
         try:
             done = await loop.run_in_executor(None, preflights.run_once)
             for what, names in (
@@ -593,9 +624,14 @@ async def _loop(memo: kopf.Memo, preflights: Preflights, stop: asyncio.Event) ->
             ):
                 if names:
                     log.info(
-                        "preflight %s (a pass of %.2f s, after %s): %s",
+                        "preflight %s (a pass of %.2f s: %d pods listed in %.2f s, keys "
+                        "%.2f s, pods %.2f s; after %s): %s",
                         what,
                         loop.time() - started,
+                        done.pods,
+                        done.listed,
+                        done.judged,
+                        done.decided,
                         woken,
                         ", ".join(names[:20]),
                     )
@@ -603,7 +639,7 @@ async def _loop(memo: kopf.Memo, preflights: Preflights, stop: asyncio.Event) ->
             log.exception("preflight pass failed; retrying")
         waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(wake.wait())]
         await asyncio.wait(waiters, timeout=INTERVAL_SECONDS, return_when=asyncio.FIRST_COMPLETED)
-        woken = "a pod event" if wake.is_set() else "the timer"
+        woken = "the timer"
         for w in waiters:
             w.cancel()
 
@@ -612,7 +648,7 @@ async def _loop(memo: kopf.Memo, preflights: Preflights, stop: asyncio.Event) ->
 async def _start(memo: kopf.Memo, **_: Any) -> None:
     config: ControllerConfig = memo["config"]
     preflights = Preflights(KubePreflightApi(memo["api"]), PreflightConfig.of(config), _Keys(memo))
-    memo[f"{NAME}_wake"] = asyncio.Event()
+    memo[f"{NAME}_wake"] = _Wake()
     background.start(memo, NAME, lambda stop: _loop(memo, preflights, stop))
 
 
@@ -633,6 +669,6 @@ def worth_a_pass(body: Any, **_: Any) -> bool:
     "", "v1", "pods", labels={PROBED_LABEL: "true"}, when=worth_a_pass, id="epguard-preflight"
 )
 async def _pod_event(memo: kopf.Memo, **_: Any) -> None:
-    wake: asyncio.Event | None = memo.get(f"{NAME}_wake")
+    wake: _Wake | None = memo.get(f"{NAME}_wake")
     if wake is not None:
         wake.set()
