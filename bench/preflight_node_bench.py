@@ -18,7 +18,7 @@ one-node cluster as ``make up`` starts it (containerd 2, the node's registry wit
   gap from each preflight's end to its last gate decided, the controller pods' memory.
 
     flock /tmp/epguard-node.lock .venv/bin/python bench/preflight_node_bench.py \
-        [--pods 200 --namespaces 20 --images 5] [--creates 150] [--warm] [--run-dir D]
+        [--pods 200 --namespaces 20 --images 5] [--creates 150] [--warm] [--keep-logs D]
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import datetime as dt
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -391,6 +392,12 @@ def node_rss(uid: str) -> str:
     return "memory not found"
 
 
+def keep_logs(node: Path, to: Path) -> None:
+    for part in ("logs", "pod-logs"):
+        shutil.copytree(node / part, to / part, dirs_exist_ok=True, symlinks=False)
+    print(f"the node's logs: {to}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pods", type=int, default=200)
@@ -403,15 +410,17 @@ def main() -> None:
     parser.add_argument("--skip", action="append", default=[],
                         choices=["bad", "good", "judged", "scale"])  # fmt: skip
     parser.add_argument(
-        "--run-dir",
+        "--keep-logs",
         type=Path,
-        help="keep the node's work directory (its logs: kubelet, containerd, the registry's "
-        "access log) here instead of a temporary one",
+        help="copy the node's logs (kubelet, containerd, the registry's access log) and its "
+        "pods' logs (epguard's controllers) here before the node stops",
     )
     args = parser.parse_args()
     with contextlib.ExitStack() as stack:
-        run = args.run_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        run = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         cp = stack.enter_context(running_cluster(run))
+        if args.keep_logs:
+            stack.callback(keep_logs, node_of(cp).workdir, args.keep_logs)
         if "bad" not in args.skip:
             print(f"first-seen bad image ({BAD_WORKER.ref}), 4 replicas, model image volume:")
             first_seen(cp, BAD_WORKER.ref, 4, bad=True, cold=not args.warm)

@@ -432,6 +432,7 @@ class Preflights:
         except Terminating:
             return PreflightResult("gone", "the namespace is being deleted")
         except Refused as exc:
+            log.warning("preflight %s/%s refused: %s", key.namespace, key.pod_name, exc)
             return PreflightResult("failed", f"the preflight pod could not be created: {exc}")
         return PreflightResult("running", "")
 
@@ -465,6 +466,8 @@ class Preflights:
             )
             if self._ungate(pod, done):
                 warning = bool(failed)
+                if warning:
+                    log.warning("preflight: %s opened: %s", describe("Pod", *_name(pod)[:2]), why)
                 reason = "PreflightFailedGateOpened" if warning else "PreflightPassed"
                 said = (
                     f"epguard's preflight could not judge this pod's image, so it is "
