@@ -629,3 +629,32 @@ def test_pods_whose_preflight_answered_are_decided_before_the_waiting_ones_are_w
     assert len(done.held) == 3
     held = [i for i, what in enumerate(order) if what.endswith("ImageUnusable")]
     assert len(held) == 3 and max(held) < 3 + 8, order[: max(held) + 1]  # 8 = PASS_WORKERS
+
+
+def test_pods_whose_preflight_answered_are_decided_before_new_preflights_are_created() -> None:
+    # Seen on the node (200 pods): a pass that created preflights for newly seen images
+    # first kept an answered image's pods waiting up to 3 s behind those creates.
+    pf, api, _, _ = setup()
+    for i in range(3):
+        api.add(gated_pod(f"bad-{i}", image="r.example/sglang:bad"))
+    pf.run_once()
+    api.finish(api.preflights()[0], 1, BAD)
+    for i in range(20):
+        api.add(gated_pod(f"new-{i}", image=f"r.example/sglang:new-{i}"))
+    order: list[str] = []
+    create, write = api.create_pod, api.set_condition
+
+    def created(namespace: str, body: dict[str, Any]) -> None:
+        order.append("create")
+        create(namespace, body)
+
+    def written(namespace: str, name: str, condition: dict[str, Any]) -> None:
+        order.append(f"{name} {condition['reason']}")
+        write(namespace, name, condition)
+
+    api.create_pod = created  # type: ignore[method-assign]
+    api.set_condition = written  # type: ignore[method-assign]
+    done = pf.run_once()
+    assert len(done.held) == 3 and len(done.created) == 20
+    assert sorted(order[:3]) == [f"bad-{i} ImageUnusable" for i in range(3)], order[:5]
+    assert order.count("create") == 20

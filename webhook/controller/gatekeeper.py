@@ -234,11 +234,12 @@ class Pass:
     ungated: list[str] = field(default_factory=list)
     held: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
-    # Where the pass's time went (seconds): the list, the keys' results (creates
-    # included), the pods' decisions; and how many pods the list held.
+    # Where the pass's time went (seconds): the list, the pods whose preflights had
+    # answered, the rest (preflights created, other pods' conditions); and how many pods
+    # the list held.
     listed: float = 0.0
-    judged: float = 0.0
-    decided: float = 0.0
+    answered: float = 0.0
+    rest: float = 0.0
     pods: int = 0
 
 
@@ -354,12 +355,13 @@ class Preflights:
                 oldest[key] = min(oldest.get(key, created), created)
                 first.setdefault(key, pod)
 
-        def result_of(item: tuple[PreflightKey, Json]) -> tuple[PreflightKey, PreflightResult]:
-            key, pod = item
+        def create(item: tuple[PreflightKey, Json]) -> tuple[PreflightKey, PreflightResult]:
+            key, body = item
+            assert ring is not None  # _known made a body to create: it held a key
             # One key's trouble (an API error, a namespace's own admission policy) must
             # not stop the pass for every other namespace.
             try:
-                return key, self._result(key, pod, preflights, ours, ring, done)
+                return key, self._create(key, body, ring, done)
             except Exception as exc:
                 log.exception("preflight %s: could not start it", key.pod_name)
                 failed = f"the preflight could not be started: {_error(exc)}"
@@ -372,42 +374,67 @@ class Preflights:
             except Exception:
                 log.exception("preflight: could not decide %s", describe("Pod", *_name(pod)[:2]))
 
-        # Each key and each pod is a few API calls of its own: the pass makes them on
-        # PASS_WORKERS threads (one after another, 200 waiting pods took ~30 s to decide
-        # on the 2-core node), and reads each owner once (a ReplicaSet's replicas share it).
-        read = _ReadOnce(self.api.read_object)
-        with ThreadPoolExecutor(PASS_WORKERS) as pool:
-            results = dict(pool.map(result_of, first.items()))
-        done.judged = time.monotonic() - started - done.listed
         # Whatever holds a key up (its pod squatted, relabelled, never created), nothing
         # waits past the deadline counted from its first waiting pod (and a minute).
         limit = dt.timedelta(seconds=self.config.settings.timeout_seconds + GRACE_SECONDS)
-        for key, result in results.items():
+
+        def overdue(key: PreflightKey, result: PreflightResult) -> PreflightResult:
             if result.phase == "running" and now - oldest[key] > limit:
-                results[key] = PreflightResult(
+                return PreflightResult(
                     "failed",
                     f"no preflight answered within {int(limit.total_seconds())} s of the "
                     f"first pod's creation{': ' + result.stalled if result.stalled else ''}",
                 )
-        # Pods whose preflight has answered first: a pass that also writes "waiting"
-        # conditions on many pods must not make an answered one wait behind them (200
-        # pods on the 2-core node: up to 27 s from the answer to the gate decided).
-        waiting.sort(key=lambda item: all(results[k].phase == "running" for k in item[1]))
+            return result
+
+        # In three steps, so that an answer never waits behind other keys' work (200
+        # pods on the 2-core node: up to 27 s from an answer to its gate decided, behind
+        # other pods' writes; then up to 3 s behind other keys' preflight creates):
+        # 1. what the listed preflights say (no API call), and the pods whose every key
+        #    has answered decided at once;
+        # 2. the missing preflights created;
+        # 3. every other pod decided (a "waiting" condition, mostly).
+        # Each key and each pod is a few API calls of its own: the pass makes them on
+        # PASS_WORKERS threads (one after another, 200 waiting pods took ~30 s to decide
+        # on the 2-core node), and reads each owner once (a ReplicaSet's replicas share it).
+        read = _ReadOnce(self.api.read_object)
+        results: dict[PreflightKey, PreflightResult] = {}
+        missing: list[tuple[PreflightKey, Json]] = []
+        for key, pod in first.items():
+            try:
+                known = self._known(key, pod, preflights, ours, ring)
+            except Exception as exc:  # a spec the plan cannot read: this key only
+                log.exception("preflight %s: could not make it", key.pod_name)
+                known = PreflightResult("failed", f"the preflight could not be made: {_error(exc)}")
+            if isinstance(known, PreflightResult):
+                results[key] = overdue(key, known)
+            else:
+                missing.append((key, known))
+        answered = [
+            item
+            for item in waiting
+            if all(k in results and results[k].phase != "running" for k in item[1])
+        ]
         with ThreadPoolExecutor(PASS_WORKERS) as pool:
-            list(pool.map(decide, waiting))
-        done.decided = time.monotonic() - started - done.listed - done.judged
+            list(pool.map(decide, answered))
+            done.answered = time.monotonic() - started - done.listed
+            results.update((k, overdue(k, r)) for k, r in pool.map(create, missing))
+            first_step = {id(pod) for pod, _ in answered}
+            list(pool.map(decide, [item for item in waiting if id(item[0]) not in first_step]))
+        done.rest = time.monotonic() - started - done.listed - done.answered
         self._clean(ours, {k.hash for _, keys in waiting for k in keys}, now, done)
         return done
 
-    def _result(
+    def _known(
         self,
         key: PreflightKey,
         pod: Json,
         preflights: Mapping[tuple[str, str], Json],
         ours: Mapping[tuple[str, str], Json],
         ring: Keyring | None,
-        done: Pass,
-    ) -> PreflightResult:
+    ) -> PreflightResult | dict[str, Any]:
+        """What the listed preflight of ``key`` says, or the preflight pod to create when
+        there is none (no API call; unsigned)."""
         at = (key.namespace, key.pod_name)
         existing = ours.get(at)
         if existing is not None and as_map(meta(existing).get("labels")).get(KEY_LABEL) == key.hash:
@@ -423,6 +450,11 @@ class Preflights:
             return PreflightResult("clear", "no container on this image asks for mooncake")
         if ring is None:
             return PreflightResult("failed", "the controller holds no probe-signing key")
+        return body
+
+    def _create(
+        self, key: PreflightKey, body: dict[str, Any], ring: Keyring, done: Pass
+    ) -> PreflightResult:
         try:
             # Signed now, not at the start of the pass: /validate refuses a stale signature.
             self.api.create_pod(key.namespace, signed(body, ring.current, self.clock()))
@@ -627,14 +659,14 @@ async def _loop(memo: kopf.Memo, preflights: Preflights, stop: asyncio.Event) ->
             ):
                 if names:
                     log.info(
-                        "preflight %s (a pass of %.2f s: %d pods listed in %.2f s, keys "
-                        "%.2f s, pods %.2f s; after %s): %s",
+                        "preflight %s (a pass of %.2f s: %d pods listed in %.2f s, the "
+                        "answered decided in %.2f s, the rest %.2f s; after %s): %s",
                         what,
                         loop.time() - started,
                         done.pods,
                         done.listed,
-                        done.judged,
-                        done.decided,
+                        done.answered,
+                        done.rest,
                         woken,
                         ", ".join(names[:20]),
                     )
