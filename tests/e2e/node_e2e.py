@@ -58,7 +58,13 @@ class SharedCluster:
         made = sorted(set(_namespaces(self._cluster)) - self._namespaces)
         if made:
             self._cluster.kubectl(
-                "delete", "namespace", *made, "--wait=true", "--timeout=180s", check=True
+                "delete",
+                "namespace",
+                *made,
+                "--ignore-not-found",
+                "--wait=true",
+                "--timeout=180s",
+                check=True,
             )
         self._cluster.kubectl("delete", "imageverdicts", "--all", check=True)
 
@@ -176,8 +182,9 @@ def wait_probe(cp: ControlPlane, namespace: str, selector: list[str]) -> dict[st
 @contextmanager
 def opted_in_namespace(cluster: ControlPlane, preflight: str = "off") -> Iterator[str]:
     """A fresh namespace opted in to probe injection, seen by the webhook, and no
-    ImageVerdict left from an earlier test (each test learns its own). Deleted after
-    the test, which frees the node's (fake) GPUs for the next one.
+    ImageVerdict left from an earlier test (each test learns its own). Its pods are
+    deleted after the test, which frees the node's (fake) GPUs for the next one, and then
+    the namespace.
 
     ``preflight`` is the namespace's epguard.io/preflight label: "off" by default, since
     most tests here are about the probe the kubelet runs in the pod;
@@ -198,7 +205,12 @@ def opted_in_namespace(cluster: ControlPlane, preflight: str = "off") -> Iterato
 
     eventually(injected_and_admitted, within=60, what="the webhook to inject and admit")
     yield name
-    cluster.kubectl("delete", "namespace", name, "--wait=true", "--timeout=120s", timeout=180)
+    # Its pods first, waited for: gone, they free the node's (fake) GPUs for the next test
+    # (2-3 s). The namespace itself is not waited for (its finalization took ~10 s of
+    # every test's teardown); SharedCluster.tidy waits for it at the module's end.
+    cluster.kubectl("delete", "pods", "--all", "-n", name, "--wait=true", "--timeout=120s",
+                    timeout=180)  # fmt: skip
+    cluster.kubectl("delete", "namespace", name, "--wait=false")
 
 
 def fresh_namespace(cluster: ControlPlane, name: str) -> str:
