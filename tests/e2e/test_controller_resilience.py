@@ -2,8 +2,10 @@
 
 Two controller replicas run with kopf peering, as the chart runs them: one handles
 pod events, the other pauses, so a probe outcome is recorded once (count 1, one
-Event). Then kube-apiserver is restarted (etcd and every object kept) and the
-controller, without a restart of its own, records the next outcome.
+Event), and the loops kopf does not pause (the preflight passes, the backstop's writer)
+run on the replica kopf keeps active only. Then kube-apiserver is restarted (etcd and
+every object kept) and the controller, without a restart of its own, records the next
+outcome.
 
 This test owns its control plane: restarting the session's API server would disturb
 every other e2e test.
@@ -37,6 +39,8 @@ PEERING = "epguard-e2e-ha"
 RESUMED = "Resuming operations after the pause"
 PAUSED = "Pausing operations in favour of"
 RECORDED = "recorded Unusable for"
+LEADS = "this replica leads"
+FOLLOWS = "another replica leads"
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +180,30 @@ def test_two_replicas_record_a_probe_outcome_once(
             continue
         log = p.log_tail(500)
         assert RESUMED not in log or log.rindex(PAUSED) > log.rindex(RESUMED), log
+
+
+def _last_says(log: str, on: str, off: str) -> bool:
+    """The later of two log lines is ``on``."""
+    return on in log and (off not in log or log.rindex(on) > log.rindex(off))
+
+
+def test_the_loops_kopf_does_not_pause_run_on_the_replica_it_keeps_active(
+    cluster: ControlPlane, controllers: list[ManagedProcess]
+) -> None:
+    """kopf pauses only its own watches on the other replica; the preflight passes and
+    the backstop's writer ask peering.Leadership, which reads kopf's rule from the same
+    peering object. Both replicas agree with kopf: the one it resumed leads them, the
+    other does not (before, both ran every pass and every sync)."""
+
+    def agree() -> bool:
+        logs = [p.log_tail(5000) for p in controllers]
+        active = [_last_says(log, RESUMED, PAUSED) for log in logs]
+        leading = [_last_says(log, LEADS, FOLLOWS) for log in logs]
+        return active.count(True) == 1 and leading == active
+
+    eventually(agree, within=60, what="each replica to lead the loops exactly when kopf runs it")
+    follower = next(p for p in controllers if not _last_says(p.log_tail(5000), LEADS, FOLLOWS))
+    assert FOLLOWS in follower.log_tail(5000)
 
 
 def test_the_controller_records_again_after_the_api_server_restarts(

@@ -4,7 +4,9 @@ HA: the chart runs two replicas. kopf peering (a ClusterKopfPeering object, its 
 shipped by the chart) pauses every replica but the one with the highest priority; each
 replica draws a random priority at start, so exactly one handles events and another takes
 over within the peering lifetime when it dies. kopf pauses all replicas on a priority
-tie, which a random 31-bit draw makes practically impossible.
+tie, which a random 31-bit draw makes practically impossible. kopf pauses only its own
+watches and daemons: the preflight passes and the backstop's writer, loops of their own,
+ask ``peering.Leadership`` (kopf's rule, read from the peering object) before each round.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import kopf
 from epguard.webhook.cluster.kube import NoCredentials, api_client
 from epguard.webhook.controller import HANDLER_MODULES
 from epguard.webhook.controller.config import ControllerConfig, parse
-from epguard.webhook.controller.peering import KubePeeringApi, ensure_peering
+from epguard.webhook.controller.peering import KubePeeringApi, Leadership, ensure_peering
 from epguard.webhook.settings import SettingsError
 
 log = logging.getLogger("epguard.controller")
@@ -88,13 +90,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     # UID 65532 has no passwd entry (found when the chart first ran as pods). kopf types
     # it as a str of its own (a NewType in a private module), hence Any.
     identity: Any = f"{socket.gethostname()}/{secrets.token_hex(4)}"
+    # The loops kopf does not pause on the other replica ask this before each round.
+    leadership = Leadership(KubePeeringApi(api), config.peering, identity, priority)
     asyncio.run(
         kopf.operator(
             settings=operator_settings(config, priority),
             clusterwide=True,  # the operator's scope; kopf's peering follows it
             identity=identity,
             liveness_endpoint=config.liveness or None,
-            memo=kopf.Memo(config=config, api=api),
+            memo=kopf.Memo(config=config, api=api, leadership=leadership),
         )
     )
     return 0

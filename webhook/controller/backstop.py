@@ -55,6 +55,7 @@ from epguard.webhook.controller.compiler import (
     shard_objects,
 )
 from epguard.webhook.controller.config import ControllerConfig
+from epguard.webhook.controller.peering import Leadership
 from epguard.webhook.engine.namespaces import MODES
 from epguard.webhook.engine.rules import RulesError, RuleSet, load_rules_text
 from epguard.webhook.engine.verdicts import GROUP, PLURAL, VERSION, verdict_from_object
@@ -63,6 +64,8 @@ log = logging.getLogger("epguard.controller.backstop")
 
 POLL = 5.0  # seconds between two syncs without an ImageVerdict event
 PACE = 2.0  # after a sync, rest at least this many times as long as it took
+# On the replica that does not lead: how often it asks whether it leads now.
+FOLLOWER_POLL = 1.0
 # VAP's CEL uses flatten() (the list library of Kubernetes 1.34); an older API server
 # would compile the policy with an error and, with failurePolicy Ignore, admit anyway.
 MIN_SERVER = (1, 34)
@@ -345,9 +348,14 @@ def sync_once(api: client.ApiClient, state: BackstopState, now: dt.datetime) -> 
     return params
 
 
-async def run_writer(api: client.ApiClient, state: BackstopState) -> None:
-    """Keep the parameters current until cancelled."""
+async def run_writer(
+    api: client.ApiClient, state: BackstopState, leadership: Leadership | None = None
+) -> None:
+    """Keep the parameters current until cancelled; on the replica kopf peering keeps
+    active only (``leadership``: the other would list every verdict as often, for
+    nothing)."""
     loop = asyncio.get_running_loop()
+    leadership = leadership or Leadership(None, "")
     while True:
         now = dt.datetime.now(dt.UTC)
         started = time.monotonic()
@@ -355,8 +363,11 @@ async def run_writer(api: client.ApiClient, state: BackstopState) -> None:
         # the next sync once it has rested, not wait for the poll.
         state.wake.clear()
         try:
-            params = await loop.run_in_executor(None, sync_once, api, state, now)
             wait = POLL
+            if not await loop.run_in_executor(None, leadership.leads):
+                await asyncio.sleep(FOLLOWER_POLL)
+                continue
+            params = await loop.run_in_executor(None, sync_once, api, state, now)
             if params.next_change is not None:
                 wait = min(wait, max(0.5, (params.next_change - now).total_seconds()))
         except ApiException as exc:
@@ -428,7 +439,7 @@ async def keep(api: client.ApiClient, config: ControllerConfig, memo: kopf.Memo)
             delay = min(delay * 2, 60.0)
     if state is not None:
         memo["backstop"] = state
-        await run_writer(api, state)
+        await run_writer(api, state, memo.get("leadership"))
 
 
 @kopf.on.startup(id="epguard-backstop-start")

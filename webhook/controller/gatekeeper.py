@@ -7,9 +7,10 @@ injected probe), a result decides every pod waiting on it, a preflight nobody wa
 any more is deleted. So a restarted controller, or the other replica after a failover,
 picks up every gated pod and running preflight where they are: nothing stays gated
 forever (the deadline counts from the preflight's creation), and nothing runs twice
-(a preflight's name is its key's hash; a second create is a 409). Both replicas may run
-a pass at once: every write is idempotent (a 409 on create, a failed ``test`` on an
-ungate patch, Events named by their occurrence).
+(a preflight's name is its key's hash; a second create is a 409). Passes run on the
+replica kopf peering keeps active (``peering.Leadership``); both may run one at once for
+a moment around a failover, and every write is idempotent (a 409 on create, a failed
+``test`` on an ungate patch, Events named by their occurrence).
 
 What each result does to the pods waiting on it:
 
@@ -59,6 +60,7 @@ from epguard.webhook.cluster.kube import (
 from epguard.webhook.controller import background
 from epguard.webhook.controller.config import ControllerConfig
 from epguard.webhook.controller.owners import KubeObjects, top_owner
+from epguard.webhook.controller.peering import Leadership
 from epguard.webhook.engine.argv import analyse_container
 from epguard.webhook.engine.injection import InjectionSettings
 from epguard.webhook.engine.outcome import PROBED_LABEL
@@ -640,8 +642,32 @@ class _Wake(asyncio.Event):
         super().clear()
 
 
+def _log_pass(done: Pass, took: float, woken: str) -> None:
+    for what, names in (
+        ("created", done.created),
+        ("ungated", done.ungated),
+        ("held", done.held),
+        ("deleted", done.deleted),
+    ):
+        if names:
+            log.info(
+                "preflight %s (a pass of %.2f s: %d pods listed in %.2f s, the "
+                "answered decided in %.2f s, the rest %.2f s; after %s): %s",
+                what,
+                took,
+                done.pods,
+                done.listed,
+                done.answered,
+                done.rest,
+                woken,
+                ", ".join(names[:20]),
+            )
+
+
 async def _loop(memo: kopf.Memo, preflights: Preflights, stop: asyncio.Event) -> None:
     wake: _Wake = memo[f"{NAME}_wake"]
+    # Passes run on the replica kopf keeps active; the other asks again each round.
+    leadership: Leadership = memo.get("leadership") or Leadership(None, "")
     loop = asyncio.get_running_loop()
     woken = "start"
     while not stop.is_set():
@@ -650,26 +676,9 @@ async def _loop(memo: kopf.Memo, preflights: Preflights, stop: asyncio.Event) ->
         if event_at is not None:
             woken = f"a pod event {started - event_at:.2f} s before"
         try:
-            done = await loop.run_in_executor(None, preflights.run_once)
-            for what, names in (
-                ("created", done.created),
-                ("ungated", done.ungated),
-                ("held", done.held),
-                ("deleted", done.deleted),
-            ):
-                if names:
-                    log.info(
-                        "preflight %s (a pass of %.2f s: %d pods listed in %.2f s, the "
-                        "answered decided in %.2f s, the rest %.2f s; after %s): %s",
-                        what,
-                        loop.time() - started,
-                        done.pods,
-                        done.listed,
-                        done.answered,
-                        done.rest,
-                        woken,
-                        ", ".join(names[:20]),
-                    )
+            if await loop.run_in_executor(None, leadership.leads):
+                done = await loop.run_in_executor(None, preflights.run_once)
+                _log_pass(done, loop.time() - started, woken)
         except Exception:
             log.exception("preflight pass failed; retrying")
         waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(wake.wait())]
