@@ -21,7 +21,7 @@ from kopf._core.engines import peering as kopf_peering
 
 from epguard.webhook.controller import backstop, gatekeeper
 from epguard.webhook.controller.compiler import BackstopConfig
-from epguard.webhook.controller.peering import REFRESH_SECONDS, Leadership, leads
+from epguard.webhook.controller.leadership import REFRESH_SECONDS, Leadership, leads
 
 ME = "controller-0/aa"
 OTHER = "controller-1/bb"
@@ -149,7 +149,7 @@ def test_standalone_always_leads_and_reads_nothing() -> None:
 def test_an_answer_is_reused_for_a_second_then_read_again(caplog: pytest.LogCaptureFixture) -> None:
     api, clock = Status({ME: entry(5, now())}), Ticks()
     leadership = Leadership(api, "epguard", ME, 5, clock=clock)
-    with caplog.at_level("INFO", logger="epguard.controller.peering"):
+    with caplog.at_level("INFO", logger="epguard.controller.leadership"):
         assert leadership.leads() and leadership.leads()
         assert api.reads == 1
         api.status = {ME: entry(5, now()), OTHER: entry(9, now())}
@@ -168,7 +168,7 @@ def test_an_unreadable_peering_object_runs_the_loops_and_says_so_once(
     leadership = Leadership(api, "epguard", ME, 5, clock=clock)
     assert not leadership.leads()
     api.error = ConnectionError("the API server is down")
-    with caplog.at_level("WARNING", logger="epguard.controller.peering"):
+    with caplog.at_level("WARNING", logger="epguard.controller.leadership"):
         for _ in range(3):
             clock.t += REFRESH_SECONDS
             assert leadership.leads()  # never a loop that never runs: pods would stay gated

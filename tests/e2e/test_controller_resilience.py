@@ -191,7 +191,7 @@ def test_the_loops_kopf_does_not_pause_run_on_the_replica_it_keeps_active(
     cluster: ControlPlane, controllers: list[ManagedProcess]
 ) -> None:
     """kopf pauses only its own watches on the other replica; the preflight passes and
-    the backstop's writer ask peering.Leadership, which reads kopf's rule from the same
+    the backstop's writer ask leadership.Leadership, which reads kopf's rule from the same
     peering object. Both replicas agree with kopf: the one it resumed leads them, the
     other does not (before, both ran every pass and every sync)."""
 

@@ -14,6 +14,8 @@
 ``authority``     (pure) the certificate authority ``certificates`` runs
 ``login``         in-cluster authentication for kopf that needs no cluster DNS
 ``peering``       the ClusterKopfPeering object kopf needs for HA
+``leadership``    (a helper) whether this replica is the one kopf peering keeps active,
+                  for the loops kopf does not pause (gatekeeper's passes, backstop's writer)
 
 Every API call goes through one official ``kubernetes`` ApiClient that ``__main__``
 builds (``webhook/cluster/kube.py``) and puts in kopf's memo as ``api``. A new concern is a new

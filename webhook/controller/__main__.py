@@ -6,7 +6,7 @@ replica draws a random priority at start, so exactly one handles events and anot
 over within the peering lifetime when it dies. kopf pauses all replicas on a priority
 tie, which a random 31-bit draw makes practically impossible. kopf pauses only its own
 watches and daemons: the preflight passes and the backstop's writer, loops of their own,
-ask ``peering.Leadership`` (kopf's rule, read from the peering object) before each round.
+ask ``leadership.Leadership`` (kopf's rule, read from the peering object) before each round.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ import kopf
 from epguard.webhook.cluster.kube import NoCredentials, api_client
 from epguard.webhook.controller import HANDLER_MODULES
 from epguard.webhook.controller.config import ControllerConfig, parse
-from epguard.webhook.controller.peering import KubePeeringApi, Leadership, ensure_peering
+from epguard.webhook.controller.leadership import Leadership
+from epguard.webhook.controller.peering import KubePeeringApi, ensure_peering
 from epguard.webhook.settings import SettingsError
 
 log = logging.getLogger("epguard.controller")

@@ -55,7 +55,7 @@ from epguard.webhook.controller.compiler import (
     shard_objects,
 )
 from epguard.webhook.controller.config import ControllerConfig
-from epguard.webhook.controller.peering import Leadership
+from epguard.webhook.controller.leadership import Leadership
 from epguard.webhook.engine.namespaces import MODES
 from epguard.webhook.engine.rules import RulesError, RuleSet, load_rules_text
 from epguard.webhook.engine.verdicts import GROUP, PLURAL, VERSION, verdict_from_object

@@ -8,7 +8,7 @@ any more is deleted. So a restarted controller, or the other replica after a fai
 picks up every gated pod and running preflight where they are: nothing stays gated
 forever (the deadline counts from the preflight's creation), and nothing runs twice
 (a preflight's name is its key's hash; a second create is a 409). Passes run on the
-replica kopf peering keeps active (``peering.Leadership``); both may run one at once for
+replica kopf peering keeps active (``leadership.Leadership``); both may run one at once for
 a moment around a failover, and every write is idempotent (a 409 on create, a failed
 ``test`` on an ungate patch, Events named by their occurrence).
 
@@ -59,8 +59,8 @@ from epguard.webhook.cluster.kube import (
 )
 from epguard.webhook.controller import background
 from epguard.webhook.controller.config import ControllerConfig
+from epguard.webhook.controller.leadership import Leadership
 from epguard.webhook.controller.owners import KubeObjects, top_owner
-from epguard.webhook.controller.peering import Leadership
 from epguard.webhook.engine.argv import analyse_container
 from epguard.webhook.engine.injection import InjectionSettings
 from epguard.webhook.engine.outcome import PROBED_LABEL
