@@ -170,7 +170,11 @@ class Registry:
 
     def collect_garbage(self) -> None:
         """Remove what no tag names any more (a rebuilt epguard image's old layers) from
-        the storage, before the registry serves: distribution collects only offline."""
+        the storage, before the registry serves: distribution collects only offline.
+        An empty storage (a fresh cache: nothing pushed yet) has nothing to collect, and
+        the collector fails on it ("Path not found: /docker/registry/v2/repositories")."""
+        if not (self.storage / "docker" / "registry" / "v2" / "repositories").is_dir():
+            return
         config = self.workdir / "config.yml"
         r = subprocess.run(
             [str(REGISTRY_BIN), "garbage-collect", "--delete-untagged", str(config)],
