@@ -181,11 +181,36 @@ def host_snapshot() -> dict[str, Any]:
 def _rules(save: str) -> list[str]:
     """iptables-save output without comments and packet counters."""
     r = _run(save, check=False)
-    return [
-        line.split(" [")[0] if line.startswith(":") else line
-        for line in r.stdout.splitlines()
-        if line and not line.startswith("#")
-    ]
+    return without_empty_tables(
+        [
+            line.split(" [")[0] if line.startswith(":") else line
+            for line in r.stdout.splitlines()
+            if line and not line.startswith("#")
+        ]
+    )
+
+
+def without_empty_tables(lines: list[str]) -> list[str]:
+    """The tables that hold something: a table with only its built-in chains, each
+    accepting, and no rule filters nothing, as if it were not there. A fresh kernel lists
+    no table until the first program touches one, and a table cannot be unloaded, so the
+    first node start on a fresh machine leaves empty ones behind (found by CI on a fresh
+    machine, where the host check ran before any node had started)."""
+    out: list[str] = []
+    table: list[str] = []
+    for line in lines:
+        if line.startswith("*"):
+            table = [line]
+        elif table:
+            table.append(line)
+            if line == "COMMIT":
+                body = table[1:-1]
+                if not all(x.startswith(":") and x.endswith(" ACCEPT") for x in body):
+                    out.extend(table)
+                table = []
+        else:
+            out.append(line)
+    return out + table
 
 
 class Node:

@@ -64,31 +64,33 @@ def kopf_pauses(status: Mapping[str, Any], identity: str, priority: int) -> bool
     return asyncio.run(decide())
 
 
-CASES = {
-    "alone": ({ME: entry(5, now())}, True),
-    "not written yet, nobody else": ({}, True),
-    "a live peer above": ({ME: entry(5, now()), OTHER: entry(9, now())}, False),
-    "a live peer below": ({ME: entry(9, now()), OTHER: entry(5, now())}, True),
-    "a tie pauses both": ({ME: entry(5, now()), OTHER: entry(5, now())}, False),
-    "a dead peer above": (
-        {ME: entry(5, now()), OTHER: entry(9, now() - dt.timedelta(seconds=61))},
-        True,
-    ),
-    "a peer above with a short lifetime, dead": (
-        {OTHER: entry(9, now() - dt.timedelta(seconds=11), lifetime=10)},
-        True,
-    ),
-    "a peer above that wrote no time is live": ({OTHER: entry(9)}, False),
-    "a naive time is UTC": (
-        {OTHER: {"priority": 9, "lastseen": now().replace(tzinfo=None).isoformat()}},
-        False,
-    ),
-}
+def cases() -> dict[str, tuple[dict[str, Any], bool]]:
+    """Built when a test runs, not at import: a peer's lastseen is only 60 s alive."""
+    return {
+        "alone": ({ME: entry(5, now())}, True),
+        "not written yet, nobody else": ({}, True),
+        "a live peer above": ({ME: entry(5, now()), OTHER: entry(9, now())}, False),
+        "a live peer below": ({ME: entry(9, now()), OTHER: entry(5, now())}, True),
+        "a tie pauses both": ({ME: entry(5, now()), OTHER: entry(5, now())}, False),
+        "a dead peer above": (
+            {ME: entry(5, now()), OTHER: entry(9, now() - dt.timedelta(seconds=61))},
+            True,
+        ),
+        "a peer above with a short lifetime, dead": (
+            {OTHER: entry(9, now() - dt.timedelta(seconds=11), lifetime=10)},
+            True,
+        ),
+        "a peer above that wrote no time is live": ({OTHER: entry(9)}, False),
+        "a naive time is UTC": (
+            {OTHER: {"priority": 9, "lastseen": now().replace(tzinfo=None).isoformat()}},
+            False,
+        ),
+    }
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(cases()))
 def test_the_rule_is_kopfs(name: str) -> None:
-    status, expected = CASES[name]
+    status, expected = cases()[name]
     priority = status.get(ME, {}).get("priority", 5)
     assert leads(status, ME, priority, now()) is expected
     assert kopf_pauses(status, ME, priority) is (not expected)
