@@ -55,7 +55,7 @@ from epguard.webhook.controller.compiler import (
     shard_objects,
 )
 from epguard.webhook.controller.config import ControllerConfig
-from epguard.webhook.controller.leadership import Leadership
+from epguard.webhook.controller.leadership import STANDALONE, Leadership
 from epguard.webhook.engine.namespaces import MODES
 from epguard.webhook.engine.rules import RulesError, RuleSet, load_rules_text
 from epguard.webhook.engine.verdicts import GROUP, PLURAL, VERSION, verdict_from_object
@@ -355,7 +355,7 @@ async def run_writer(
     active only (``leadership``: the other would list every verdict as often, for
     nothing)."""
     loop = asyncio.get_running_loop()
-    leadership = leadership or Leadership(None, "")
+    leadership = leadership or STANDALONE
     while True:
         now = dt.datetime.now(dt.UTC)
         started = time.monotonic()

@@ -59,7 +59,7 @@ from epguard.webhook.cluster.kube import (
 )
 from epguard.webhook.controller import background
 from epguard.webhook.controller.config import ControllerConfig
-from epguard.webhook.controller.leadership import Leadership
+from epguard.webhook.controller.leadership import STANDALONE, Leadership
 from epguard.webhook.controller.owners import KubeObjects, top_owner
 from epguard.webhook.engine.argv import analyse_container
 from epguard.webhook.engine.injection import InjectionSettings
@@ -667,7 +667,7 @@ def _log_pass(done: Pass, took: float, woken: str) -> None:
 async def _loop(memo: kopf.Memo, preflights: Preflights, stop: asyncio.Event) -> None:
     wake: _Wake = memo[f"{NAME}_wake"]
     # Passes run on the replica kopf keeps active; the other asks again each round.
-    leadership: Leadership = memo.get("leadership") or Leadership(None, "")
+    leadership: Leadership = memo.get("leadership") or STANDALONE
     loop = asyncio.get_running_loop()
     woken = "start"
     while not stop.is_set():

@@ -112,3 +112,7 @@ class Leadership:
                 )
             self._answer, self._asked = answer, self.clock()
             return answer
+
+
+# No peering (or none given): every loop runs.
+STANDALONE = Leadership(None, "")

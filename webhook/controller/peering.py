@@ -31,9 +31,6 @@ class PeeringApi(Protocol):
     def create(self, name: str) -> None:
         """Create the object; raise FileExistsError when it already exists."""
 
-    def peers(self, name: str) -> Mapping[str, Any]:
-        """The object's ``status``: kopf's entry per replica (an empty map when none)."""
-
 
 def ensure_peering(api: PeeringApi, name: str) -> bool:
     """Make sure the peering object exists; True when this call created it."""
