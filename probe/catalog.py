@@ -38,7 +38,7 @@ SET_TRANSFER_ENGINE_SINCE = "0.3.11"
 def _vkey(v):
     out = []
     for part in v.replace(".post", ".").split("."):
-        out.append(int(part) if part.isdigit() else 0)
+        out.append(int(part) if part.isascii() and part.isdigit() else 0)  # not "²"
     return tuple(out)
 
 

@@ -465,6 +465,24 @@ def test_a_tenants_pod_under_the_preflights_name_is_no_answer_and_is_left_alone(
     assert done.deleted == [] and ("ml", key.pod_name) in api.pods
 
 
+def test_a_forged_preflight_with_a_non_ascii_signature_time_stops_no_pass() -> None:
+    # A tenant's own pod, labelled a preflight, with a signature whose time is "²"
+    # (str.isdigit() says yes, int() raises): it made every pass fail, so no namespace's
+    # preflight was created and every gated pod stayed gated.
+    pf, api, _, ring = setup()
+    assert ring is not None
+    forged = {"metadata": {"name": "forged", "namespace": "team-evil", "labels": {
+        PROBED_LABEL: "true", "epguard.io/preflight-pod": "true"}, "annotations": {
+        "epguard.io/probe-signature": f"v2:{ring.keys[0].id}:\u00b2:00"}},
+        "spec": {"initContainers": [{"name": "epguard-x", "image": "busybox"}],
+                 "containers": [{"name": "c", "image": "busybox"}]}}  # fmt: skip
+    api.add(forged)
+    api.add(gated_pod("victim", namespace="team-b"))
+    done = pf.run_once()
+    assert len(done.created) == 1 and api.preflights()[0]["metadata"]["namespace"] == "team-b"
+    assert ("team-evil", "forged") in api.pods  # not epguard's: left alone
+
+
 def test_a_key_held_up_by_a_squatted_name_fails_at_the_deadline() -> None:
     pf, api, clock, _ = setup()
     api.add(gated_pod("w-0"))

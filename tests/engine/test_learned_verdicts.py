@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
+from epguard.webhook.controller.compiler import compile_params
 from epguard.webhook.engine.imageref import parse
 from epguard.webhook.engine.policy import decide
 from epguard.webhook.engine.verdicts import VerdictStore, verdict_from_object
@@ -218,3 +219,22 @@ def test_a_time_in_the_past_is_kept_as_written() -> None:
     obj = written(imageverdict(last_seen=NOW - dt.timedelta(hours=3)), NOW - dt.timedelta(hours=2))
     v = verdict_from_object(obj)
     assert v is not None and v.last_seen == NOW - dt.timedelta(hours=3)
+
+
+def test_a_verdict_on_a_pinned_reference_says_nothing_about_its_tag() -> None:
+    # One tenant pins a broken build under a good tag's name (name:tag@digest: the
+    # runtime pulls the digest); the verdict is about those bytes, so another tenant's
+    # pod on the tag alone is not refused, in the webhook or in the backstop's entries.
+    pinned = imageverdict(image=f"{IMAGE}@{DIGEST}")
+    store = store_with(pinned)
+    assert judge(IMAGE, store).allowed
+    assert not judge(f"{IMAGE}@{DIGEST}", store).allowed
+    assert not judge(f"registry.example.com/ml/sglang@{DIGEST}", store).allowed
+    (shard,) = compile_params(store, NOW).shards
+    assert shard["t"] == {} and len(shard["d"]) == 1
+    # ... and a Usable one on a pinned good build does not clear a bad tag.
+    bad_tag = imageverdict(name="iv-tag", digest=OTHER_DIGEST)
+    good_pin = imageverdict(
+        name="iv-pin", image=f"{IMAGE}@{DIGEST}", verdict="Usable", last_seen=NOW
+    )
+    assert not judge(IMAGE, store_with(bad_tag, good_pin)).allowed

@@ -30,7 +30,7 @@ from epguard.webhook.engine.preflight import (
     ungate_patch,
     unjudged,
 )
-from epguard.webhook.engine.signing import exposure, new_keyring, verify
+from epguard.webhook.engine.signing import SIGNATURE_ANNOTATION, exposure, new_keyring, verify
 from epguard.webhook.engine.verdicts import Verdict, VerdictStore
 from tests import realmanifests
 
@@ -221,6 +221,18 @@ def test_a_signed_preflight_verifies_and_exposes_nothing() -> None:
     tampered = copy.deepcopy(pod)
     tampered["spec"]["initContainers"][1]["image"] = "attacker/other:1"
     assert not verify(ring, "team-a", tampered).ok
+
+
+@pytest.mark.parametrize("stamp", ["\u00b2", "\u0663", "\uff11", "12\u00b2", "", "-1", " 1"])
+def test_a_signature_whose_time_is_not_ascii_digits_is_malformed(stamp: str) -> None:
+    # str.isdigit() is true of "²" (int() refuses it) and of Arabic-Indic and full-width
+    # digits: a tenant's forged preflight with one made every gatekeeper pass raise.
+    ring = new_keyring(dt.datetime.now(dt.UTC))
+    pod = signed(preflight(), ring.keys[0], dt.datetime.now(dt.UTC))
+    _, key_id, _, mac = pod["metadata"]["annotations"][SIGNATURE_ANNOTATION].split(":")
+    pod["metadata"]["annotations"][SIGNATURE_ANNOTATION] = f"v2:{key_id}:{stamp}:{mac}"
+    checked = verify(ring, "team-a", pod)
+    assert not checked.ok and "malformed" in checked.reason
 
 
 def _pod_templates() -> list[tuple[str, dict[str, Any]]]:

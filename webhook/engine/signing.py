@@ -369,7 +369,9 @@ def check_signature(ring: Keyring, namespace: str, pod: Mapping[str, Any]) -> Ve
             False, f"its epguard-* init containers carry no {SIGNATURE_ANNOTATION} annotation"
         )
     fields = parts.signature.split(":")
-    if len(fields) != 4 or fields[0] != FORMAT or not fields[2].isdigit() or len(fields[2]) > 12:
+    # ASCII digits only: str.isdigit() is true of "²", which int() refuses.
+    stamp = fields[2] if len(fields) == 4 else ""
+    if fields[0] != FORMAT or not (stamp.isascii() and stamp.isdigit()) or len(stamp) > 12:
         return Verification(False, f"its {SIGNATURE_ANNOTATION} annotation is malformed")
     key = ring.find(fields[1])
     if key is None:

@@ -356,9 +356,14 @@ def rank(v: Verdict) -> tuple[dt.datetime, str]:
 
 
 def verdict_keys(v: Verdict) -> list[tuple[str, str]]:
-    """The keys a verdict answers for: ("digest", its digest), ("tag", its name:tag)."""
+    """The keys a verdict answers for: ("digest", its digest), ("tag", its name:tag).
+
+    A verdict on a reference that pins a digest (``name:tag@sha256:...``) is about those
+    bytes only: the runtime pulled by digest, and the tag may name other bytes. Keyed
+    under the tag too, one tenant could pin a broken build under a good tag's name and
+    have every pod on that tag refused (or pin a good build under a bad tag's name)."""
     keys = [("digest", v.digest)] if v.digest else []
-    if v.ref is not None and v.ref.tag is not None:
+    if v.ref is not None and v.ref.tag is not None and v.ref.digest is None:
         keys.append(("tag", v.ref.name_tag))
     return keys
 
