@@ -37,6 +37,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -637,8 +638,17 @@ state = "{RUNTIME_STATE}"
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + READY_TIMEOUT
         ready = "jsonpath={.status.conditions[?(@.type=='Ready')].status}"
+        restarted = False
         while True:
             dead = [p for p in self.processes if not p.alive()]
+            if dead and not restarted and _kubelet_race(dead[0]):
+                # Once: the kubelet's own data race, not this node's set-up.
+                restarted = True
+                print(f"devcluster: the kubelet hit {KUBELET_RACE!r}; starting it again",
+                      file=sys.stderr)  # fmt: skip
+                self.processes.remove(dead[0])
+                self._start_kubelet()
+                continue
             if dead:
                 raise NodeError(f"{dead[0].name} exited; last log lines:\n{dead[0].log_tail()}")
             node = self.cp.kubectl("get", "node", NODE_NAME, "-o", ready)
@@ -770,3 +780,13 @@ def _remove_tree(path: Path) -> None:
     if mounted:
         raise NodeError(f"refusing to delete {path}: still mounted: {mounted[:5]}")
     shutil.rmtree(path, ignore_errors=True)
+
+
+# kubelet v1.35.4 can die while it starts: GetCapacity (pkg/kubelet/cm/
+# container_manager_linux.go:957) iterates a map the container manager is still writing
+# (one CI run of make test: test_node.py's node never came up, 5 errors).
+KUBELET_RACE = "fatal error: concurrent map"
+
+
+def _kubelet_race(proc: ManagedProcess) -> bool:
+    return proc.name == "kubelet" and KUBELET_RACE in proc.log_tail(400)
