@@ -370,8 +370,8 @@ def check_signature(ring: Keyring, namespace: str, pod: Mapping[str, Any]) -> Ve
         )
     fields = parts.signature.split(":")
     # ASCII digits only: str.isdigit() is true of "²", which int() refuses.
-    stamp = fields[2] if len(fields) == 4 else ""
-    if fields[0] != FORMAT or not (stamp.isascii() and stamp.isdigit()) or len(stamp) > 12:
+    if (len(fields) != 4 or fields[0] != FORMAT or not fields[2].isascii()
+            or not fields[2].isdigit() or len(fields[2]) > 12):  # fmt: skip
         return Verification(False, f"its {SIGNATURE_ANNOTATION} annotation is malformed")
     key = ring.find(fields[1])
     if key is None:
