@@ -176,10 +176,16 @@ class TestMutatingWebhookConfiguration:
             for w in r.one("ValidatingWebhookConfiguration")["webhooks"]
             if w["name"] == "pods.epguard.io"
         ]
+        # The validating pods webhook also sends pods that carry epguard's own parts:
+        # its condition is that test OR the mutating webhooks' condition, verbatim.
+        (sent,) = pods["matchConditions"]
+        parts, _, mentions = sent["expression"].partition(" || (has(object.spec)")
+        assert sent["name"] == "mentions-elastic-ep-or-epguard-parts"
+        assert "epguard.io/probed" in parts
         for w in hooks(r).values():
             assert w["matchConditions"][0] == {
                 "name": "mentions-elastic-ep",
-                "expression": pods["matchConditions"][0]["expression"],
+                "expression": "(has(object.spec)" + mentions,
             }
 
     def test_only_the_annotation_webhook_checks_the_annotation(self, defaults: Rendered) -> None:

@@ -421,3 +421,42 @@ def test_every_real_manifest_that_asks_for_mooncake_is_sent(
         if hook is not None and evaluate(expressions()[hook], doc):
             sent.append(doc["kind"])
     assert sent, f"{manifest.file}: no document would reach epguard"
+
+
+# --- pods that carry epguard's own parts ----------------------------------------------------
+
+
+# What a tenant could put on a pod of its own to have the controller list it each pass:
+# every such pod is sent to /validate, which refuses it unless epguard signed it.
+def _carrying(labels: dict[str, str] | None, notes: dict[str, str] | None) -> Obj:
+    obj = pod(pod_spec(c(PLAIN_ARGS)))
+    if labels is not None:
+        obj["metadata"]["labels"] = labels
+    if notes is not None:
+        obj["metadata"]["annotations"] = notes
+    return obj
+
+
+def test_a_pod_carrying_epguards_label_or_signature_is_sent_without_the_flag() -> None:
+    from epguard.webhook.engine.outcome import PROBED_LABEL
+    from epguard.webhook.engine.signing import SIGNATURE_ANNOTATION
+
+    pods = expressions()["pods"]
+    for labels, notes in (
+        ({PROBED_LABEL: "true"}, None),
+        ({PROBED_LABEL: ""}, None),
+        ({"app": "x", PROBED_LABEL: "false"}, None),
+        (None, {SIGNATURE_ANNOTATION: "v1:forged"}),
+        ({"app": "x"}, {"note": "x", SIGNATURE_ANNOTATION: ""}),
+    ):
+        assert evaluate(pods, _carrying(labels, notes)), (labels, notes)
+    # Neither a look-alike nor the mutating webhooks' condition (no parts test there).
+    for labels, notes in (
+        (None, None),
+        ({"epguard.io/probed-not": "true", "app": "x"}, {"epguard.io/probe": "x"}),
+        ({}, {}),
+    ):
+        assert not evaluate(pods, _carrying(labels, notes)), (labels, notes)
+    for name, expression in expressions().items():
+        if name != "pods":
+            assert not evaluate(expression, _carrying({PROBED_LABEL: "true"}, None)), name

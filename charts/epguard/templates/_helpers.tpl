@@ -253,6 +253,19 @@ reads as written) unless it holds a single quote. */}}
 {{- if contains "'" . -}}{{ quote . }}{{- else -}}{{ squote . }}{{- end -}}
 {{- end -}}
 
+{{/*
+CEL: a pod carries epguard's own label or signature: the label that puts it on the
+lists the controller reads each pass (epguard.io/probed: every preflight and every
+gated worker has it) or the probe's signature annotation. Such a pod is sent to
+/validate whether or not it mentions the flag, and refused there unless epguard signed
+it (webhook/engine/signing.py parts_of): a tenant cannot put pods of its own on those
+lists. The names are webhook/engine/outcome.py PROBED_LABEL and signing.py
+SIGNATURE_ANNOTATION (tests/chart/test_match_conditions.py checks).
+*/}}
+{{- define "epguard.cel.epguardParts" -}}
+has(object.metadata.labels) && "epguard.io/probed" in object.metadata.labels || has(object.metadata.annotations) && "epguard.io/probe-signature" in object.metadata.annotations
+{{- end -}}
+
 {{/* CEL: a Pod (object.spec) mentions the needle. The pods webhook of the validating
 configuration and both webhooks of the mutating one use exactly this text. */}}
 {{- define "epguard.cel.pod" -}}
