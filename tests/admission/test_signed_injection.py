@@ -169,6 +169,20 @@ def test_the_label_added_to_an_unsigned_pod_is_refused(signed: RunningServer) ->
     assert post(signed, "/validate", review(new, operation="UPDATE", old=old))["allowed"] is False
 
 
+def test_a_pod_without_the_flag_carrying_only_epguards_label_is_refused(
+    signed: RunningServer,
+) -> None:
+    # The chart sends such a pod to /validate (its matchCondition tests the label too):
+    # a tenant cannot put pods of its own on the list the controller reads each pass.
+    plain = pod([container(image=GOOD, command=["nginx"], args=["-g", "daemon off;"])])
+    plain["metadata"]["labels"] = {"epguard.io/probed": "true"}
+    response = post(signed, "/validate", review(plain))
+    assert response["allowed"] is False
+    assert "are epguard's own: remove them" in response["status"]["message"]
+    plain["metadata"]["labels"] = {"app": "web"}
+    assert post(signed, "/validate", review(plain))["allowed"] is True
+
+
 def test_an_update_that_leaves_the_parts_as_created_is_allowed(signed: RunningServer) -> None:
     stored = injected(signed, worker_pod())
     stale = copy.deepcopy(stored)
@@ -201,6 +215,109 @@ def test_without_a_key_the_probe_is_injected_unsigned_with_a_warning(
         with unkeyed.client() as client:
             ready = client.get("/readyz").json()
         assert ready["probe_key"] is None and ready["probe_key_error"]
+
+
+def test_without_a_key_the_label_alone_is_refused_but_not_an_unsigned_probe(
+    tmp_path: Path,
+) -> None:
+    # The label puts a pod on the controller's lists, and no injection makes it without a
+    # signature; a signature this replica cannot check may be another replica's.
+    with running_server(tmp_path, TEST_RULES) as unkeyed:
+        unsigned = injected(unkeyed, worker_pod())
+        assert "epguard.io/probed" not in unsigned["metadata"].get("labels", {})
+        assert post(unkeyed, "/validate", review(unsigned))["allowed"] is True
+        labelled = copy.deepcopy(unsigned)
+        labelled["metadata"]["labels"] = {"epguard.io/probed": "true"}
+        response = post(unkeyed, "/validate", review(labelled))
+        assert response["allowed"] is False
+        assert "comes with no epguard.io/probe-signature" in response["status"]["message"]
+        # A pod created so before (its parts as created) may still be updated.
+        again = post(unkeyed, "/validate", review(labelled, operation="UPDATE", old=labelled))
+        assert again["allowed"] is True
+
+
+def test_a_pod_signed_by_a_keyed_replica_passes_one_without_the_key(
+    signed: RunningServer, tmp_path: Path
+) -> None:
+    stored = injected(signed, worker_pod())
+    assert stored["metadata"]["labels"]["epguard.io/probed"] == "true"
+    with running_server(tmp_path, TEST_RULES) as unkeyed:
+        assert post(unkeyed, "/validate", review(stored))["allowed"] is True
+
+
+def test_a_reinvocation_without_a_key_takes_epguards_gate_off_with_the_label(
+    signed: RunningServer, tmp_path: Path
+) -> None:
+    # Gated and labelled by a keyed replica; reinvoked (reinvocationPolicy IfNeeded) on one
+    # without the key: unlabelled, the pod would wait where the controller never looks.
+    stored = injected(signed, worker_pod())
+    assert {"name": "epguard.io/preflight"} in stored["spec"]["schedulingGates"]
+    with running_server(tmp_path, TEST_RULES) as unkeyed:
+        again = injected(unkeyed, stored)
+    assert "epguard.io/probed" not in again["metadata"].get("labels", {})
+    assert {"name": "epguard.io/preflight"} not in again["spec"].get("schedulingGates", [])
+
+
+def test_a_replica_is_not_ready_until_the_key_secrets_watch_has_answered(
+    tmp_path: Path,
+) -> None:
+    import threading
+    from collections.abc import Mapping
+
+    from epguard.webhook.cluster.watch import Source
+
+    answer = threading.Event()
+
+    def listing() -> tuple[list[Mapping[str, Any]], str]:
+        answer.wait(20)
+        return [], "1"  # no Secret (yet): an answer all the same
+
+    def watching(rv: str) -> Iterator[tuple[str, Mapping[str, Any]]]:
+        threading.Event().wait(5)
+        return iter(())
+
+    with running_server(tmp_path, TEST_RULES, sources={"secret": Source(listing, watching)}) as s:
+        with s.client() as client:
+            assert client.get("/readyz").status_code == 503
+            answer.set()
+            for _ in range(100):
+                if client.get("/readyz").status_code == 200:
+                    break
+                threading.Event().wait(0.05)
+            ready = client.get("/readyz")
+        assert ready.status_code == 200 and ready.json()["probe_key"] is None
+
+
+def test_a_key_secret_never_answered_does_not_keep_the_replica_unready(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A Secret this replica can never read (403): unready forever would leave the Service
+    # without endpoints, and failurePolicy Ignore would admit everything unjudged.
+    import threading
+    from collections.abc import Mapping
+
+    from epguard.webhook.admission import server as server_mod
+    from epguard.webhook.cluster.watch import Source
+
+    monkeypatch.setattr(server_mod, "KEY_WAIT_SECONDS", 1.0)
+    never = threading.Event()
+
+    def listing() -> tuple[list[Mapping[str, Any]], str]:
+        never.wait(20)
+        raise RuntimeError("403 Forbidden")
+
+    def watching(rv: str) -> Iterator[tuple[str, Mapping[str, Any]]]:
+        return iter(())
+
+    with running_server(tmp_path, TEST_RULES, sources={"secret": Source(listing, watching)}) as s:
+        with s.client() as client:
+            assert client.get("/readyz").status_code == 503
+            for _ in range(100):
+                if client.get("/readyz").status_code == 200:
+                    break
+                threading.Event().wait(0.05)
+            assert client.get("/readyz").status_code == 200
+        never.set()
 
 
 def test_the_keyring_round_trips_and_rotation_keeps_older_keys() -> None:

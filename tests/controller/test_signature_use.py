@@ -36,18 +36,20 @@ def _stamp(t: dt.datetime) -> str:
     return t.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def signed_pod(uid: str, signed_at: dt.datetime, created: dt.datetime) -> dict[str, Any]:
+def signed_pod(
+    uid: str, signed_at: dt.datetime, created: dt.datetime, namespace: str = "ml"
+) -> dict[str, Any]:
     spec = plan({"containers": [dict(WORKER)]}, InjectionSettings(epguard_image="epguard:1")).spec
     assert spec is not None
     stored = {"metadata": {"labels": {PROBED_LABEL: "true"}}, "spec": spec}
     return {
         "metadata": {
             "name": f"pod-{uid}",
-            "namespace": "ml",
+            "namespace": namespace,
             "uid": uid,
             "creationTimestamp": _stamp(created),
             "labels": {PROBED_LABEL: "true"},
-            "annotations": {SIGNATURE_ANNOTATION: sign(RING.current, "ml", stored, signed_at)},
+            "annotations": {SIGNATURE_ANNOTATION: sign(RING.current, namespace, stored, signed_at)},
         },
         "spec": spec,
     }

@@ -85,6 +85,20 @@ class TestPods:
         assert "pod/web created" in r.stdout
         assert "epguard" not in output(r)
 
+    def test_a_pod_carrying_epguards_label_is_refused_even_without_the_flag(
+        self, control_plane: ControlPlane, deny_rule: str, namespace: str
+    ) -> None:
+        # The label puts a pod on the list the controller reads each pass: only pods
+        # epguard signed may carry it (the chart's matchCondition sends the rest).
+        obj = pod("labelled", namespace, plain(GOOD_IMAGE))
+        obj["metadata"]["labels"] = {"epguard.io/probed": "true"}
+
+        r = apply(control_plane, obj)
+
+        assert 'admission webhook "pods.epguard.io" denied the request: ' in r.stderr, output(r)
+        assert "are epguard's own: remove them" in r.stderr
+        assert not exists(control_plane, "pod", "labelled", namespace)
+
     def test_an_update_that_brings_in_a_denied_image_is_refused(
         self, control_plane: ControlPlane, deny_rule: str, namespace: str
     ) -> None:

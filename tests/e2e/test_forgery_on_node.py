@@ -6,10 +6,12 @@ and delete pods in its own namespaces. The victim image is the complete env-only
 
 * a pod that brings its own ``epguard-copy-probe`` and ``epguard-probe`` printing an
   Unusable verdict, labelled ``epguard.io/probed=true``: refused at admission;
-* the same pod written so that the validating webhook is never called (no
-  ``--elastic-ep-backend`` in it, so the chart's matchConditions skip it): it runs, the
-  kubelet writes its forged message into the status, and the controller learns nothing
-  from it (no ImageVerdict; a Warning Event says why);
+* the same pod without ``--elastic-ep-backend`` (it once skipped the chart's
+  matchConditions): refused at admission too, since it carries epguard's label; and
+  where it gets past admission all the same (a namespace the admin excluded, here; or
+  the webhook down under ``failurePolicy: Ignore``) it runs, the kubelet writes its
+  forged message into the status, and the controller learns nothing from it (no
+  ImageVerdict; a Warning Event says why);
 * a forged Usable for a digest with an Unusable verdict: the verdict stays as it was;
 * a genuinely injected pod whose probe image the tenant patches afterwards: refused.
 """
@@ -140,9 +142,13 @@ def run_forgery(cp: ControlPlane, message: str, code: int) -> tuple[str, dict[st
     its end and for the controller to say it learned nothing. (namespace, probe status)"""
     ns = tenant_namespace(cp)
     name = f"forged-{uuid.uuid4().hex[:4]}"
-    r = as_tenant(
-        cp, "create", "-f", "-", input=as_yaml(forged_pod(name, ns, message, code, False))
-    )
+    forged = as_yaml(forged_pod(name, ns, message, code, False))
+    # Without the flag it is still sent to the webhook (epguard's label), and refused.
+    r = as_tenant(cp, "create", "-f", "-", input=forged)
+    assert r.returncode != 0 and "carry no epguard.io/probe-signature" in r.stderr, r.stderr
+    # Past admission all the same: the admin excludes the namespace from epguard's webhooks.
+    cp.kubectl("label", "namespace", ns, "epguard.io/ignore=true", check=True)
+    r = as_tenant(cp, "create", "-f", "-", input=forged)
     assert r.returncode == 0, r.stderr
     found = wait_probe(cp, ns, [f"--field-selector=metadata.name={name}"])
     assert found["terminated"]["exitCode"] == code

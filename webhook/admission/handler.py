@@ -28,7 +28,7 @@ from epguard.webhook.engine.policy import (
     PolicyState,
     decide,
 )
-from epguard.webhook.engine.preflight import PREFLIGHT_LABEL, gate_patch, unjudged
+from epguard.webhook.engine.preflight import PREFLIGHT_LABEL, gate_patch, ungate_patch, unjudged
 from epguard.webhook.engine.review import AdmissionRequest
 from epguard.webhook.engine.rules import RulesError, load_rules_text, rule_warnings
 from epguard.webhook.engine.signing import (
@@ -174,18 +174,31 @@ def forged_parts_outcome(
     epguard, whose "probe" could print any verdict. So is a pod created with a signature
     made for another pod (older than FRESH_SECONDS: copied). None: nothing to say.
 
-    Without a key (none loaded yet) nothing is refused here: the controller verifies
-    every pod before it learns anything, so an unsigned probe is never evidence. On
-    UPDATE, parts unchanged since the pod was created pass (a label edit, or a pod
-    signed with a key that has rotated out since)."""
+    Without a key (none loaded yet, or the Secret gone before this replica started) an
+    unsigned probe passes (the controller verifies every pod before it learns anything,
+    so it is never evidence), and so does a signature this replica cannot check (another
+    replica holding the key made it); but not the label without a signature: no
+    injection makes that, and the label puts a pod on the controller's lists. On UPDATE,
+    parts unchanged since the pod was created pass (a label edit, or a pod signed with a
+    key that has rotated out since)."""
     if req.kind.kind != "Pod" or req.kind.group or req.subResource:
         return None
     if req.operation not in ("CREATE", "UPDATE"):
         return None
     obj = as_map(req.object)
     parts = parts_of(obj)
-    if not parts.present or keys.ring is None:
+    if not parts.present:
         return None
+    unchanged = req.operation == "UPDATE" and parts_of(as_map(req.oldObject)) == parts
+    if keys.ring is None:
+        if unchanged or parts.label is None or parts.signature is not None:
+            return None  # as created, unsigned, or signed by a replica that holds the key
+        return _forged(
+            req,
+            obj,
+            f"its {PROBED_LABEL} label comes with no {SIGNATURE_ANNOTATION} annotation "
+            f"(epguard labels only the pods it signs)",
+        )
     checked = check_signature(keys.ring, req.namespace or "", obj)
     stale = (
         checked.ok
@@ -202,10 +215,14 @@ def forged_parts_outcome(
         )
     if checked.ok:
         return _exposure_warning(req, obj)
-    if req.operation == "UPDATE" and parts_of(as_map(req.oldObject)) == parts:
+    if unchanged:
         return None
+    return _forged(req, obj, checked.reason)
+
+
+def _forged(req: AdmissionRequest, obj: Mapping[str, Any], reason: str) -> Outcome:
     message = (
-        f"epguard refuses pod {req.namespace}/{_name_of(obj)}: {checked.reason}. "
+        f"epguard refuses pod {req.namespace}/{_name_of(obj)}: {reason}. "
         f"Init containers named {PREFIX}*, the {PROBE_VOLUME} volume, the {PROBED_LABEL} "
         f"label and the {SIGNATURE_ANNOTATION} annotation are epguard's own: remove them; "
         f"epguard injects its probe itself into pods that opt in ({INJECT_KEY}=enabled)"
@@ -326,7 +343,13 @@ def injection_for(
         images = dict.fromkeys(str(c.get("image")) for c in injection.containers[1:])
         if unjudged(images, state.verdicts, now):
             gate = gate_patch(as_map(obj.get("spec")))
-    patch = [*injection.patch, *gate, *metadata_patch(obj.get("metadata"), True, signature)]
+    # The label only with a signature: it puts the pod on the controller's lists, and
+    # /validate refuses it on a pod epguard did not sign. Nor epguard's gate: a pod a
+    # keyed replica gated, reinvoked here without a key, would wait where nothing looks.
+    signed_meta = metadata_patch(obj.get("metadata"), signature is not None, signature)
+    if signature is None:
+        gate = ungate_patch(obj)
+    patch = [*injection.patch, *gate, *signed_meta]
     return InjectionResult("gated" if gate else "injected", patch, warnings, injection.removed)
 
 

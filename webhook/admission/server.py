@@ -15,6 +15,7 @@ import gc
 import hashlib
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, cast
 
@@ -57,6 +58,9 @@ from epguard.webhook.settings import Settings
 
 log = logging.getLogger("epguard.server")
 COMPONENT = "epguard-webhook"  # the source of the Events the webhook posts
+# How long a replica waits, unready, for the probe-signing Secret's watch to answer
+# (milliseconds when it can read the Secret) before it serves without a key.
+KEY_WAIT_SECONDS = 30.0
 
 
 def _file_digest(path: str) -> bytes | None:
@@ -141,6 +145,8 @@ class Runtime:
         }
         self._sources = sources
         self.watching = False
+        self.watching_key = False
+        self.started_at = time.monotonic()
         self.ready = False
         self.app: FastAPI = create_app(
             self.state,
@@ -159,11 +165,22 @@ class Runtime:
                 level=settings.probe_level,
                 preflight=settings.preflight_mode,
             ),
-            ready=lambda: self.ready,
+            ready=self.is_ready,
             status=self.status,
             lifespan=self.lifespan,
             routers=routers,
         )
+
+    def is_ready(self) -> bool:
+        """Started, and, where the probe-signing Secret is watched, its watch has answered
+        once or KEY_WAIT_SECONDS have passed: before that this replica injects unsigned
+        and gates nothing. Not forever: a Secret it can never read (403) must not leave
+        every replica unready, which under failurePolicy Ignore admits everything."""
+        if not self.ready:
+            return False
+        if not self.watching_key or self.state.keys.synced:
+            return True
+        return time.monotonic() - self.started_at > KEY_WAIT_SECONDS
 
     def status(self) -> dict[str, Any]:
         return {
@@ -280,6 +297,8 @@ class Runtime:
         sources = self._watch_sources()
         if sources:
             self.watching = True
+            self.watching_key = "secret" in sources
+            self.started_at = time.monotonic()
             for name, source in sources.items():
                 tasks.append(asyncio.create_task(run_watch(self.syncs[name], source, self.metrics)))
         rules = self.state.rules.current

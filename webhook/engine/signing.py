@@ -188,10 +188,14 @@ class KeyringHolder:
     def __init__(self, ring: Keyring | None = None) -> None:
         self.ring = ring
         self.error: str | None = None if ring else "no key loaded yet"
+        # Whether the Secret's watch has answered once (a key, or none to be had): until
+        # then the webhook is not ready (server.py), since it cannot tell a signed pod.
+        self.synced = ring is not None
 
     def set(self, ring: Keyring | None, error: str | None = None) -> None:
         self.ring = ring
         self.error = error
+        self.synced = True
 
 
 # --- what is signed --------------------------------------------------------------------
