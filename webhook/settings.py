@@ -663,6 +663,17 @@ class ControllerSettings:
             chart="preflight.retainSeconds",
         )
     )
+    verdicts_per_namespace: int = setting(
+        Option(
+            "EPGUARD_VERDICTS_PER_NAMESPACE",
+            "ImageVerdicts the probes of one namespace may teach (new images; a verdict "
+            "that exists is still updated): past it, that namespace's probes teach "
+            "nothing new, so no tenant can fill the webhook's store of 50,000 verdicts",
+            1000,
+            integer(1, 50_000),
+            chart="controller.verdictsPerNamespace",
+        )
+    )
     log_level: str = setting(LOG_LEVEL)
 
 

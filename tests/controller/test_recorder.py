@@ -25,6 +25,7 @@ from epguard.webhook.controller import owners
 from epguard.webhook.controller.owners import Unreadable
 from epguard.webhook.controller.recorder import (
     COMPONENT,
+    RECOUNT_SECONDS,
     WRITE_ATTEMPTS,
     Conflict,
     KubeRecorderApi,
@@ -33,7 +34,7 @@ from epguard.webhook.controller.recorder import (
     record_probe_outcomes,
 )
 from epguard.webhook.engine.signing import FRESH_SECONDS, SIGNATURE_ANNOTATION, SignatureLedger
-from epguard.webhook.engine.verdicts import ImageVerdictObject
+from epguard.webhook.engine.verdicts import TAUGHT_BY_LABEL, ImageVerdictObject
 from tests.controller.test_certificate_manager import config
 from tests.controller.test_signature_use import NOW, keys, signed_pod
 from tests.probe.probe_pods import pod_with_probe_status
@@ -108,6 +109,14 @@ class InMemoryApi:
         self.before_next_write: Callable[[], None] | None = None
 
     # RecorderApi
+
+    def count_taught(self, namespace: str, up_to: int) -> int:
+        self.calls.append(("count_taught", namespace))
+        return sum(
+            1
+            for v in self.verdicts.values()
+            if v["metadata"].get("labels", {}).get(TAUGHT_BY_LABEL) == namespace
+        )
 
     def read_verdict(self, name: str) -> dict[str, Any] | None:
         self.calls.append(("read_verdict", name))
@@ -218,10 +227,12 @@ def probed_pod(
     digest: str | None = DIGEST,
     section: str = "state",
     restart_count: int = 0,
+    namespace: str = "ml",
+    signed_at: dt.datetime = NOW,
 ) -> dict[str, Any]:
     """A pod /mutate injected and signed (created a second after signing), as the API
     returns it once the kubelet wrote the probe's termination."""
-    pod = signed_pod(uid, NOW, NOW + dt.timedelta(seconds=1))
+    pod = signed_pod(uid, signed_at, signed_at + dt.timedelta(seconds=1), namespace)
     image_id = f"registry.example/sglang@{digest}" if digest else ""
     pod["status"] = pod_with_probe_status(
         message,
@@ -296,7 +307,10 @@ class TestVerdicts:
         [(name, obj)] = api.verdicts.items()
         assert name == VERDICT
         assert obj["apiVersion"] == "epguard.io/v1alpha1" and obj["kind"] == "ImageVerdict"
-        assert obj["metadata"]["labels"] == {"app.kubernetes.io/managed-by": COMPONENT}
+        assert obj["metadata"]["labels"] == {
+            "app.kubernetes.io/managed-by": COMPONENT,
+            TAUGHT_BY_LABEL: "ml",
+        }
         assert obj["spec"] == {
             "image": IMAGE,
             "digest": DIGEST,
@@ -711,3 +725,103 @@ def test_the_recorders_filter_sees_the_probe_through_kopfs_own_body() -> None:
     assert not has_probe(body=kopf.Body(plain))
     assert not has_probe(body=kopf.Body({}))
     assert not has_probe(body=None)
+
+
+class TestNamespaceShare:
+    """No namespace's probes fill the webhook's store of verdicts (MAX_VERDICTS) so that
+    everyone else's go unheard: each teaches at most its share of new images."""
+
+    @staticmethod
+    def pod(i: int, message: str, code: int, namespace: str = "ml") -> dict[str, Any]:
+        """A probe of its own (signed at its own second) on digest ``i``."""
+        at = NOW + dt.timedelta(seconds=i + 10 * code + (50 if namespace != "ml" else 0))
+        digest = "sha256:" + f"{i:02x}" * 32
+        return probed_pod(f"{namespace}-{i}-{code}", message, code, digest=digest,
+                          namespace=namespace, signed_at=at)  # fmt: skip
+
+    def share(self, api: InMemoryApi, per_namespace: int, clock: list[float]) -> kopf.Memo:
+        recorder = Recorder(
+            api, clock=lambda: T1, per_namespace=per_namespace, monotonic=lambda: clock[0]
+        )
+        return replica(api, recorder=recorder)
+
+    def test_past_its_share_a_namespace_teaches_no_new_image_and_is_told(
+        self, api: InMemoryApi
+    ) -> None:
+        memo = self.share(api, 2, [0.0])
+        for i in range(3):
+            record(self.pod(i, UNUSABLE_MSG, 1), memo)
+        assert sorted(api.verdicts) == [f"sha256-{f'{i:02x}' * 32}" for i in range(2)]
+        spent = [e for e in api.events.values() if e.reason == "EpguardVerdictBudgetSpent"]
+        assert [(e.kind, e.name) for e in spent] == [("Pod", "pod-ml-2-1")]
+        assert "its probes have taught 2 ImageVerdicts" in spent[0].message
+        assert "controller.verdictsPerNamespace 2" in spent[0].message
+        # The probe's own outcome is still told on the pod.
+        told = [(e.reason, e.name) for e in api.events.values()]
+        assert ("MooncakeProbeFailed", "pod-ml-2-1") in told
+
+        # Another namespace still teaches that image; this one still updates what exists.
+        record(self.pod(2, UNUSABLE_MSG, 1, "team-b"), memo)
+        taught = api.verdicts[f"sha256-{'02' * 32}"]["metadata"]["labels"][TAUGHT_BY_LABEL]
+        assert taught == "team-b"
+        record(self.pod(0, USABLE_MSG, 0), memo)
+        assert api.verdicts[f"sha256-{'00' * 32}"]["spec"]["count"] == 2
+        # An update by another namespace keeps who taught it.
+        record(self.pod(0, USABLE_MSG, 0, "team-b"), memo)
+        labels = api.verdicts[f"sha256-{'00' * 32}"]["metadata"]["labels"]
+        assert labels[TAUGHT_BY_LABEL] == "ml"
+
+    def test_the_share_is_counted_from_the_api_and_counted_again_later(
+        self, api: InMemoryApi
+    ) -> None:
+        clock = [0.0]
+        memo = self.share(api, 1, clock)
+        record(self.pod(0, UNUSABLE_MSG, 1), memo)
+        record(self.pod(1, UNUSABLE_MSG, 1), memo)
+        assert list(api.verdicts) == [f"sha256-{'00' * 32}"]
+        # A new process (a failover) reads the count; an admin deletes the old verdict:
+        # the share is free again once the count is read anew.
+        fresh = self.share(api, 1, clock)
+        record(self.pod(2, UNUSABLE_MSG, 1), fresh)
+        assert len(api.verdicts) == 1
+        del api.verdicts[f"sha256-{'00' * 32}"]
+        record(self.pod(3, UNUSABLE_MSG, 1), fresh)
+        assert len(api.verdicts) == 0
+        clock[0] = RECOUNT_SECONDS + 1
+        record(self.pod(4, UNUSABLE_MSG, 1), fresh)
+        assert list(api.verdicts) == [f"sha256-{'04' * 32}"]
+
+
+class TestNamespaceShareUnderThreads:
+    def test_probes_recorded_at_once_never_pass_the_share(self, api: InMemoryApi) -> None:
+        # kopf runs handlers on several threads: each create takes its slot first.
+        import threading
+        import time as time_mod
+
+        create = api.create_verdict
+
+        def slow_create(body: ImageVerdictObject) -> None:
+            time_mod.sleep(0.02)  # the API server's round trip, where a race would be
+            create(body)
+
+        api.create_verdict = slow_create  # type: ignore[method-assign]
+        memo = TestNamespaceShare().share(api, 5, [0.0])
+        pods = [TestNamespaceShare.pod(i, UNUSABLE_MSG, 1) for i in range(20)]
+        threads = [threading.Thread(target=record, args=(p, memo)) for p in pods]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(api.verdicts) == 5
+        assert memo["recorder"].taught["ml"][0] == 5
+
+
+def test_kopf_lists_only_probed_pods_and_in_small_pages() -> None:
+    # kopf's default lists every watched object in one request: 100 workers of 1.5 MiB
+    # would be parsed at once at each start.
+    from epguard.webhook.controller.recorder import LIST_CHUNK, watch_probed_pods_only
+
+    settings = kopf.OperatorSettings()  # kopf's own default is not ours to assert
+    watch_probed_pods_only(settings)
+    assert settings.watching.chunk_size == LIST_CHUNK <= 4
+    assert settings.watching.label_selectors["v1", "pods"] == "epguard.io/probed=true"

@@ -336,3 +336,41 @@ def test_the_controller_verdict_of_a_probe_claiming_huge_versions_fits_the_crd(
         assert len(versions["mooncake"]) == MAX_VERSION
     finally:
         control_plane.kubectl("delete", "imageverdict", name, "--ignore-not-found")
+
+
+def test_a_namespaces_share_of_verdicts_is_counted_from_the_labels_the_api_server_keeps(
+    control_plane: ControlPlane, crd: None
+) -> None:
+    """controller.verdictsPerNamespace: the recorder counts the verdicts a namespace's
+    probes taught by the label it writes on create, through the real API server."""
+    from kubernetes import config as kube_config
+
+    from epguard.webhook.controller.recorder import KubeRecorderApi
+
+    api = KubeRecorderApi(kube_config.new_client_from_config(str(control_plane.kubeconfig)))
+    mine, other = f"team-{uuid.uuid4().hex[:8]}", f"team-{uuid.uuid4().hex[:8]}"
+    names = []
+    try:
+        for i, namespace in enumerate([mine, mine, mine, other]):
+            digest = _digest()
+            spec = {
+                "image": IMAGE, "digest": digest, "verdict": "Unusable", "reason": "x",
+                "report": "x", "versions": {}, "firstSeen": "2026-12-01T10:00:00Z",
+                "lastSeen": "2026-12-01T10:00:00Z", "count": 1, "pod": f"{namespace}/w-{i}",
+            }  # fmt: skip
+            name = verdict_name(IMAGE, digest)
+            api.create_verdict(verdict_object(name, spec, "epguard-controller", None, namespace))  # type: ignore[arg-type]
+            names.append(name)
+        assert api.count_taught(mine, 10) == 3
+        assert api.count_taught(other, 10) == 1
+        assert api.count_taught("nobody", 10) == 0
+        # An update by another namespace's probe keeps the label of the one that taught it.
+        stored = api.read_verdict(names[0])
+        assert stored is not None
+        api.replace_verdict(
+            names[0], verdict_object(names[0], stored["spec"], "epguard-controller", stored, other)
+        )
+        assert api.count_taught(mine, 10) == 3
+    finally:
+        for name in names:
+            control_plane.kubectl("delete", "imageverdict", name, "--ignore-not-found")

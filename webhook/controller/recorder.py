@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -37,6 +39,7 @@ from epguard.webhook.cluster.kube import (
     REQUEST_TIMEOUT,
     Json,
     get_verdict,
+    list_pages,
 )
 from epguard.webhook.controller.config import ControllerConfig
 from epguard.webhook.controller.owners import COMPONENT, KubeObjects, top_owner
@@ -64,6 +67,7 @@ from epguard.webhook.engine.text import first_line
 from epguard.webhook.engine.verdicts import (
     GROUP,
     PLURAL,
+    TAUGHT_BY_LABEL,
     VERSION,
     ImageVerdictObject,
     ImageVerdictSpec,
@@ -77,6 +81,9 @@ log = logging.getLogger("epguard.controller.recorder")
 # Runs this process already recorded: re-delivered events skip the API entirely.
 MAX_DONE = 10_000
 WRITE_ATTEMPTS = 5
+# A namespace's count of the verdicts its probes taught is read again after this long
+# (an admin deleted some, or the other replica created some before a failover).
+RECOUNT_SECONDS = 300.0
 
 
 class KeySource(Protocol):
@@ -102,6 +109,16 @@ class Conflict(Exception):
     re-read and decide again."""
 
 
+class OverBudget(Exception):
+    """The namespace's probes have taught ``controller.verdictsPerNamespace`` verdicts:
+    this one, about an image no verdict names yet, is not created."""
+
+    def __init__(self, namespace: str, taught: int) -> None:
+        super().__init__(f"namespace {namespace} has taught {taught} ImageVerdicts")
+        self.namespace = namespace
+        self.taught = taught
+
+
 class RecorderApi(Protocol):
     """The API calls recording needs. The real one is :class:`KubeRecorderApi`; the tests
     use an in-memory one with the same conflict semantics."""
@@ -115,6 +132,10 @@ class RecorderApi(Protocol):
 
     def replace_verdict(self, name: str, body: ImageVerdictObject) -> None:
         """Replace at the resourceVersion ``body`` carries; Conflict when it changed."""
+
+    def count_taught(self, namespace: str, up_to: int) -> int:
+        """How many ImageVerdicts the probes of ``namespace`` created (their
+        ``epguard.io/taught-by`` label); the count may stop anywhere past ``up_to``."""
 
     def read_object(self, path: str) -> Json:
         """Any object by REST path (an owner of a kind the typed APIs do not know);
@@ -164,15 +185,60 @@ class KubeRecorderApi(KubeObjects):
                 raise Conflict(str(exc.reason)) from exc
             raise
 
+    def count_taught(self, namespace: str, up_to: int) -> int:
+        counted = 0
+        for page, _ in list_pages(
+            self.custom.list_cluster_custom_object,
+            GROUP,
+            VERSION,
+            PLURAL,
+            label_selector=f"{TAUGHT_BY_LABEL}={namespace}",
+        ):
+            counted += len(page)
+            if counted > up_to:
+                break
+        return counted
+
 
 class Recorder:
     """The API side of recording: ImageVerdict upserts, Events, owner lookups, through a
     :class:`RecorderApi`; and the runs this process recorded already."""
 
-    def __init__(self, api: RecorderApi, clock: Callable[[], dt.datetime] = _now) -> None:
+    def __init__(
+        self,
+        api: RecorderApi,
+        clock: Callable[[], dt.datetime] = _now,
+        per_namespace: int = 1000,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.api = api
         self.clock = clock
         self.done: OrderedDict[str, None] = OrderedDict()
+        self.per_namespace = per_namespace
+        self.monotonic = monotonic
+        # namespace -> (verdicts its probes taught, when that was counted); kopf runs
+        # handlers on several threads, so a slot is reserved under the lock.
+        self.taught: dict[str, tuple[int, float]] = {}
+        self._taught_lock = threading.Lock()
+
+    def _reserve(self, namespace: str) -> None:
+        """Count one more verdict taught by ``namespace``; OverBudget when it has taught
+        its share already."""
+        with self._taught_lock:
+            now = self.monotonic()
+            held = self.taught.get(namespace)
+            if held is None or now - held[1] > RECOUNT_SECONDS:
+                held = (self.api.count_taught(namespace, self.per_namespace), now)
+            if held[0] >= self.per_namespace:
+                self.taught[namespace] = held
+                raise OverBudget(namespace, held[0])
+            self.taught[namespace] = (held[0] + 1, held[1])
+
+    def _release(self, namespace: str) -> None:
+        """A reserved verdict that was not created after all."""
+        with self._taught_lock:
+            count, at = self.taught[namespace]
+            self.taught[namespace] = (max(0, count - 1), at)
 
     def is_done(self, run: str) -> bool:
         return run in self.done
@@ -183,21 +249,31 @@ class Recorder:
             self.done.popitem(last=False)
 
     def upsert_verdict(self, outcome: ProbeOutcome, pod: str, run: str) -> ImageVerdictSpec | None:
-        """Count this run on the image's ImageVerdict; None when it was counted already."""
+        """Count this run on the image's ImageVerdict; None when it was counted already.
+        OverBudget when it would be a new verdict and the pod's namespace has taught its
+        share (``per_namespace``) already."""
         name = verdict_name(outcome.image, outcome.digest)
+        namespace = pod.partition("/")[0]
         for _ in range(WRITE_ATTEMPTS):
             existing = self.api.read_verdict(name)
             previous = existing.get("spec") if existing else None
             if run in recorded_runs(previous):
                 return None
             spec = verdict_spec(outcome, pod, self.clock(), previous, run)
-            body = verdict_object(name, spec, COMPONENT, existing)
-            try:
-                if existing is None:
+            body = verdict_object(name, spec, COMPONENT, existing, taught_by=namespace)
+            if existing is None:
+                self._reserve(namespace)
+                try:
                     self.api.create_verdict(body)
-                else:
-                    self.api.replace_verdict(name, body)
-            except Conflict:  # lost a race (create or stale resourceVersion)
+                except BaseException as exc:
+                    self._release(namespace)
+                    if isinstance(exc, Conflict):  # lost a race: read again
+                        continue
+                    raise
+                return spec
+            try:
+                self.api.replace_verdict(name, body)
+            except Conflict:  # lost a race (stale resourceVersion)
                 continue
             return spec
         raise kopf.TemporaryError(f"ImageVerdict {name}: too many write conflicts", delay=5)
@@ -219,6 +295,21 @@ class Recorder:
         # One name per (object, run): posting the same outcome again is a 409. An Event
         # is a courtesy: failing to post one must not stop the verdict.
         if not self.api.post_event(about, reason, message, warning=not usable, key=run):
+            log.warning("could not post event on %s/%s", about.kind, about.name)
+
+    def post_over_budget(
+        self, about: client.V1ObjectReference, spent: OverBudget, outcome: ProbeOutcome, run: str
+    ) -> None:
+        message = (
+            f"epguard learns no new image from namespace {spent.namespace}: its probes have "
+            f"taught {spent.taught} ImageVerdicts, its share (controller.verdictsPerNamespace "
+            f"{self.per_namespace}), so {outcome.image} is not recorded; the probe still "
+            "stopped this pod. An admin can delete verdicts this namespace no longer needs "
+            "(kubectl get imageverdicts -l epguard.io/taught-by=<namespace>) or raise the share"
+        )
+        if not self.api.post_event(
+            about, "EpguardVerdictBudgetSpent", message, warning=True, key=f"{run}/budget"
+        ):
             log.warning("could not post event on %s/%s", about.kind, about.name)
 
     def post_untrusted(self, about: client.V1ObjectReference, reason: str, uid: str) -> None:
@@ -259,7 +350,8 @@ def record_probe_outcomes(body: Mapping[str, Any], memo: kopf.Memo, **_: Any) ->
     probe_image = config.probe_image if config is not None else None
     recorder: Recorder | None = memo.get("recorder")
     if recorder is None:
-        recorder = Recorder(KubeRecorderApi(memo["api"]))
+        share = config.verdicts_per_namespace if config is not None else 1000
+        recorder = Recorder(KubeRecorderApi(memo["api"]), per_namespace=share)
         memo["recorder"] = recorder
     fresh = [
         (o, run)
@@ -293,8 +385,12 @@ def record_probe_outcomes(body: Mapping[str, Any], memo: kopf.Memo, **_: Any) ->
     for outcome, run in fresh:
         message = _message(outcome, pod)
         if outcome.about_the_image:
-            if recorder.upsert_verdict(outcome, pod, run) is not None:
-                log.info("recorded %s for %s from pod %s", outcome.verdict, outcome.image, pod)
+            try:
+                if recorder.upsert_verdict(outcome, pod, run) is not None:
+                    log.info("recorded %s for %s from pod %s", outcome.verdict, outcome.image, pod)
+            except OverBudget as spent:
+                log.warning("not learned from pod %s: %s", pod, spent)
+                recorder.post_over_budget(pod_ref, spent, outcome, run)
         else:
             # A cause in this pod or its node (or no digest to pin it to) must not refuse
             # anyone else's pods: it is told where people look, and nothing is learned.
@@ -362,10 +458,20 @@ def _signature_holds(
     return checked
 
 
+# kopf lists every watched resource whole before it watches, and again after each
+# "410 Gone": in pages of this many objects (kopf's default is one request for all),
+# each page parsed whole. A probed pod is a tenant's worker, up to 1.5 MiB and ~12 MB
+# once parsed: 4 of them are ~50 MB beside the controller's ~170 MiB, under its 256 Mi
+# limit; 5,000 probed pods are 1,250 requests at start.
+LIST_CHUNK = 4
+
+
 def watch_probed_pods_only(settings: kopf.OperatorSettings, **_: Any) -> None:
     """Server-side label selector on the pod watch: in a cluster of thousands of pods the
-    controller lists and watches only those the probe was injected into."""
+    controller lists and watches only those the probe was injected into; and the lists
+    kopf makes are paged (LIST_CHUNK)."""
     settings.watching.label_selectors["v1", "pods"] = f"{PROBED_LABEL}=true"
+    settings.watching.chunk_size = LIST_CHUNK
 
 
 kopf.on.startup(id="epguard-probed-pods-selector")(watch_probed_pods_only)

@@ -190,17 +190,33 @@ class ImageVerdictObject(TypedDict):
     spec: ImageVerdictSpec
 
 
+# The namespace whose probe first taught a probe verdict: its share of the verdict store
+# is counted by this label (controller.verdictsPerNamespace). It stays what the creator
+# wrote when a probe of another namespace updates the verdict.
+TAUGHT_BY_LABEL = "epguard.io/taught-by"
+
+
 def verdict_object(
-    name: str, spec: ImageVerdictSpec, manager: str, existing: Mapping[str, Any] | None
+    name: str,
+    spec: ImageVerdictSpec,
+    manager: str,
+    existing: Mapping[str, Any] | None,
+    taught_by: str | None = None,
 ) -> ImageVerdictObject:
     """The whole ImageVerdict to create (``existing`` None) or replace. The resourceVersion
     read goes with it, so a write that raced another ends in a 409 and a re-read, not in
-    a lost update."""
-    metadata: ImageVerdictMeta = {"name": name, "labels": {"app.kubernetes.io/managed-by": manager}}
+    a lost update. ``taught_by``: the namespace of the probe that creates it."""
+    labels = {"app.kubernetes.io/managed-by": manager}
+    metadata: ImageVerdictMeta = {"name": name, "labels": labels}
     old_meta = existing.get("metadata") if existing is not None else None
-    rv = old_meta.get("resourceVersion") if isinstance(old_meta, Mapping) else None
-    if isinstance(rv, str):
-        metadata["resourceVersion"] = rv
+    if isinstance(old_meta, Mapping):
+        rv = old_meta.get("resourceVersion")
+        if isinstance(rv, str):
+            metadata["resourceVersion"] = rv
+        old_labels = old_meta.get("labels")
+        taught_by = old_labels.get(TAUGHT_BY_LABEL) if isinstance(old_labels, Mapping) else None
+    if isinstance(taught_by, str) and taught_by:
+        labels[TAUGHT_BY_LABEL] = taught_by
     return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "metadata": metadata, "spec": spec}
 
 
