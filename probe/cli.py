@@ -423,8 +423,32 @@ def _run(opts, worker):
         o, v, evidence, usable_here = _with_pod_environment(
             o, v, evidence, o_w, v_w, sandbox.said_names(pod_vars))
     dropped = sandbox.interpreter_variables(sandbox.worker_environment())
+    if v.verdict != _sibling("diagnosis").USABLE and v.scope == message.IMAGE:
+        refused = _refused_to_this_user(deep=not from_files)
+        if refused is not None:
+            # What the image seems to lack may only be hidden from this pod's user.
+            v.scope = message.ENVIRONMENT
+            evidence = [e for e in evidence if not e.startswith(message.SCOPE)]
+            evidence.insert(min(1, len(evidence)),
+                            message.SCOPE + "environment (" + refused + ")")
+            v.fix = ("run the pod as a user that can read the image's packages (or make "
+                     "them readable in the image), then the probe can judge the image")
     return _verdict(opts, req_argv, o, v, evidence, from_files, usable_here, dropped,
                     pod_vars)
+
+
+def _refused_to_this_user(deep):
+    """A path Python finds packages through that this process's user may not read
+    (probe/access.py), in words; None when there is none. Before a failure is called
+    the image's: a cause only the pod's runAsUser sees is no fact about the image.
+    ``deep``: every file of the packages (after an import); else their folders only
+    (after the reading of the files, which noted every refusal it met)."""
+    environ = sandbox.image_environment()
+    where, _cut = _sibling("access").refused(live_image(environ).path, environ, deep=deep)
+    if where is None:
+        return None
+    return (f"this pod's user (uid {os.getuid()}) cannot read {where[:200]!r}, so a package "
+            "may be hidden from it: the image is not judged as this user")
 
 
 def _verdict(opts, req_argv, o, v, evidence, from_files, usable_here, dropped, pod_vars):
@@ -473,6 +497,10 @@ def _files_only(opts, req_argv):
     pod_vars = sandbox.pod_variables()
     if found is None:
         return _files_clear(opts, req_argv, facts, note, pod_vars)
+    refused = _refused_to_this_user(deep=False)
+    if refused is not None:
+        return _files_clear(opts, req_argv, facts, refused + ": the files decide nothing",
+                            pod_vars)
     evidence = list(found.verdict.evidence)
     evidence.insert(min(2, len(evidence)), FROM_FILES)
     if pod_vars:

@@ -14,6 +14,7 @@ import fnmatch
 import os
 import posixpath
 import re
+import stat
 import time
 
 try:
@@ -70,6 +71,28 @@ class Live:
 
     def __init__(self, deadline=None):
         self.deadline = deadline
+        # The first path this user was refused (EACCES, EPERM): what it holds is unknown,
+        # not absent, so the files prove nothing (static.decide). A pod chooses its user;
+        # a folder the image keeps root-only must not make a package look empty.
+        self.denied = None
+
+    def _refused(self, path):
+        if self.denied is None:
+            self.denied = path
+
+    def _stat(self, path):
+        try:
+            return os.stat(path)
+        except PermissionError:
+            self._refused(path)
+        except (OSError, ValueError):
+            pass
+        return None
+
+    def _unread(self, path):
+        """After a read that gave nothing: was it refused to this user?"""
+        if self._stat(path) is not None and not os.access(path, os.R_OK):
+            self._refused(path)
 
     def _tick(self):
         if self.deadline is not None and time.monotonic() > self.deadline:
@@ -77,19 +100,25 @@ class Live:
 
     def listdir(self, path):
         self._tick()
-        return os.listdir(path)
+        try:
+            return os.listdir(path)
+        except PermissionError:
+            self._refused(path)
+            raise
 
     def isdir(self, path):
         self._tick()
-        return os.path.isdir(path)
+        st = self._stat(path)
+        return st is not None and stat.S_ISDIR(st.st_mode)
 
     def isfile(self, path):
         self._tick()
-        return os.path.isfile(path)
+        st = self._stat(path)
+        return st is not None and stat.S_ISREG(st.st_mode)
 
     def exists(self, path):
         self._tick()
-        return os.path.exists(path)
+        return self._stat(path) is not None
 
     def realpath(self, path):
         self._tick()
@@ -99,17 +128,26 @@ class Live:
         """The text of a regular file of at most ``limit`` bytes; None otherwise."""
         self._tick()
         data = read_regular(path, limit)
-        return None if data is None else data.decode("utf-8", "replace")
+        if data is None:
+            self._unread(path)
+            return None
+        return data.decode("utf-8", "replace")
 
     def dynamic(self, path):
         self._tick()
-        return elf.read_dynamic(path)
+        found = elf.read_dynamic(path)
+        if found is None:
+            self._unread(path)
+        return found
 
     def strings(self, path):
         """The identifiers in a regular file of at most MAX_STRINGS_BYTES; else None."""
         self._tick()
         data = read_regular(path, MAX_STRINGS_BYTES)
-        return None if data is None else identifier_strings(data)
+        if data is None:
+            self._unread(path)
+            return None
+        return identifier_strings(data)
 
     def glob(self, pattern):
         self._tick()

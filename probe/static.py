@@ -432,6 +432,14 @@ def decide(image, request, until):
         image.fs = files.Live(until)
     try:
         facts = read(image, request)
+        denied = getattr(image.fs, "denied", None)
+        if denied is not None:
+            # A file or folder this user may not read hides what it holds: nothing it
+            # seems to lack is proven (a pod's runAsUser must not make a package look
+            # empty, and so steer the image's verdict for everyone).
+            facts.findings = []
+            facts.notes.append(f"{denied[:200]!r} cannot be read as this user: the files "
+                               "decide nothing, the import does")
         return facts, first_proven(facts), None
     except files.OutOfTime:
         note = "the image's files were not read within --timeout"

@@ -495,14 +495,17 @@ def test_real_cuda13_wheel_is_left_for_the_gpu_node(tmp_path):
     assert run_probe(tmp_path, env=env).report["decided_from"] == "import"
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
-def test_a_runasuser_that_cannot_list_the_packages_proves_nothing(
+def _as_root_and_nobody(
     request: pytest.FixtureRequest,
-) -> None:
-    """An image that keeps its packages root-only (0700), read as the uid a pod chose: the
-    files it cannot list are not absent (it once proved "torch is not installed", scope
-    image, for the image's digest: a verdict for every tenant, steered by one)."""
+    hidden: str | None,
+    *,
+    files_only: bool = True,
+    prepare: Callable[[Path], None] | None = None,
+    home: str | None = None,
+) -> dict[str, tuple[int, str]]:
+    """The probe run on the crafted root (hostile_roots.write_root) as root and as uid
+    65534, with ``hidden`` (a path under the root) made root-only (0700): (exit, message)
+    of each. ``prepare`` changes the root first; ``home`` is the image's HOME."""
     import os
 
     if os.geteuid() != 0:
@@ -517,12 +520,21 @@ def test_a_runasuser_that_cannot_list_the_packages_proves_nothing(
     request.addfinalizer(holder.cleanup)
     base = Path(holder.name)
     root = hostile_roots.write_root(base / "site")
+    if prepare is not None:
+        prepare(root)
     probe_dir = base / "probe"
     shutil.copytree(PROBE_DIR, probe_dir, ignore=shutil.ignore_patterns("__pycache__"))
     for p in (base, probe_dir, *probe_dir.rglob("*")):
         p.chmod(0o755 if p.is_dir() else 0o644)
-    root.chmod(0o700)
+    if hidden != "":
+        root.chmod(0o755)
+        for p in root.rglob("*"):
+            p.chmod(0o755 if p.is_dir() else 0o644)
+    if hidden is not None:
+        (root / hidden).chmod(0o700 if (root / hidden).is_dir() else 0o600)
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(root), "PYTHONDONTWRITEBYTECODE": "1"}
+    if home is not None:
+        env["HOME"] = home
     results = {}
     for who, prefix in (
         ("root", []),
@@ -531,16 +543,99 @@ def test_a_runasuser_that_cannot_list_the_packages_proves_nothing(
         log = base / f"log-{who}"
         log.touch()
         log.chmod(0o666)
+        mode = ["--files-only"] if files_only else ["--timeout", "30"]
         r = subprocess.run(
-            [*prefix, python, "-I", str(probe_dir), "--files-only",
+            [*prefix, python, "-I", str(probe_dir), *mode,
              "--termination-log", str(log), "--", *hostile_roots.WORKER],
             env=env, capture_output=True, text=True, cwd="/tmp", timeout=100,
         )  # fmt: skip
         results[who] = (r.returncode, log.read_text())
+    return results
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
+@pytest.mark.parametrize(
+    ("hidden", "said"),
+    [
+        # The whole sys.path entry: it once proved "torch is not installed".
+        ("", "cannot be listed as this user"),
+        # Each of the folders the files are read from: nothing the user cannot read is
+        # absent (mooncake's own once proved the package held no extension).
+        ("mooncake", "/mooncake/__init__.py' cannot be read as this user"),
+        ("torch", "/torch/__init__.py' cannot be read as this user"),
+        ("sglang", "/sglang/__init__.py' cannot be read as this user"),
+        ("mooncake_transfer_engine-0.3.13.post1.dist-info", ".dist-info/METADATA' cannot be read"),
+    ],
+    ids=["site-packages", "mooncake-folder", "torch", "sglang", "mooncake-dist-info"],
+)
+def test_a_runasuser_that_cannot_list_the_packages_proves_nothing(
+    request: pytest.FixtureRequest, hidden: str, said: str
+) -> None:
+    """An image that keeps its packages root-only (0700), read as the uid a pod chose: the
+    files it cannot list are not absent (a cause proven from them, scope image, would be
+    a verdict for the image's digest: for every tenant, steered by one)."""
+    results = _as_root_and_nobody(request, hidden)
     # As root the crafted image's files decide (here: a cause or nothing, as they say);
     # as a uid that cannot list them, nothing is proven about the image.
     code, text = results["nobody"]
     assert code == 0 and text.startswith(FILES_CLEAR), text
-    assert "cannot be listed as this user" in text
+    assert said in text and "the files decide nothing" in text, text
     assert "torch is not installed" not in text
     assert results["root"][1] != text  # the uid changed what was read, not what was proven
+
+
+def _mooncake_through_a_pth(root: Path) -> None:
+    """mooncake and its dist-info moved to a folder of their own, named by a .pth."""
+    (root / "extra").mkdir()
+    for name in ("mooncake", "mooncake_transfer_engine-0.3.13.post1.dist-info"):
+        shutil.move(str(root / name), str(root / "extra" / name))
+    (root / "mooncake.pth").write_text("extra\n")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
+@pytest.mark.parametrize("hidden", ["mooncake.pth", "extra"])
+def test_a_pth_file_or_its_folder_kept_from_the_user_proves_nothing(
+    request: pytest.FixtureRequest, hidden: str
+) -> None:
+    # Python's site skips an unreadable .pth, and a folder it cannot stat, without a
+    # word: mooncake would look "not installed" to this user alone.
+    results = _as_root_and_nobody(request, hidden, prepare=_mooncake_through_a_pth)
+    assert results["root"][0] == 1 and results["root"][1].startswith(UNUSABLE)
+    code, text = results["nobody"]
+    assert code == 0 and text.startswith(FILES_CLEAR), text
+    assert "cannot read" in text and f"/{hidden}'" in text, text
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
+def test_a_user_site_the_user_cannot_reach_proves_nothing(request: pytest.FixtureRequest) -> None:
+    # The child imports without -s: packages under HOME/.local count, and a HOME this uid
+    # may not enter hides them.
+    home = Path(tempfile.mkdtemp(prefix="epguard-home-", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(home, ignore_errors=True))
+    home.chmod(0o700)
+    results = _as_root_and_nobody(request, None, home=str(home))
+    assert results["root"][0] == 1 and results["root"][1].startswith(UNUSABLE)
+    code, text = results["nobody"]
+    assert code == 0 and text.startswith(FILES_CLEAR), text
+    # The message names HOME as $HOME (probe/message.py keeps paths short).
+    assert "cannot read '$HOME/.local/lib/python" in text, text
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
+def test_the_import_as_a_user_refused_the_package_is_this_pods_failure(
+    request: pytest.FixtureRequest,
+) -> None:
+    """The init-container probe: the files prove nothing (mooncake's folder is root-only
+    to this uid), so the import decides, and Python reads that folder as an empty
+    namespace package: `No module named 'mooncake.pg'`. That is this pod's user's, never
+    the image's (it was learned as the image's, for every tenant)."""
+    results = _as_root_and_nobody(request, "mooncake", files_only=False)
+    assert results["root"][0] == 1 and results["root"][1].startswith(UNUSABLE), results["root"]
+    code, text = results["nobody"]
+    assert code == 1 and text.startswith(UNUSABLE_HERE), text
+    assert "scope: environment (this pod's user (uid 65534) cannot read" in text, text
+    assert "scope: image" not in text
