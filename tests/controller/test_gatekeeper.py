@@ -11,6 +11,7 @@ import itertools
 import json
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jsonpatch
@@ -20,6 +21,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from epguard.webhook.controller.gatekeeper import (
+    NEW_PER_NAMESPACE,
     Conflict,
     KubePreflightApi,
     PreflightConfig,
@@ -75,12 +77,20 @@ class MemoryApi:
         self.pods[(meta["namespace"], meta["name"])] = pod
         return pod
 
-    def list_probed_pods(self) -> list[dict[str, Any]]:
-        return [
-            copy.deepcopy(p)
-            for p in self.pods.values()
-            if p["metadata"].get("labels", {}).get(PROBED_LABEL) == "true"
-        ]
+    def _probed(self) -> Iterator[dict[str, Any]]:
+        for p in list(self.pods.values()):
+            if p["metadata"].get("labels", {}).get(PROBED_LABEL) == "true":
+                yield copy.deepcopy(p)
+
+    def preflight_pods(self) -> Iterator[dict[str, Any]]:
+        return (p for p in self._probed() if p["metadata"]["labels"].get(PREFLIGHT_LABEL) == "true")
+
+    def unscheduled_probed_pods(self) -> Iterator[dict[str, Any]]:
+        return (p for p in self._probed() if not p.get("spec", {}).get("nodeName"))
+
+    def read_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
+        found = self.pods.get((namespace, name))
+        return copy.deepcopy(found) if found is not None else None
 
     def create_pod(self, namespace: str, body: dict[str, Any]) -> None:
         if (namespace, body["metadata"]["name"]) in self.pods:
@@ -657,7 +667,7 @@ def test_pods_whose_preflight_answered_are_decided_before_new_preflights_are_cre
         api.add(gated_pod(f"bad-{i}", image="r.example/sglang:bad"))
     pf.run_once()
     api.finish(api.preflights()[0], 1, BAD)
-    for i in range(20):
+    for i in range(NEW_PER_NAMESPACE):
         api.add(gated_pod(f"new-{i}", image=f"r.example/sglang:new-{i}"))
     order: list[str] = []
     create, write = api.create_pod, api.set_condition
@@ -673,6 +683,128 @@ def test_pods_whose_preflight_answered_are_decided_before_new_preflights_are_cre
     api.create_pod = created  # type: ignore[method-assign]
     api.set_condition = written  # type: ignore[method-assign]
     done = pf.run_once()
-    assert len(done.held) == 3 and len(done.created) == 20
+    assert len(done.held) == 3 and len(done.created) == NEW_PER_NAMESPACE
     assert sorted(order[:3]) == [f"bad-{i} ImageUnusable" for i in range(3)], order[:5]
-    assert order.count("create") == 20
+    assert order.count("create") == NEW_PER_NAMESPACE
+
+
+# -- what a pass holds, whatever the tenants' pods are like -----------------------------
+
+
+class StreamingApi(MemoryApi):
+    """Reads like the real API: each pod parsed anew as it is listed or read, with the
+    bulk a tenant's own worker may carry (``pad``), so that only the pass decides what
+    stays in memory."""
+
+    def __init__(self, clock: Clock, pad: Callable[[dict[str, Any]], None]) -> None:
+        super().__init__(clock)
+        self.pad = pad
+
+    def unscheduled_probed_pods(self) -> Iterator[dict[str, Any]]:
+        for p in super().unscheduled_probed_pods():
+            if p["metadata"]["name"].startswith("big-"):
+                self.pad(p)
+            yield p
+
+    def read_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
+        p = super().read_pod(namespace, name)
+        if p is not None and name.startswith("big-"):
+            self.pad(p)
+        return p
+
+    def create_pod(self, namespace: str, body: dict[str, Any]) -> None:
+        # The API server keeps what is created, not the pass: only its name is stored here.
+        super().create_pod(namespace, {"metadata": dict(body["metadata"])})
+
+
+def _one_string(p: dict[str, Any]) -> None:
+    # 1.4 MB in one env value, as etcd allows.
+    p["spec"]["containers"][0]["env"] = [{"name": "PAD", "value": "x" * 1_400_000}]
+
+
+def _many_entries(p: dict[str, Any]) -> None:
+    # Small env entries and tolerations: 50,000 of them (1.4 MB as JSON) are ~12 MB once
+    # parsed; a fifth of that here keeps the test quick, the ratio is the same.
+    spec = p["spec"]
+    spec["containers"][0]["env"] = [{"name": f"E{i}", "value": "x"} for i in range(5_000)]
+    spec["tolerations"] = [{"key": f"k{i}", "operator": "Exists"} for i in range(5_000)]
+
+
+def _peak(run: Callable[[], Any]) -> tuple[Any, int]:
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        out = run()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return out, peak
+
+
+@pytest.mark.parametrize("pad", [_one_string, _many_entries], ids=["one-string", "many-entries"])
+@pytest.mark.parametrize("images", [1, 16], ids=["one-image", "sixteen-images"])
+def test_a_pass_holds_a_bounded_number_of_huge_pods_however_many_wait(
+    pad: Callable[[dict[str, Any]], None], images: int
+) -> None:
+    pf, _, clock, _ = setup()
+    api = StreamingApi(clock, pad)
+    pf.api = api
+    for i in range(24):
+        api.add(gated_pod(f"big-{i:02}", image=f"r.example/sglang:{i % images}", owner="rs"))
+    one, size = _peak(lambda: api.read_pod("ml", "big-00"))
+    assert one is not None
+    done, peak = _peak(pf.run_once)
+    assert done.pods == 24 and len(done.created) == images
+    # Held whole, 24 such pods would be 24 x size (16 of them, the first of each image,
+    # before this bound); a pass holds the one being read, and
+    # WHOLE_PODS at a time to make preflights from (each with the preflight made).
+    assert peak < 8 * size, f"peak {peak / 1e6:.1f} MB, one pod {size / 1e6:.1f} MB"
+    waiting = api.pod("ml", "big-23")
+    assert waiting["status"]["conditions"][0]["reason"] == "PreflightRunning"
+
+
+def test_one_namespace_starts_at_most_a_bounded_number_of_preflights_a_pass() -> None:
+    pf, api, _, _ = setup()
+    for i in range(NEW_PER_NAMESPACE + 5):
+        api.add(gated_pod(f"w-{i:02}", image=f"r.example/sglang:new-{i:02}"))
+    api.add(gated_pod("other-team", image="r.example/sglang:new-00", namespace="team-b"))
+    first = pf.run_once()
+    # Every other namespace's preflight starts at once; the rest of this one's next pass.
+    assert len(first.created) == NEW_PER_NAMESPACE + 1
+    assert "Pod team-b/" in " ".join(first.created)
+    late = api.pod("ml", f"w-{NEW_PER_NAMESPACE + 4:02}")["status"]["conditions"][0]
+    assert late["reason"] == "PreflightRunning"
+    assert "other images of this namespace are having their preflights started" in late["message"]
+    second = pf.run_once()
+    assert len(second.created) == 5
+    assert len(api.preflights()) == NEW_PER_NAMESPACE + 6
+
+
+def test_a_waiting_pods_slim_copy_ungates_it_at_the_gates_place() -> None:
+    pf, api, _, _ = setup()
+    pod = gated_pod("w")
+    pod["spec"]["schedulingGates"] = [{"name": "kueue.x-k8s.io/admission"}, {"name": GATE}]
+    api.add(pod)
+    pf.run_once()
+    api.finish(api.preflights()[0], 0, CLEAR)
+    done = pf.run_once()
+    assert done.ungated == ["Pod ml/w"]
+    assert api.pod("ml", "w")["spec"]["schedulingGates"] == [{"name": "kueue.x-k8s.io/admission"}]
+
+
+def test_a_preflight_too_big_to_copy_is_decided_by_on_error() -> None:
+    # Its creates run side by side, each holding its preflight: a worker's placement of
+    # 1 MiB is not copied, and its pods are decided as when a preflight cannot run.
+    from epguard.webhook.controller.gatekeeper import MAX_PREFLIGHT_BYTES
+
+    pf, api, _, _ = setup()
+    pod = gated_pod("w")
+    n = MAX_PREFLIGHT_BYTES // 30
+    pod["spec"]["tolerations"] = [{"key": f"k{i}", "operator": "Exists"} for i in range(n)]
+    api.add(pod)
+    done = pf.run_once()
+    assert done.created == [] and done.ungated == ["Pod ml/w"]
+    said = api.pod("ml", "w")["status"]["conditions"][0]
+    assert said["reason"] == "PreflightFailedGateOpened"
+    assert f"more than {MAX_PREFLIGHT_BYTES:,}" in said["message"]

@@ -36,10 +36,12 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
@@ -53,8 +55,10 @@ from epguard.webhook.cluster.kube import (
     REQUEST_TIMEOUT,
     Json,
     api_message,
-    list_all,
+    get_object,
+    list_items,
     meta,
+    resource_path,
     status_causes,
 )
 from epguard.webhook.controller import background
@@ -90,6 +94,26 @@ log = logging.getLogger("epguard.controller.gatekeeper")
 INTERVAL_SECONDS = 5.0
 # Threads a pass makes its API calls on (preflight creates, conditions, gates, Events).
 PASS_WORKERS = 8
+# Bounds on what a pass holds, whatever the tenants' pods are like. A pod is up to
+# 1.5 MiB as etcd stores it, and a tenant chooses its worker: 50,000 small env entries
+# (or tolerations) in 1.5 MiB parse to ~12 MB of Python objects. So the pass reads
+# POD_PAGE pods a page and decodes them one at a time (cluster/kube.py list_items: a
+# page of 24 such pods is 36 MB of bytes, as much again to find where each ends, and
+# one 12 MB pod, beside the controller's 80-130 MiB measured with 200 gated pods, under
+# its 256 Mi limit; each request costs, so pages are not smaller: 200 gated pods on the
+# 2-core node under load took 13 s to list at 8 a page); it keeps of each pod only
+# what deciding it needs (_slim, _slim_preflight), and holds a whole pod again only to
+# make its key's preflight: read afresh then, WHOLE_PODS at a time. At most
+# NEW_PER_NAMESPACE preflights are started in one namespace a pass (the others in the
+# next passes, seconds later), so one namespace's thousand new images delay no other
+# namespace's preflight.
+POD_PAGE = 24
+WHOLE_PODS = 2
+# A preflight copies the worker's placement (tolerations, affinity, node selector, pull
+# secrets); real ones are a few KiB. Past this its pods are decided by onError: the
+# creates run PASS_WORKERS at a time, each holding its preflight (~8x this, parsed).
+MAX_PREFLIGHT_BYTES = 256 * 1024
+NEW_PER_NAMESPACE = 16
 
 
 class Conflict(Exception):
@@ -111,8 +135,15 @@ class PreflightApi(Protocol):
     """The API calls the preflight needs; the real one is :class:`KubePreflightApi`, the
     tests use an in-memory one (tests/controller/test_gatekeeper.py)."""
 
-    def list_probed_pods(self) -> list[Json]:
-        """Every pod with the ``epguard.io/probed`` label, in every namespace."""
+    def preflight_pods(self) -> Iterable[Json]:
+        """Every pod labelled as epguard's preflight (and probed), in every namespace."""
+
+    def unscheduled_probed_pods(self) -> Iterable[Json]:
+        """Every pod with the ``epguard.io/probed`` label and no node yet (a gated pod has
+        none), in every namespace, read a page at a time."""
+
+    def read_pod(self, namespace: str, name: str) -> Json | None:
+        """The pod as it is now; None when it is gone."""
 
     def create_pod(self, namespace: str, body: Json) -> None:
         """Create; Conflict when a pod of that name exists, Terminating when the
@@ -144,11 +175,24 @@ class KubePreflightApi(KubeObjects):
         super().__init__(api)
         self.core = client.CoreV1Api(api)
 
-    def list_probed_pods(self) -> list[Json]:
-        items, _ = list_all(
-            self.core.list_pod_for_all_namespaces, label_selector=f"{PROBED_LABEL}=true"
-        )
-        return [dict(i) for i in items]
+    def preflight_pods(self) -> Iterator[Json]:
+        return self._pods(label_selector=f"{PROBED_LABEL}=true,{PREFLIGHT_LABEL}=true")
+
+    def unscheduled_probed_pods(self) -> Iterator[Json]:
+        # The scheduler's own selector for pods without a node: running workers (most
+        # probed pods) are never read.
+        return self._pods(label_selector=f"{PROBED_LABEL}=true", field_selector="spec.nodeName=")
+
+    def _pods(self, **selectors: str) -> Iterator[Json]:
+        return list_items(self.core.list_pod_for_all_namespaces, page_size=POD_PAGE, **selectors)
+
+    def read_pod(self, namespace: str, name: str) -> Json | None:
+        try:
+            return get_object(self.api, resource_path("v1", "pods", namespace, name))
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
 
     def create_pod(self, namespace: str, body: Json) -> None:
         try:
@@ -268,6 +312,45 @@ def _name(obj: Mapping[str, Any]) -> tuple[str, str, str]:
     return str(m.get("namespace") or ""), str(m.get("name") or ""), str(m.get("uid") or "")
 
 
+_IDENTITY = ("namespace", "name", "uid", "creationTimestamp", "deletionTimestamp")
+
+
+def _identity(m: Mapping[str, Any]) -> Json:
+    """The metadata a pass keeps of any pod: names, creation and deletion."""
+    return {k: m[k] for k in _IDENTITY if k in m}
+
+
+def _slim(pod: Mapping[str, Any]) -> Json:
+    """What a pass keeps of a pod it decides: its names, creation and deletion, its
+    controller owner, epguard's gate (at its place: the ungate patch tests it there) and
+    epguard's condition. Whatever else the pod holds (a tenant's 1 MiB env) is dropped."""
+    m = meta(pod)
+    gates = as_list(as_map(pod.get("spec")).get("schedulingGates"))
+    at = next(
+        (i for i, g in enumerate(gates) if isinstance(g, Mapping) and g.get("name") == GATE), None
+    )
+    owner = [r for r in as_list(m.get("ownerReferences")) if as_map(r).get("controller")][:1]
+    conditions = as_list(as_map(pod.get("status")).get("conditions"))
+    return {
+        "metadata": _identity(m) | {"ownerReferences": owner},
+        "spec": {"schedulingGates": [] if at is None else [None] * at + [gates[at]]},
+        "status": {"conditions": [c for c in conditions if as_map(c).get("type") == CONDITION]},
+    }
+
+
+def _slim_preflight(pod: Mapping[str, Any]) -> Json:
+    """What a pass keeps of a preflight epguard made (its signature verified already):
+    names, creation, its key and its status (the kubelet's: what the preflight said).
+    Its spec copies the worker's tolerations and affinity, which a tenant writes."""
+    m = meta(pod)
+    labels = as_map(m.get("labels"))
+    return {
+        "metadata": _identity(m)
+        | {"labels": {k: labels[k] for k in (KEY_LABEL, PREFLIGHT_LABEL) if k in labels}},
+        "status": as_map(pod.get("status")),
+    }
+
+
 def _ref(obj: Mapping[str, Any]) -> client.V1ObjectReference:
     namespace, name, uid = _name(obj)
     return client.V1ObjectReference(
@@ -331,39 +414,65 @@ class Preflights:
         self.config = config
         self.keys = keys
         self.clock = clock
+        self._whole = threading.BoundedSemaphore(WHOLE_PODS)
 
     def run_once(self) -> Pass:
         now = self.clock()
         done = Pass()
         started = time.monotonic()
-        pods = self.api.list_probed_pods()
-        done.pods, done.listed = len(pods), time.monotonic() - started
-        preflights: dict[tuple[str, str], Json] = {}
-        waiting: list[tuple[Json, list[PreflightKey]]] = []
-        for pod in pods:
-            labels = as_map(meta(pod).get("labels"))
-            if labels.get(PREFLIGHT_LABEL) == "true":
-                namespace, name, _ = _name(pod)
-                preflights[(namespace, name)] = pod
-            elif is_gated(pod) and not meta(pod).get("deletionTimestamp"):
-                waiting.append((pod, worker_keys(pod)))
         ring = self.keys.refresh()
-        ours = {at: p for at, p in preflights.items() if _made_by_epguard(p, ring)}
+        # The preflights first (so a key's first pod is kept whole only when its
+        # preflight is still to be made); a pod labelled as one that epguard did not sign
+        # counts by its name alone.
+        preflights: dict[tuple[str, str], Json] = {}
+        ours: dict[tuple[str, str], Json] = {}
+        for pod in self.api.preflight_pods():
+            at = _name(pod)[:2]
+            if _made_by_epguard(pod, ring):
+                preflights[at] = ours[at] = _slim_preflight(pod)
+            else:
+                preflights[at] = _slim(pod)
+        waiting: list[tuple[Json, list[PreflightKey]]] = []
         oldest: dict[PreflightKey, dt.datetime] = {}
         first: dict[PreflightKey, Json] = {}
-        for pod, keys in waiting:
+        deferred: set[PreflightKey] = set()
+        starting: Counter[str] = Counter()
+        for pod in self.api.unscheduled_probed_pods():
+            done.pods += 1
+            labels = as_map(meta(pod).get("labels"))
+            if (
+                labels.get(PREFLIGHT_LABEL) == "true"
+                or not is_gated(pod)
+                or meta(pod).get("deletionTimestamp")
+            ):
+                continue
+            keys, slim = worker_keys(pod), _slim(pod)
             created = _created(pod) or now
             for key in keys:
                 oldest[key] = min(oldest.get(key, created), created)
-                first.setdefault(key, pod)
+                if key in first:
+                    continue
+                first[key] = slim
+                if (key.namespace, key.pod_name) in preflights:
+                    continue
+                if starting[key.namespace] < NEW_PER_NAMESPACE:
+                    starting[key.namespace] += 1
+                else:
+                    deferred.add(key)
+            waiting.append((slim, keys))
+        done.listed = time.monotonic() - started
 
         def create(item: tuple[PreflightKey, Json]) -> tuple[PreflightKey, PreflightResult]:
-            key, body = item
-            assert ring is not None  # _known made a body to create: it held a key
+            key, pod = item
+            assert ring is not None  # _known asked for a preflight: it held a key
             # One key's trouble (an API error, a namespace's own admission policy) must
             # not stop the pass for every other namespace.
             try:
-                return key, self._create(key, body, ring, done)
+                with self._whole:  # only the reading: the creates run side by side
+                    made = self._body(key, pod)
+                if isinstance(made, PreflightResult):
+                    return key, made
+                return key, self._create(key, made, ring, done)
             except Exception as exc:
                 log.exception("preflight %s: could not start it", key.pod_name)
                 failed = f"the preflight could not be started: {_error(exc)}"
@@ -403,15 +512,24 @@ class Preflights:
         results: dict[PreflightKey, PreflightResult] = {}
         missing: list[tuple[PreflightKey, Json]] = []
         for key, pod in first.items():
+            if key in deferred:
+                later = PreflightResult(
+                    "running",
+                    "",
+                    f"{NEW_PER_NAMESPACE} other images of this namespace are having their "
+                    "preflights started first",
+                )
+                results[key] = overdue(key, later)
+                continue
             try:
-                known = self._known(key, pod, preflights, ours, ring)
-            except Exception as exc:  # a spec the plan cannot read: this key only
+                known = self._known(key, preflights, ours, ring)
+            except Exception as exc:  # this key only
                 log.exception("preflight %s: could not make it", key.pod_name)
                 known = PreflightResult("failed", f"the preflight could not be made: {_error(exc)}")
-            if isinstance(known, PreflightResult):
+            if known is not None:
                 results[key] = overdue(key, known)
             else:
-                missing.append((key, known))
+                missing.append((key, pod))
         answered = [
             item
             for item in waiting
@@ -430,13 +548,12 @@ class Preflights:
     def _known(
         self,
         key: PreflightKey,
-        pod: Json,
         preflights: Mapping[tuple[str, str], Json],
         ours: Mapping[tuple[str, str], Json],
         ring: Keyring | None,
-    ) -> PreflightResult | dict[str, Any]:
-        """What the listed preflight of ``key`` says, or the preflight pod to create when
-        there is none (no API call; unsigned)."""
+    ) -> PreflightResult | None:
+        """What the listed preflight of ``key`` says; None when it is to be made (no API
+        call)."""
         at = (key.namespace, key.pod_name)
         existing = ours.get(at)
         if existing is not None and as_map(meta(existing).get("labels")).get(KEY_LABEL) == key.hash:
@@ -447,11 +564,32 @@ class Preflights:
             return PreflightResult(
                 "failed", f"a pod epguard did not make holds the preflight's name {key.pod_name}"
             )
-        body = preflight_pod(key.namespace, as_map(pod.get("spec")), key, self.config.settings)
-        if body is None:  # no container on that image asks for mooncake any more
-            return PreflightResult("clear", "no container on this image asks for mooncake")
         if ring is None:
             return PreflightResult("failed", "the controller holds no probe-signing key")
+        return None
+
+    def _body(self, key: PreflightKey, pod: Json) -> PreflightResult | dict[str, Any]:
+        """Key's preflight made from its first pod's spec, read afresh (the pass keeps
+        no whole pod); or what to say instead."""
+        namespace, name, _ = _name(pod)
+        try:
+            whole = self.api.read_pod(namespace, name)
+        except ApiException as exc:  # the API server's trouble: tried again next pass
+            return PreflightResult("running", "", f"could not read pod {name}: {exc.reason}")
+        if whole is None or key not in worker_keys(whole):
+            # Gone or changed since listed: the next pass sees what waits now.
+            return PreflightResult("running", "")
+        body = preflight_pod(key.namespace, as_map(whole.get("spec")), key, self.config.settings)
+        del whole
+        if body is None:  # no container on that image asks for mooncake any more
+            return PreflightResult("clear", "no container on this image asks for mooncake")
+        size = len(json.dumps(body, separators=(",", ":")))
+        if size > MAX_PREFLIGHT_BYTES:
+            return PreflightResult(
+                "failed",
+                f"the preflight made from this pod would be {size:,} bytes (its tolerations, "
+                f"affinity and node selector are copied): more than {MAX_PREFLIGHT_BYTES:,}",
+            )
         return body
 
     def _create(

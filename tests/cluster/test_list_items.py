@@ -1,0 +1,96 @@
+"""cluster/kube.py list_items: every object of a paged list, decoded one at a time, so a
+page of tenants' big pods is never parsed at once (the preflight pass reads with it)."""
+
+from __future__ import annotations
+
+import json
+import tracemalloc
+from typing import Any
+
+import pytest
+
+from epguard.webhook.cluster.kube import list_items
+
+
+class Response:
+    """As urllib3 answers with ``_preload_content=False``: ``read()`` hands the body over
+    (``.data`` would keep it cached)."""
+
+    def __init__(self, data: bytes) -> None:
+        self._body: bytes | None = data
+
+    def read(self) -> bytes:
+        body, self._body = self._body, None
+        assert body is not None, "read twice"
+        return body
+
+
+def pod(i: int, entries: int = 0) -> dict[str, Any]:
+    env = [{"name": f"E{j}", "value": "x"} for j in range(entries)]
+    return {"metadata": {"name": f"p-{i}"}, "spec": {"containers": [{"name": "w", "env": env}]}}
+
+
+def pager(pages: list[list[dict[str, Any]]], indent: int | None = None) -> Any:
+    """A list call as the API server answers it (compact JSON, ``items`` last); each
+    page's bytes made before any call (the test measures the reading, not this)."""
+    calls: list[dict[str, Any]] = []
+    bodies = []
+    for n, items in enumerate(pages):
+        more = {"continue": f"t{n + 1}"} if n + 1 < len(pages) else {}
+        body = {
+            "kind": "PodList",
+            "apiVersion": "v1",
+            "metadata": {"resourceVersion": "7", **more},
+            "items": items,
+        }
+        sep = None if indent else (",", ":")
+        bodies.append(json.dumps(body, indent=indent, separators=sep, ensure_ascii=False).encode())
+
+    def call(**kw: Any) -> Response:
+        calls.append(kw)
+        return Response(bodies[len(calls) - 1])
+
+    call.calls = calls  # type: ignore[attr-defined]
+    return call
+
+
+def test_every_item_of_every_page_in_order_with_the_continue_token() -> None:
+    tricky = {"metadata": {"name": "x"}, "data": {"s": '],"items":[{', "n": [1, [2, {}]]}}
+    call = pager([[pod(0), tricky], [], [pod(2)]])
+    got = list(list_items(call, page_size=2, label_selector="a=b"))
+    assert got == [pod(0), tricky, pod(2)]
+    assert [c["_continue"] for c in call.calls] == [None, "t1", "t2"]
+    assert all(c["limit"] == 2 and c["label_selector"] == "a=b" for c in call.calls)
+
+
+def test_a_body_of_another_shape_is_decoded_whole() -> None:
+    call = pager([[pod(0), pod(1)]], indent=2)  # "items": [ with a space: not the fast path
+    assert [p["metadata"]["name"] for p in list_items(call, page_size=5)] == ["p-0", "p-1"]
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["ascii", "a-character-past-U+FFFF"])
+def test_a_page_of_big_pods_is_never_parsed_at_once(wide: bool) -> None:
+    # A str of text holding one character past U+FFFF takes 4 bytes a character: the
+    # page is never held as such a str.
+    page = [pod(i, 5_000) for i in range(12)]
+    if wide:
+        for p in page:
+            p["metadata"]["annotations"] = {"x": "\U0001F600"}
+    text = json.dumps({"items": page}, separators=(",", ":"), ensure_ascii=False).encode()
+    tracemalloc.start()
+    one = json.loads(json.dumps(page[0]))
+    _, one_size = tracemalloc.get_traced_memory()
+    del one
+    tracemalloc.stop()
+    call = pager([page])
+    del page
+    tracemalloc.start()
+    try:
+        names = [p["metadata"]["name"] for p in list_items(call, page_size=12)]
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert names == [f"p-{i}" for i in range(12)]
+    # The page's text (bytes, then str) and about one parsed pod; 12 parsed pods before.
+    assert peak < 2.5 * len(text) + 3 * one_size, (peak, len(text), one_size)
+    assert peak < 12 * one_size / 2
