@@ -40,6 +40,8 @@ def test_up_runs_epguard_as_the_charts_pods_and_down_leaves_the_host_as_it_was(
     before = host_snapshot()
 
     up = _devcluster(run_dir, "up")
+    # Said first: a start that failed removes its run directory, and with it the logs.
+    assert up.returncode == 0, f"make up failed:\n{up.stdout[-4000:]}\n{up.stderr[-4000:]}"
     try:
         last = up.stdout.strip().splitlines()[-1] if up.stdout.strip() else ""
         state = json.loads((run_dir / "state.json").read_text())
