@@ -1,0 +1,102 @@
+"""No exec or attach into epguard's containers, through a real kube-apiserver: the
+chart's policy (rendered by the real helm, applied with the real kubectl) refuses
+``kubectl exec`` and ``kubectl attach`` into ``epguard-*`` containers for every user
+(cluster admins, and a tenant allowed ``pods/exec`` as the ``edit`` role does) and
+leaves every other container alone. A probe's outcome becomes a verdict for every
+tenant; a tenant that could exec into its own pod's running probe could delete a file
+of the image in the container (or write its termination message) and so forge a
+verdict on any image.
+
+The pods here are never scheduled (no node): the API server answers an exec it admits
+with "does not have a host assigned", after admission, so a refusal by the policy and
+an admitted request tell themselves apart by their message."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from devcluster import ControlPlane
+from tests.chart.chartlib import CHART, NAMESPACE, RELEASE, run_helm
+from tests.control_plane import running_control_plane
+from tests.e2e.e2e_kube import eventually, output
+
+pytestmark = pytest.mark.e2e
+
+POLICY = "epguard-probe-exec"
+TENANT = "team-a"
+TENANT_USER = "alice"
+ADMITTED = "does not have a host assigned"
+
+
+def _pod(name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": TENANT},
+        "spec": {
+            "initContainers": [
+                {"name": "epguard-copy-probe", "image": "registry.example/epguard:1"},
+                {"name": "epguard-probe", "image": "registry.example/sglang:1"},
+            ],
+            "containers": [{"name": "worker", "image": "registry.example/sglang:1"}],
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def cp() -> Iterator[ControlPlane]:
+    with running_control_plane() as cp:
+        cp.kubectl("create", "namespace", TENANT, check=True)
+        # What the default edit role grants for this (the bare control plane has no
+        # controller-manager to aggregate it).
+        cp.kubectl("create", "role", "exec", "--verb=get,create", "-n", TENANT,
+                   "--resource=pods,pods/exec,pods/attach", check=True)  # fmt: skip
+        cp.kubectl("create", "rolebinding", "alice-exec", "--role=exec",
+                   f"--user={TENANT_USER}", "-n", TENANT, check=True)  # fmt: skip
+        rendered = run_helm(
+            "template", RELEASE, str(CHART), "--namespace", NAMESPACE,
+            "--set", "injection.image=registry.example/epguard:1",
+            "--show-only", "templates/probe-exec-policy.yaml",
+        ).stdout  # fmt: skip
+        r = cp.kubectl("apply", "-f", "-", input=rendered)
+        assert r.returncode == 0, output(r)
+        r = cp.kubectl("create", "-f", "-", input=json.dumps(_pod("w")))
+        assert r.returncode == 0, output(r)
+        eventually(lambda: POLICY in output(_exec(cp, "epguard-probe")), within=30,
+                   what=f"the {POLICY} policy to be in force")  # fmt: skip
+        yield cp
+
+
+def _exec(cp: ControlPlane, container: str, *as_user: str) -> subprocess.CompletedProcess[str]:
+    return cp.kubectl(*as_user, "exec", "-n", TENANT, "w", "-c", container, "--", "true")
+
+
+@pytest.mark.parametrize("container", ["epguard-probe", "epguard-copy-probe"])
+@pytest.mark.parametrize("who", ["cluster-admin", "a tenant who may exec"])
+def test_exec_into_an_epguard_container_is_refused_for_everyone(
+    cp: ControlPlane, container: str, who: str
+) -> None:
+    as_user = () if who == "cluster-admin" else (f"--as={TENANT_USER}",)
+    r = _exec(cp, container, *as_user)
+    assert r.returncode != 0
+    said = output(r)
+    assert POLICY in said and f"epguard refuses exec into container {container}" in said, said
+    assert f"of pod {TENANT}/w" in said and ADMITTED not in said
+
+
+def test_attach_to_the_probe_is_refused(cp: ControlPlane) -> None:
+    r = cp.kubectl("attach", "-n", TENANT, "w", "-c", "epguard-probe", f"--as={TENANT_USER}")
+    assert r.returncode != 0
+    assert "epguard refuses attach into container epguard-probe" in output(r), output(r)
+
+
+def test_exec_into_the_worker_and_without_a_container_passes_the_policy(cp: ControlPlane) -> None:
+    for args in (("-c", "worker"), ()):
+        r = cp.kubectl(f"--as={TENANT_USER}", "exec", "-n", TENANT, "w", *args, "--", "true")
+        assert r.returncode != 0  # no node: the API server cannot run it
+        assert POLICY not in output(r) and ADMITTED in output(r), output(r)
