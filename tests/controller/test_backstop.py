@@ -9,7 +9,6 @@ ImageVerdicts through the same code in tests/e2e/test_backstop_scale.py.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime as dt
 import json
 import logging
@@ -98,20 +97,18 @@ def test_past_its_own_cap_the_backstop_stops_reading_and_says_so(
     assert "more than 1000 ImageVerdicts" in caplog.text
 
 
-def test_a_verdict_event_during_a_sync_starts_the_next_one_without_waiting_for_the_poll(
+def test_the_writer_polls_and_rests_at_least_twice_as_long_as_a_sync_took(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The writer's wake-up: an ImageVerdict event that arrives while a sync reads the
-    verdicts must not be lost (it was cleared after the sync, so the change waited for
-    the next 5 s poll). sync_once is replaced: the writer's loop is what is tested."""
+    """The writer's pace: a sync every POLL seconds, but never sooner than PACE times the
+    last sync's duration after it (100,000 verdicts take seconds of the API server's
+    time). sync_once is replaced: the writer's loop is what is tested."""
+    monkeypatch.setattr(backstop, "POLL", 0.2)
     calls: list[float] = []
-    # Well under the poll, and loose enough for a loaded machine (the writer rests twice
-    # as long as a sync took before an event may start the next one).
-    within = backstop.POLL - 1.0
 
     async def scenario() -> None:
         loop = asyncio.get_running_loop()
-        second = asyncio.Event()
+        third = asyncio.Event()
         state = backstop.BackstopState(
             config=BackstopConfig(params_namespace="epguard-system"),
             rules_configmap="epguard-rules",
@@ -120,23 +117,20 @@ def test_a_verdict_event_during_a_sync_starts_the_next_one_without_waiting_for_t
         )
 
         def sync(api: Any, st: backstop.BackstopState, now: dt.datetime) -> Any:
-            calls.append(loop.time())
-            if len(calls) == 1:  # the event comes in while the first sync reads
-                loop.call_soon_threadsafe(st.wake.set)
-                time.sleep(0.05)
-            else:
-                loop.call_soon_threadsafe(second.set)
+            calls.append(time.monotonic())
+            if len(calls) == 1:
+                time.sleep(1.0)  # a slow sync: the next one no sooner than 2 s after it
+            elif len(calls) == 3:
+                loop.call_soon_threadsafe(third.set)
             return compile_params(VerdictStore(), now)
 
         monkeypatch.setattr(backstop, "sync_once", sync)
         task = asyncio.create_task(backstop.run_writer(None, state))  # type: ignore[arg-type]
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(second.wait(), within)
+        await asyncio.wait_for(third.wait(), 20)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
 
     asyncio.run(scenario())
-    assert backstop.POLL >= 5
-    assert len(calls) >= 2, calls  # the second sync came from the event, not the poll
-    assert calls[1] - calls[0] < within
+    assert calls[1] - calls[0] >= 1.0 + backstop.PACE * 1.0 - 0.1, calls
+    assert calls[2] - calls[1] < 1.5, calls  # a quick sync: the next at the poll
