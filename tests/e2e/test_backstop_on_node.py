@@ -32,7 +32,7 @@ from tests.e2e.e2e_kube import (
     worker,
     workload,
 )
-from tests.e2e.node_e2e import running_cluster
+from tests.e2e.node_e2e import SharedCluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.node]
 
@@ -90,52 +90,69 @@ def _refused_by_backstop(cp: ControlPlane, obj: dict[str, Any]) -> str | None:
 
 
 @pytest.fixture(scope="module")
-def outage(
-    tmp_path_factory: pytest.TempPathFactory, machine_to_itself: None
-) -> Iterator[tuple[ControlPlane, str]]:
-    """The cluster with a deny rule and one digest verdict learned, then the webhook
-    gone: its Deployment scaled to zero and every one of its pods deleted (a cluster of
-    its own: it leaves the webhook gone)."""
-    with running_cluster(tmp_path_factory.mktemp("stack")) as cp:
-        # Installed means the policy is there and the writer has written its parameters
-        # once (on a loaded machine the install's writes alone took over a minute).
-        with _controller_log_on_failure(cp):
-            eventually(
-                lambda: '"kind": "RefusedImageList"' in _params(cp),
-                within=180,
-                what="the controller to install the backstop and write its parameters",
-            )
-        set_rules_text(cp, with_rule(rules_text(cp), DENY_RULE))
-        digest = _digest("outage")
-        r = apply(cp, _verdict("outage-verdict", digest))
-        assert r.returncode == 0, r.stderr
-        key = digest.removeprefix("sha256:")[:32]  # the shards key a digest by 128 bits
-        with _controller_log_on_failure(cp):
-            eventually(
-                lambda: DENY_RULE_ID in _params(cp) and key in _params(cp),
-                within=30,
-                what="the backstop parameters to hold the rule and the verdict",
-            )
-        cp.kubectl("scale", "deployment", "epguard-webhook", "-n", RELEASE_NS, "--replicas=0",
-                   check=True)  # fmt: skip
-        cp.kubectl("delete", "pods", "-n", RELEASE_NS, "-l", "app.kubernetes.io/component=webhook",
-                   "--wait=true", "--timeout=60s", check=True)  # fmt: skip
+def outage(shared_node: SharedCluster) -> Iterator[tuple[ControlPlane, str]]:
+    """The shared cluster with a deny rule and one digest verdict learned, then the
+    webhook gone: its Deployment scaled to zero and every one of its pods deleted. Put
+    back afterwards (rules, replicas, a ready webhook), and the module's namespace and
+    verdicts tidied, so the next module finds the cluster as it was."""
+    cp = shared_node.cluster()
+    # Installed means the policy is there and the writer has written its parameters
+    # once (on a loaded machine the install's writes alone took over a minute).
+    with _controller_log_on_failure(cp):
         eventually(
-            lambda: cp.kubectl(
-                "get", "pods", "-n", RELEASE_NS, "-l", "app.kubernetes.io/component=webhook",
-                "-o", "name",
-            ).stdout.strip() == "",
-            within=60,
-            what="the webhook pods to be gone",
-        )  # fmt: skip
-        cp.kubectl("create", "namespace", "ml", check=True)
-        # The API server compiles an updated policy a moment after the write that the
-        # parameters' check above sees: wait until the rule refuses (a CI run under load
-        # once asked first).
-        bad = pod("w", "ml", worker(BAD_IMAGE))
-        eventually(lambda: _refused_by_backstop(cp, bad) is not None, within=30,
-                   what="the backstop to refuse the rule's image")  # fmt: skip
-        yield cp, digest
+            lambda: '"kind": "RefusedImageList"' in _params(cp),
+            within=180,
+            what="the controller to install the backstop and write its parameters",
+        )
+    rules_before = rules_text(cp)
+    replicas = cp.kubectl(
+        "get", "deployment", "epguard-webhook", "-n", RELEASE_NS, "-o", "jsonpath={.spec.replicas}",
+        check=True,
+    ).stdout.strip()  # fmt: skip
+    try:
+        yield from _webhook_gone(cp)
+    finally:
+        set_rules_text(cp, rules_before)
+        cp.kubectl("scale", "deployment", "epguard-webhook", "-n", RELEASE_NS,
+                   f"--replicas={replicas or 1}", check=True)  # fmt: skip
+        cp.kubectl("rollout", "status", "deployment/epguard-webhook", "-n", RELEASE_NS,
+                   "--timeout=180s", check=True)  # fmt: skip
+        shared_node.tidy()
+
+
+def _webhook_gone(cp: ControlPlane) -> Iterator[tuple[ControlPlane, str]]:
+    """Teach the backstop a rule and a verdict, then take the webhook away."""
+    set_rules_text(cp, with_rule(rules_text(cp), DENY_RULE))
+    digest = _digest("outage")
+    r = apply(cp, _verdict("outage-verdict", digest))
+    assert r.returncode == 0, r.stderr
+    key = digest.removeprefix("sha256:")[:32]  # the shards key a digest by 128 bits
+    with _controller_log_on_failure(cp):
+        eventually(
+            lambda: DENY_RULE_ID in _params(cp) and key in _params(cp),
+            within=30,
+            what="the backstop parameters to hold the rule and the verdict",
+        )
+    cp.kubectl("scale", "deployment", "epguard-webhook", "-n", RELEASE_NS, "--replicas=0",
+               check=True)  # fmt: skip
+    cp.kubectl("delete", "pods", "-n", RELEASE_NS, "-l", "app.kubernetes.io/component=webhook",
+               "--wait=true", "--timeout=60s", check=True)  # fmt: skip
+    eventually(
+        lambda: cp.kubectl(
+            "get", "pods", "-n", RELEASE_NS, "-l", "app.kubernetes.io/component=webhook",
+            "-o", "name",
+        ).stdout.strip() == "",
+        within=60,
+        what="the webhook pods to be gone",
+    )  # fmt: skip
+    cp.kubectl("create", "namespace", "ml", check=True)
+    # The API server compiles an updated policy a moment after the write that the
+    # parameters' check above sees: wait until the rule refuses (a CI run under load
+    # once asked first).
+    bad = pod("w", "ml", worker(BAD_IMAGE))
+    eventually(lambda: _refused_by_backstop(cp, bad) is not None, within=30,
+               what="the backstop to refuse the rule's image")  # fmt: skip
+    yield cp, digest
 
 
 def test_with_the_webhook_gone_a_rule_denied_worker_is_refused_with_the_rules_reason(
