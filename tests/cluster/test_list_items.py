@@ -1,5 +1,7 @@
 """cluster/kube.py list_items: every object of a paged list, decoded one at a time, so a
-page of tenants' big pods is never parsed at once (the preflight pass reads with it)."""
+page of tenants' big pods is never parsed at once (the preflight pass reads with it);
+and list_pages, the same reader a page at a time (the backstop's and the recorder's
+verdict lists, the watches' relists)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from epguard.webhook.cluster.kube import list_items
+from epguard.webhook.cluster.kube import LIST_PAGE, list_items, list_pages
 
 
 class Response:
@@ -116,3 +118,27 @@ def test_a_page_of_big_pods_is_never_parsed_at_once(wide: bool) -> None:
     # paging; the page's bytes twice and two parsed pods in the first paged version).
     assert peak < 1.5 * len(text) + 1.5 * one_size, (peak, len(text), one_size)
     assert peak < 12 * one_size / 2
+
+
+def test_list_pages_reads_every_page_with_the_first_pages_snapshot_version() -> None:
+    """A custom resource's list (sorted keys: items before metadata) of three pages; the
+    later pages' resourceVersion is not the snapshot's."""
+    call = pager([[pod(0), 3], [pod(1)], [pod(2)]], sort_keys=True)
+    call.bodies[1] = call.bodies[1].replace(b'"resourceVersion":"7"', b'"resourceVersion":"9"')
+    assert b'"resourceVersion":"9"' in call.bodies[1]
+    got = list(list_pages(call))
+    assert [([p["metadata"]["name"] for p in page], rv) for page, rv in got] == [
+        (["p-0"], "7"),
+        (["p-1"], "7"),
+        (["p-2"], "7"),
+    ]
+    assert [c["_continue"] for c in call.calls] == [None, "t1", "t2"]
+    assert all(c["limit"] == LIST_PAGE for c in call.calls)
+
+
+def test_list_pages_stops_listing_when_its_caller_stops() -> None:
+    call = pager([[pod(0)], [pod(1)], [pod(2)]])
+    for page, _ in list_pages(call):
+        assert page[0]["metadata"]["name"] == "p-0"
+        break
+    assert len(call.calls) == 1

@@ -132,27 +132,9 @@ def _list_call(
     )
 
 
-def list_pages(
-    fn: Callable[..., Any], *args: Any, **selectors: Any
-) -> Iterator[tuple[list[Mapping[str, Any]], str]]:
-    """Each page of a list call, as raw JSON (no model round trip), with the
-    resourceVersion of the snapshot: the first page's, since every page of a paginated
-    list is one snapshot. A caller that stops iterating stops the listing."""
-    token: str | None = None
-    first_rv = ""
-    while True:
-        page = raw(_list_call(fn, args, LIST_PAGE, token, selectors))
-        page_meta = meta(page)
-        first_rv = first_rv or str(page_meta.get("resourceVersion") or "")
-        yield [i for i in page.get("items") or [] if isinstance(i, Mapping)], first_rv
-        token = page_meta.get("continue") or None
-        if not token:
-            return
-
-
 class _Page(msgspec.Struct):
-    """A list call's body as ``list_items`` reads it: the list's metadata, and each item
-    as ``msgspec.Raw`` (a view of the body's bytes, not decoded), in whatever order the
+    """A list call's body as the listers read it: the list's metadata, and each item as
+    ``msgspec.Raw`` (a view of the body's bytes, not decoded), in whatever order the
     server wrote them (a custom resource's list has ``items`` before ``metadata``)."""
 
     metadata: dict[str, Any] | None = None
@@ -162,16 +144,17 @@ class _Page(msgspec.Struct):
 _PAGE = msgspec.json.Decoder(_Page)
 
 
-def list_items(
-    fn: Callable[..., Any], *args: Any, page_size: int, **selectors: Any
-) -> Iterator[Json]:
-    """Every object of a list call, one at a time: a page is ``page_size`` objects, read
-    uncached (urllib3 keeps ``.data``) and split into its items' bytes without decoding
-    them; each item is then decoded alone (``json.loads``, as the official client does)
-    and let go before the next, so at most one object is ever parsed at once (a 1.5 MiB
-    pod of 50,000 small entries is ~12 MB of Python objects). A page costs its bytes and
-    one object."""
+def _pages(
+    fn: Callable[..., Any], args: tuple[Any, ...], page_size: int, selectors: Any
+) -> Iterator[tuple[list[msgspec.Raw], str]]:
+    """Each page of a list call as its items' bytes, undecoded, with the resourceVersion
+    of the snapshot: the first page's, since every page of a paginated list is one
+    snapshot. A page is read uncached (urllib3 keeps ``.data``); its body lives only as
+    long as the views of its items, so a caller that empties the list it is handed holds
+    nothing of the page while the next is read. A caller that stops iterating stops the
+    listing."""
     token: str | None = None
+    first_rv = ""
     while True:
         resp = _list_call(fn, args, page_size, token, selectors)
         data = resp.read() if hasattr(resp, "read") else resp.data
@@ -179,15 +162,44 @@ def list_items(
         if not isinstance(data, bytes):
             data = str(data).encode("utf-8")
         page = _PAGE.decode(data)
-        for raw in page.items or ():
-            item = json.loads(bytes(raw))
+        del data
+        metadata = page.metadata or {}
+        first_rv = first_rv or str(metadata.get("resourceVersion") or "")
+        token = metadata.get("continue") or None
+        items = page.items or []
+        del page
+        yield items, first_rv
+        del items
+        if not token:
+            return
+
+
+def list_pages(
+    fn: Callable[..., Any], *args: Any, **selectors: Any
+) -> Iterator[tuple[list[Mapping[str, Any]], str]]:
+    """Each page of a list call (``LIST_PAGE`` objects), decoded as raw JSON (no model
+    round trip), with the snapshot's resourceVersion."""
+    for raws, version in _pages(fn, args, LIST_PAGE, selectors):
+        page = [json.loads(bytes(r)) for r in raws]
+        raws.clear()
+        yield [i for i in page if isinstance(i, Mapping)], version
+
+
+def list_items(
+    fn: Callable[..., Any], *args: Any, page_size: int, **selectors: Any
+) -> Iterator[Json]:
+    """Every object of a list call, one at a time: a page is ``page_size`` objects, split
+    into its items' bytes; each item is decoded alone (``json.loads``, as the official
+    client does) and let go before the next, so at most one object is ever parsed at once
+    (a 1.5 MiB pod of 50,000 small entries is ~12 MB of Python objects). A page costs its
+    bytes and one object."""
+    for raws, _ in _pages(fn, args, page_size, selectors):
+        raws.reverse()
+        while raws:
+            item = json.loads(bytes(raws.pop()))
             if isinstance(item, dict):
                 yield item
             del item
-        token = (page.metadata or {}).get("continue") or None
-        del page, data
-        if not token:
-            return
 
 
 def list_all(
