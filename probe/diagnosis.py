@@ -292,17 +292,29 @@ def _classify_import_failure(o, module, event, v):
         cuda = None if o.cuda is None and o.fs is not None else bool(
             (o.cuda or {}).get("available"))
         need = inventory.jit_prerequisites(cuda, o.fs, o.environ)
-        v.classification = "jit-prerequisites"
-        inner = first.split("JIT compilation failed:", 1)[-1]
-        v.cause = (f"{label} builds its PG torch adapter by JIT on import and cannot here: "
-                   f"{_one_line(inner, 200)}")
+        inner = _one_line(first.split("JIT compilation failed:", 1)[-1], 200)
+        fallback = catalog.wheel_for(tag, cuda_major, need_ste) if cuda_major else None
+        prebuild = ("prebuild the adapter into the image (`python -m mooncake.pg --prebuild` "
+                    "with ninja, nvcc and a GPU or TORCH_CUDA_ARCH_LIST, MOONCAKE_PG_JIT_DIR in "
+                    "the image)")
+        if any(n in inventory.JIT_FILES for n in need):
+            # ninja or nvcc is not in the image's files: no pod can build it.
+            v.classification = "jit-prerequisites"
+            v.cause = (f"{label} builds its PG torch adapter by JIT on import and cannot here: "
+                       f"{inner} (missing: {', '.join(need)})")
+            v.fix = prebuild + (f", or install {fallback}" if fallback else "")
+            return
+        # The image has what the build needs: a failure is this pod's or its node's (no
+        # GPU and no TORCH_CUDA_ARCH_LIST, a cache folder it cannot write under its
+        # user or a read-only root, the compiler out of memory), never the image's.
+        v.classification = "jit-failed"
+        v.cause = (f"{label} builds its PG torch adapter by JIT on import, and the build "
+                   f"failed here although the image has ninja and nvcc: {inner}")
         if need:
             v.cause += " (missing: {})".format(", ".join(need))
-        fallback = catalog.wheel_for(tag, cuda_major, need_ste) if cuda_major else None
-        v.fix = ("prebuild the adapter into the image (`python -m mooncake.pg --prebuild` with "
-                 "ninja, nvcc and a GPU or TORCH_CUDA_ARCH_LIST, MOONCAKE_PG_JIT_DIR in the image)")
-        if fallback:
-            v.fix += f", or install {fallback}"
+        v.fix = (prebuild + " so that no pod builds it; or let this pod build it: a visible "
+                 "GPU or TORCH_CUDA_ARCH_LIST, a writable HOME or MOONCAKE_PG_JIT_DIR, "
+                 "memory for the compiler")
         return
     if "No module named" in text:
         v.classification = "module-missing"

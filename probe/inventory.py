@@ -203,6 +203,14 @@ def which(name, fs, environ):
     return None
 
 
+# What the JIT build needs from the image's files (the rest, a GPU or an architecture
+# list, is the node's or the pod's).
+JIT_NINJA = "ninja"
+JIT_NVCC = "nvcc (CUDA toolkit)"
+JIT_GPU = "a visible GPU or TORCH_CUDA_ARCH_LIST"
+JIT_FILES = (JIT_NINJA, JIT_NVCC)
+
+
 def jit_prerequisites(cuda_available, fs=None, environ=None):
     """What 0.3.14's JIT loader needs to build its torch adapter, without building it.
 
@@ -216,13 +224,13 @@ def jit_prerequisites(cuda_available, fs=None, environ=None):
     environ = os.environ if environ is None else environ
     missing = []
     if which("ninja", fs, environ) is None:
-        missing.append("ninja")
+        missing.append(JIT_NINJA)
     home = environ.get("CUDA_HOME") or environ.get("CUDA_PATH")
     if not home:
         nvcc = which("nvcc", fs, environ)
         home = posixpath.dirname(posixpath.dirname(nvcc)) if nvcc else "/usr/local/cuda"
     if not fs.isfile(posixpath.join(home, "bin", "nvcc")):
-        missing.append("nvcc (CUDA toolkit)")
+        missing.append(JIT_NVCC)
     if cuda_available is False and not environ.get("TORCH_CUDA_ARCH_LIST"):
-        missing.append("a visible GPU or TORCH_CUDA_ARCH_LIST")
+        missing.append(JIT_GPU)
     return missing

@@ -187,6 +187,54 @@ def test_reports_the_missing_jit_prerequisites_of_0_3_14(tmp_path):
     assert "python -m mooncake.pg --prebuild" in r.lines[-1]
 
 
+def _toolchain(root, ninja_says="ninja: build stopped: subcommand failed."):
+    """An image's ninja and nvcc (stand-ins: shell scripts that give their version, as
+    torch asks first, and fail any build; the real toolkit is 4 GB and the point is that
+    the image *has* them)."""
+    bin_dir, cuda = root / "bin", root / "cuda"
+    (cuda / "bin").mkdir(parents=True)
+    bin_dir.mkdir()
+    for path, said in ((bin_dir / "ninja", ninja_says), (cuda / "bin" / "nvcc", "nvcc fatal")):
+        path.write_text(
+            '#!/bin/sh\n[ "$1" = --version ] && { echo 1.11.1; exit 0; }\n'
+            f"echo '{said}' >&2\nexit 1\n"
+        )
+        path.chmod(0o755)
+    return bin_dir, cuda
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["no GPU and no TORCH_CUDA_ARCH_LIST", "a cache folder it cannot create", "the build fails"],
+)
+def test_a_jit_build_that_fails_where_the_image_has_ninja_and_nvcc_is_this_pods(tmp_path, case):
+    """0.3.14 builds its adapter at import; in an image with ninja and nvcc, a failed build
+    (no GPU, a read-only or foreign HOME, the compiler failing or killed) is the pod's or
+    the node's: said "in this pod", never a cause of the image (a tenant's GPU-less pod
+    would otherwise have taught every tenant that a working image is unusable)."""
+    bin_dir, cuda = _toolchain(tmp_path / "tools")
+    env = clean_env([overlay(MTE_JIT), overlay(SGLANG_PG[0])],
+                    PATH=f"{bin_dir}:/usr/bin:/bin", CUDA_HOME=str(cuda),
+                    CUDA_VISIBLE_DEVICES="", HOME=str(tmp_path / "home"))  # fmt: skip
+    env.pop("TORCH_CUDA_ARCH_LIST", None)
+    env.pop("MOONCAKE_PG_JIT_DIR", None)
+    if case != "no GPU and no TORCH_CUDA_ARCH_LIST":
+        env["TORCH_CUDA_ARCH_LIST"] = "9.0"
+    if case == "a cache folder it cannot create":
+        (tmp_path / "a-file").write_text("")
+        env["HOME"] = str(tmp_path / "a-file" / "home")  # under a file: not even root can
+    r = run_probe(tmp_path, env=env)
+    assert_contract(r, here=True)
+    assert r.classification == "jit-failed", r.message
+    assert r.report["scope"] == "environment"
+    assert "the build failed here although the image has ninja and nvcc" in r.lines[0]
+    if case == "no GPU and no TORCH_CUDA_ARCH_LIST":
+        assert "(missing: a visible GPU or TORCH_CUDA_ARCH_LIST)" in r.lines[0]
+    else:
+        assert "missing:" not in r.lines[0]
+    assert "python -m mooncake.pg --prebuild" in r.lines[-1]
+
+
 # --- nothing installed --------------------------------------------------------------------
 
 
