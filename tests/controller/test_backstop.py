@@ -134,3 +134,49 @@ def test_the_writer_polls_and_rests_at_least_twice_as_long_as_a_sync_took(
     asyncio.run(scenario())
     assert calls[1] - calls[0] >= 1.0 + backstop.PACE * 1.0 - 0.1, calls
     assert calls[2] - calls[1] < 1.5, calls  # a quick sync: the next at the poll
+
+
+def test_a_verdict_change_wakes_the_writer_before_the_poll_but_never_before_its_rest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``changed`` (set by the ImageVerdict watch) brings the next sync as soon as the pace
+    allows, instead of at the poll; a change during a sync brings one more."""
+    monkeypatch.setattr(backstop, "POLL", 30.0)
+    calls: list[float] = []
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        changed = asyncio.Event()
+        done = asyncio.Event()
+        state = backstop.BackstopState(
+            config=BackstopConfig(params_namespace="epguard-system"),
+            rules_configmap="epguard-rules",
+            rules_key="rules.yaml",
+            tag_ttl=dt.timedelta(days=1),
+        )
+
+        def sync(api: Any, st: backstop.BackstopState, now: dt.datetime) -> Any:
+            calls.append(time.monotonic())
+            if len(calls) == 1:
+                time.sleep(0.5)  # a slow sync, and a change while it runs
+                loop.call_soon_threadsafe(changed.set)
+            elif len(calls) == 3:
+                loop.call_soon_threadsafe(done.set)
+            return compile_params(VerdictStore(), now)
+
+        monkeypatch.setattr(backstop, "sync_once", sync)
+        task = asyncio.create_task(
+            backstop.run_writer(None, state, changed=changed)  # type: ignore[arg-type]
+        )
+        await asyncio.sleep(2.0)
+        assert len(calls) == 2, calls  # the change during sync 1; nothing since
+        changed.set()
+        await asyncio.wait_for(done.wait(), 5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(scenario())
+    # Woken during the slow sync: the next after its rest (PACE x 0.5 s), not at the poll.
+    assert 0.5 + backstop.PACE * 0.5 - 0.1 <= calls[1] - calls[0] < 3.0, calls
+    assert calls[2] - calls[0] < 4.0, calls  # woken again: far sooner than POLL (30 s)

@@ -164,3 +164,59 @@ def test_watch_state_is_reported_in_readyz_and_metrics(watched: RunningServer) -
         text = c.get("/metrics").text
     for resource in ("configmap", "namespace", "imageverdict"):
         assert f'epguard_watch_up{{resource="{resource}"}} 1.0' in text
+
+
+def test_the_backstops_wake_up_follows_verdict_changes_without_listing_them(
+    control_plane: Any, watched: RunningServer
+) -> None:
+    """controller/backstop.py's ChangeSync on cluster/watch.py's changes_source: the
+    writer is woken by a created and by a deleted ImageVerdict within seconds, and its
+    listing hands over no verdict (one object read, for the snapshot's version)."""
+    import asyncio
+
+    from kubernetes import client, config
+
+    from epguard.webhook.cluster.watch import changes_source, run_watch
+    from epguard.webhook.controller.backstop import ChangeSync
+    from epguard.webhook.engine.verdicts import GROUP, PLURAL, VERSION
+    from epguard.webhook.metrics import Metrics
+
+    def verdict(name: str) -> dict[str, Any]:
+        spec = {"image": IMAGE, "verdict": "Unusable"}
+        return {"apiVersion": "epguard.io/v1alpha1", "kind": "ImageVerdict",
+                "metadata": {"name": name}, "spec": spec}  # fmt: skip
+
+    kubectl = control_plane.kubectl
+    for i in range(3):  # there before the watch starts: never handed over
+        kubectl("apply", "-f", "-", input=json.dumps(verdict(f"before-{i}")), check=True)
+    api = config.new_client_from_config(str(control_plane.kubeconfig))
+    custom = client.CustomObjectsApi(api)
+    source = changes_source(custom.list_cluster_custom_object, GROUP, VERSION, PLURAL)
+    objects, version = source.list()
+    assert objects == [] and version.isdigit()
+
+    async def scenario() -> list[float]:
+        sync = ChangeSync()
+        task = asyncio.create_task(run_watch(sync, source, Metrics()))
+        took = []
+        try:
+            await asyncio.wait_for(sync.changed.wait(), 10)  # the listing's own wake-up
+            await asyncio.sleep(1.0)
+            for args in (("apply", "-f", "-"), ("delete", "imageverdict", "wake-me")):
+                sync.changed.clear()
+                body = json.dumps(verdict("wake-me")) if args[0] == "apply" else None
+                started = time.monotonic()
+                await asyncio.to_thread(kubectl, *args, input=body, check=True)
+                await asyncio.wait_for(sync.changed.wait(), 10)
+                took.append(time.monotonic() - started)
+        finally:
+            task.cancel()
+        return took
+
+    try:
+        took = asyncio.run(scenario())
+    finally:
+        for i in range(3):
+            kubectl("delete", "imageverdict", f"before-{i}", "--ignore-not-found")
+        api.close()
+    assert len(took) == 2 and max(took) < 10, took

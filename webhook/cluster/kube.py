@@ -202,6 +202,14 @@ def list_items(
             del item
 
 
+def snapshot_version(fn: Callable[..., Any], *args: Any, **selectors: Any) -> str:
+    """The resourceVersion of a list call's snapshot, read with one object at most: where
+    a watch of everything after "now" starts."""
+    for _, version in _pages(fn, args, 1, selectors):
+        return version
+    return ""
+
+
 def list_all(
     fn: Callable[..., Any], *args: Any, max_items: int | None = None, **selectors: Any
 ) -> tuple[list[Mapping[str, Any]], str]:

@@ -27,7 +27,13 @@ from typing import Any, Protocol, TypeVar
 from kubernetes import client
 from kubernetes import watch as kwatch
 
-from epguard.webhook.cluster.kube import REQUEST_TIMEOUT, list_all, meta, status_of
+from epguard.webhook.cluster.kube import (
+    REQUEST_TIMEOUT,
+    list_all,
+    meta,
+    snapshot_version,
+    status_of,
+)
 from epguard.webhook.engine.namespaces import MODE_LABEL, NamespaceIndex
 from epguard.webhook.engine.rules import (
     RulesError,
@@ -412,6 +418,49 @@ async def run_watch(
 WATCH_SECONDS = 300
 
 
+def _watching(
+    fn: Callable[..., Any], args: tuple[Any, ...], selectors: Any
+) -> Callable[[str], Iterator[tuple[str, Mapping[str, Any]]]]:
+    def watching(rv: str) -> Iterator[tuple[str, Mapping[str, Any]]]:
+        w = kwatch.Watch()
+        for event in w.stream(
+            fn,
+            *args,
+            resource_version=rv,
+            allow_watch_bookmarks=True,
+            timeout_seconds=WATCH_SECONDS,
+            # The socket read outlives the server's timeout: a silent half-open
+            # connection ends here instead of hanging forever.
+            _request_timeout=(REQUEST_TIMEOUT[0], WATCH_SECONDS + 60),
+            deserialize=False,
+            **selectors,
+        ):
+            if isinstance(event, Mapping) and isinstance(event.get("object"), Mapping):
+                yield str(event.get("type")), event["object"]
+
+    return watching
+
+
+def list_watch_source(fn: Callable[..., Any], *args: Any, **selectors: Any) -> Source:
+    """Every object of a list call, then its events."""
+
+    def listing() -> tuple[list[Mapping[str, Any]], str]:
+        return list_all(fn, *args, **selectors)
+
+    return Source(listing, _watching(fn, args, selectors))
+
+
+def changes_source(fn: Callable[..., Any], *args: Any, **selectors: Any) -> Source:
+    """Only the events of a list call, from now: its "list" reads one object to learn
+    the snapshot's resourceVersion and hands over none, so a 410 Gone costs one small
+    request, not every object (the backstop's wake-up on ImageVerdict changes)."""
+
+    def listing() -> tuple[list[Mapping[str, Any]], str]:
+        return [], snapshot_version(fn, *args, **selectors)
+
+    return Source(listing, _watching(fn, args, selectors))
+
+
 def kube_sources(
     api: client.ApiClient, namespace: str, configmap: str, key_secret: str
 ) -> dict[str, Source]:
@@ -419,36 +468,15 @@ def kube_sources(
     (each by name, which RBAC's resourceNames can limit), Namespaces, ImageVerdicts."""
     core = client.CoreV1Api(api)
     custom = client.CustomObjectsApi(api)
-    by_name = f"metadata.name={configmap}"
-
-    def source(fn: Callable[..., Any], *args: Any, **selectors: Any) -> Source:
-        def listing() -> tuple[list[Mapping[str, Any]], str]:
-            return list_all(fn, *args, **selectors)
-
-        def watching(rv: str) -> Iterator[tuple[str, Mapping[str, Any]]]:
-            w = kwatch.Watch()
-            for event in w.stream(
-                fn,
-                *args,
-                resource_version=rv,
-                allow_watch_bookmarks=True,
-                timeout_seconds=WATCH_SECONDS,
-                # The socket read outlives the server's timeout: a silent half-open
-                # connection ends here instead of hanging forever.
-                _request_timeout=(REQUEST_TIMEOUT[0], WATCH_SECONDS + 60),
-                deserialize=False,
-                **selectors,
-            ):
-                if isinstance(event, Mapping) and isinstance(event.get("object"), Mapping):
-                    yield str(event.get("type")), event["object"]
-
-        return Source(listing, watching)
-
     return {
-        "configmap": source(core.list_namespaced_config_map, namespace, field_selector=by_name),
-        "secret": source(
+        "configmap": list_watch_source(
+            core.list_namespaced_config_map, namespace, field_selector=f"metadata.name={configmap}"
+        ),
+        "secret": list_watch_source(
             core.list_namespaced_secret, namespace, field_selector=f"metadata.name={key_secret}"
         ),
-        "namespace": source(core.list_namespace),
-        "imageverdict": source(custom.list_cluster_custom_object, GROUP, VERSION, PLURAL),
+        "namespace": list_watch_source(core.list_namespace),
+        "imageverdict": list_watch_source(
+            custom.list_cluster_custom_object, GROUP, VERSION, PLURAL
+        ),
     }
