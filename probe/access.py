@@ -20,6 +20,10 @@ What is checked, each under one budget of entries (:data:`MAX_ENTRIES`):
   (Python falls back to the source), nor a symlink that points nowhere (not for root
   either); a symlink to a folder must lead to one this user may enter.
 
+Beside them, a missing library is checked against the loader's own search path
+(:func:`refused_folder`): ``LD_LIBRARY_PATH``, the ``ld.so.conf`` folders and the
+defaults.
+
 Standard library only; Python 3.8 syntax (the probe runs in images we do not build).
 """
 
@@ -167,6 +171,18 @@ def user_site(environ):
         return None
     version = "python{}.{}".format(*sys.version_info[:2])
     return os.path.join(base, "lib", version, "site-packages")
+
+
+def refused_folder(folders):
+    """The first of ``folders`` (the loader's search path) that exists and this user may
+    not search; None when there is none. The loader skips such a folder for this user
+    alone, so a library in it is "missing" for this pod only."""
+    for folder in folders:
+        if not folder:
+            continue
+        if _stat_refused(folder) or (os.path.isdir(folder) and _dir_refused(folder)):
+            return folder
+    return None
 
 
 def refused(path, environ, budget=MAX_ENTRIES, deep=True):

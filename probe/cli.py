@@ -425,6 +425,8 @@ def _run(opts, worker):
     dropped = sandbox.interpreter_variables(sandbox.worker_environment())
     if v.verdict != _sibling("diagnosis").USABLE and v.scope == message.IMAGE:
         refused = _refused_to_this_user(deep=not from_files)
+        if refused is None and v.missing_libraries:
+            refused = _library_folder_refused_to_this_user()
         if refused is not None:
             # What the image seems to lack may only be hidden from this pod's user.
             v.scope = message.ENVIRONMENT
@@ -449,6 +451,17 @@ def _refused_to_this_user(deep):
         return None
     return (f"this pod's user (uid {os.getuid()}) cannot read {where[:200]!r}, so a package "
             "may be hidden from it: the image is not judged as this user")
+
+
+def _library_folder_refused_to_this_user():
+    """A folder of the loader's search path this process's user may not search, in words;
+    None when there is none. A library there is missing for this pod's user alone."""
+    environ = sandbox.image_environment()
+    where = _sibling("access").refused_folder(_sibling("elf").system_dirs(None, environ))
+    if where is None:
+        return None
+    return (f"this pod's user (uid {os.getuid()}) cannot search {where[:200]!r}, where the "
+            "loader looks for libraries: the image is not judged as this user")
 
 
 def _verdict(opts, req_argv, o, v, evidence, from_files, usable_here, dropped, pod_vars):

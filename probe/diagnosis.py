@@ -38,6 +38,8 @@ _SCOPE_WORDS = {
 
 _RDMA = ("libibverbs.so.1", "libmlx5.so.1", "librdmacm.so.1", "libnuma.so.1")
 _MISSING_LIB_RE = re.compile(r"(lib[\w.+-]*?\.so(?:\.\d+)*): cannot open shared object file")
+# The loader found the library and this user may not open it: not missing from the image.
+_DENIED_LIB = "cannot open shared object file: Permission denied"
 
 
 class Outcome:
@@ -238,7 +240,10 @@ def _classify_import_failure(o, module, event, v):
             v.fix = f"find what {module} waits for on import (network, a lock, a device)"
         return
 
-    libs = _missing_libs(o, module, event) if "cannot open shared object file" in text else []
+    # A library the loader found and this user may not open is no fact about the image:
+    # left to the unknown import error below (environment).
+    libs = (_missing_libs(o, module, event)
+            if "cannot open shared object file" in text and _DENIED_LIB not in text else [])
     if libs:
         v.missing_libraries = libs
         kinds = [_lib_meaning(lib, cuda_major) for lib in libs]

@@ -31,9 +31,15 @@ def site() -> Iterator[Path]:
     root = base / "site"
     for folder in ("mooncake", "mooncake/__pycache__", "torch/lib", "mooncake-0.3.dist-info"):
         (root / folder).mkdir(parents=True)
-    for f in ("mooncake/__init__.py", "mooncake/pg.py", "torch/__init__.py",
-              "torch/lib/libtorch.so.2", "mooncake-0.3.dist-info/METADATA",
-              "mooncake-0.3.dist-info/RECORD", "mooncake/__pycache__/pg.cpython-311.pyc"):
+    for f in (
+        "mooncake/__init__.py",
+        "mooncake/pg.py",
+        "torch/__init__.py",
+        "torch/lib/libtorch.so.2",
+        "mooncake-0.3.dist-info/METADATA",
+        "mooncake-0.3.dist-info/RECORD",
+        "mooncake/__pycache__/pg.cpython-311.pyc",
+    ):
         (root / f).write_text("x")  # fmt: skip
     shutil.copy(PROBE_DIR / "access.py", base / "access.py")
     for p in (base / "access.py", root, *root.rglob("*")):
@@ -77,6 +83,7 @@ def _link_to_root_only(root: Path) -> None:
     private.mkdir(mode=0o700)
     (root / "torch/private").symlink_to(private)
 
+
 REFUSED: dict[str, tuple[Change, str]] = {
     "package folder": (lambda r: (r / "mooncake").chmod(0o700), "mooncake"),
     "a module": (lambda r: (r / "mooncake/pg.py").chmod(0o600), "mooncake/pg.py"),
@@ -91,7 +98,7 @@ NOT_REFUSED: dict[str, Change] = {
     "a root-only __pycache__": lambda r: (r / "mooncake/__pycache__").chmod(0o700),
     "a root-only RECORD": lambda r: (r / "mooncake-0.3.dist-info/RECORD").chmod(0o600),
     "a .pth that points nowhere": lambda r: (r / "gone.pth").symlink_to(r / "no-such"),
-    "an unrelated root-only package": lambda r: ((r / "other").mkdir(mode=0o700)),
+    "an unrelated root-only package": lambda r: (r / "other").mkdir(mode=0o700),
 }
 
 
@@ -130,3 +137,32 @@ def test_after_a_reading_of_the_files_only_the_package_folders_are_looked_at(
     assert str(refused_as_nobody(site)).endswith("mooncake/pg.py")
     (site / "torch").chmod(0o700)
     assert str(refused_as_nobody(site, deep=False)).endswith("/torch")
+
+
+def test_a_library_folder_the_user_cannot_search_is_reported(site: Path) -> None:
+    """refused_folder over the loader's search path, as uid 65534: a root-only folder is
+    reported (a library in it is missing for this user alone); a folder anyone may
+    search, or one that does not exist, is not."""
+    libs = site.parent / "libs"
+    libs.mkdir(mode=0o755)
+    python = shutil.which("python3", path="/usr/bin:/bin")
+    if python is None:
+        pytest.skip("needs a system python3 that any uid can run")
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import access; "
+            "print(json.dumps(access.refused_folder(sys.argv[2:])))")  # fmt: skip
+
+    def refused(*folders: str) -> str | None:
+        r = subprocess.run(
+            ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", python,
+             "-I", "-c", code, str(site.parent), *folders],
+            capture_output=True, text=True, timeout=60, cwd="/tmp",
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        found: str | None = json.loads(r.stdout)
+        return found
+
+    assert refused("", "/no/such/folder", str(libs), "/usr/lib") is None
+    libs.chmod(0o700)
+    assert refused("/usr/lib", str(libs)) == str(libs)
+    (libs / "inner").mkdir()
+    assert refused(str(libs / "inner")) == str(libs / "inner")  # not even stat-able

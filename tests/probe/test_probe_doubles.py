@@ -180,3 +180,23 @@ def test_import_level_does_not_create_process_groups(tmp_path):
     r = probe(tmp_path, double, SGLANG_PG[0])
     assert r.rc == 0
     assert not any(c["name"].startswith("smoke") for c in r.report["checks"])
+
+
+def test_a_library_the_loader_found_but_may_not_open_is_this_pods_not_the_images(tmp_path):
+    """The loader's "cannot open shared object file: Permission denied": the library is
+    there, and this pod's user (runAsUser) may not open it; as a missing library (scope
+    image) it would have become a verdict for every tenant on the image."""
+    said = "libibverbs.so.1: cannot open shared object file: Permission denied"
+    double = write_double(tmp_path / "img", pg=f"raise ImportError({said!r})\n")
+    r = probe(tmp_path, double, SGLANG_PG[0])
+    assert r.rc == 1, r.stderr
+    assert r.lines[0].startswith("epguard: mooncake elastic EP is unusable in this pod: "), (
+        r.message
+    )
+    assert r.report["scope"] == "environment" and r.report["classification"] == "import-error"
+    assert r.report["missing_libraries"] == [] and said in r.message
+    # The same library absent is the image's.
+    absent = "libibverbs.so.1: cannot open shared object file: No such file or directory"
+    write_double(tmp_path / "img2", pg=f"raise ImportError({absent!r})\n")
+    r = probe(tmp_path, tmp_path / "img2", SGLANG_PG[0])
+    assert r.report["scope"] == "image" and "libibverbs.so.1" in r.report["missing_libraries"]
