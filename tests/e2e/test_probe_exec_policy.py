@@ -1,8 +1,9 @@
-"""No exec or attach into epguard's containers, through a real kube-apiserver: the
-chart's policy (rendered by the real helm, applied with the real kubectl) refuses
-``kubectl exec`` and ``kubectl attach`` into ``epguard-*`` containers for every user
-(cluster admins, and a tenant allowed ``pods/exec`` as the ``edit`` role does) and
-leaves every other container alone. A probe's outcome becomes a verdict for every
+"""No exec or attach into epguard's containers, and no change to their images, through a
+real kube-apiserver: the chart's policies (rendered by the real helm, applied with the
+real kubectl) refuse ``kubectl exec`` and ``kubectl attach`` into ``epguard-*``
+containers, and an UPDATE that changes an ``epguard-*`` container's image, for every
+user (cluster admins, and a tenant allowed ``pods/exec`` and ``update`` as the ``edit``
+role does) and leave every other container alone. A probe's outcome becomes a verdict for every
 tenant; a tenant that could exec into its own pod's running probe could delete a file
 of the image in the container (or write its termination message) and so forge a
 verdict on any image.
@@ -28,6 +29,7 @@ from tests.e2e.e2e_kube import eventually, output
 pytestmark = pytest.mark.e2e
 
 POLICY = "epguard-probe-exec"
+PARTS = "epguard-probe-parts"
 TENANT = "team-a"
 TENANT_USER = "alice"
 ADMITTED = "does not have a host assigned"
@@ -54,7 +56,7 @@ def cp() -> Iterator[ControlPlane]:
         cp.kubectl("create", "namespace", TENANT, check=True)
         # What the default edit role grants for this (the bare control plane has no
         # controller-manager to aggregate it).
-        cp.kubectl("create", "role", "exec", "--verb=get,create", "-n", TENANT,
+        cp.kubectl("create", "role", "exec", "--verb=get,create,update,patch", "-n", TENANT,
                    "--resource=pods,pods/exec,pods/attach", check=True)  # fmt: skip
         cp.kubectl("create", "rolebinding", "alice-exec", "--role=exec",
                    f"--user={TENANT_USER}", "-n", TENANT, check=True)  # fmt: skip
@@ -62,6 +64,7 @@ def cp() -> Iterator[ControlPlane]:
             "template", RELEASE, str(CHART), "--namespace", NAMESPACE,
             "--set", "injection.image=registry.example/epguard:1",
             "--show-only", "templates/probe-exec-policy.yaml",
+            "--show-only", "templates/probe-parts-policy.yaml",
         ).stdout  # fmt: skip
         r = cp.kubectl("apply", "-f", "-", input=rendered)
         assert r.returncode == 0, output(r)
@@ -69,6 +72,8 @@ def cp() -> Iterator[ControlPlane]:
         assert r.returncode == 0, output(r)
         eventually(lambda: POLICY in output(_exec(cp, "epguard-probe")), within=30,
                    what=f"the {POLICY} policy to be in force")  # fmt: skip
+        eventually(lambda: PARTS in output(_set_image(cp, "epguard-probe", "x/y:1", dry=True)),
+                   within=30, what=f"the {PARTS} policy to be in force")  # fmt: skip
         yield cp
 
 
@@ -100,3 +105,43 @@ def test_exec_into_the_worker_and_without_a_container_passes_the_policy(cp: Cont
         r = cp.kubectl(f"--as={TENANT_USER}", "exec", "-n", TENANT, "w", *args, "--", "true")
         assert r.returncode != 0  # no node: the API server cannot run it
         assert POLICY not in output(r) and ADMITTED in output(r), output(r)
+
+
+def _set_image(
+    cp: ControlPlane, container: str, image: str, *as_user: str, pod: str = "w", dry: bool = False
+) -> subprocess.CompletedProcess[str]:
+    return cp.kubectl(*as_user, "set", "image", "-n", TENANT, f"pod/{pod}",
+                      f"{container}={image}", *(["--dry-run=server"] if dry else []))  # fmt: skip
+
+
+@pytest.mark.parametrize("container", ["epguard-probe", "epguard-copy-probe"])
+@pytest.mark.parametrize("who", ["cluster-admin", "a tenant who may update pods"])
+def test_changing_an_epguard_containers_image_is_refused_for_everyone(
+    cp: ControlPlane, container: str, who: str
+) -> None:
+    """The swap a webhook outage would have let through: the probe's image pointed at one
+    that prints a verdict, then put back (the signature verifies again)."""
+    as_user = () if who == "cluster-admin" else (f"--as={TENANT_USER}",)
+    r = _set_image(cp, container, "registry.example/tenant/fake-probe:1", *as_user)
+    assert r.returncode != 0
+    said = output(r)
+    assert PARTS in said, said
+    assert f"epguard refuses a change to the image of container {container}" in said, said
+    got = cp.kubectl("get", "pod", "-n", TENANT, "w", "-o", "json", check=True).stdout
+    images = {c["name"]: c["image"] for c in json.loads(got)["spec"]["initContainers"]}
+    assert images[container] != "registry.example/tenant/fake-probe:1"
+
+
+def test_the_workers_image_and_pods_without_epguard_containers_pass_the_policy(
+    cp: ControlPlane,
+) -> None:
+    r = _set_image(cp, "worker", "registry.example/sglang:2", f"--as={TENANT_USER}", dry=True)
+    assert r.returncode == 0, output(r)
+    plain = _pod("plain")
+    plain["spec"]["initContainers"] = [{"name": "setup", "image": "registry.example/setup:1"}]
+    r = cp.kubectl("create", "-f", "-", input=json.dumps(plain))
+    assert r.returncode == 0, output(r)
+    r = _set_image(cp, "setup", "registry.example/setup:2", f"--as={TENANT_USER}", pod="plain")
+    assert r.returncode == 0, output(r)
+    r = cp.kubectl(f"--as={TENANT_USER}", "label", "-n", TENANT, "pod/w", "team=a")
+    assert r.returncode == 0, output(r)  # an update that leaves epguard's images as they are
