@@ -170,6 +170,9 @@ def _plan(req, level, timeout, modules):
             "alternates": alternates, "level": level, "timeout": timeout}
 
 
+_SITE_DIRS = ("site-packages", "dist-packages")
+
+
 def live_image(environ=None, driver_mounted=False):
     """This pod's root as static.py reads it: the child's sys.path (PYTHONPATH is kept
     for the child, while this interpreter may run with -I), without the probe's own
@@ -182,6 +185,12 @@ def live_image(environ=None, driver_mounted=False):
     here = os.path.dirname(os.path.abspath(__file__))
     env_path = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     path = env_path + [p for p in sys.path if p and os.path.abspath(p) != here]
+    # This interpreter runs with -I; the child does not, and site adds the user
+    # site-packages of its HOME (when it exists) before the other site folders.
+    user = _sibling("access").user_site(environ)
+    if user and os.path.isdir(user) and user not in path:
+        site_dirs = [i for i, p in enumerate(path) if p.rstrip("/").endswith(_SITE_DIRS)]
+        path.insert(site_dirs[0] if site_dirs else len(path), user)
     return static.Image(files.LIVE, path, importlib.machinery.EXTENSION_SUFFIXES,
                         environ, driver_mounted=driver_mounted)
 

@@ -38,6 +38,9 @@ _SCOPE_WORDS = {
 
 _RDMA = ("libibverbs.so.1", "libmlx5.so.1", "librdmacm.so.1", "libnuma.so.1")
 _MISSING_LIB_RE = re.compile(r"(lib[\w.+-]*?\.so(?:\.\d+)*): cannot open shared object file")
+# A symbol of the driver API (libcuda's cu*, libnvidia-ml's nvml*; the runtime's are
+# cuda*), which the node's driver provides.
+_DRIVER_SYMBOL_RE = re.compile(r"undefined symbol: ((?:cu[A-Z]|nvml)\w*)")
 # The loader found the library and this user may not open it: not missing from the image.
 _DENIED_LIB = "cannot open shared object file: Permission denied"
 
@@ -329,6 +332,16 @@ def _classify_import_failure(o, module, event, v):
         if other:
             v.cause += f"; {other[0]} imports, which suits another SGLang"
         v.fix = "install %s" % (recommended or "mooncake >= 0.3.11 built for this torch")
+        return
+    driver = _DRIVER_SYMBOL_RE.search(text)
+    if driver:
+        # The driver API (cu*, nvml*) comes from the node's libcuda / libnvidia-ml, not
+        # from the image: an old driver on one node pool is no fact about the image.
+        v.classification = "driver-too-old"
+        v.cause = (f"{module} needs {driver.group(1)} from the NVIDIA driver, which this "
+                   "node's driver does not have")
+        v.fix = ("run the pod on nodes with a newer NVIDIA driver (the one this CUDA "
+                 "build needs)")
         return
     if "undefined symbol" in text:
         v.classification = "abi-mismatch"

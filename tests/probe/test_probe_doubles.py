@@ -200,3 +200,24 @@ def test_a_library_the_loader_found_but_may_not_open_is_this_pods_not_the_images
     write_double(tmp_path / "img2", pg=f"raise ImportError({absent!r})\n")
     r = probe(tmp_path, tmp_path / "img2", SGLANG_PG[0])
     assert r.report["scope"] == "image" and "libibverbs.so.1" in r.report["missing_libraries"]
+
+
+@pytest.mark.parametrize(
+    ("symbol", "scope", "classification"),
+    [
+        ("cuMemGetHandleForAddressRange", "environment", "driver-too-old"),
+        ("nvmlDeviceGetNvLinkRemoteDeviceType", "environment", "driver-too-old"),
+        ("cudaStreamBeginCaptureToGraph", "image", "abi-mismatch"),  # libcudart: the image's
+        ("_ZN3c1010TensorImpl6detachEv", "image", "abi-mismatch"),  # torch's: the image's
+    ],
+)
+def test_an_undefined_driver_symbol_is_the_nodes_and_any_other_the_images(
+    tmp_path, symbol, scope, classification
+):
+    """An old NVIDIA driver on one node pool lacks a cu* or nvml* symbol the build needs:
+    no fact about the image (it would have refused the image for every tenant)."""
+    said = f"/site/mooncake/libmooncake_pg.so: undefined symbol: {symbol}"
+    double = write_double(tmp_path / "img", pg=f"raise ImportError({said!r})\n")
+    r = probe(tmp_path, double, SGLANG_PG[0])
+    assert r.rc == 1, r.stderr
+    assert (r.report["scope"], r.report["classification"]) == (scope, classification), r.message

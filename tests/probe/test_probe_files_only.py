@@ -639,3 +639,32 @@ def test_the_import_as_a_user_refused_the_package_is_this_pods_failure(
     assert code == 1 and text.startswith(UNUSABLE_HERE), text
     assert "scope: environment (this pod's user (uid 65534) cannot read" in text, text
     assert "scope: image" not in text
+
+
+def test_packages_in_the_user_site_of_the_images_home_are_read(tmp_path: Path) -> None:
+    """An image built with ``pip install --user``: torch, mooncake and SGLang in the user
+    site-packages of its HOME, which the worker's python3 (no -I) adds to sys.path. The
+    probe (run with -I) reads them there too; before, its files said "torch is not
+    installed", scope image: a verdict for every tenant on an image that works."""
+    python = shutil.which("python3", path="/usr/bin:/bin")
+    if python is None:
+        pytest.skip("needs a system python3 (a venv's has no user site)")
+    version = subprocess.run(
+        [python, "-c", "import sys; print('python%d.%d' % sys.version_info[:2])"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    home = tmp_path / "home"
+    hostile_roots.write_root(home / ".local" / "lib" / version / "site-packages")
+    log = tmp_path / "log"
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(home)}
+    r = subprocess.run(
+        [python, "-I", str(PROBE_DIR), "--files-only", "--termination-log", str(log),
+         "--", *hostile_roots.WORKER],
+        env=env, capture_output=True, text=True, timeout=100, cwd=str(tmp_path),
+    )  # fmt: skip
+    text = log.read_text()
+    assert "not installed" not in text, text
+    # What the crafted root's files prove (hostile_roots: the CUDA 12 build beside a
+    # CUDA 13 torch), as they would in site-packages.
+    assert r.returncode == 1 and text.startswith(UNUSABLE), text
+    assert "is built for CUDA 12" in text.splitlines()[0], text
