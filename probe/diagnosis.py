@@ -184,8 +184,12 @@ def _missing_libs(o, module, event):
     search = elf.system_dirs(o.fs, o.environ) if o.fs is not None else None
     found = elf.missing_libraries(_ext_roots(o, module), loaded=loaded, search=search, fs=o.fs)
     names = [n for n, _ in found]
-    # The loader's own complaint first, even if our walk could not see it.
+    # The loader's own complaint first, even if our walk could not see it; but not a
+    # library the walk found as a file in the image: one this pod's user may not open
+    # (the loader says "No such file" of a file it may not read) is not missing.
     m = _MISSING_LIB_RE.search(_all_error_text(event))
+    if m and m.group(1) in found.found and m.group(1) not in names:
+        return names
     if m and m.group(1) not in names:
         names.insert(0, m.group(1))
     elif m:

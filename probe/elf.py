@@ -293,9 +293,13 @@ def system_dirs(fs=None, environ=None):
 class Walk(list):
     """``[(library, needed_by_basename)]``; ``complete`` is False when a limit (files,
     lookups, a cut search path) stopped the walk early: absent names are then not
-    proven absent."""
+    proven absent. ``found``: the names it found a file for (name -> path)."""
 
     complete = True
+
+    def __init__(self):
+        super().__init__()
+        self.found = {}
 
 
 def missing_libraries(roots, loaded=(), search=None, max_files=200, fs=None):
@@ -383,6 +387,7 @@ def missing_libraries(roots, loaded=(), search=None, max_files=200, fs=None):
                         seen_missing.add(name)
                         out.append((name, posixpath.basename(path)))
                     continue
+                out.found.setdefault(name, found)
                 queue.append((fs.realpath(found), passed_down))
     except _Exhausted:
         out.complete = False

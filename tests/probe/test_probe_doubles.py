@@ -16,6 +16,7 @@ from tests.probe.probe_harness import (
     REGISTER_BOTH,
     SGLANG_EP,
     SGLANG_PG,
+    clean_env,
     overlay,
     run_probe,
     write_double,
@@ -221,3 +222,29 @@ def test_an_undefined_driver_symbol_is_the_nodes_and_any_other_the_images(
     r = probe(tmp_path, double, SGLANG_PG[0])
     assert r.rc == 1, r.stderr
     assert (r.report["scope"], r.report["classification"]) == (scope, classification), r.message
+
+
+@pytest.mark.parametrize("there", [True, False], ids=["a file in the image", "absent"])
+def test_a_library_the_loader_cannot_open_is_missing_only_when_the_image_lacks_it(tmp_path, there):
+    """A library kept from the pod's user (mode 0600, runAsUser): the loader says "No
+    such file or directory" of a file it may not read. The dependency walk finds the file
+    in the image, so it is no missing library of the image (environment); absent, it is
+    (image)."""
+    from tests.probe.hostile_roots import elf_bytes
+
+    double = write_double(tmp_path / "img", pg="raise ImportError({!r})\n".format(
+        "libfoo.so.1: cannot open shared object file: No such file or directory"))  # fmt: skip
+    (double / "mooncake" / "libmooncake_pg.so").write_bytes(elf_bytes(["libfoo.so.1"]))
+    libs = tmp_path / "libs"
+    libs.mkdir()
+    if there:
+        (libs / "libfoo.so.1").write_bytes(b"")
+    env = clean_env([double, overlay(SGLANG_PG[0])], LD_LIBRARY_PATH=str(libs))
+    r = run_probe(tmp_path, env=env)
+    assert r.rc == 1, r.stderr
+    if there:
+        assert r.report["scope"] == "environment", r.message
+        assert "libfoo.so.1" not in r.report["missing_libraries"]
+    else:
+        assert r.report["scope"] == "image", r.message
+        assert r.report["missing_libraries"][0] == "libfoo.so.1"
