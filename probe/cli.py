@@ -455,8 +455,16 @@ def _refused_to_this_user(deep):
     ``deep``: every file of the packages (after an import); else their folders only
     (after the reading of the files, which noted every refusal it met)."""
     environ = sandbox.image_environment()
-    where, _cut = _sibling("access").refused(live_image(environ).path, environ, deep=deep)
+    access = _sibling("access")
+    where, _cut = access.refused(live_image(environ).path, environ, deep=deep)
     if where is None:
+        # The runtime looks python3 up in PATH as this user: past a folder it may not
+        # search, it finds another interpreter (the OS's, without the image's packages).
+        folder = access.refused_folder(environ.get("PATH", "").split(os.pathsep)[:256])
+        if folder is not None:
+            return (f"this pod's user (uid {os.getuid()}) cannot search {folder[:200]!r}, a "
+                    "folder of PATH, so another python3 may run: the image is not judged "
+                    "as this user")
         return None
     return (f"this pod's user (uid {os.getuid()}) cannot read {where[:200]!r}, so a package "
             "may be hidden from it: the image is not judged as this user")

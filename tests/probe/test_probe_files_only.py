@@ -502,6 +502,7 @@ def _as_root_and_nobody(
     files_only: bool = True,
     prepare: Callable[[Path], None] | None = None,
     home: str | None = None,
+    path: str = "/usr/bin:/bin",
 ) -> dict[str, tuple[int, str]]:
     """The probe run on the crafted root (hostile_roots.write_root) as root and as uid
     65534, with ``hidden`` (a path under the root) made root-only (0700): (exit, message)
@@ -532,7 +533,7 @@ def _as_root_and_nobody(
             p.chmod(0o755 if p.is_dir() else 0o644)
     if hidden is not None:
         (root / hidden).chmod(0o700 if (root / hidden).is_dir() else 0o600)
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(root), "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {"PATH": path, "PYTHONPATH": str(root), "PYTHONDONTWRITEBYTECODE": "1"}
     if home is not None:
         env["HOME"] = home
     results = {}
@@ -668,3 +669,22 @@ def test_packages_in_the_user_site_of_the_images_home_are_read(tmp_path: Path) -
     # CUDA 13 torch), as they would in site-packages.
     assert r.returncode == 1 and text.startswith(UNUSABLE), text
     assert "is built for CUDA 12" in text.splitlines()[0], text
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
+def test_a_path_folder_the_user_cannot_search_proves_nothing_about_the_image(
+    request: pytest.FixtureRequest,
+) -> None:
+    """The runtime looks python3 up in the image's PATH as the pod's user: past a folder
+    it may not search (a venv under a root-only folder) another interpreter runs, without
+    the image's packages. What that one finds is no fact about the image."""
+    private = Path(tempfile.mkdtemp(prefix="epguard-venv-", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(private, ignore_errors=True))
+    private.chmod(0o700)
+    results = _as_root_and_nobody(request, None, path=f"{private}:/usr/bin:/bin")
+    assert results["root"][0] == 1 and results["root"][1].startswith(UNUSABLE)
+    code, text = results["nobody"]
+    assert code == 0 and text.startswith(FILES_CLEAR), text
+    # (The message names a path from the environment by its variable.)
+    assert "cannot search '$PATH', a folder of PATH, so another python3 may run" in text, text
