@@ -19,7 +19,7 @@ lint: venv
 	$(PY) -m mypy
 	.venv/bin/lint-imports  # .importlinter: the parts' layers, the pure engine, the stdlib probe
 
-# Two phases (scripts/test.sh): every test but the node's on three pytest workers, then
+# Two phases (scripts/test.sh): every test but the node's on two pytest workers, then
 # the tests marked node (the machine's one node) one after another.
 test: tools lint
 	@scripts/test.sh
