@@ -433,9 +433,8 @@ def _run(opts, worker):
             o, v, evidence, o_w, v_w, sandbox.said_names(pod_vars))
     dropped = sandbox.interpreter_variables(sandbox.worker_environment())
     if v.verdict != _sibling("diagnosis").USABLE and v.scope == message.IMAGE:
-        refused = _refused_to_this_user(deep=not from_files)
-        if refused is None and v.missing_libraries:
-            refused = _library_folder_refused_to_this_user()
+        refused = _refused_to_this_user(deep=not from_files,
+                                        libraries=bool(v.missing_libraries))
         if refused is not None:
             # What the image seems to lack may only be hidden from this pod's user.
             v.scope = message.ENVIRONMENT
@@ -448,37 +447,34 @@ def _run(opts, worker):
                     pod_vars)
 
 
-def _refused_to_this_user(deep):
+def _refused_to_this_user(deep, libraries=False):
     """A path Python finds packages through that this process's user may not read
     (probe/access.py), in words; None when there is none. Before a failure is called
     the image's: a cause only the pod's runAsUser sees is no fact about the image.
     ``deep``: every file of the packages (after an import); else their folders only
-    (after the reading of the files, which noted every refusal it met)."""
+    (after the reading of the files, which noted every refusal it met). Then the
+    folders of PATH (the runtime looks python3 up as this user: past one it may not
+    search, another interpreter runs, without the image's packages) and, with
+    ``libraries`` (a library is said missing), of the loader's search path."""
     environ = sandbox.image_environment()
     access = _sibling("access")
     where, _cut = access.refused(live_image(environ).path, environ, deep=deep)
-    if where is None:
-        # The runtime looks python3 up in PATH as this user: past a folder it may not
-        # search, it finds another interpreter (the OS's, without the image's packages).
-        folder = access.refused_folder(environ.get("PATH", "").split(os.pathsep)[:256])
+    if where is not None:
+        return _not_judged("cannot read", where, "so a package may be hidden from it")
+    folder = access.refused_folder(environ.get("PATH", "").split(os.pathsep)[:256])
+    if folder is not None:
+        return _not_judged("cannot search", folder,
+                           "a folder of PATH, so another python3 may run")
+    if libraries:
+        folder = access.refused_folder(_sibling("elf").system_dirs(None, environ))
         if folder is not None:
-            return (f"this pod's user (uid {os.getuid()}) cannot search {folder[:200]!r}, a "
-                    "folder of PATH, so another python3 may run: the image is not judged "
-                    "as this user")
-        return None
-    return (f"this pod's user (uid {os.getuid()}) cannot read {where[:200]!r}, so a package "
-            "may be hidden from it: the image is not judged as this user")
+            return _not_judged("cannot search", folder, "where the loader looks for libraries")
+    return None
 
 
-def _library_folder_refused_to_this_user():
-    """A folder of the loader's search path this process's user may not search, in words;
-    None when there is none. A library there is missing for this pod's user alone."""
-    environ = sandbox.image_environment()
-    where = _sibling("access").refused_folder(_sibling("elf").system_dirs(None, environ))
-    if where is None:
-        return None
-    return (f"this pod's user (uid {os.getuid()}) cannot search {where[:200]!r}, where the "
-            "loader looks for libraries: the image is not judged as this user")
+def _not_judged(refused, path, so):
+    return (f"this pod's user (uid {os.getuid()}) {refused} {path[:200]!r}, {so}: the image "
+            "is not judged as this user")
 
 
 def _verdict(opts, req_argv, o, v, evidence, from_files, usable_here, dropped, pod_vars):

@@ -180,6 +180,11 @@ _LIB_WORDS = {
 def _missing_libs(o, module, event):
     if event.get("missing_libraries") is not None:  # static.py walked them already
         return list(event["missing_libraries"])
+    text = _all_error_text(event)
+    if _DENIED_LIB in text:
+        # The loader found the library and this user may not open it: no fact about
+        # the image, left to the unknown import error (environment).
+        return []
     loaded = event.get("mapped") or []
     search = elf.system_dirs(o.fs, o.environ) if o.fs is not None else None
     found = elf.missing_libraries(_ext_roots(o, module), loaded=loaded, search=search, fs=o.fs)
@@ -187,10 +192,10 @@ def _missing_libs(o, module, event):
     # The loader's own complaint first, even if our walk could not see it; but not a
     # library the walk found as a file in the image: one this pod's user may not open
     # (the loader says "No such file" of a file it may not read) is not missing.
-    m = _MISSING_LIB_RE.search(_all_error_text(event))
-    if m and m.group(1) in found.found and m.group(1) not in names:
-        return names
+    m = _MISSING_LIB_RE.search(text)
     if m and m.group(1) not in names:
+        if m.group(1) in found.found:
+            return names
         names.insert(0, m.group(1))
     elif m:
         names.remove(m.group(1))
@@ -247,10 +252,7 @@ def _classify_import_failure(o, module, event, v):
             v.fix = f"find what {module} waits for on import (network, a lock, a device)"
         return
 
-    # A library the loader found and this user may not open is no fact about the image:
-    # left to the unknown import error below (environment).
-    libs = (_missing_libs(o, module, event)
-            if "cannot open shared object file" in text and _DENIED_LIB not in text else [])
+    libs = _missing_libs(o, module, event) if "cannot open shared object file" in text else []
     if libs:
         v.missing_libraries = libs
         kinds = [_lib_meaning(lib, cuda_major) for lib in libs]

@@ -97,6 +97,21 @@ def test_past_its_own_cap_the_backstop_stops_reading_and_says_so(
     assert "more than 1000 ImageVerdicts" in caplog.text
 
 
+def _writer_state() -> backstop.BackstopState:
+    return backstop.BackstopState(
+        config=BackstopConfig(params_namespace="epguard-system"),
+        rules_configmap="epguard-rules",
+        rules_key="rules.yaml",
+        tag_ttl=dt.timedelta(days=1),
+    )
+
+
+async def _cancelled(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
 def test_the_writer_polls_and_rests_at_least_twice_as_long_as_a_sync_took(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -109,12 +124,6 @@ def test_the_writer_polls_and_rests_at_least_twice_as_long_as_a_sync_took(
     async def scenario() -> None:
         loop = asyncio.get_running_loop()
         third = asyncio.Event()
-        state = backstop.BackstopState(
-            config=BackstopConfig(params_namespace="epguard-system"),
-            rules_configmap="epguard-rules",
-            rules_key="rules.yaml",
-            tag_ttl=dt.timedelta(days=1),
-        )
 
         def sync(api: Any, st: backstop.BackstopState, now: dt.datetime) -> Any:
             calls.append(time.monotonic())
@@ -125,11 +134,9 @@ def test_the_writer_polls_and_rests_at_least_twice_as_long_as_a_sync_took(
             return compile_params(VerdictStore(), now)
 
         monkeypatch.setattr(backstop, "sync_once", sync)
-        task = asyncio.create_task(backstop.run_writer(None, state))  # type: ignore[arg-type]
+        task = asyncio.create_task(backstop.run_writer(None, _writer_state()))  # type: ignore[arg-type]
         await asyncio.wait_for(third.wait(), 20)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        await _cancelled(task)
 
     asyncio.run(scenario())
     assert calls[1] - calls[0] >= 1.0 + backstop.PACE * 1.0 - 0.1, calls
@@ -148,12 +155,6 @@ def test_a_verdict_change_wakes_the_writer_before_the_poll_but_never_before_its_
         loop = asyncio.get_running_loop()
         changed = asyncio.Event()
         done = asyncio.Event()
-        state = backstop.BackstopState(
-            config=BackstopConfig(params_namespace="epguard-system"),
-            rules_configmap="epguard-rules",
-            rules_key="rules.yaml",
-            tag_ttl=dt.timedelta(days=1),
-        )
 
         def sync(api: Any, st: backstop.BackstopState, now: dt.datetime) -> Any:
             calls.append(time.monotonic())
@@ -166,15 +167,13 @@ def test_a_verdict_change_wakes_the_writer_before_the_poll_but_never_before_its_
 
         monkeypatch.setattr(backstop, "sync_once", sync)
         task = asyncio.create_task(
-            backstop.run_writer(None, state, changed=changed)  # type: ignore[arg-type]
+            backstop.run_writer(None, _writer_state(), changed=changed)  # type: ignore[arg-type]
         )
         await asyncio.sleep(2.0)
         assert len(calls) == 2, calls  # the change during sync 1; nothing since
         changed.set()
         await asyncio.wait_for(done.wait(), 5)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        await _cancelled(task)
 
     asyncio.run(scenario())
     # Woken during the slow sync: the next after its rest (PACE x 0.5 s), not at the poll.

@@ -373,12 +373,9 @@ class ChangeSync:
         self.changed.set()
 
 
-async def _rest(wait: float, floor: float, changed: asyncio.Event | None) -> None:
+async def _rest(wait: float, floor: float, changed: asyncio.Event) -> None:
     """Rest ``floor`` seconds, then until ``wait`` has passed or ``changed`` is set."""
     await asyncio.sleep(floor)
-    if changed is None:
-        await asyncio.sleep(max(0.0, wait - floor))
-        return
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(changed.wait(), max(0.0, wait - floor))
 
@@ -395,11 +392,11 @@ async def run_writer(
     a sync brings the next) as soon as the pace allows, else every POLL seconds."""
     loop = asyncio.get_running_loop()
     leadership = leadership or STANDALONE
+    changed = changed or asyncio.Event()  # without a watch: never set, the poll alone
     while True:
         now = dt.datetime.now(dt.UTC)
         started = time.monotonic()
-        if changed is not None:
-            changed.clear()
+        changed.clear()
         try:
             wait = POLL
             if not await loop.run_in_executor(None, leadership.leads):
