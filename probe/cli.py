@@ -435,14 +435,17 @@ def _run(opts, worker):
     if v.verdict != _sibling("diagnosis").USABLE and v.scope == message.IMAGE:
         refused = _refused_to_this_user(deep=not from_files,
                                         libraries=bool(v.missing_libraries))
+        fix = ("run the pod as a user that can read the image's packages (or make them "
+               "readable in the image), then the probe can judge the image")
+        if refused is None and v.classification == "jit-prerequisites":
+            refused, fix = _adapter_elsewhere()
         if refused is not None:
             # What the image seems to lack may only be hidden from this pod's user.
             v.scope = message.ENVIRONMENT
             evidence = [e for e in evidence if not e.startswith(message.SCOPE)]
             evidence.insert(min(1, len(evidence)),
                             message.SCOPE + "environment (" + refused + ")")
-            v.fix = ("run the pod as a user that can read the image's packages (or make "
-                     "them readable in the image), then the probe can judge the image")
+            v.fix = fix
     return _verdict(opts, req_argv, o, v, evidence, from_files, usable_here, dropped,
                     pod_vars)
 
@@ -470,6 +473,30 @@ def _refused_to_this_user(deep, libraries=False):
         if folder is not None:
             return _not_judged("cannot search", folder, "where the loader looks for libraries")
     return None
+
+
+def _adapter_elsewhere():
+    """(why, fix) when the image may hold a prebuilt JIT adapter this pod's mooncake does
+    not look at (another user's HOME, a MOONCAKE_PG_JIT_DIR only the worker sets), or a
+    place one could be that this user may not search; (None, None) otherwise. Then a
+    build that cannot happen here is this pod's: another user's pod loads the adapter."""
+    inventory = _sibling("inventory")
+    roots = inventory.jit_cache_roots(
+        [sandbox.image_environment(), sandbox.worker_environment()])
+    folder = _sibling("access").refused_folder(roots)
+    if folder is not None:
+        return (_not_judged("cannot search", folder, "where a prebuilt JIT adapter may be"),
+                "run the pod as the user the image was built for, or ship the adapter "
+                "under a MOONCAKE_PG_JIT_DIR the image sets and every user may read")
+    found = inventory.prebuilt_adapter(roots)
+    if found is not None:
+        home = (sandbox.worker_environment().get("HOME") or "")[:200]
+        cache = os.path.dirname(os.path.dirname(found))[:200]
+        return (f"the image holds a prebuilt JIT adapter, {found[:200]!r}, that this pod's "
+                f"mooncake did not load (its HOME is {home!r}): another user's pod may",
+                f"set MOONCAKE_PG_JIT_DIR to {cache!r} (or run the pod as the user whose "
+                "HOME holds it)")
+    return None, None
 
 
 def _not_judged(refused, path, so):

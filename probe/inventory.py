@@ -211,6 +211,65 @@ JIT_GPU = "a visible GPU or TORCH_CUDA_ARCH_LIST"
 JIT_FILES = (JIT_NINJA, JIT_NVCC)
 
 
+# Where 0.3.14 keeps (and first looks for) the adapter it built: MOONCAKE_PG_JIT_DIR,
+# else ``$HOME/.cache/mooncake/pg_jit``; a build is ``<root>/<key>/_mooncake_pg_jit_*.so``.
+JIT_CACHE_UNDER_HOME = (".cache", "mooncake", "pg_jit")
+JIT_ADAPTER_PREFIX = "_mooncake_pg_jit_"
+# /etc/passwd read for the users' HOMEs: its first MAX_PASSWD_BYTES, MAX_HOMES homes.
+MAX_PASSWD_BYTES = 1 << 20
+MAX_HOMES = 256
+# Entries of a cache folder looked at (keys, then files in each): one per torch build.
+MAX_CACHE_ENTRIES = 256
+
+
+def jit_cache_roots(environs, fs=None):
+    """Every folder 0.3.14 would look for a prebuilt adapter in, for any user of the
+    image: ``MOONCAKE_PG_JIT_DIR`` of each environment given, and the default cache
+    under each environment's HOME, root's and every HOME ``/etc/passwd`` names. A pod
+    runs as a user of its choice (``runAsUser``), and its HOME follows: an adapter one
+    user's mooncake finds is no absence in the image for another's."""
+    fs = fs or files.LIVE
+    homes = [e.get("HOME") for e in environs] + ["/root"]
+    for line in (fs.read_text("/etc/passwd", MAX_PASSWD_BYTES) or "").splitlines()[:MAX_HOMES]:
+        fields = line.split(":")
+        if len(fields) >= 7:
+            homes.append(fields[5])
+    roots = [e.get("MOONCAKE_PG_JIT_DIR") for e in environs]
+    roots += [posixpath.join(h, *JIT_CACHE_UNDER_HOME) for h in homes if h]
+    out = []
+    for root in roots:
+        if root and posixpath.isabs(root) and root not in out:
+            out.append(posixpath.normpath(root))
+    return out[:MAX_HOMES]
+
+
+def prebuilt_adapter(roots):
+    """The first adapter 0.3.14 built (``<root>/<key>/_mooncake_pg_jit_*.so``, an ELF
+    file as mooncake checks it) under ``roots``; None when none is found. Reads only
+    MAX_CACHE_ENTRIES entries of each folder and 4 bytes of a candidate, non-blocking."""
+    for root in roots:
+        try:
+            keys = sorted(os.listdir(root))[:MAX_CACHE_ENTRIES]
+        except (OSError, ValueError):
+            continue
+        for key in keys:
+            folder = posixpath.join(root, key)
+            try:
+                names = sorted(os.listdir(folder))[:MAX_CACHE_ENTRIES]
+            except (OSError, ValueError):
+                continue
+            for name in names:
+                if name.startswith(JIT_ADAPTER_PREFIX) and name.endswith(".so"):
+                    path = posixpath.join(folder, name)
+                    f = elf.open_regular(path)
+                    if f is None:
+                        continue
+                    with f:
+                        if f.read(4) == b"\x7fELF":
+                            return path
+    return None
+
+
 def jit_prerequisites(cuda_available, fs=None, environ=None):
     """What 0.3.14's JIT loader needs to build its torch adapter, without building it.
 

@@ -97,14 +97,17 @@ def run_probe(
     probe_dir: Path = PROBE_DIR,
     as_module: bool = False,
     timeout: float = 300,
+    wrap: list[str] | None = None,
 ) -> Result:
-    """``python probe --json --termination-log T [opts] -- worker``; parse what it wrote."""
+    """``python probe --json --termination-log T [opts] -- worker``; parse what it wrote.
+    ``wrap``: a command the probe runs under (``unshare …``), its argv appended."""
     python = str(python or torch_python())
     log = tmp_path / "termination-log"
     if log.exists():
         log.unlink()
     head = [python, "-m", "probe"] if as_module else [python, str(probe_dir)]
     cmd = [
+        *(wrap or []),
         *head,
         "--json",
         "--termination-log",

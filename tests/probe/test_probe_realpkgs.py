@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ctypes
 import re
+import shutil
+import subprocess
 
 import pytest
 
@@ -233,6 +235,62 @@ def test_a_jit_build_that_fails_where_the_image_has_ninja_and_nvcc_is_this_pods(
     else:
         assert "missing:" not in r.lines[0]
     assert "python -m mooncake.pg --prebuild" in r.lines[-1]
+
+
+def _with_passwd(tmp_path, homes):
+    """A command that runs its argv with ``/etc/passwd`` naming ``homes`` (in a mount
+    namespace of its own: the host's file is untouched), as an image's would."""
+    passwd = tmp_path / "passwd"
+    lines = ["root:x:0:0:root:/root:/bin/sh"]
+    lines += [f"user{i}:x:{1000 + i}:{1000 + i}::{h}:/bin/sh" for i, h in enumerate(homes)]
+    passwd.write_text("\n".join(lines) + "\n")
+    wrap = ["unshare", "--mount", "sh", "-c", f"mount --bind {passwd} /etc/passwd && exec \"$@\"",
+            "sh"]  # fmt: skip
+    try:
+        ok = subprocess.run([*wrap, "true"], capture_output=True, timeout=30).returncode == 0
+    except OSError:
+        ok = False
+    if not ok:
+        pytest.skip("needs unshare --mount and mount --bind (root)")
+    return wrap
+
+
+@pytest.mark.parametrize("adapter", [True, False], ids=["adapter built", "no adapter"])
+def test_a_prebuilt_adapter_in_another_users_home_makes_a_missing_toolchain_this_pods(
+    tmp_path, adapter
+):
+    """0.3.14 loads a prebuilt adapter from ``$HOME/.cache/mooncake/pg_jit`` (or
+    MOONCAKE_PG_JIT_DIR), so an image built as one user may hold it under that user's
+    HOME: a pod run as another user (runAsUser, another HOME) then cannot build it
+    without ninja and nvcc, but the image works for the user it was built for. Said "in
+    this pod", never a cause of the image (which would refuse every tenant's pods);
+    with no adapter anywhere, the missing toolchain stays the image's."""
+    other = tmp_path / "builder-home"
+    keyed = other / ".cache" / "mooncake" / "pg_jit" / "0123456789abcdef0123"
+    keyed.mkdir(parents=True)
+    if adapter:
+        built = keyed / "_mooncake_pg_jit_cuda.cpython-311-x86_64-linux-gnu.so"
+        built.write_bytes(b"\x7fELF" + bytes(124))
+    env = clean_env([overlay(MTE_JIT), overlay(SGLANG_PG[0])], PATH="/usr/bin:/bin",
+                    HOME=str(tmp_path / "pod-home"))  # fmt: skip
+    for name in ("MOONCAKE_PG_JIT_DIR", "CUDA_HOME", "CUDA_PATH"):
+        env.pop(name, None)
+    if shutil.which("nvcc", path=env["PATH"]) and shutil.which("ninja", path=env["PATH"]):
+        pytest.skip("this host has ninja and nvcc on /usr/bin: the toolchain is not missing")
+    r = run_probe(tmp_path, env=env, wrap=_with_passwd(tmp_path, [str(other)]))
+    assert r.classification == "jit-prerequisites", r.message
+    if adapter:
+        assert_contract(r, here=True)
+        assert r.report["scope"] == "environment"
+        # The probe writes paths under its working folder (tmp_path) as $PWD.
+        said = str(built).replace(str(tmp_path), "$PWD")
+        assert f"the image holds a prebuilt JIT adapter, '{said}'" in r.message, r.message
+        assert "set MOONCAKE_PG_JIT_DIR to '$PWD/builder-home/.cache/mooncake/pg_jit'" in (
+            r.lines[-1]
+        )
+    else:
+        assert_contract(r)
+        assert r.report["scope"] == "image"
 
 
 # --- nothing installed --------------------------------------------------------------------
