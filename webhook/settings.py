@@ -522,6 +522,15 @@ class ControllerSettings:
             empty_is_value=True,
         )
     )
+    architecture_check_seconds: float = setting(
+        Option(
+            "EPGUARD_ARCHITECTURE_CHECK_SECONDS",
+            "seconds between checks for nodes of a second architecture (then the verdicts "
+            "probes taught are deleted: they are per image, not per platform)",
+            60.0,
+            number(positive=True),
+        )
+    )
     poll_interval: float = setting(
         Option(
             "EPGUARD_CERT_POLL_SECONDS",

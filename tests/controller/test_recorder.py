@@ -45,6 +45,7 @@ VERDICT = "sha256-" + "cd" * 32  # the ImageVerdict's name: the digest, ":" → 
 FINISHED = "2026-11-30T20:00:07Z"  # pod_with_probe_status's finishedAt
 T1 = NOW + dt.timedelta(minutes=10)
 T2 = NOW + dt.timedelta(minutes=20)
+NODE = "gpu-1"
 
 # What the probe writes (probe/message.py), as the kubelet hands it back.
 USABLE_MSG = (
@@ -107,6 +108,8 @@ class InMemoryApi:
         self.event_posts = 0
         self.events_down = False
         self.before_next_write: Callable[[], None] | None = None
+        # node name → its kubernetes.io/arch label (None: the node has none)
+        self.nodes: dict[str, str | None] = {NODE: "amd64"}
 
     # RecorderApi
 
@@ -188,6 +191,17 @@ class InMemoryApi:
         )
         return True
 
+    def architecture_of(self, node: str) -> str | None:
+        self.calls.append(("architecture_of", node))
+        return self.nodes.get(node)
+
+    def other_than(self, architecture: str | None) -> tuple[str, str] | None:
+        self.calls.append(("other_than", str(architecture)))
+        return next(
+            ((n, a) for n, a in sorted(self.nodes.items()) if a is not None and a != architecture),
+            None,
+        )
+
     # helpers
 
     def _interleave(self) -> None:
@@ -229,10 +243,13 @@ def probed_pod(
     restart_count: int = 0,
     namespace: str = "ml",
     signed_at: dt.datetime = NOW,
+    node: str | None = NODE,
 ) -> dict[str, Any]:
     """A pod /mutate injected and signed (created a second after signing), as the API
-    returns it once the kubelet wrote the probe's termination."""
+    returns it once the kubelet of ``node`` wrote the probe's termination."""
     pod = signed_pod(uid, signed_at, signed_at + dt.timedelta(seconds=1), namespace)
+    if node is not None:
+        pod["spec"]["nodeName"] = node
     image_id = f"registry.example/sglang@{digest}" if digest else ""
     pod["status"] = pod_with_probe_status(
         message,
@@ -328,6 +345,7 @@ class TestVerdicts:
             "source": "probe",
             "count": 1,
             "runs": [run_of("u1")],
+            "architecture": "amd64",
         }
 
     def test_an_unusable_outcome_is_a_warning_on_the_pod(self, api: InMemoryApi) -> None:
@@ -374,6 +392,49 @@ class TestVerdicts:
         record(probed_pod("u1", UNUSABLE_MSG, 1, owners=deployment_chain(api)), replica(api))
         assert api.spec()["count"] == 1
         assert api.event_posts == 2 and not api.events  # tried pod and owner, both failed
+
+
+# --- one architecture ----------------------------------------------------------------
+
+
+class TestArchitectures:
+    """A verdict is per image digest, which for a multi-platform image is the same on
+    every architecture while the files are not: learned only where every node shares
+    the architecture the probe ran on (controller/architectures.py)."""
+
+    def test_a_second_architecture_stops_learning_and_says_why_on_pod_and_owner(
+        self, api: InMemoryApi
+    ) -> None:
+        api.nodes["gh200-1"] = "arm64"
+        pod = probed_pod("u1", UNUSABLE_MSG, 1, owners=deployment_chain(api), node="gh200-1")
+        record(pod, replica(api))
+        assert api.verdicts == {} and api.called("create_verdict") == []
+        for kind, name in (("Pod", "pod-u1"), ("Deployment", "w")):
+            said = {e.reason: e.message for e in api.events_on(kind, name)}
+            assert said.keys() == {"MooncakeProbeFailed", "EpguardVerdictNotLearned"}
+            assert "nodes of more than one architecture (gh200-1 is arm64, gpu-1 is amd64)" in (
+                said["EpguardVerdictNotLearned"]
+            )
+
+    @pytest.mark.parametrize("node", [None, "gone", "unlabelled"])
+    def test_a_probe_whose_node_has_no_architecture_teaches_nothing(
+        self, api: InMemoryApi, node: str | None
+    ) -> None:
+        api.nodes["unlabelled"] = None
+        record(probed_pod("u1", UNUSABLE_MSG, 1, node=node), replica(api))
+        assert api.verdicts == {}
+        [event] = [e for e in api.events_on("Pod", "pod-u1") if e.reason != "MooncakeProbeFailed"]
+        assert event.reason == "EpguardVerdictNotLearned"
+
+    def test_an_unlabelled_node_elsewhere_does_not_stop_learning(self, api: InMemoryApi) -> None:
+        api.nodes["virtual-1"] = None
+        record(probed_pod("u1", USABLE_MSG, 0), replica(api))
+        assert api.spec()["architecture"] == "amd64"
+
+    def test_an_environment_cause_reads_no_node(self, api: InMemoryApi) -> None:
+        record(probed_pod("u1", IN_POD_MSG, 1), replica(api))
+        assert api.verdicts == {}
+        assert api.called("architecture_of") == [] and api.called("other_than") == []
 
 
 # --- once per run --------------------------------------------------------------------

@@ -247,6 +247,10 @@ class TestRBAC:
             ("create", "events", ["-n", "default"]),
             ("create", "imageverdicts.epguard.io", []),
             ("update", "imageverdicts.epguard.io", []),
+            # controller/architectures.py: a probe's node, and the verdicts it forgets.
+            ("get", "nodes/gpu-1", []),
+            ("list", "nodes", []),
+            ("delete", "imageverdicts.epguard.io", []),
             # The preflight gate's rights; the ValidatingAdmissionPolicy epguard-preflight
             # narrows them to preflight pods, the gate and its own condition
             # (tests/e2e/test_preflight_policy.py).
@@ -272,6 +276,8 @@ class TestRBAC:
             ("update", "pods", ["-n", "default"]),
             ("update", "pods/status", ["-n", "default"]),
             ("deletecollection", "pods", ["-n", "default"]),
+            ("patch", "nodes/gpu-1", []),
+            ("deletecollection", "imageverdicts.epguard.io", []),
         ],
     )
     def test_the_controller_may_not(

@@ -17,6 +17,7 @@ import datetime as dt
 import hashlib
 import json
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ import pytest
 from devcluster import ControlPlane
 from devcluster.process import ManagedProcess
 from devcluster.stack import CHART_DIR, NAMESPACE, REPO_ROOT, _child_env, install_chart
+from epguard.webhook.controller.architectures import ARCH_LABEL
 from epguard.webhook.engine.outcome import PROBED_LABEL
 from epguard.webhook.engine.signing import SIGNATURE_ANNOTATION, keyring_from_secret, sign
 from epguard.webhook.engine.verdicts import verdict_name
@@ -43,10 +45,20 @@ LEADS = "this replica leads"
 FOLLOWS = "another replica leads"
 
 
+NODE = "gpu-e2e-1"  # where the probes "ran": a Node object, no kubelet behind it
+
+
+def create_node(cp: ControlPlane, name: str, arch: str) -> None:
+    node = {"apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": name, "labels": {ARCH_LABEL: arch}}}  # fmt: skip
+    cp.kubectl("create", "-f", "-", input=json.dumps(node), check=True)
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
     with running_control_plane() as cp:
         install_chart(cp, CHART_DIR, [])
+        create_node(cp, NODE, "amd64")
         yield cp
 
 
@@ -67,7 +79,8 @@ def controllers(
             f"controller-{i}",
             argv,
             logs / f"controller-{i}.log",
-            env=_child_env(cluster),
+            # Checked often: the last test adds a node of a second architecture.
+            env={**_child_env(cluster), "EPGUARD_ARCHITECTURE_CHECK_SECONDS": "1"},
             cwd=REPO_ROOT,
         )
         for i in range(2)
@@ -120,10 +133,18 @@ def signed(cp: ControlPlane, obj: dict[str, Any], namespace: str) -> dict[str, A
 
 
 def fail_probe(
-    cp: ControlPlane, name: str, namespace: str, image: str, message: str, labelled: bool = True
+    cp: ControlPlane,
+    name: str,
+    namespace: str,
+    image: str,
+    message: str,
+    labelled: bool = True,
+    node: str = NODE,
 ) -> None:
-    """Create the (signed) pod and write its probe's termination as the kubelet would."""
+    """Create the (signed) pod, bound to ``node``, and write its probe's termination as
+    the kubelet would."""
     obj = signed(cp, probe_pod(name, namespace, image, labelled), namespace)
+    obj["spec"]["nodeName"] = node
     r = cp.kubectl("create", "-f", "-", input=as_yaml(obj))
     assert r.returncode == 0, r.stderr
     image_id = f"{image.rsplit(':', 1)[0]}@{digest_for(image)}"
@@ -240,3 +261,57 @@ def test_the_controller_watches_only_pods_labelled_by_injection(
         what="the labelled pod's ImageVerdict",
     )
     assert verdict_count(cluster, verdict_name(unlabelled, digest_for(unlabelled))) == 0
+
+
+def _exists(cp: ControlPlane, name: str) -> bool:
+    return cp.kubectl("get", "imageverdict", name).returncode == 0
+
+
+def test_a_node_of_a_second_architecture_forgets_what_probes_taught_and_stops_learning(
+    cluster: ControlPlane, controllers: list[ManagedProcess], tmp_path: Path
+) -> None:
+    """A verdict is per digest, the same for every platform of a multi-platform image,
+    while a probe judged one platform's files (controller/architectures.py). Once a node
+    of another architecture joins, the verdicts probes taught are deleted (a scan's
+    stay), and a probe teaches nothing more: its pod and owner say why. Last in the
+    module: the arm64 node stays until the control plane goes."""
+    cluster.kubectl("create", "namespace", "arch", check=True)
+    _, message = run_real_probe(tmp_path)
+    taught = "registry.example.com/e2e/sglang:arch-1"
+    fail_probe(cluster, "on-amd64", "arch", taught, message)
+    name = verdict_name(taught, digest_for(taught))
+    eventually(lambda: verdict_count(cluster, name) == 1, within=60, what="the ImageVerdict")
+    stored = json.loads(cluster.kubectl("get", "imageverdict", name, "-o", "json").stdout)
+    assert stored["spec"]["architecture"] == "amd64"
+    scanned = verdict_name("registry.example.com/e2e/sglang:arch-scan", "sha256:" + "ab" * 32,
+                           source="scan")  # fmt: skip
+    scan_verdict = {
+        "apiVersion": "epguard.io/v1alpha1", "kind": "ImageVerdict",
+        "metadata": {"name": scanned},
+        "spec": {"image": "registry.example.com/e2e/sglang:arch-scan",
+                 "digest": "sha256:" + "ab" * 32, "verdict": "Unusable", "reason": "x",
+                 "report": "x", "versions": {}, "firstSeen": "2026-12-01T10:00:00Z",
+                 "lastSeen": "2026-12-01T10:00:00Z", "count": 1, "source": "scan"},
+    }  # fmt: skip
+    cluster.kubectl("create", "-f", "-", input=json.dumps(scan_verdict), check=True)
+    # One architecture, checked every second: nothing is forgotten.
+    for _ in range(3):
+        time.sleep(1)
+        assert _exists(cluster, name)
+    create_node(cluster, "gh200-e2e-1", "arm64")
+    eventually(lambda: not _exists(cluster, name), within=30, what="the probe's verdict deleted")
+    assert _exists(cluster, scanned)
+    learned_not = "registry.example.com/e2e/sglang:arch-2"
+    fail_probe(cluster, "on-arm64", "arch", learned_not, message, node="gh200-e2e-1")
+
+    def said_why() -> bool:
+        r = cluster.kubectl(
+            "get", "events", "-n", "arch", "-o", "json", "--field-selector",
+            "involvedObject.name=on-arm64,reason=EpguardVerdictNotLearned",
+        )  # fmt: skip
+        items = json.loads(r.stdout)["items"] if r.returncode == 0 else []
+        return any("more than one architecture" in e["message"] for e in items)
+
+    eventually(said_why, within=60, what="the Event saying why nothing is learned")
+    assert probe_events(cluster, "arch", "on-arm64") == 1
+    assert not _exists(cluster, verdict_name(learned_not, digest_for(learned_not)))

@@ -5,6 +5,9 @@
 ``probe_key``     the key that signs injected probes: created, rotated, held
 ``background``    (a helper) the start/stop of a loop that lives as long as the operator
 ``recorder``      probe outcomes in pod status → ImageVerdicts + Events on pod and owner
+``architectures`` probes teach only where every node shares one architecture (a
+                  verdict is per image, not per platform); their verdicts are forgotten
+                  when a second one joins
 ``gatekeeper``    the preflight gate: one preflight pod per unjudged image, the gate on
                   the pods waiting on it decided from its result
 ``owners``        (a helper) the top owner of a pod, for Events where people look
@@ -28,6 +31,7 @@ HANDLER_MODULES: tuple[str, ...] = (
     "epguard.webhook.controller.certificates",
     "epguard.webhook.controller.probe_key",
     "epguard.webhook.controller.recorder",
+    "epguard.webhook.controller.architectures",
     "epguard.webhook.controller.gatekeeper",
     "epguard.webhook.controller.backstop",
 )

@@ -41,6 +41,7 @@ from epguard.webhook.cluster.kube import (
     get_verdict,
     list_pages,
 )
+from epguard.webhook.controller.architectures import KubeNodes, Placement, placement
 from epguard.webhook.controller.config import ControllerConfig
 from epguard.webhook.controller.owners import COMPONENT, KubeObjects, top_owner
 from epguard.webhook.engine.outcome import (
@@ -153,6 +154,12 @@ class RecorderApi(Protocol):
         """Post one Event named by (``about``, ``key``): the same key again is the same
         Event (a 409, which counts as posted). False when it could not be posted."""
 
+    def architecture_of(self, node: str) -> str | None:
+        """architectures.Nodes: the node's ``kubernetes.io/arch`` label."""
+
+    def other_than(self, architecture: str | None) -> tuple[str, str] | None:
+        """architectures.Nodes: a node labelled with another architecture."""
+
 
 class KubeRecorderApi(KubeObjects):
     """:class:`RecorderApi` on the official client (blocking calls: kopf runs the handler
@@ -161,6 +168,13 @@ class KubeRecorderApi(KubeObjects):
     def __init__(self, api: client.ApiClient) -> None:
         super().__init__(api)
         self.custom = client.CustomObjectsApi(api)
+        self.nodes = KubeNodes(api)
+
+    def architecture_of(self, node: str) -> str | None:
+        return self.nodes.architecture_of(node)
+
+    def other_than(self, architecture: str | None) -> tuple[str, str] | None:
+        return self.nodes.other_than(architecture)
 
     def read_verdict(self, name: str) -> dict[str, Any] | None:
         return get_verdict(self.custom, name)
@@ -248,10 +262,12 @@ class Recorder:
         while len(self.done) > MAX_DONE:
             self.done.popitem(last=False)
 
-    def upsert_verdict(self, outcome: ProbeOutcome, pod: str, run: str) -> ImageVerdictSpec | None:
+    def upsert_verdict(
+        self, outcome: ProbeOutcome, pod: str, run: str, architecture: str | None = None
+    ) -> ImageVerdictSpec | None:
         """Count this run on the image's ImageVerdict; None when it was counted already.
         OverBudget when it would be a new verdict and the pod's namespace has taught its
-        share (``per_namespace``) already."""
+        share (``per_namespace``) already. ``architecture``: its node's."""
         name = verdict_name(outcome.image, outcome.digest)
         namespace = pod.partition("/")[0]
         for _ in range(WRITE_ATTEMPTS):
@@ -259,7 +275,7 @@ class Recorder:
             previous = existing.get("spec") if existing else None
             if run in recorded_runs(previous):
                 return None
-            spec = verdict_spec(outcome, pod, self.clock(), previous, run)
+            spec = verdict_spec(outcome, pod, self.clock(), previous, run, architecture)
             body = verdict_object(name, spec, COMPONENT, existing, taught_by=namespace)
             if existing is None:
                 self._reserve(namespace)
@@ -309,6 +325,18 @@ class Recorder:
         )
         if not self.api.post_event(
             about, "EpguardVerdictBudgetSpent", message, warning=True, key=f"{run}/budget"
+        ):
+            log.warning("could not post event on %s/%s", about.kind, about.name)
+
+    def post_not_learned(
+        self, about: client.V1ObjectReference, outcome: ProbeOutcome, why: str, run: str
+    ) -> None:
+        message = (
+            f"epguard learns no verdict for {outcome.image} from this probe: {why}. The "
+            "probe still stopped this pod; the image stays unjudged for other pods"
+        )
+        if not self.api.post_event(
+            about, "EpguardVerdictNotLearned", message, warning=True, key=f"{run}/placement"
         ):
             log.warning("could not post event on %s/%s", about.kind, about.name)
 
@@ -382,16 +410,10 @@ def record_probe_outcomes(body: Mapping[str, Any], memo: kopf.Memo, **_: Any) ->
         return
     owner = recorder.top_owner(namespace, pod_meta.get("ownerReferences"))
     pod = f"{namespace}/{name}"
+    where: Placement | None = None
     for outcome, run in fresh:
         message = _message(outcome, pod)
-        if outcome.about_the_image:
-            try:
-                if recorder.upsert_verdict(outcome, pod, run) is not None:
-                    log.info("recorded %s for %s from pod %s", outcome.verdict, outcome.image, pod)
-            except OverBudget as spent:
-                log.warning("not learned from pod %s: %s", pod, spent)
-                recorder.post_over_budget(pod_ref, spent, outcome, run)
-        else:
+        if not outcome.about_the_image:
             # A cause in this pod or its node (or no digest to pin it to) must not refuse
             # anyone else's pods: it is told where people look, and nothing is learned.
             log.info(
@@ -400,6 +422,25 @@ def record_probe_outcomes(body: Mapping[str, Any], memo: kopf.Memo, **_: Any) ->
                 pod,
                 outcome.reason[:200],
             )
+        else:
+            if where is None:
+                node = as_map(body.get("spec")).get("nodeName")
+                where = placement(recorder.api, node if isinstance(node, str) else None)
+            if where.refusal is not None:
+                # Another architecture's files may differ under the same digest.
+                log.warning("not learned from pod %s: %s", pod, where.refusal)
+                for about in (pod_ref, owner):
+                    if about is not None:
+                        recorder.post_not_learned(about, outcome, where.refusal, run)
+            else:
+                try:
+                    if recorder.upsert_verdict(outcome, pod, run, where.architecture) is not None:
+                        log.info(
+                            "recorded %s for %s from pod %s", outcome.verdict, outcome.image, pod
+                        )
+                except OverBudget as spent:
+                    log.warning("not learned from pod %s: %s", pod, spent)
+                    recorder.post_over_budget(pod_ref, spent, outcome, run)
         recorder.post_event(pod_ref, outcome, message, run)
         if owner is not None:
             recorder.post_event(owner, outcome, message, run)

@@ -275,9 +275,11 @@ def verdict_spec(
     now: dt.datetime,
     previous: Mapping[str, Any] | None,
     run: str = "",
+    architecture: str | None = None,
 ) -> ImageVerdictSpec:
     """The spec to write: the newest outcome replaces the old one; count and firstSeen
-    carry; ``run`` (the termination, see ``run_key``) joins the remembered runs."""
+    carry; ``run`` (the termination, see ``run_key``) joins the remembered runs;
+    ``architecture``: the ``kubernetes.io/arch`` of the node the probe ran on."""
     runs = recorded_runs(previous)
     if run and run not in runs:
         runs = [*runs, run][-MAX_RUNS:]
@@ -293,6 +295,7 @@ def verdict_spec(
         previous=previous,
         pod=pod,
         runs=runs,
+        architecture=architecture,
     )
 
 

@@ -96,6 +96,8 @@ class ImageVerdictSpec(TypedDict):
     source: NotRequired[str]  # SOURCE_PROBE | SOURCE_SCAN
     recordedBy: NotRequired[str]  # the API server's username of the scan's caller (scan only)
     fix: NotRequired[str]  # what to change in the image, as the scan said it (scan only)
+    # kubernetes.io/arch of the node the probe ran on (probe only; controller/architectures.py)
+    architecture: NotRequired[str]
 
 
 # The CRD's limit on each ``spec.versions`` value (``maxLength: 128``). The versions come
@@ -137,12 +139,13 @@ def build_spec(
     runs: list[str] | None = None,
     fix: str | None = None,
     recorded_by: str | None = None,
+    architecture: str | None = None,
 ) -> ImageVerdictSpec:
     """The ImageVerdict spec a writer (the controller for a probe, ``epguard scan
     --record``) puts: written now, ``count`` and ``firstSeen`` carried from ``previous``
     (the spec read back, if any), each version cut to fit the CRD (an empty one written
     as null, which the API server drops, when ``omit_empty_versions``). ``pod`` and
-    ``runs`` are the probe's, ``fix`` and ``recorded_by`` the scan's."""
+    ``runs`` and ``architecture`` are the probe's, ``fix`` and ``recorded_by`` the scan's."""
     written = stamp(now)
     prev = previous if isinstance(previous, Mapping) else {}
     count, first_seen = prev.get("count"), prev.get("firstSeen")
@@ -174,6 +177,8 @@ def build_spec(
         spec["fix"] = fix
     if recorded_by is not None:
         spec["recordedBy"] = recorded_by
+    if architecture is not None:
+        spec["architecture"] = architecture
     return spec
 
 

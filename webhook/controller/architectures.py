@@ -1,0 +1,211 @@
+"""Verdicts are per image, not per platform: learn them only where every node shares one
+architecture, and forget the probes' verdicts when a node of another one joins.
+
+An ImageVerdict is keyed by the digest the kubelet reports. For a multi-platform image
+that is the index's digest, the same on every architecture, while the files the probe
+judged are one platform's. A probe on an arm64 node of an image whose arm64 variant
+lacks mooncake would otherwise teach "Unusable" for the amd64 variant too, and refuse
+every tenant's amd64 pods on it (a tenant chooses where its pod runs). So:
+
+* the recorder learns from a probe only when the node it ran on carries the kubelet's
+  ``kubernetes.io/arch`` label and no node carries another value (:func:`placement`);
+  the verdict records that architecture (``spec.architecture``). Otherwise the probe's
+  outcome is an Event on the pod and its owner, and nothing is learned;
+* once a node of a second architecture is labelled, every verdict a probe taught
+  (``spec.source`` probe, on any architecture) may be wrong for it: the controller
+  deletes them (:func:`run_sweep`, every ``EPGUARD_ARCHITECTURE_CHECK_SECONDS``, 60 by
+  default: a verdict learned before answers a minute at most on a node it may be wrong
+  for). A scan's verdicts stay: the scan recorder chose the platform it read.
+
+Node labels are written by each node's kubelet (``kubernetes.io/arch`` is one the
+NodeRestriction plugin lets it set), never by a tenant. A node without the label is not
+counted: every kubelet sets it, and counting one would stop all learning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import kopf
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from epguard.webhook.cluster.kube import (
+    REQUEST_TIMEOUT,
+    api_message,
+    get_object,
+    list_items,
+    list_pages,
+    resource_path,
+)
+from epguard.webhook.controller import background
+from epguard.webhook.controller.leadership import STANDALONE, Leadership
+from epguard.webhook.engine.verdicts import GROUP, PLURAL, SOURCE_SCAN, VERSION
+from epguard.webhook.engine.workloads import as_map
+
+log = logging.getLogger("epguard.controller.architectures")
+
+ARCH_LABEL = "kubernetes.io/arch"
+
+
+class Nodes(Protocol):
+    """The two node reads placement needs (the real one is :class:`KubeNodes`)."""
+
+    def architecture_of(self, node: str) -> str | None:
+        """The ``kubernetes.io/arch`` label of ``node``; None when it has none or cannot
+        be read (gone, or refused)."""
+
+    def other_than(self, architecture: str | None) -> tuple[str, str] | None:
+        """(name, architecture) of a node labelled with another architecture than
+        ``architecture`` (any labelled node when None); None when there is none."""
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a probe ran, and whether what it saw may be learned for every node."""
+
+    architecture: str | None
+    refusal: str | None  # why nothing is learned; None: learn, recording ``architecture``
+
+
+def placement(nodes: Nodes, node: str | None) -> Placement:
+    """Whether a probe that ran on ``node`` (the pod's ``spec.nodeName``) may teach a
+    verdict for every node, and on which architecture it ran."""
+    if not node:
+        return Placement(None, "the pod names no node it ran on")
+    arch = nodes.architecture_of(node)
+    if arch is None:
+        return Placement(None, f"its node {node} has no readable {ARCH_LABEL} label")
+    other = nodes.other_than(arch)
+    if other is not None:
+        return Placement(
+            arch,
+            f"this cluster has nodes of more than one architecture ({node} is {arch}, "
+            f"{other[0]} is {other[1]}) and a verdict is per image, not per platform",
+        )
+    return Placement(arch, None)
+
+
+def _label(obj: Mapping[str, Any]) -> str | None:
+    value = as_map(as_map(obj.get("metadata")).get("labels")).get(ARCH_LABEL)
+    return value if isinstance(value, str) and value else None
+
+
+class KubeNodes:
+    """:class:`Nodes` on the official client (blocking; callers run it in an executor)."""
+
+    def __init__(self, api: client.ApiClient) -> None:
+        self.api = api
+        self.core = client.CoreV1Api(api)
+
+    def architecture_of(self, node: str) -> str | None:
+        try:
+            return _label(get_object(self.api, resource_path("v1", "nodes", None, node)))
+        except ApiException as exc:
+            log.warning("cannot read node %s (%s %s)", node, exc.status, exc.reason)
+            return None
+
+    def other_than(self, architecture: str | None) -> tuple[str, str] | None:
+        selector = ARCH_LABEL
+        if architecture is not None:
+            selector += f",{ARCH_LABEL}!={architecture}"
+        # One page of one node: a single request, however many nodes match.
+        for item in list_items(self.core.list_node, page_size=1, label_selector=selector):
+            name, arch = as_map(item.get("metadata")).get("name"), _label(item)
+            if isinstance(name, str) and arch is not None:
+                return name, arch
+            break
+        return None
+
+
+def mixed(nodes: Nodes) -> tuple[tuple[str, str], tuple[str, str]] | None:
+    """Two nodes of different architectures, or None when all labelled nodes share one."""
+    first = nodes.other_than(None)
+    if first is None:
+        return None
+    second = nodes.other_than(first[1])
+    return None if second is None else (first, second)
+
+
+def forget_probe_verdicts(api: client.ApiClient) -> int:
+    """Delete every ImageVerdict a probe taught (a scan's stay); how many were deleted."""
+    custom = client.CustomObjectsApi(api)
+    names = [
+        str(as_map(v.get("metadata")).get("name"))
+        for page, _ in list_pages(custom.list_cluster_custom_object, GROUP, VERSION, PLURAL)
+        for v in page
+        if as_map(v.get("spec")).get("source") != SOURCE_SCAN
+    ]
+    deleted = 0
+    for name in names:
+        try:
+            custom.delete_cluster_custom_object(
+                GROUP, VERSION, PLURAL, name, _request_timeout=REQUEST_TIMEOUT
+            )
+            deleted += 1
+        except ApiException as exc:
+            if exc.status != 404:  # gone already: the other replica, or an admin
+                raise
+    return deleted
+
+
+def sweep_once(api: client.ApiClient, nodes: Nodes) -> int:
+    """One check: when nodes of two architectures exist, forget the probes' verdicts."""
+    pair = mixed(nodes)
+    if pair is None:
+        return 0
+    deleted = forget_probe_verdicts(api)
+    if deleted:
+        (a, arch_a), (b, arch_b) = pair
+        log.warning(
+            "nodes of two architectures (%s is %s, %s is %s): deleted %d ImageVerdicts "
+            "probes taught, which were per image, not per platform; probes teach no more "
+            "while the cluster has more than one architecture",
+            a, arch_a, b, arch_b, deleted,
+        )  # fmt: skip
+    return deleted
+
+
+async def run_sweep(
+    api: client.ApiClient,
+    stop: asyncio.Event,
+    every: float,
+    leadership: Leadership | None = None,
+) -> None:
+    """:func:`sweep_once` every ``every`` seconds until ``stop``, on the active replica."""
+    loop = asyncio.get_running_loop()
+    leadership = leadership or STANDALONE
+    nodes = KubeNodes(api)
+    while not stop.is_set():
+        try:
+            if await loop.run_in_executor(None, leadership.leads):
+                await loop.run_in_executor(None, sweep_once, api, nodes)
+        except ApiException as exc:
+            log.warning("architecture check failed (%s %s: %s); retrying", exc.status,
+                        exc.reason, api_message(exc))  # fmt: skip
+        except Exception as exc:  # a dropped connection must not end the loop
+            log.warning("architecture check failed (%s: %s); retrying", type(exc).__name__, exc)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), every)
+
+
+# --- kopf wiring ---------------------------------------------------------------------
+
+NAME = "architectures"
+
+
+@kopf.on.startup(id="epguard-architectures-start")
+async def _start(memo: kopf.Memo, **_: Any) -> None:
+    api, leadership = memo["api"], memo.get("leadership")
+    every = memo["config"].architecture_check_seconds
+    background.start(memo, NAME, lambda stop: run_sweep(api, stop, every, leadership))
+
+
+@kopf.on.cleanup(id="epguard-architectures-stop")
+async def _stop(memo: kopf.Memo, **_: Any) -> None:
+    await background.stop(memo, NAME)
