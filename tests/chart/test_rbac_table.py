@@ -116,3 +116,20 @@ def test_without_injection_nothing_writes_pods() -> None:
     assert not [
         o for o in off.objects if o["metadata"]["name"] == "epguard-preflight"
     ]
+
+
+def test_the_owner_kinds_the_controller_follows_are_the_ones_it_may_get(
+    defaults: Rendered,
+) -> None:
+    """owners.FOLLOWED (what the owner walk reads) and the chart's grants of ``get`` to the
+    controller name the same kinds: one more followed would read what RBAC refuses; one
+    more granted would be a right nothing uses."""
+    from epguard.webhook.controller.owners import FOLLOWED
+
+    granted = {
+        (group, resource)
+        for account, _, group, resource, names, verb in rendered(defaults)
+        if account == "epguard-controller" and verb == "get" and names == "any"
+        and group in {g for g, _ in FOLLOWED}
+    }  # fmt: skip
+    assert granted == {(group, kind.lower() + "s") for group, kind in FOLLOWED}

@@ -698,6 +698,38 @@ class TestOwners:
         assert len(api.called("read_object")) == owners.MAX_OWNER_DEPTH
         assert len(api.events_on("ReplicaSet", "w-7d9f")) == 1
 
+    @pytest.mark.parametrize(
+        ("api_version", "kind", "name"),
+        [
+            ("v1", "X", "../../../pods"),  # GET /api/v1/pods: every pod in the cluster
+            ("apps/v1", "ReplicaSet", "../pods?watch=true&limit=0"),
+            ("apps/v1", "ReplicaSet", "w%2F..%2F..%2Fsecrets"),
+            ("apps/v1/../../api/v1", "ReplicaSet", "w"),
+            ("apps/v1", "Replica/Set", "w"),
+            ("apps/v1", "ReplicaSet", "W" * 254),
+        ],
+    )
+    def test_an_owner_reference_that_is_no_object_name_is_neither_read_nor_named(
+        self, api: InMemoryApi, api_version: str, kind: str, name: str
+    ) -> None:
+        """An ownerReference is the tenant's to write, and the API server checks only that
+        its fields are not empty: read as a path with the controller's rights, a name of
+        ``../../../pods`` listed every pod in the cluster (one 1.5 MiB pod parses to ~12
+        MB: enough of them crash-looped the controller for every tenant)."""
+        record(probed_pod("u1", UNUSABLE_MSG, 1, owners=[owner_ref(api_version, kind, name)]),
+               replica(api))  # fmt: skip
+        assert not api.called("read_object")
+        assert [(e.kind, e.name) for e in api.events.values()] == [("Pod", "pod-u1")]
+        assert api.spec()["verdict"] == "Unusable"  # the verdict is still learned
+
+    def test_an_owner_of_a_kind_it_may_not_get_is_named_but_not_read(
+        self, api: InMemoryApi
+    ) -> None:
+        secret_owner = owner_ref("v1", "Secret", "db-password")
+        record(probed_pod("u1", UNUSABLE_MSG, 1, owners=[secret_owner]), replica(api))
+        assert not api.called("read_object")
+        assert len(api.events_on("Secret", "db-password")) == 1
+
     def test_a_pod_without_an_owner_is_told_on_itself_alone(self, api: InMemoryApi) -> None:
         record(probed_pod("u1", UNUSABLE_MSG, 1), replica(api))
         assert not api.called("read_object")

@@ -6,6 +6,7 @@ LeaderWorkerSet, …). Used by the recorder and the preflight."""
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -18,6 +19,25 @@ from epguard.webhook.engine.workloads import as_list
 log = logging.getLogger("epguard.controller.owners")
 
 MAX_OWNER_DEPTH = 5
+# The owner kinds read to go further up: (API group, kind) of those the chart's
+# ClusterRole lets the controller get (templates/rbac-controller.yaml, checked by
+# tests/chart/test_rbac_table.py). Another kind is named (its Events go to it) but never
+# read: an ownerReference is the tenant's to write, and reading what it names, with the
+# controller's rights, is reading what the tenant chooses.
+FOLLOWED = frozenset({
+    ("apps", "ReplicaSet"), ("apps", "Deployment"), ("apps", "StatefulSet"),
+    ("apps", "DaemonSet"), ("batch", "Job"), ("batch", "CronJob"),
+    ("leaderworkerset.x-k8s.io", "LeaderWorkerSet"), ("nvidia.com", "DynamoGraphDeployment"),
+})  # fmt: skip
+# What the API server lets an owner reference say is only "not empty"; these are what a
+# real one is: a group/version, a kind, an object name (a DNS-1123 subdomain). A
+# reference that is none of these ends the walk before it is named or read (before,
+# ``../../../pods`` as a name made the controller GET every pod in the cluster).
+_API_VERSION_RE = re.compile(
+    r"(?:[a-z0-9](?:[-a-z0-9.]{0,251}[a-z0-9])?/)?v[0-9]+(?:(?:alpha|beta)[0-9]+)?"
+)
+_KIND_RE = re.compile(r"[A-Za-z][A-Za-z0-9]{0,62}")
+_NAME_RE = re.compile(r"[a-z0-9](?:[-a-z0-9.]{0,251}[a-z0-9])?")
 # Who the Events and the objects the controller writes say they come from.
 COMPONENT = "epguard-controller"
 
@@ -45,7 +65,14 @@ def top_owner(
         if ref is None:
             return top
         api_version, kind, name = ref.get("apiVersion"), ref.get("kind"), ref.get("name")
-        if not (isinstance(api_version, str) and isinstance(kind, str) and isinstance(name, str)):
+        if not (
+            isinstance(api_version, str)
+            and isinstance(kind, str)
+            and isinstance(name, str)
+            and _API_VERSION_RE.fullmatch(api_version)
+            and _KIND_RE.fullmatch(kind)
+            and _NAME_RE.fullmatch(name)
+        ):
             return top
         uid = ref.get("uid")
         top = client.V1ObjectReference(
@@ -55,6 +82,8 @@ def top_owner(
             namespace=namespace,
             uid=uid if isinstance(uid, str) else None,
         )
+        if (api_version.rpartition("/")[0], kind) not in FOLLOWED:
+            return top
         # Every owner kind that makes pods pluralizes as kind + "s".
         path = resource_path(api_version, kind.lower() + "s", namespace, name)
         try:
