@@ -488,7 +488,11 @@ def _adapter_elsewhere():
         return (_not_judged("cannot search", folder, "where a prebuilt JIT adapter may be"),
                 "run the pod as the user the image was built for, or ship the adapter "
                 "under a MOONCAKE_PG_JIT_DIR the image sets and every user may read")
-    found = inventory.prebuilt_adapter(roots)
+    found, hidden = inventory.prebuilt_adapter(roots)
+    if found is None and hidden is not None:
+        return (_not_judged("cannot read", hidden, "where a prebuilt JIT adapter may be"),
+                "run the pod as the user the image was built for, or make the adapter "
+                "readable to every user")
     if found is not None:
         home = (sandbox.worker_environment().get("HOME") or "")[:200]
         cache = os.path.dirname(os.path.dirname(found))[:200]

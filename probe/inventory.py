@@ -244,30 +244,40 @@ def jit_cache_roots(environs, fs=None):
 
 
 def prebuilt_adapter(roots):
-    """The first adapter 0.3.14 built (``<root>/<key>/_mooncake_pg_jit_*.so``, an ELF
-    file as mooncake checks it) under ``roots``; None when none is found. Reads only
-    MAX_CACHE_ENTRIES entries of each folder and 4 bytes of a candidate, non-blocking."""
-    for root in roots:
+    """(the first adapter 0.3.14 built under ``roots``, the first place there this user
+    may not list or read): ``<root>/<key>/_mooncake_pg_jit_*.so``, an ELF file as
+    mooncake checks it. Either is None when there is none. A folder or an adapter hidden
+    from this user (an image built with a tight umask) hides it from this pod's mooncake
+    too, not from another user's. Reads only MAX_CACHE_ENTRIES entries of each folder and
+    4 bytes of a candidate, non-blocking."""
+    hidden = None
+
+    def names(folder):
+        nonlocal hidden
         try:
-            keys = sorted(os.listdir(root))[:MAX_CACHE_ENTRIES]
+            return sorted(os.listdir(folder))[:MAX_CACHE_ENTRIES]
+        except PermissionError:
+            hidden = hidden or folder
         except (OSError, ValueError):
-            continue
-        for key in keys:
+            pass
+        return []
+
+    for root in roots:
+        for key in names(root):
             folder = posixpath.join(root, key)
-            try:
-                names = sorted(os.listdir(folder))[:MAX_CACHE_ENTRIES]
-            except (OSError, ValueError):
-                continue
-            for name in names:
-                if name.startswith(JIT_ADAPTER_PREFIX) and name.endswith(".so"):
-                    path = posixpath.join(folder, name)
-                    f = elf.open_regular(path)
-                    if f is None:
-                        continue
-                    with f:
-                        if f.read(4) == b"\x7fELF":
-                            return path
-    return None
+            for name in names(folder) if os.path.isdir(folder) else []:
+                if not (name.startswith(JIT_ADAPTER_PREFIX) and name.endswith(".so")):
+                    continue
+                path = posixpath.join(folder, name)
+                f = elf.open_regular(path)
+                if f is None:
+                    if os.path.isfile(path) and not os.access(path, os.R_OK):
+                        hidden = hidden or path
+                    continue
+                with f:
+                    if f.read(4) == b"\x7fELF":
+                        return path, hidden
+    return None, hidden
 
 
 def jit_prerequisites(cuda_available, fs=None, environ=None):

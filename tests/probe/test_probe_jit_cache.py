@@ -3,10 +3,17 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import subprocess
+import tempfile
 from pathlib import Path
 
+import pytest
+
 from epguard.probe import inventory
+from tests.probe.probe_harness import PROBE_DIR
 
 
 class Passwd:
@@ -56,15 +63,60 @@ def test_an_adapter_is_an_elf_file_under_a_key_folder(tmp_path: Path) -> None:
     root = tmp_path / "pg_jit"
     key = root / "0123456789abcdef0123"
     key.mkdir(parents=True)
-    assert inventory.prebuilt_adapter([str(tmp_path / "absent"), str(root)]) is None
+    assert inventory.prebuilt_adapter([str(tmp_path / "absent"), str(root)]) == (None, None)
     name = "_mooncake_pg_jit_cuda.cpython-311-x86_64-linux-gnu.so"
     (key / name).write_bytes(b"not an ELF file")  # a build killed before it wrote
     os.mkfifo(key / "_mooncake_pg_jit_musa.so")  # must not block the probe
     (key / "lock").write_text("")
-    assert inventory.prebuilt_adapter([str(root)]) is None
+    assert inventory.prebuilt_adapter([str(root)]) == (None, None)
     (key / name).write_bytes(b"\x7fELF" + bytes(60))
-    assert inventory.prebuilt_adapter([str(root)]) == str(key / name)
+    assert inventory.prebuilt_adapter([str(root)]) == (str(key / name), None)
     # Directly in the cache root (no key folder) is not where mooncake looks.
     (key / name).unlink()
     (root / name).write_bytes(b"\x7fELF" + bytes(60))
-    assert inventory.prebuilt_adapter([str(root)]) is None
+    assert inventory.prebuilt_adapter([str(root)]) == (None, None)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to another uid")
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
+@pytest.mark.parametrize("hide", ["key folder", "adapter"])
+def test_an_adapter_hidden_from_this_user_is_said_hidden(hide: str) -> None:
+    """As uid 65534 (a pod's runAsUser): a key folder it may not list, or an adapter it
+    may not read (an image built with a tight umask), hides the adapter from this user's
+    mooncake too, not from root's; said hidden, never "no adapter"."""
+    python = shutil.which("python3", path="/usr/bin:/bin")
+    if python is None:
+        pytest.skip("needs a system python3 that any uid can run")
+    # Not under tmp_path: pytest's own directories are root-only.
+    base = Path(tempfile.mkdtemp(prefix="epguard-jit-", dir="/tmp"))
+    try:
+        base.chmod(0o755)
+        for module in ("inventory.py", "elf.py", "files.py"):
+            shutil.copy(PROBE_DIR / module, base / module)
+            (base / module).chmod(0o644)
+        key = base / "pg_jit" / "0123456789abcdef0123"
+        key.mkdir(parents=True)
+        adapter = key / "_mooncake_pg_jit_cuda.so"
+        adapter.write_bytes(b"\x7fELF" + bytes(60))
+        for folder in (base / "pg_jit", key):
+            folder.chmod(0o755)
+        adapter.chmod(0o644)
+        code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import inventory; "
+                "print(json.dumps(inventory.prebuilt_adapter([sys.argv[2]])))")  # fmt: skip
+
+        def as_nobody() -> list[str | None]:
+            r = subprocess.run(
+                ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", python,
+                 "-I", "-c", code, str(base), str(base / "pg_jit")],
+                capture_output=True, text=True, timeout=60, cwd="/tmp",
+            )  # fmt: skip
+            assert r.returncode == 0, r.stderr
+            found: list[str | None] = json.loads(r.stdout)
+            return found
+
+        assert as_nobody() == [str(adapter), None]
+        hidden = key if hide == "key folder" else adapter
+        hidden.chmod(0o700 if hide == "key folder" else 0o600)
+        assert as_nobody() == [None, str(hidden)]
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
