@@ -45,7 +45,14 @@ from epguard.webhook.cluster.kube import (
 )
 from epguard.webhook.controller import background
 from epguard.webhook.controller.leadership import STANDALONE, Leadership
-from epguard.webhook.engine.verdicts import GROUP, PLURAL, SOURCE_SCAN, VERSION
+from epguard.webhook.controller.owners import COMPONENT
+from epguard.webhook.engine.verdicts import (
+    GROUP,
+    MANAGED_BY_LABEL,
+    PLURAL,
+    SOURCE_SCAN,
+    VERSION,
+)
 from epguard.webhook.engine.workloads import as_map
 
 log = logging.getLogger("epguard.controller.architectures")
@@ -133,11 +140,17 @@ def mixed(nodes: Nodes) -> tuple[tuple[str, str], tuple[str, str]] | None:
 
 
 def forget_probe_verdicts(api: client.ApiClient) -> int:
-    """Delete every ImageVerdict a probe taught (a scan's stay); how many were deleted."""
+    """Delete every ImageVerdict a probe taught (a scan's stay); how many were deleted.
+    Listed by the label the controller writes on them, so that in a mixed cluster, where
+    nothing more is taught, each check lists nothing rather than every scan's verdict."""
     custom = client.CustomObjectsApi(api)
+    pages = list_pages(
+        custom.list_cluster_custom_object, GROUP, VERSION, PLURAL,
+        label_selector=f"{MANAGED_BY_LABEL}={COMPONENT}",
+    )  # fmt: skip
     names = [
         str(as_map(v.get("metadata")).get("name"))
-        for page, _ in list_pages(custom.list_cluster_custom_object, GROUP, VERSION, PLURAL)
+        for page, _ in pages
         for v in page
         if as_map(v.get("spec")).get("source") != SOURCE_SCAN
     ]

@@ -199,6 +199,8 @@ class ImageVerdictObject(TypedDict):
 # is counted by this label (controller.verdictsPerNamespace). It stays what the creator
 # wrote when a probe of another namespace updates the verdict.
 TAUGHT_BY_LABEL = "epguard.io/taught-by"
+# Who wrote a verdict: the controller (probes) or the scan recorder (their ``manager``).
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 
 
 def verdict_object(
@@ -211,7 +213,7 @@ def verdict_object(
     """The whole ImageVerdict to create (``existing`` None) or replace. The resourceVersion
     read goes with it, so a write that raced another ends in a 409 and a re-read, not in
     a lost update. ``taught_by``: the namespace of the probe that creates it."""
-    labels = {"app.kubernetes.io/managed-by": manager}
+    labels = {MANAGED_BY_LABEL: manager}
     metadata: ImageVerdictMeta = {"name": name, "labels": labels}
     old_meta = existing.get("metadata") if existing is not None else None
     if isinstance(old_meta, Mapping):
