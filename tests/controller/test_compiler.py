@@ -44,7 +44,7 @@ from epguard.webhook.engine.imageref import parse
 from epguard.webhook.engine.policy import PolicyConfig, PolicyState, decide
 from epguard.webhook.engine.review import AdmissionRequest
 from epguard.webhook.engine.rules import Rule, RuleSet, RulesHolder
-from epguard.webhook.engine.verdicts import VerdictStore, verdict_from_object
+from epguard.webhook.engine.verdicts import VerdictStore, verdict_from_object, verdict_name
 from epguard.webhook.engine.workloads import BUILTIN, PATH_KINDS
 
 NOW = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.UTC)
@@ -244,17 +244,26 @@ def many(n: int) -> VerdictStore:
 # --- the tests ----------------------------------------------------------------------
 
 
-def test_a_digest_with_an_unusable_verdict_is_refused_naming_the_verdict() -> None:
+@pytest.mark.parametrize("learned_by", ["digest", "tag"])
+def test_a_digest_with_an_unusable_verdict_is_refused_naming_the_verdict(learned_by: str) -> None:
+    """The probe's own names are rebuilt from the pod's digest: ``sha256-<hex>``, and for a
+    verdict learned by tag ``sha256-<hex>-<hash of the tag>``, of which the parameters
+    hold only the hash."""
     d = digest_of(7)
-    store = store_of(verdict(d.replace(":", "-"), "registry.example.com/x/y:a", d))
+    learned = "registry.example.com/x/y:a"
+    name = d.replace(":", "-") if learned_by == "digest" else verdict_name(learned, d)
+    store = store_of(verdict(name, learned, d))
     params = compile_params(store, NOW)
+    (shard,) = shard_objects(CONFIG, params)
+    (by_digest,) = shard["data"]["d"].values()  # the tag's entry names it whole
+    assert by_digest == ("0" if learned_by == "digest" else "0 " + name[-17:])
     image = f"registry.example.com/x/y@{d}"
     (said,) = judge_all(pod(image), params)
     assert f'container "worker" (image {image})' in said
-    assert f"[epguard verdict {d.replace(':', '-')}]" in said
-    assert f"delete ImageVerdict {d.replace(':', '-')}" in said and NAME_SLOT not in said
+    assert f"[epguard verdict {name}]" in said
+    assert f"delete ImageVerdict {name}" in said and NAME_SLOT not in said
     webhook = webhook_says(pod(image), RuleSet(), store)
-    assert webhook is not None and f"[epguard verdict {d.replace(':', '-')}]" in webhook
+    assert webhook is not None and f"[epguard verdict {name}]" in webhook
 
 
 @pytest.mark.parametrize(
@@ -485,6 +494,8 @@ def _mixed_verdicts(seed: int, n: int) -> list[dict[str, Any]]:
         image = f"registry.example.com/t{rng.randrange(5)}/sglang:b{rng.randrange(n // 4 + 1)}"
         derived = d is not None and d.startswith("sha256") and rng.random() < 0.5
         name = d.replace(":", "-") if d and derived else f"v-{i}"
+        if d and derived and rng.random() < 0.5:  # a probe's name for a verdict by tag
+            name = verdict_name(image, d)
         name = name if name not in names else f"v-{i}"
         names.add(name)
         hours = rng.choice([-2, 0, 1, 5, 23.9, 24.5, 48])

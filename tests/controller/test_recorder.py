@@ -33,15 +33,22 @@ from epguard.webhook.controller.recorder import (
     has_probe,
     record_probe_outcomes,
 )
+from epguard.webhook.engine.imageref import parse
 from epguard.webhook.engine.signing import FRESH_SECONDS, SIGNATURE_ANNOTATION, SignatureLedger
-from epguard.webhook.engine.verdicts import TAUGHT_BY_LABEL, ImageVerdictObject
+from epguard.webhook.engine.verdicts import (
+    TAUGHT_BY_LABEL,
+    ImageVerdictObject,
+    VerdictStore,
+    verdict_from_object,
+    verdict_name,
+)
 from tests.controller.test_certificate_manager import config
 from tests.controller.test_signature_use import NOW, keys, signed_pod
 from tests.probe.probe_pods import pod_with_probe_status
 
 IMAGE = "registry.example/sglang:1"
 DIGEST = "sha256:" + "cd" * 32
-VERDICT = "sha256-" + "cd" * 32  # the ImageVerdict's name: the digest, ":" → "-"
+VERDICT = verdict_name(IMAGE, DIGEST)  # sha256-<digest>-<hash of the tag>
 FINISHED = "2026-11-30T20:00:07Z"  # pod_with_probe_status's finishedAt
 T1 = NOW + dt.timedelta(minutes=10)
 T2 = NOW + dt.timedelta(minutes=20)
@@ -71,6 +78,11 @@ SAYS_ENVIRONMENT_MSG = (
     "scope: environment\n"
     "fix: retry on another node"
 )
+
+
+def named(i: int) -> str:
+    """The verdict object of IMAGE at digest ``i``."""
+    return verdict_name(IMAGE, "sha256:" + f"{i:02x}" * 32)
 
 
 # --- the in-memory API ---------------------------------------------------------------
@@ -244,17 +256,18 @@ def probed_pod(
     namespace: str = "ml",
     signed_at: dt.datetime = NOW,
     node: str | None = NODE,
+    image: str = IMAGE,
 ) -> dict[str, Any]:
     """A pod /mutate injected and signed (created a second after signing), as the API
     returns it once the kubelet of ``node`` wrote the probe's termination."""
-    pod = signed_pod(uid, signed_at, signed_at + dt.timedelta(seconds=1), namespace)
+    pod = signed_pod(uid, signed_at, signed_at + dt.timedelta(seconds=1), namespace, image)
     if node is not None:
         pod["spec"]["nodeName"] = node
     image_id = f"registry.example/sglang@{digest}" if digest else ""
     pod["status"] = pod_with_probe_status(
         message,
         exit_code,
-        image=IMAGE,
+        image=image,
         image_id=image_id,
         section=section,
         restart_count=restart_count,
@@ -435,6 +448,30 @@ class TestArchitectures:
         record(probed_pod("u1", IN_POD_MSG, 1), replica(api))
         assert api.verdicts == {}
         assert api.called("architecture_of") == [] and api.called("other_than") == []
+
+
+# --- one tag, one object --------------------------------------------------------------
+
+
+class TestTags:
+    @pytest.mark.parametrize(
+        "other", [f"registry.example/sglang@{DIGEST}", "mirror.example/copy:any"]
+    )
+    def test_a_probe_of_the_same_bytes_under_another_reference_keeps_the_tags_verdict(
+        self, api: InMemoryApi, other: str
+    ) -> None:
+        """A tag's Unusable verdict refuses pods on the tag for the TTL. Before, one
+        object per digest held one ``spec.image``: another tenant's probe of the same
+        bytes, pinned by digest or under a mirror's name, replaced it, and the tag's
+        verdict stopped refusing every tenant's pods (found by a review helper)."""
+        record(probed_pod("u1", UNUSABLE_MSG, 1), replica(api, T1))
+        record(probed_pod("u2", USABLE_MSG, 0, image=other, namespace="team-b"),
+               replica(api, T2))  # fmt: skip
+        store = VerdictStore()
+        store.replace(v for o in api.verdicts.values() if (v := verdict_from_object(o)))
+        hit = store.lookup(parse(IMAGE), T2 + dt.timedelta(minutes=1))
+        assert hit is not None and hit.trust == "deny" and hit.verdict.image == IMAGE
+        assert len(api.verdicts) == 2 and api.spec()["count"] == 1
 
 
 # --- once per run --------------------------------------------------------------------
@@ -844,7 +881,7 @@ class TestNamespaceShare:
         memo = self.share(api, 2, [0.0])
         for i in range(3):
             record(self.pod(i, UNUSABLE_MSG, 1), memo)
-        assert sorted(api.verdicts) == [f"sha256-{f'{i:02x}' * 32}" for i in range(2)]
+        assert sorted(api.verdicts) == [named(i) for i in range(2)]
         spent = [e for e in api.events.values() if e.reason == "EpguardVerdictBudgetSpent"]
         assert [(e.kind, e.name) for e in spent] == [("Pod", "pod-ml-2-1")]
         assert "its probes have taught 2 ImageVerdicts" in spent[0].message
@@ -855,13 +892,13 @@ class TestNamespaceShare:
 
         # Another namespace still teaches that image; this one still updates what exists.
         record(self.pod(2, UNUSABLE_MSG, 1, "team-b"), memo)
-        taught = api.verdicts[f"sha256-{'02' * 32}"]["metadata"]["labels"][TAUGHT_BY_LABEL]
+        taught = api.verdicts[named(2)]["metadata"]["labels"][TAUGHT_BY_LABEL]
         assert taught == "team-b"
         record(self.pod(0, USABLE_MSG, 0), memo)
-        assert api.verdicts[f"sha256-{'00' * 32}"]["spec"]["count"] == 2
+        assert api.verdicts[named(0)]["spec"]["count"] == 2
         # An update by another namespace keeps who taught it.
         record(self.pod(0, USABLE_MSG, 0, "team-b"), memo)
-        labels = api.verdicts[f"sha256-{'00' * 32}"]["metadata"]["labels"]
+        labels = api.verdicts[named(0)]["metadata"]["labels"]
         assert labels[TAUGHT_BY_LABEL] == "ml"
 
     def test_the_share_is_counted_from_the_api_and_counted_again_later(
@@ -871,18 +908,18 @@ class TestNamespaceShare:
         memo = self.share(api, 1, clock)
         record(self.pod(0, UNUSABLE_MSG, 1), memo)
         record(self.pod(1, UNUSABLE_MSG, 1), memo)
-        assert list(api.verdicts) == [f"sha256-{'00' * 32}"]
+        assert list(api.verdicts) == [named(0)]
         # A new process (a failover) reads the count; an admin deletes the old verdict:
         # the share is free again once the count is read anew.
         fresh = self.share(api, 1, clock)
         record(self.pod(2, UNUSABLE_MSG, 1), fresh)
         assert len(api.verdicts) == 1
-        del api.verdicts[f"sha256-{'00' * 32}"]
+        del api.verdicts[named(0)]
         record(self.pod(3, UNUSABLE_MSG, 1), fresh)
         assert len(api.verdicts) == 0
         clock[0] = RECOUNT_SECONDS + 1
         record(self.pod(4, UNUSABLE_MSG, 1), fresh)
-        assert list(api.verdicts) == [f"sha256-{'04' * 32}"]
+        assert list(api.verdicts) == [named(4)]
 
 
 class TestNamespaceShareUnderThreads:

@@ -37,9 +37,14 @@ def _stamp(t: dt.datetime) -> str:
 
 
 def signed_pod(
-    uid: str, signed_at: dt.datetime, created: dt.datetime, namespace: str = "ml"
+    uid: str,
+    signed_at: dt.datetime,
+    created: dt.datetime,
+    namespace: str = "ml",
+    image: str = str(WORKER["image"]),
 ) -> dict[str, Any]:
-    spec = plan({"containers": [dict(WORKER)]}, InjectionSettings(epguard_image="epguard:1")).spec
+    worker = {**WORKER, "image": image}
+    spec = plan({"containers": [worker]}, InjectionSettings(epguard_image="epguard:1")).spec
     assert spec is not None
     stored = {"metadata": {"labels": {PROBED_LABEL: "true"}}, "spec": spec}
     return {

@@ -33,7 +33,7 @@ from epguard.webhook.engine.imageref import ImageRefError, parse
 from epguard.webhook.engine.policy import PolicyConfig, PolicyState, decide
 from epguard.webhook.engine.review import AdmissionRequest
 from epguard.webhook.engine.rules import Rule, RuleSet, RulesHolder
-from epguard.webhook.engine.verdicts import VerdictStore, verdict_from_object
+from epguard.webhook.engine.verdicts import VerdictStore, verdict_from_object, verdict_name
 from epguard.webhook.engine.workloads import BUILTIN, PATH_KINDS
 from tests import hostile_pods, realmanifests
 from tests.chart.chartlib import render
@@ -46,6 +46,7 @@ RELEASE_NS = "epguard-system"
 BAD = "lmsysorg/sglang:v0.5.16-cu129"
 GOOD = "lmsysorg/sglang:v0.5.18-cu130"
 PINNED = "sha256:" + "cd" * 32
+OTHER_PINNED = "sha256:" + "ce" * 32
 MOONCAKE = ["--model-path", "m", "--elastic-ep-backend", "mooncake"]
 LAUNCH = ["python3", "-m", "sglang.launch_server"]
 RULE = Rule(
@@ -232,8 +233,12 @@ def test_refuses_by_verdict_digest_and_by_a_fresh_tag_but_not_an_expired_one(
     cluster: Cluster,
 ) -> None:
     now = dt.datetime.now(dt.UTC)
+    # A probe's own name for a verdict learned by tag: the digest and the tag's hash,
+    # of which the parameters hold only the hash.
+    by_tag = verdict_name("registry.example.com/ml/sglang:b", OTHER_PINNED)
     store = _store(
         _verdict("by-digest", "registry.example.com/ml/sglang:a", PINNED, now),
+        _verdict(by_tag, "registry.example.com/ml/sglang:b", OTHER_PINNED, now),
         _verdict("fresh-tag", "registry.example.com/ml/sglang:fresh", None, now),
         _verdict("old-tag", "registry.example.com/ml/sglang:old", None, now - dt.timedelta(days=2)),
     )
@@ -242,6 +247,11 @@ def test_refuses_by_verdict_digest_and_by_a_fresh_tag_but_not_an_expired_one(
         cluster, _pod([_c("w", f"registry.example.com/x@{PINNED}", LAUNCH + MOONCAKE)]), "ml"
     )
     assert pinned is not None and "[epguard verdict by-digest]" in pinned
+    other = _create(
+        cluster, _pod([_c("w", f"registry.example.com/y@{OTHER_PINNED}", LAUNCH + MOONCAKE)]),
+        "ml",
+    )
+    assert other is not None and f"[epguard verdict {by_tag}]" in other, other
     assert "libcudart.so.12 is missing" in pinned
     fresh = _create(
         cluster, _pod([_c("w", "registry.example.com/ml/sglang:fresh", LAUNCH + MOONCAKE)]), "ml"

@@ -15,6 +15,7 @@ import pytest
 
 from devcluster import ControlPlane
 from devcluster.images import BAD_WORKER
+from epguard.webhook.engine.verdicts import verdict_name
 from tests.e2e.e2e_kube import apply, denied_by_epguard, eventually, output, pod, worker
 from tests.e2e.node_e2e import SharedCluster, opted_in_namespace, wait_probe, workload
 
@@ -50,7 +51,7 @@ def recorded(
         assert r.returncode == 0, r.stderr
         found = wait_probe(cluster, ns, ["-l", "app=sglang"])
         digest = found["status"]["imageID"].rsplit("@", 1)[-1]
-        name = digest.replace(":", "-")
+        name = verdict_name(BAD_WORKER.ref, digest)
         verdict: dict[str, Any] = {}
 
         def written() -> bool:

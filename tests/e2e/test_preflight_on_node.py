@@ -27,6 +27,7 @@ import pytest
 from devcluster import ControlPlane
 from devcluster.images import BAD_WORKER, BUSYBOX_IMAGE, ENV_ONLY_WORKER
 from epguard.webhook.engine.preflight import CONDITION, GATE, PREFLIGHT_LABEL
+from epguard.webhook.engine.verdicts import verdict_name as name_of_verdict
 from tests.e2e.e2e_kube import apply, denied_by_epguard, eventually, output
 from tests.e2e.node_e2e import (
     SharedCluster,
@@ -187,7 +188,7 @@ def test_a_bad_image_is_never_scheduled_and_its_model_never_mounted(
     # The verdict, from the signed preflight, keyed by the digest the runtime reported.
     image_id = preflights[0]["status"]["initContainerStatuses"][1]["imageID"]
     digest = image_id.rsplit("@", 1)[-1]
-    verdict_name = digest.replace(":", "-")
+    verdict_name = name_of_verdict(BAD_WORKER.ref, digest)
 
     def recorded() -> bool:
         r = cluster.kubectl("get", "imageverdict", verdict_name, "-o", "json")

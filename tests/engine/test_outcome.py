@@ -91,7 +91,15 @@ def test_digest_is_taken_from_every_image_id_spelling() -> None:
 
 
 def test_verdict_name_is_by_digest_and_shared_by_spellings_of_one_tag() -> None:
-    assert verdict_name("x", "sha256:" + "ab" * 32) == "sha256-" + "ab" * 32
+    digest = "sha256:" + "ab" * 32
+    assert verdict_name("x@" + digest, digest) == "sha256-" + "ab" * 32
+    assert verdict_name("x:t@" + digest, digest) == "sha256-" + "ab" * 32
+    # By tag: one object per (bytes, tag), shared by the tag's spellings.
+    tagged = verdict_name("lmsysorg/sglang:v1", digest)
+    assert tagged.startswith("sha256-" + "ab" * 32 + "-") and len(tagged) == 71 + 17
+    assert tagged == verdict_name("docker.io/lmsysorg/sglang:v1", digest)
+    assert tagged != verdict_name("lmsysorg/sglang:v2", digest)
+    assert verdict_name("x", digest) == verdict_name("x:latest", digest) != tagged
     assert verdict_name("lmsysorg/sglang:v1", None) == verdict_name(
         "docker.io/lmsysorg/sglang:v1", None
     )

@@ -39,7 +39,8 @@ policy once per shard, each with its own CEL cost budget; a refusal by any shard
 every Deny decision collected). An entry's shard is a hash of its key, so an entry stays
 in its shard while the others change. Each shard holds a reason table (``r``: each
 distinct denial text once) and maps whose values are an index into it, plus the verdict's
-object name where the name is not ``sha256-<digest>``/``scan-sha256-<digest>``. The
+object name where the name is not ``sha256-<digest>``/``scan-sha256-<digest>`` (of a
+probe's verdict by tag, ``sha256-<digest>-<hash of the tag>``, only ``-<hash>``). The
 webhook's message also says where and when the verdict was seen; the backstop's says
 "seen failing in this cluster" (per-verdict times would not fit 100,000 verdicts).
 
@@ -67,6 +68,7 @@ from epguard.webhook.engine.namespaces import MODE_LABEL, MODES, Mode
 from epguard.webhook.engine.policy import SKIP_ANNOTATION, rule_denial, verdict_denial
 from epguard.webhook.engine.rules import Rule, RuleSet
 from epguard.webhook.engine.verdicts import (
+    TAG_HASH_CHARS,
     Verdict,
     VerdictHit,
     VerdictStore,
@@ -108,6 +110,8 @@ DIGEST_KEY = 32
 # In a reason template, where the verdict's name (or its digest) goes. Removed from the
 # texts it is put into, so only the compiler writes it.
 NAME_SLOT = "\ue000"
+# What a probe's verdict by tag adds to its digest name (verdicts.verdict_name).
+_TAG_SUFFIX = re.compile(f"-[0-9a-f]{{{TAG_HASH_CHARS}}}")
 # A tag verdict leaves the list this long before the webhook stops trusting it, so the
 # policy is never the stricter of the two while the controller catches up.
 TAG_MARGIN = dt.timedelta(minutes=1)
@@ -272,14 +276,19 @@ def _template_of(
     return " ".join(verdict_denial(VerdictHit(bare, "deny", by_digest)).split())[:MAX_MESSAGE]
 
 
-def _derived_prefix(v: Verdict, digest: str) -> str | None:
-    """``sha256-`` or ``scan-sha256-`` when the verdict's name is that plus the digest's
-    hex (the probe's and the scan's own names), so the name need not be stored."""
+def _derived_prefix(v: Verdict, digest: str) -> tuple[str | None, str | None]:
+    """(``sha256-`` or ``scan-sha256-``, what to store of the name) when the verdict's
+    name is that plus the digest's hex (the probe's and the scan's own names): nothing,
+    or only the ``-<hash of the tag>`` a probe's verdict by tag ends in
+    (verdicts.verdict_name). (None, the whole name) for any other name."""
     hexd = digest.removeprefix("sha256:")
     for prefix in ("sha256-", "scan-sha256-"):
         if v.object_name == prefix + hexd:
-            return prefix
-    return None
+            return prefix, None
+    rest = v.object_name.removeprefix("sha256-" + hexd)
+    if rest != v.object_name and _TAG_SUFFIX.fullmatch(rest):
+        return "sha256-", rest
+    return None, v.object_name
 
 
 def verdict_entries(
@@ -333,9 +342,8 @@ class EntryIndex:
             held = self._digests.get(digest)
             if held is not None and (held[0], held[1]) >= (seen, v.object_name):
                 return
-            prefix = _derived_prefix(v, key)
+            prefix, named = _derived_prefix(v, key)
             template = None if v.usable else _template(v, True, prefix)
-            named = None if prefix is not None else v.object_name
             self._digests[digest] = (seen, v.object_name, template, named)
             return
         held = self._tags.get(key)
@@ -620,10 +628,13 @@ def _repo(name: str) -> str:
 
 
 def _expand(value: str, default: str) -> str:
-    """CEL: an entry's value (``index`` or ``index name``) → its denial text."""
+    """CEL: an entry's value (``index``, ``index name`` or ``index -suffix``) → its denial
+    text; a suffix follows ``default`` (the pod's digest), a name replaces it."""
+    named = f"{value}.split(' ')[1]"
     return (
         f"params.data.r[int({value}.split(' ')[0])].replace({_cel(NAME_SLOT)}, "
-        f"{value}.contains(' ') ? {value}.split(' ')[1] : {default})"
+        f"{value}.contains(' ') ? ({named}.startsWith('-') ? {default} + {named} : {named})"
+        f" : {default})"
     )
 
 

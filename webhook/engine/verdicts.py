@@ -53,23 +53,35 @@ DEFAULT_TAG_TTL = dt.timedelta(hours=24)
 # the scan to its own).
 SOURCE_PROBE, SOURCE_SCAN = "probe", "scan"
 SCAN_NAME_PREFIX = "scan-"
+# Of a tag's hash in a probe verdict's name: 64 bits, where a collision would need a
+# chosen second tag of the same bytes, and only merge two references' verdicts.
+TAG_HASH_CHARS = 16
 
 
 def verdict_name(image: str, digest: str | None, source: str = SOURCE_PROBE) -> str:
-    """The ImageVerdict's object name: one object per image content, per writer.
+    """The ImageVerdict's object name: one object per image content and tag, per writer.
 
     The scan's is ``scan-<manifest digest>``. The probe's is by digest when the kubelet
-    resolved one (the bytes the probe saw), otherwise ``ref-`` and a hash of the
-    normalized reference, so two spellings of one image share an object.
+    resolved one (the bytes the probe saw), and for a reference by tag, the digest and a
+    hash of the normalized ``name:tag``: the tag a verdict answers for is its object's
+    alone, so a probe of the same bytes under another reference (pinned, another tag, a
+    mirror) writes an object of its own and never takes a tag's verdict away from it
+    (before, it replaced ``spec.image`` of the one object per digest, and the tag's
+    Unusable verdict stopped refusing for every tenant). Without a digest: ``ref-`` and a
+    hash of the normalized reference, so two spellings of one image share an object.
     """
     if source == SOURCE_SCAN:
         return SCAN_NAME_PREFIX + (digest or "").replace(":", "-")
-    if digest:
-        return digest.replace(":", "-")
     try:
-        key = str(parse(image))
+        ref: ImageRef | None = parse(image)
     except ImageRefError:
-        key = image
+        ref = None
+    if digest:
+        name = digest.replace(":", "-")
+        if ref is not None and ref.tag is not None and ref.digest is None:
+            name += "-" + hashlib.sha256(ref.name_tag.encode()).hexdigest()[:TAG_HASH_CHARS]
+        return name
+    key = str(ref) if ref is not None else image
     return "ref-" + hashlib.sha256(key.encode()).hexdigest()[:40]
 
 
