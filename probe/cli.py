@@ -481,8 +481,13 @@ def _adapter_elsewhere():
     place one could be that this user may not search; (None, None) otherwise. Then a
     build that cannot happen here is this pod's: another user's pod loads the adapter."""
     inventory = _sibling("inventory")
-    roots = inventory.jit_cache_roots(
+    roots, undecided = inventory.jit_cache_roots(
         [sandbox.image_environment(), sandbox.worker_environment()])
+    if undecided is not None:
+        said = repr(undecided[:200])
+        return (f"MOONCAKE_PG_JIT_DIR is {said}: where mooncake looks depends on the pod's "
+                "working folder or a named user, not on the image",
+                "set MOONCAKE_PG_JIT_DIR to an absolute folder in the image")
     folder = _sibling("access").refused_folder(roots)
     if folder is not None:
         return (_not_judged("cannot search", folder, "where a prebuilt JIT adapter may be"),

@@ -223,24 +223,39 @@ MAX_CACHE_ENTRIES = 256
 
 
 def jit_cache_roots(environs, fs=None):
-    """Every folder 0.3.14 would look for a prebuilt adapter in, for any user of the
-    image: ``MOONCAKE_PG_JIT_DIR`` of each environment given, and the default cache
-    under each environment's HOME, root's and every HOME ``/etc/passwd`` names. A pod
-    runs as a user of its choice (``runAsUser``), and its HOME follows: an adapter one
-    user's mooncake finds is no absence in the image for another's."""
+    """(every folder 0.3.14 would look for a prebuilt adapter in, for any user of the
+    image; a ``MOONCAKE_PG_JIT_DIR`` whose folder no list of users decides, or None).
+
+    The folders: ``MOONCAKE_PG_JIT_DIR`` of each environment given, and the default cache
+    under each environment's HOME, ``/`` (a uid /etc/passwd does not name), root's and
+    every HOME ``/etc/passwd`` names. A pod runs as a user of its choice (``runAsUser``),
+    and its HOME follows: an adapter one user's mooncake finds is no absence in the image
+    for another's. mooncake expands ``~`` in the variable (``Path.expanduser``), so
+    ``~/x`` is looked for under every HOME; a relative value (the pod's ``workingDir``
+    decides) or ``~name`` is returned as undecided."""
     fs = fs or files.LIVE
-    homes = [e.get("HOME") for e in environs] + ["/root"]
+    homes = [e.get("HOME") for e in environs] + ["/", "/root"]
     for line in (fs.read_text("/etc/passwd", MAX_PASSWD_BYTES) or "").splitlines()[:MAX_HOMES]:
         fields = line.split(":")
         if len(fields) >= 7:
             homes.append(fields[5])
-    roots = [e.get("MOONCAKE_PG_JIT_DIR") for e in environs]
-    roots += [posixpath.join(h, *JIT_CACHE_UNDER_HOME) for h in homes if h]
+    homes = [h for h in homes if h and posixpath.isabs(h)]
+    roots, undecided = [], None
+    for value in (e.get("MOONCAKE_PG_JIT_DIR") for e in environs):
+        if not value:
+            continue
+        if value == "~" or value.startswith("~/"):
+            roots += [posixpath.join(h, value[2:]) for h in homes]
+        elif posixpath.isabs(value):
+            roots.append(value)
+        else:
+            undecided = undecided or value
+    roots += [posixpath.join(h, *JIT_CACHE_UNDER_HOME) for h in homes]
     out = []
-    for root in roots:
-        if root and posixpath.isabs(root) and root not in out:
-            out.append(posixpath.normpath(root))
-    return out[:MAX_HOMES]
+    for root in map(posixpath.normpath, roots):
+        if root not in out:
+            out.append(root)
+    return out[:MAX_HOMES], undecided
 
 
 def prebuilt_adapter(roots):
@@ -265,7 +280,12 @@ def prebuilt_adapter(roots):
     for root in roots:
         for key in names(root):
             folder = posixpath.join(root, key)
-            for name in names(folder) if os.path.isdir(folder) else []:
+            if not os.path.isdir(folder):
+                continue
+            if not os.access(folder, os.R_OK | os.X_OK):
+                hidden = hidden or folder  # listed, not searched: its files are hidden
+                continue
+            for name in names(folder):
                 if not (name.startswith(JIT_ADAPTER_PREFIX) and name.endswith(".so")):
                     continue
                 path = posixpath.join(folder, name)

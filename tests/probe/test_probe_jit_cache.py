@@ -34,29 +34,42 @@ def test_every_users_default_cache_and_every_jit_dir_is_a_place_to_look() -> Non
         "broken line without fields\n"
         "svc:x:1001:1001::relative/home:/bin/sh\n"
     )
-    image = {"HOME": "/", "MOONCAKE_PG_JIT_DIR": "/opt/adapter/"}
-    worker = {"HOME": "/data/home", "MOONCAKE_PG_JIT_DIR": "cache"}  # relative: no place
-    roots = inventory.jit_cache_roots([image, worker], passwd)
+    image = {"HOME": "/data/home", "MOONCAKE_PG_JIT_DIR": "/opt/adapter/"}
+    worker = {"HOME": "/data/home", "MOONCAKE_PG_JIT_DIR": "~/jit"}  # ~: every HOME's
+    roots, undecided = inventory.jit_cache_roots([image, worker], passwd)
+    assert undecided is None
     assert roots == [
         "/opt/adapter",
-        "/.cache/mooncake/pg_jit",
+        "/data/home/jit",
+        "/jit",  # HOME is / for a uid /etc/passwd does not name
+        "/root/jit",
+        "/home/builder/jit",
         "/data/home/.cache/mooncake/pg_jit",
+        "/.cache/mooncake/pg_jit",
         "/root/.cache/mooncake/pg_jit",
         "/home/builder/.cache/mooncake/pg_jit",
     ]
-    # An unreadable passwd still leaves the environments' places and root's.
-    assert inventory.jit_cache_roots([image], Passwd(None)) == [
-        "/opt/adapter",
-        "/.cache/mooncake/pg_jit",
-        "/root/.cache/mooncake/pg_jit",
-    ]
+    # An unreadable passwd still leaves the environments' places, /'s and root's.
+    assert inventory.jit_cache_roots([image], Passwd(None)) == (
+        ["/opt/adapter", "/data/home/.cache/mooncake/pg_jit", "/.cache/mooncake/pg_jit",
+         "/root/.cache/mooncake/pg_jit"],
+        None,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("value", ["jit", "./jit", "~builder/jit"])
+def test_a_jit_dir_the_working_folder_or_a_named_user_decides_is_undecided(value: str) -> None:
+    """mooncake takes MOONCAKE_PG_JIT_DIR through Path.expanduser(), relative to the
+    working folder (the pod's workingDir): no list of users says where that is."""
+    _, undecided = inventory.jit_cache_roots([{"MOONCAKE_PG_JIT_DIR": value}], Passwd(None))
+    assert undecided == value
 
 
 def test_a_huge_passwd_gives_a_bounded_list() -> None:
     many = "".join(f"u{i}:x:{i}:{i}::/home/u{i}:/bin/sh\n" for i in range(5000))
-    roots = inventory.jit_cache_roots([{}], Passwd(many))
+    roots, _ = inventory.jit_cache_roots([{}], Passwd(many))
     assert len(roots) == inventory.MAX_HOMES
-    assert roots[0] == "/root/.cache/mooncake/pg_jit"
+    assert roots[:2] == ["/.cache/mooncake/pg_jit", "/root/.cache/mooncake/pg_jit"]
 
 
 def test_an_adapter_is_an_elf_file_under_a_key_folder(tmp_path: Path) -> None:
@@ -79,7 +92,7 @@ def test_an_adapter_is_an_elf_file_under_a_key_folder(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to another uid")
 @pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
-@pytest.mark.parametrize("hide", ["key folder", "adapter"])
+@pytest.mark.parametrize("hide", ["key folder", "key folder listed, not searched", "adapter"])
 def test_an_adapter_hidden_from_this_user_is_said_hidden(hide: str) -> None:
     """As uid 65534 (a pod's runAsUser): a key folder it may not list, or an adapter it
     may not read (an image built with a tight umask), hides the adapter from this user's
@@ -115,8 +128,8 @@ def test_an_adapter_hidden_from_this_user_is_said_hidden(hide: str) -> None:
             return found
 
         assert as_nobody() == [str(adapter), None]
-        hidden = key if hide == "key folder" else adapter
-        hidden.chmod(0o700 if hide == "key folder" else 0o600)
+        hidden = adapter if hide == "adapter" else key
+        hidden.chmod({"key folder": 0o700, "adapter": 0o600}.get(hide, 0o744))
         assert as_nobody() == [None, str(hidden)]
     finally:
         shutil.rmtree(base, ignore_errors=True)

@@ -255,18 +255,21 @@ def _with_passwd(tmp_path, homes):
     return wrap
 
 
+@pytest.mark.parametrize("jit_dir", [None, "~/.mooncake-jit"], ids=["default cache", "~ dir"])
 @pytest.mark.parametrize("adapter", [True, False], ids=["adapter built", "no adapter"])
 def test_a_prebuilt_adapter_in_another_users_home_makes_a_missing_toolchain_this_pods(
-    tmp_path, adapter
+    tmp_path, adapter, jit_dir
 ):
     """0.3.14 loads a prebuilt adapter from ``$HOME/.cache/mooncake/pg_jit`` (or
     MOONCAKE_PG_JIT_DIR), so an image built as one user may hold it under that user's
     HOME: a pod run as another user (runAsUser, another HOME) then cannot build it
     without ninja and nvcc, but the image works for the user it was built for. Said "in
     this pod", never a cause of the image (which would refuse every tenant's pods);
-    with no adapter anywhere, the missing toolchain stays the image's."""
+    with no adapter anywhere, the missing toolchain stays the image's. The image's
+    ``MOONCAKE_PG_JIT_DIR=~/…`` is under each user's HOME too (mooncake expands it)."""
     other = tmp_path / "builder-home"
-    keyed = other / ".cache" / "mooncake" / "pg_jit" / "0123456789abcdef0123"
+    cache = other / jit_dir[2:] if jit_dir else other / ".cache" / "mooncake" / "pg_jit"
+    keyed = cache / "0123456789abcdef0123"
     keyed.mkdir(parents=True)
     if adapter:
         built = keyed / "_mooncake_pg_jit_cuda.cpython-311-x86_64-linux-gnu.so"
@@ -275,6 +278,8 @@ def test_a_prebuilt_adapter_in_another_users_home_makes_a_missing_toolchain_this
                     HOME=str(tmp_path / "pod-home"))  # fmt: skip
     for name in ("MOONCAKE_PG_JIT_DIR", "CUDA_HOME", "CUDA_PATH"):
         env.pop(name, None)
+    if jit_dir:
+        env["MOONCAKE_PG_JIT_DIR"] = jit_dir
     if shutil.which("nvcc", path=env["PATH"]) and shutil.which("ninja", path=env["PATH"]):
         pytest.skip("this host has ninja and nvcc on /usr/bin: the toolchain is not missing")
     r = run_probe(tmp_path, env=env, wrap=_with_passwd(tmp_path, [str(other)]))
@@ -285,9 +290,8 @@ def test_a_prebuilt_adapter_in_another_users_home_makes_a_missing_toolchain_this
         # The probe writes paths under its working folder (tmp_path) as $PWD.
         said = str(built).replace(str(tmp_path), "$PWD")
         assert f"the image holds a prebuilt JIT adapter, '{said}'" in r.message, r.message
-        assert "set MOONCAKE_PG_JIT_DIR to '$PWD/builder-home/.cache/mooncake/pg_jit'" in (
-            r.lines[-1]
-        )
+        where = str(cache).replace(str(tmp_path), "$PWD")
+        assert f"set MOONCAKE_PG_JIT_DIR to '{where}'" in r.lines[-1]
     else:
         assert_contract(r)
         assert r.report["scope"] == "image"
