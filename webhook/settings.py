@@ -531,6 +531,17 @@ class ControllerSettings:
             number(positive=True),
         )
     )
+    architectures: tuple[str, ...] = setting(
+        Option(
+            "EPGUARD_ARCHITECTURES",
+            "the kubernetes.io/arch values the elastic-EP workers run on, comma-separated; "
+            "probes teach verdicts only on nodes of the one declared (none when two are); "
+            "empty: only while every labelled node has one architecture",
+            (),
+            names,
+            chart="controller.architectures",
+        )
+    )
     poll_interval: float = setting(
         Option(
             "EPGUARD_CERT_POLL_SECONDS",

@@ -439,6 +439,19 @@ class TestArchitectures:
         [event] = [e for e in api.events_on("Pod", "pod-u1") if e.reason != "MooncakeProbeFailed"]
         assert event.reason == "EpguardVerdictNotLearned"
 
+    def test_a_declared_architecture_teaches_on_its_nodes_only(self, api: InMemoryApi) -> None:
+        """controller.architectures: [amd64]: a node of another architecture (an
+        autoscaled pool a tenant brought up) neither stops learning nor teaches."""
+        api.nodes["gh200-1"] = "arm64"
+        memo = replica(api, config=config(architectures=("amd64",)))
+        record(probed_pod("u1", UNUSABLE_MSG, 1), memo)
+        assert api.spec()["architecture"] == "amd64"
+        record(probed_pod("u2", USABLE_MSG, 0, node="gh200-1", image="registry.example/b:1"),
+               memo)  # fmt: skip
+        assert len(api.verdicts) == 1
+        [event] = [e for e in api.events_on("Pod", "pod-u2") if e.reason != "MooncakeProbePassed"]
+        assert "gh200-1 is arm64, not amd64" in event.message
+
     def test_an_unlabelled_node_elsewhere_does_not_stop_learning(self, api: InMemoryApi) -> None:
         api.nodes["virtual-1"] = None
         record(probed_pod("u1", USABLE_MSG, 0), replica(api))

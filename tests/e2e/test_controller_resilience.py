@@ -28,9 +28,10 @@ from devcluster import ControlPlane
 from devcluster.process import ManagedProcess
 from devcluster.stack import CHART_DIR, NAMESPACE, REPO_ROOT, _child_env, install_chart
 from epguard.webhook.controller.architectures import ARCH_LABEL
+from epguard.webhook.controller.owners import COMPONENT
 from epguard.webhook.engine.outcome import PROBED_LABEL
 from epguard.webhook.engine.signing import SIGNATURE_ANNOTATION, keyring_from_secret, sign
-from epguard.webhook.engine.verdicts import verdict_name
+from epguard.webhook.engine.verdicts import MANAGED_BY_LABEL, verdict_name
 from tests.control_plane import running_control_plane
 from tests.e2e.e2e_kube import as_yaml, eventually
 from tests.probe.probe_pods import pod_with_probe_status, run_real_probe
@@ -48,9 +49,9 @@ FOLLOWS = "another replica leads"
 NODE = "gpu-e2e-1"  # where the probes "ran": a Node object, no kubelet behind it
 
 
-def create_node(cp: ControlPlane, name: str, arch: str) -> None:
-    node = {"apiVersion": "v1", "kind": "Node",
-            "metadata": {"name": name, "labels": {ARCH_LABEL: arch}}}  # fmt: skip
+def create_node(cp: ControlPlane, name: str, arch: str | None) -> None:
+    labels = {ARCH_LABEL: arch} if arch else {}
+    node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels}}
     cp.kubectl("create", "-f", "-", input=json.dumps(node), check=True)
 
 
@@ -59,6 +60,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
     with running_control_plane() as cp:
         install_chart(cp, CHART_DIR, [])
         create_node(cp, NODE, "amd64")
+        # Listed first by name and unlabelled: the node selectors must pass it by (a list
+        # of one that stopped at it would see one architecture where there are two).
+        create_node(cp, "0-unlabelled", None)
         yield cp
 
 
@@ -287,20 +291,24 @@ def test_a_node_of_a_second_architecture_forgets_what_probes_taught_and_stops_le
                            source="scan")  # fmt: skip
     scan_verdict = {
         "apiVersion": "epguard.io/v1alpha1", "kind": "ImageVerdict",
-        "metadata": {"name": scanned},
+        "metadata": {"name": scanned, "labels": {MANAGED_BY_LABEL: "epguard-scan"}},
         "spec": {"image": "registry.example.com/e2e/sglang:arch-scan",
                  "digest": "sha256:" + "ab" * 32, "verdict": "Unusable", "reason": "x",
                  "report": "x", "versions": {}, "firstSeen": "2026-12-01T10:00:00Z",
                  "lastSeen": "2026-12-01T10:00:00Z", "count": 1, "source": "scan"},
     }  # fmt: skip
     cluster.kubectl("create", "-f", "-", input=json.dumps(scan_verdict), check=True)
+    # A scan's verdict under the controller's label: still the scan's (spec.source).
+    relabelled = json.loads(json.dumps(scan_verdict))
+    relabelled["metadata"] = {"name": scanned + "-x", "labels": {MANAGED_BY_LABEL: COMPONENT}}
+    cluster.kubectl("create", "-f", "-", input=json.dumps(relabelled), check=True)
     # One architecture, checked every second: nothing is forgotten.
     for _ in range(3):
         time.sleep(1)
         assert _exists(cluster, name)
     create_node(cluster, "gh200-e2e-1", "arm64")
     eventually(lambda: not _exists(cluster, name), within=30, what="the probe's verdict deleted")
-    assert _exists(cluster, scanned)
+    assert _exists(cluster, scanned) and _exists(cluster, scanned + "-x")
     learned_not = "registry.example.com/e2e/sglang:arch-2"
     fail_probe(cluster, "on-arm64", "arch", learned_not, message, node="gh200-e2e-1")
 

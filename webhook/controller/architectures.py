@@ -80,15 +80,29 @@ class Placement:
     refusal: str | None  # why nothing is learned; None: learn, recording ``architecture``
 
 
-def placement(nodes: Nodes, node: str | None) -> Placement:
+def placement(nodes: Nodes, node: str | None, declared: tuple[str, ...] = ()) -> Placement:
     """Whether a probe that ran on ``node`` (the pod's ``spec.nodeName``) may teach a
-    verdict for every node, and on which architecture it ran."""
+    verdict for every node, and on which architecture it ran. ``declared``: the
+    architectures the admin says the cluster's workers run on (``controller.architectures``);
+    empty, whether any labelled node has another architecture decides. A node that cannot
+    be read, or a list that fails, teaches nothing (never "one architecture")."""
     if not node:
         return Placement(None, "the pod names no node it ran on")
-    arch = nodes.architecture_of(node)
-    if arch is None:
-        return Placement(None, f"its node {node} has no readable {ARCH_LABEL} label")
-    other = nodes.other_than(arch)
+    try:
+        arch = nodes.architecture_of(node)
+        if arch is None:
+            return Placement(None, f"its node {node} has no readable {ARCH_LABEL} label")
+        if len(declared) > 1:
+            return Placement(arch, f"controller.architectures declares {', '.join(declared)} "
+                             "and a verdict is per image, not per platform")  # fmt: skip
+        if declared:
+            if arch == declared[0]:
+                return Placement(arch, None)
+            return Placement(arch, f"its node {node} is {arch}, not {declared[0]}, the "
+                             "architecture controller.architectures declares")  # fmt: skip
+        other = nodes.other_than(arch)
+    except Exception as exc:  # a dropped connection, a refused list: learn nothing
+        return Placement(None, f"the nodes could not be read ({type(exc).__name__})")
     if other is not None:
         return Placement(
             arch,
@@ -139,65 +153,98 @@ def mixed(nodes: Nodes) -> tuple[tuple[str, str], tuple[str, str]] | None:
     return None if second is None else (first, second)
 
 
-def forget_probe_verdicts(api: client.ApiClient) -> int:
-    """Delete every ImageVerdict a probe taught (a scan's stay); how many were deleted.
-    Listed by the label the controller writes on them, so that in a mixed cluster, where
-    nothing more is taught, each check lists nothing rather than every scan's verdict."""
-    custom = client.CustomObjectsApi(api)
-    pages = list_pages(
-        custom.list_cluster_custom_object, GROUP, VERSION, PLURAL,
-        label_selector=f"{MANAGED_BY_LABEL}={COMPONENT}",
-    )  # fmt: skip
-    names = [
-        str(as_map(v.get("metadata")).get("name"))
-        for page, _ in pages
-        for v in page
-        if as_map(v.get("spec")).get("source") != SOURCE_SCAN
-    ]
-    deleted = 0
-    for name in names:
+class Verdicts(Protocol):
+    """The verdicts the sweep reads and deletes (the real one is :class:`KubeVerdicts`)."""
+
+    def taught(self) -> list[tuple[str, str | None]]:
+        """(name, ``spec.architecture``) of every ImageVerdict a probe taught."""
+
+    def delete(self, name: str) -> None:
+        """Delete one; gone already is no error."""
+
+
+class KubeVerdicts:
+    """:class:`Verdicts` on the official client. Listed by the label the controller writes
+    on its verdicts, so that in a mixed cluster, where nothing more is taught, each check
+    lists nothing rather than every scan's verdict."""
+
+    def __init__(self, api: client.ApiClient) -> None:
+        self.custom = client.CustomObjectsApi(api)
+
+    def taught(self) -> list[tuple[str, str | None]]:
+        pages = list_pages(
+            self.custom.list_cluster_custom_object, GROUP, VERSION, PLURAL,
+            label_selector=f"{MANAGED_BY_LABEL}={COMPONENT}",
+        )  # fmt: skip
+        out = []
+        for page, _ in pages:
+            for v in page:
+                spec = as_map(v.get("spec"))
+                arch = spec.get("architecture")
+                if spec.get("source") != SOURCE_SCAN:
+                    name = str(as_map(v.get("metadata")).get("name"))
+                    out.append((name, arch if isinstance(arch, str) else None))
+        return out
+
+    def delete(self, name: str) -> None:
         try:
-            custom.delete_cluster_custom_object(
+            self.custom.delete_cluster_custom_object(
                 GROUP, VERSION, PLURAL, name, _request_timeout=REQUEST_TIMEOUT
             )
-            deleted += 1
         except ApiException as exc:
             if exc.status != 404:  # gone already: the other replica, or an admin
                 raise
-    return deleted
 
 
-def sweep_once(api: client.ApiClient, nodes: Nodes) -> int:
-    """One check: when nodes of two architectures exist, forget the probes' verdicts."""
-    pair = mixed(nodes)
-    if pair is None:
-        return 0
-    deleted = forget_probe_verdicts(api)
-    if deleted:
-        (a, arch_a), (b, arch_b) = pair
+def sweep_once(nodes: Nodes, verdicts: Verdicts, declared: tuple[str, ...] = ()) -> int:
+    """One check; how many verdicts it deleted. With nodes of two architectures (or two
+    declared), every verdict probes taught goes. With one architecture (declared, or the
+    one every labelled node has), the verdicts taught on another go: a cluster that moved
+    from one architecture to another between two checks keeps none of the old one's."""
+    why: str
+    if len(declared) > 1:
+        one = None
+        why = f"controller.architectures declares {', '.join(declared)}"
+    elif declared:
+        one, why = declared[0], f"controller.architectures declares {declared[0]}"
+    else:
+        pair = mixed(nodes)
+        if pair is not None:
+            (a, arch_a), (b, arch_b) = pair
+            one, why = None, f"nodes of two architectures ({a} is {arch_a}, {b} is {arch_b})"
+        else:
+            any_node = nodes.other_than(None)
+            if any_node is None:
+                return 0  # no labelled node: nothing says which architecture holds
+            one, why = any_node[1], f"every labelled node is {any_node[1]}"
+    gone = [name for name, arch in verdicts.taught()
+            if one is None or (arch is not None and arch != one)]  # fmt: skip
+    for name in gone:
+        verdicts.delete(name)
+    if gone:
         log.warning(
-            "nodes of two architectures (%s is %s, %s is %s): deleted %d ImageVerdicts "
-            "probes taught, which were per image, not per platform; probes teach no more "
-            "while the cluster has more than one architecture",
-            a, arch_a, b, arch_b, deleted,
+            "%s: deleted %d ImageVerdicts probes taught %s (a verdict is per image, not "
+            "per platform)", why, len(gone),
+            "on any architecture" if one is None else f"on another architecture than {one}",
         )  # fmt: skip
-    return deleted
+    return len(gone)
 
 
 async def run_sweep(
     api: client.ApiClient,
     stop: asyncio.Event,
     every: float,
+    declared: tuple[str, ...] = (),
     leadership: Leadership | None = None,
 ) -> None:
     """:func:`sweep_once` every ``every`` seconds until ``stop``, on the active replica."""
     loop = asyncio.get_running_loop()
     leadership = leadership or STANDALONE
-    nodes = KubeNodes(api)
+    nodes, verdicts = KubeNodes(api), KubeVerdicts(api)
     while not stop.is_set():
         try:
             if await loop.run_in_executor(None, leadership.leads):
-                await loop.run_in_executor(None, sweep_once, api, nodes)
+                await loop.run_in_executor(None, sweep_once, nodes, verdicts, declared)
         except ApiException as exc:
             log.warning("architecture check failed (%s %s: %s); retrying", exc.status,
                         exc.reason, api_message(exc))  # fmt: skip
@@ -215,8 +262,9 @@ NAME = "architectures"
 @kopf.on.startup(id="epguard-architectures-start")
 async def _start(memo: kopf.Memo, **_: Any) -> None:
     api, leadership = memo["api"], memo.get("leadership")
-    every = memo["config"].architecture_check_seconds
-    background.start(memo, NAME, lambda stop: run_sweep(api, stop, every, leadership))
+    config = memo["config"]
+    every, declared = config.architecture_check_seconds, config.architectures
+    background.start(memo, NAME, lambda stop: run_sweep(api, stop, every, declared, leadership))
 
 
 @kopf.on.cleanup(id="epguard-architectures-stop")

@@ -425,7 +425,10 @@ def record_probe_outcomes(body: Mapping[str, Any], memo: kopf.Memo, **_: Any) ->
         else:
             if where is None:
                 node = as_map(body.get("spec")).get("nodeName")
-                where = placement(recorder.api, node if isinstance(node, str) else None)
+                declared = config.architectures if config is not None else ()
+                where = placement(
+                    recorder.api, node if isinstance(node, str) else None, declared
+                )
             if where.refusal is not None:
                 # Another architecture's files may differ under the same digest.
                 log.warning("not learned from pod %s: %s", pod, where.refusal)
