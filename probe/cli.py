@@ -484,9 +484,8 @@ def _adapter_elsewhere():
     roots, undecided = inventory.jit_cache_roots(
         [sandbox.image_environment(), sandbox.worker_environment()])
     if undecided is not None:
-        said = repr(undecided[:200])
-        return (f"MOONCAKE_PG_JIT_DIR is {said}: where mooncake looks depends on the pod's "
-                "working folder or a named user, not on the image",
+        return (f"{undecided[:200]}: where a prebuilt JIT adapter may be is not known for "
+                "every user of the image",
                 "set MOONCAKE_PG_JIT_DIR to an absolute folder in the image")
     folder = _sibling("access").refused_folder(roots)
     if folder is not None:

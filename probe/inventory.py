@@ -12,6 +12,7 @@ import importlib.util
 import os
 import posixpath
 import re
+import stat
 import sys
 
 try:
@@ -224,63 +225,98 @@ MAX_CACHE_ENTRIES = 256
 
 def jit_cache_roots(environs, fs=None):
     """(every folder 0.3.14 would look for a prebuilt adapter in, for any user of the
-    image; a ``MOONCAKE_PG_JIT_DIR`` whose folder no list of users decides, or None).
+    image; why no list of folders can say it, or None).
 
-    The folders: ``MOONCAKE_PG_JIT_DIR`` of each environment given, and the default cache
-    under each environment's HOME, ``/`` (a uid /etc/passwd does not name), root's and
-    every HOME ``/etc/passwd`` names. A pod runs as a user of its choice (``runAsUser``),
-    and its HOME follows: an adapter one user's mooncake finds is no absence in the image
-    for another's. mooncake expands ``~`` in the variable (``Path.expanduser``), so
-    ``~/x`` is looked for under every HOME; a relative value (the pod's ``workingDir``
-    decides) or ``~name`` is returned as undecided."""
+    The folders: ``MOONCAKE_PG_JIT_DIR`` of each environment given (the image's first),
+    and the default cache under each environment's HOME, ``/`` (a uid /etc/passwd does
+    not name), root's and every HOME ``/etc/passwd`` names. A pod runs as a user of its
+    choice (``runAsUser``), and its HOME follows: an adapter one user's mooncake finds is
+    no absence in the image for another's. mooncake expands ``~`` in the variable
+    (``Path.expanduser``), so ``~/x`` is looked for under every HOME. Undecided: a
+    relative value or HOME (the pod's ``workingDir`` decides), ``~name``, and a list cut
+    at MAX_HOMES (a place past it may hold the adapter)."""
     fs = fs or files.LIVE
     homes = [e.get("HOME") for e in environs] + ["/", "/root"]
-    for line in (fs.read_text("/etc/passwd", MAX_PASSWD_BYTES) or "").splitlines()[:MAX_HOMES]:
+    text = fs.read_text("/etc/passwd", MAX_PASSWD_BYTES)
+    lines = (text or "").splitlines()
+    undecided = None
+    if text is None and fs.exists("/etc/passwd"):
+        undecided = "/etc/passwd could not be read whole"
+    elif len(lines) > MAX_HOMES:
+        undecided = f"more than {MAX_HOMES} users in /etc/passwd"
+    for line in lines[:MAX_HOMES]:
         fields = line.split(":")
         if len(fields) >= 7:
             homes.append(fields[5])
+    for home in homes:
+        if home and not posixpath.isabs(home):
+            undecided = undecided or f"HOME {home!r} is relative"
     homes = [h for h in homes if h and posixpath.isabs(h)]
-    roots, undecided = [], None
+    roots = []
     for value in (e.get("MOONCAKE_PG_JIT_DIR") for e in environs):
         if not value:
             continue
         if value == "~" or value.startswith("~/"):
-            roots += [posixpath.join(h, value[2:]) for h in homes]
+            # As expanduser: HOME, then the rest after every leading slash.
+            roots += [posixpath.join(h, value[1:].lstrip("/")) for h in homes]
         elif posixpath.isabs(value):
             roots.append(value)
         else:
-            undecided = undecided or value
+            undecided = undecided or f"MOONCAKE_PG_JIT_DIR {value!r} is relative or ~name"
     roots += [posixpath.join(h, *JIT_CACHE_UNDER_HOME) for h in homes]
-    out = []
+    out, seen = [], set()
     for root in map(posixpath.normpath, roots):
-        if root not in out:
+        if root not in seen:
+            seen.add(root)
             out.append(root)
+    if len(out) > MAX_HOMES:
+        undecided = undecided or f"more than {MAX_HOMES} places to look"
     return out[:MAX_HOMES], undecided
 
 
 def prebuilt_adapter(roots):
     """(the first adapter 0.3.14 built under ``roots``, the first place there this user
-    may not list or read): ``<root>/<key>/_mooncake_pg_jit_*.so``, an ELF file as
-    mooncake checks it. Either is None when there is none. A folder or an adapter hidden
-    from this user (an image built with a tight umask) hides it from this pod's mooncake
-    too, not from another user's. Reads only MAX_CACHE_ENTRIES entries of each folder and
-    4 bytes of a candidate, non-blocking."""
+    may not list or read, or whose entries were not all looked at): an adapter is
+    ``<root>/<key>/_mooncake_pg_jit_*.so``, an ELF file as mooncake checks it. Either is
+    None when there is none. A folder or an adapter hidden from this user (an image built
+    with a tight umask) hides it from this pod's mooncake too, not from another user's.
+    Looks at MAX_CACHE_ENTRIES entries of each folder (past them: hidden) and reads 4
+    bytes of a candidate, non-blocking."""
     hidden = None
 
     def names(folder):
         nonlocal hidden
+        out = []
         try:
-            return sorted(os.listdir(folder))[:MAX_CACHE_ENTRIES]
+            with os.scandir(folder) as entries:
+                for entry in entries:
+                    if len(out) == MAX_CACHE_ENTRIES:
+                        hidden = hidden or folder  # not all looked at
+                        break
+                    out.append(entry.name)
         except PermissionError:
             hidden = hidden or folder
         except (OSError, ValueError):
             pass
-        return []
+        return sorted(out)
+
+    def kind(path):
+        """os.stat's mode of ``path`` (through links); None when it is not there; a
+        folder this user may not search on the way makes it hidden."""
+        nonlocal hidden
+        try:
+            return os.stat(path).st_mode
+        except PermissionError:
+            hidden = hidden or path
+        except (OSError, ValueError):
+            pass
+        return None
 
     for root in roots:
         for key in names(root):
             folder = posixpath.join(root, key)
-            if not os.path.isdir(folder):
+            mode = kind(folder)
+            if mode is None or not stat.S_ISDIR(mode):
                 continue
             if not os.access(folder, os.R_OK | os.X_OK):
                 hidden = hidden or folder  # listed, not searched: its files are hidden
@@ -291,7 +327,8 @@ def prebuilt_adapter(roots):
                 path = posixpath.join(folder, name)
                 f = elf.open_regular(path)
                 if f is None:
-                    if os.path.isfile(path) and not os.access(path, os.R_OK):
+                    mode = kind(path)
+                    if mode is not None and stat.S_ISREG(mode) and not os.access(path, os.R_OK):
                         hidden = hidden or path
                     continue
                 with f:

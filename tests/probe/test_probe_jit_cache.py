@@ -19,12 +19,17 @@ from tests.probe.probe_harness import PROBE_DIR
 class Passwd:
     """The one file jit_cache_roots reads, as an image's would hold it."""
 
-    def __init__(self, text: str | None) -> None:
+    def __init__(self, text: str | None, there: bool = False) -> None:
         self.text = text
+        self.there = there or text is not None
 
     def read_text(self, path: str, limit: int) -> str | None:
         assert path == "/etc/passwd" and limit == inventory.MAX_PASSWD_BYTES
         return self.text
+
+    def exists(self, path: str) -> bool:
+        assert path == "/etc/passwd"
+        return self.there
 
 
 def test_every_users_default_cache_and_every_jit_dir_is_a_place_to_look() -> None:
@@ -32,10 +37,10 @@ def test_every_users_default_cache_and_every_jit_dir_is_a_place_to_look() -> Non
         "root:x:0:0:root:/root:/bin/sh\n"
         "builder:x:1000:1000::/home/builder:/bin/sh\n"
         "broken line without fields\n"
-        "svc:x:1001:1001::relative/home:/bin/sh\n"
+        "svc:x:1001:1001::/srv/svc:/bin/sh\n"
     )
     image = {"HOME": "/data/home", "MOONCAKE_PG_JIT_DIR": "/opt/adapter/"}
-    worker = {"HOME": "/data/home", "MOONCAKE_PG_JIT_DIR": "~/jit"}  # ~: every HOME's
+    worker = {"HOME": "/data/home", "MOONCAKE_PG_JIT_DIR": "~//jit"}  # ~: every HOME's
     roots, undecided = inventory.jit_cache_roots([image, worker], passwd)
     assert undecided is None
     assert roots == [
@@ -44,10 +49,12 @@ def test_every_users_default_cache_and_every_jit_dir_is_a_place_to_look() -> Non
         "/jit",  # HOME is / for a uid /etc/passwd does not name
         "/root/jit",
         "/home/builder/jit",
+        "/srv/svc/jit",
         "/data/home/.cache/mooncake/pg_jit",
         "/.cache/mooncake/pg_jit",
         "/root/.cache/mooncake/pg_jit",
         "/home/builder/.cache/mooncake/pg_jit",
+        "/srv/svc/.cache/mooncake/pg_jit",
     ]
     # An unreadable passwd still leaves the environments' places, /'s and root's.
     assert inventory.jit_cache_roots([image], Passwd(None)) == (
@@ -62,14 +69,30 @@ def test_a_jit_dir_the_working_folder_or_a_named_user_decides_is_undecided(value
     """mooncake takes MOONCAKE_PG_JIT_DIR through Path.expanduser(), relative to the
     working folder (the pod's workingDir): no list of users says where that is."""
     _, undecided = inventory.jit_cache_roots([{"MOONCAKE_PG_JIT_DIR": value}], Passwd(None))
-    assert undecided == value
+    assert undecided == f"MOONCAKE_PG_JIT_DIR {value!r} is relative or ~name"
 
 
-def test_a_huge_passwd_gives_a_bounded_list() -> None:
-    many = "".join(f"u{i}:x:{i}:{i}::/home/u{i}:/bin/sh\n" for i in range(5000))
-    roots, _ = inventory.jit_cache_roots([{}], Passwd(many))
+@pytest.mark.parametrize("users", [200, 5000])
+def test_a_list_cut_short_is_undecided(users: int) -> None:
+    """Past MAX_HOMES places (users, or ~/x under each of them), the place not looked
+    at may hold the adapter: no absence is proven."""
+    many = "".join(f"u{i}:x:{i}:{i}::/home/u{i}:/bin/sh\n" for i in range(users))
+    roots, undecided = inventory.jit_cache_roots([{"MOONCAKE_PG_JIT_DIR": "~/zz"}], Passwd(many))
     assert len(roots) == inventory.MAX_HOMES
-    assert roots[:2] == ["/.cache/mooncake/pg_jit", "/root/.cache/mooncake/pg_jit"]
+    assert undecided is not None and undecided.startswith("more than 256")
+
+
+@pytest.mark.parametrize(
+    ("passwd", "environ"),
+    [
+        (Passwd(None, there=True), {}),  # there, not read whole (over 1 MiB, or refused)
+        (Passwd("svc:x:1:1::relative/home:/bin/sh\n"), {}),
+        (Passwd(None), {"HOME": "home"}),
+    ],
+)
+def test_homes_no_one_can_list_are_undecided(passwd: Passwd, environ: dict[str, str]) -> None:
+    _, undecided = inventory.jit_cache_roots([environ], passwd)
+    assert undecided is not None
 
 
 def test_an_adapter_is_an_elf_file_under_a_key_folder(tmp_path: Path) -> None:
@@ -92,7 +115,9 @@ def test_an_adapter_is_an_elf_file_under_a_key_folder(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to another uid")
 @pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
-@pytest.mark.parametrize("hide", ["key folder", "key folder listed, not searched", "adapter"])
+@pytest.mark.parametrize(
+    "hide", ["key folder", "key folder listed, not searched", "adapter", "key linked behind"]
+)
 def test_an_adapter_hidden_from_this_user_is_said_hidden(hide: str) -> None:
     """As uid 65534 (a pod's runAsUser): a key folder it may not list, or an adapter it
     may not read (an image built with a tight umask), hides the adapter from this user's
@@ -129,7 +154,14 @@ def test_an_adapter_hidden_from_this_user_is_said_hidden(hide: str) -> None:
 
         assert as_nobody() == [str(adapter), None]
         hidden = adapter if hide == "adapter" else key
-        hidden.chmod({"key folder": 0o700, "adapter": 0o600}.get(hide, 0o744))
+        if hide == "key linked behind":
+            # The key is a link into a folder this user may not search.
+            behind = base / "private"
+            behind.mkdir(mode=0o700)
+            shutil.move(key, behind / key.name)
+            key.symlink_to(behind / key.name)
+        else:
+            hidden.chmod({"key folder": 0o700, "adapter": 0o600}.get(hide, 0o744))
         assert as_nobody() == [None, str(hidden)]
     finally:
         shutil.rmtree(base, ignore_errors=True)
