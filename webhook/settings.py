@@ -23,6 +23,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Generic, NoReturn, TypeVar
@@ -149,6 +150,24 @@ def kinds(value: str) -> tuple[KindSpec, ...]:
 def names(value: str) -> tuple[str, ...]:
     """A comma-separated list of names (empty items dropped)."""
     return tuple(n.strip() for n in value.split(",") if n.strip())
+
+
+_ARCH_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}")
+
+
+def architectures(value: str) -> tuple[str, ...]:
+    """kubernetes.io/arch values, comma-separated, as the chart's schema takes them (the
+    kubelet writes them lower-case): a repeat is dropped, anything else refused, since a
+    wrong value stops all learning and deletes what probes taught."""
+    out: list[str] = []
+    for item in (n.strip() for n in value.split(",")):
+        if not item:
+            continue
+        if not _ARCH_RE.fullmatch(item):
+            raise ValueError(f"{item!r} is no kubernetes.io/arch value (amd64, arm64, …)")
+        if item not in out:
+            out.append(item)
+    return tuple(out)
 
 
 def json_object(value: str) -> dict[str, Any] | None:
@@ -538,7 +557,7 @@ class ControllerSettings:
             "probes teach verdicts only on nodes of the one declared (none when two are); "
             "empty: only while every labelled node has one architecture",
             (),
-            names,
+            architectures,
             chart="controller.architectures",
         )
     )

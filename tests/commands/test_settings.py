@@ -38,6 +38,7 @@ def _clean_env(**extra: str) -> dict[str, str]:
         ("epguard.webhook.controller", "EPGUARD_CA_VALIDITY_HOURS", "-1", "greater than 0"),
         ("epguard.webhook.controller", "EPGUARD_LOG_LEVEL", "verbose", "must be one of debug"),
         ("epguard.webhook.controller", "EPGUARD_MANAGE_CERTS", "maybe", "must be true or false"),
+        ("epguard.webhook.controller", "EPGUARD_ARCHITECTURES", "AMD64", "no kubernetes.io"),
         ("webhook", "EPGUARD_LOG_LEVEL", "loud", "must be one of debug"),
         ("webhook", "EPGUARD_VERDICT_TTL_HOURS", "-2", "at least 0"),
         ("webhook", "EPGUARD_PORT", "http", "must be a number"),
@@ -226,3 +227,10 @@ def test_the_backstop_is_off_unless_enabled_and_keeps_its_name_for_removal() -> 
 def test_bad_backstop_settings_are_one_clear_error(variable: str, value: str, says: str) -> None:
     with pytest.raises(SettingsError, match=says):
         parse([], {variable: value})
+
+
+def test_declared_architectures_are_read_once_each() -> None:
+    """A repeat would count as a second architecture, and two stop all learning."""
+    env = {"EPGUARD_ARCHITECTURES": " amd64,amd64 ,, arm64"}
+    assert parse([], env).architectures == ("amd64", "arm64")
+    assert parse([], {}).architectures == ()

@@ -11,8 +11,9 @@ from epguard.webhook.controller.architectures import placement, sweep_once
 
 
 class Nodes:
-    """Nodes by name → their kubernetes.io/arch label (None: unlabelled), as the
-    selectors ``arch`` and ``arch,arch!=X`` list them (unlabelled nodes never)."""
+    """Nodes by name → their kubernetes.io/arch label (None: unlabelled; "": the label
+    with an empty value), as the selectors ``arch`` and ``arch,arch!=X`` list them
+    (unlabelled nodes never), first by name."""
 
     def __init__(self, **nodes: str | None) -> None:
         self.nodes = dict(nodes)
@@ -31,13 +32,20 @@ class Nodes:
 
 
 class Verdicts:
+    """Probe-taught verdicts by name → their architecture label (None: none), as the
+    selector ``managed-by`` (all) or ``managed-by,arch,arch!=X`` lists them."""
+
     def __init__(self, **taught: str | None) -> None:
         self.taught_on = dict(taught)
+        self.listed: list[str | None] = []
 
-    def taught(self) -> list[tuple[str, str | None]]:
-        return sorted(self.taught_on.items())
+    def taught(self, off: str | None) -> list[tuple[str, str]]:
+        self.listed.append(off)
+        return [(n, "7") for n, a in sorted(self.taught_on.items())
+                if off is None or (a is not None and a != off)]  # fmt: skip
 
-    def delete(self, name: str) -> None:
+    def delete(self, name: str, version: str) -> None:
+        assert version == "7"
         self.taught_on.pop(name, None)
 
 
@@ -87,11 +95,23 @@ def test_a_second_architecture_forgets_every_verdict_probes_taught() -> None:
 
 
 def test_one_architecture_forgets_only_what_was_taught_on_another() -> None:
-    """A cluster that moved from one architecture to another between two checks."""
+    """A cluster that moved from one architecture to another between two checks. Each
+    check lists by the architecture label only what another architecture taught."""
     verdicts = Verdicts(old="arm64", new="amd64", legacy=None)
     assert sweep_once(Nodes(gpu1="amd64"), verdicts) == 1
     assert sorted(verdicts.taught_on) == ["legacy", "new"]
+    assert verdicts.listed == ["amd64"]
     assert sweep_once(Nodes(), verdicts) == 0  # no labelled node: nothing said
+    assert verdicts.listed == ["amd64"]  # and nothing listed
+
+
+def test_a_node_whose_label_is_empty_is_another_architecture() -> None:
+    """Listed first by name, an empty kubernetes.io/arch must not read as "nothing else":
+    probes do not teach, and the sweep forgets nothing on its word."""
+    nodes = Nodes(**{"0-empty": "", "gpu1": "amd64"})
+    refused = placement(nodes, "gpu1").refusal
+    assert refused is not None and "0-empty is " in refused
+    assert sweep_once(Nodes(**{"0-empty": ""}), Verdicts(a="amd64")) == 0
 
 
 def test_a_declared_architecture_ignores_the_nodes() -> None:

@@ -340,6 +340,7 @@ class TestVerdicts:
         assert obj["metadata"]["labels"] == {
             "app.kubernetes.io/managed-by": COMPONENT,
             TAUGHT_BY_LABEL: "ml",
+            "epguard.io/architecture": "amd64",
         }
         assert obj["spec"] == {
             "image": IMAGE,

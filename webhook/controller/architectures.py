@@ -47,6 +47,7 @@ from epguard.webhook.controller import background
 from epguard.webhook.controller.leadership import STANDALONE, Leadership
 from epguard.webhook.controller.owners import COMPONENT
 from epguard.webhook.engine.verdicts import (
+    ARCHITECTURE_LABEL,
     GROUP,
     MANAGED_BY_LABEL,
     PLURAL,
@@ -69,7 +70,8 @@ class Nodes(Protocol):
 
     def other_than(self, architecture: str | None) -> tuple[str, str] | None:
         """(name, architecture) of a node labelled with another architecture than
-        ``architecture`` (any labelled node when None); None when there is none."""
+        ``architecture`` (any labelled node when None); None when there is none. A label
+        with an empty value is another architecture, ``""``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,10 +139,10 @@ class KubeNodes:
             selector += f",{ARCH_LABEL}!={architecture}"
         # One page of one node: a single request, however many nodes match.
         for item in list_items(self.core.list_node, page_size=1, label_selector=selector):
-            name, arch = as_map(item.get("metadata")).get("name"), _label(item)
-            if isinstance(name, str) and arch is not None:
-                return name, arch
-            break
+            name = as_map(item.get("metadata")).get("name")
+            # The selector matched the label: an empty value is still another
+            # architecture than the one asked about (unknown, so never "the same").
+            return (name if isinstance(name, str) else "?"), _label(item) or ""
         return None
 
 
@@ -156,43 +158,50 @@ def mixed(nodes: Nodes) -> tuple[tuple[str, str], tuple[str, str]] | None:
 class Verdicts(Protocol):
     """The verdicts the sweep reads and deletes (the real one is :class:`KubeVerdicts`)."""
 
-    def taught(self) -> list[tuple[str, str | None]]:
-        """(name, ``spec.architecture``) of every ImageVerdict a probe taught."""
+    def taught(self, off: str | None) -> list[tuple[str, str]]:
+        """(name, resourceVersion) of every ImageVerdict a probe taught (``off`` None), or
+        of those taught on another architecture than ``off``."""
 
-    def delete(self, name: str) -> None:
-        """Delete one; gone already is no error."""
+    def delete(self, name: str, version: str) -> None:
+        """Delete one as it was listed; gone, or written since, is no error."""
 
 
 class KubeVerdicts:
-    """:class:`Verdicts` on the official client. Listed by the label the controller writes
-    on its verdicts, so that in a mixed cluster, where nothing more is taught, each check
-    lists nothing rather than every scan's verdict."""
+    """:class:`Verdicts` on the official client, listed by the labels the controller
+    writes (``verdicts.verdict_object``): in the steady state, one architecture and
+    nothing taught on another, each check lists nothing, however many verdicts exist."""
 
     def __init__(self, api: client.ApiClient) -> None:
         self.custom = client.CustomObjectsApi(api)
 
-    def taught(self) -> list[tuple[str, str | None]]:
+    def taught(self, off: str | None) -> list[tuple[str, str]]:
+        selector = f"{MANAGED_BY_LABEL}={COMPONENT}"
+        if off is not None:
+            selector += f",{ARCHITECTURE_LABEL},{ARCHITECTURE_LABEL}!={off}"
         pages = list_pages(
             self.custom.list_cluster_custom_object, GROUP, VERSION, PLURAL,
-            label_selector=f"{MANAGED_BY_LABEL}={COMPONENT}",
+            label_selector=selector,
         )  # fmt: skip
         out = []
         for page, _ in pages:
             for v in page:
-                spec = as_map(v.get("spec"))
-                arch = spec.get("architecture")
-                if spec.get("source") != SOURCE_SCAN:
-                    name = str(as_map(v.get("metadata")).get("name"))
-                    out.append((name, arch if isinstance(arch, str) else None))
+                meta = as_map(v.get("metadata"))
+                if as_map(v.get("spec")).get("source") != SOURCE_SCAN:
+                    out.append((str(meta.get("name")), str(meta.get("resourceVersion"))))
         return out
 
-    def delete(self, name: str) -> None:
+    def delete(self, name: str, version: str) -> None:
+        # At the version listed: a verdict taught again since (on the architecture that
+        # now holds) is not deleted.
+        options = client.V1DeleteOptions(
+            preconditions=client.V1Preconditions(resource_version=version)
+        )
         try:
             self.custom.delete_cluster_custom_object(
-                GROUP, VERSION, PLURAL, name, _request_timeout=REQUEST_TIMEOUT
+                GROUP, VERSION, PLURAL, name, body=options, _request_timeout=REQUEST_TIMEOUT
             )
         except ApiException as exc:
-            if exc.status != 404:  # gone already: the other replica, or an admin
+            if exc.status not in (404, 409):  # gone already, or written since
                 raise
 
 
@@ -201,10 +210,9 @@ def sweep_once(nodes: Nodes, verdicts: Verdicts, declared: tuple[str, ...] = ())
     declared), every verdict probes taught goes. With one architecture (declared, or the
     one every labelled node has), the verdicts taught on another go: a cluster that moved
     from one architecture to another between two checks keeps none of the old one's."""
-    why: str
+    one: str | None
     if len(declared) > 1:
-        one = None
-        why = f"controller.architectures declares {', '.join(declared)}"
+        one, why = None, f"controller.architectures declares {', '.join(declared)}"
     elif declared:
         one, why = declared[0], f"controller.architectures declares {declared[0]}"
     else:
@@ -214,13 +222,12 @@ def sweep_once(nodes: Nodes, verdicts: Verdicts, declared: tuple[str, ...] = ())
             one, why = None, f"nodes of two architectures ({a} is {arch_a}, {b} is {arch_b})"
         else:
             any_node = nodes.other_than(None)
-            if any_node is None:
+            if any_node is None or not any_node[1]:
                 return 0  # no labelled node: nothing says which architecture holds
             one, why = any_node[1], f"every labelled node is {any_node[1]}"
-    gone = [name for name, arch in verdicts.taught()
-            if one is None or (arch is not None and arch != one)]  # fmt: skip
-    for name in gone:
-        verdicts.delete(name)
+    gone = verdicts.taught(one)
+    for name, version in gone:
+        verdicts.delete(name, version)
     if gone:
         log.warning(
             "%s: deleted %d ImageVerdicts probes taught %s (a verdict is per image, not "

@@ -213,6 +213,9 @@ class ImageVerdictObject(TypedDict):
 TAUGHT_BY_LABEL = "epguard.io/taught-by"
 # Who wrote a verdict: the controller (probes) or the scan recorder (their ``manager``).
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+# ``spec.architecture`` as a label, so the architecture sweep lists by selector only the
+# verdicts taught on another architecture (controller/architectures.py).
+ARCHITECTURE_LABEL = "epguard.io/architecture"
 
 
 def verdict_object(
@@ -224,7 +227,8 @@ def verdict_object(
 ) -> ImageVerdictObject:
     """The whole ImageVerdict to create (``existing`` None) or replace. The resourceVersion
     read goes with it, so a write that raced another ends in a 409 and a re-read, not in
-    a lost update. ``taught_by``: the namespace of the probe that creates it."""
+    a lost update. ``taught_by``: the namespace of the probe that creates it; the spec's
+    ``architecture`` is a label too."""
     labels = {MANAGED_BY_LABEL: manager}
     metadata: ImageVerdictMeta = {"name": name, "labels": labels}
     old_meta = existing.get("metadata") if existing is not None else None
@@ -236,6 +240,9 @@ def verdict_object(
         taught_by = old_labels.get(TAUGHT_BY_LABEL) if isinstance(old_labels, Mapping) else None
     if isinstance(taught_by, str) and taught_by:
         labels[TAUGHT_BY_LABEL] = taught_by
+    architecture = spec.get("architecture")
+    if architecture:
+        labels[ARCHITECTURE_LABEL] = architecture
     return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "metadata": metadata, "spec": spec}
 
 
