@@ -235,12 +235,13 @@ def jit_cache_roots(environs, fs=None):
     (``Path.expanduser``), so ``~/x`` is looked for under every HOME. Undecided: a
     relative value or HOME (the pod's ``workingDir`` decides), ``~name``, and a list cut
     at MAX_HOMES (a place past it may hold the adapter)."""
-    fs = fs or files.LIVE
+    fs = fs or files.Live()  # its own: ``denied`` says what this call was refused
     homes = [e.get("HOME") for e in environs] + ["/", "/root"]
     text = fs.read_text("/etc/passwd", MAX_PASSWD_BYTES)
     lines = (text or "").splitlines()
     undecided = None
-    if text is None and fs.exists("/etc/passwd"):
+    # There, or refused on the way (a link through a folder this user may not search).
+    if text is None and (fs.exists("/etc/passwd") or getattr(fs, "denied", None)):
         undecided = "/etc/passwd could not be read whole"
     elif len(lines) > MAX_HOMES:
         undecided = f"more than {MAX_HOMES} users in /etc/passwd"
@@ -297,7 +298,8 @@ def prebuilt_adapter(roots):
         except PermissionError:
             hidden = hidden or folder
         except (OSError, ValueError):
-            pass
+            if out:  # failed part-way: what was not listed may hold it
+                hidden = hidden or folder
         return sorted(out)
 
     def kind(path):

@@ -152,7 +152,9 @@ def names(value: str) -> tuple[str, ...]:
     return tuple(n.strip() for n in value.split(",") if n.strip())
 
 
-_ARCH_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}")
+# A label value (63 characters at most, letters or digits at both ends), lower-case as
+# the kubelet writes kubernetes.io/arch; the chart's schema has the same pattern.
+_ARCH_RE = re.compile(r"[a-z0-9](?:[a-z0-9_.-]{0,61}[a-z0-9])?")
 
 
 def architectures(value: str) -> tuple[str, ...]:

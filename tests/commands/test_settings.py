@@ -234,3 +234,6 @@ def test_declared_architectures_are_read_once_each() -> None:
     env = {"EPGUARD_ARCHITECTURES": " amd64,amd64 ,, arm64"}
     assert parse([], env).architectures == ("amd64", "arm64")
     assert parse([], {}).architectures == ()
+    for bad in ("AMD64", "amd64-", "arm64.", "a" * 64):  # not a label value kubelets write
+        with pytest.raises(SettingsError, match=r"no kubernetes\.io/arch value"):
+            parse([], {"EPGUARD_ARCHITECTURES": bad})
