@@ -481,8 +481,8 @@ def _adapter_elsewhere():
     place one could be that this user may not search; (None, None) otherwise. Then a
     build that cannot happen here is this pod's: another user's pod loads the adapter."""
     inventory = _sibling("inventory")
-    roots, undecided = inventory.jit_cache_roots(
-        [sandbox.image_environment(), sandbox.worker_environment()])
+    worker = sandbox.worker_environment()
+    roots, undecided = inventory.jit_cache_roots([sandbox.image_environment(), worker])
     if undecided is not None:
         return (f"{undecided[:200]}: where a prebuilt JIT adapter may be is not known for "
                 "every user of the image",
@@ -498,7 +498,7 @@ def _adapter_elsewhere():
                 "run the pod as the user the image was built for, or make the adapter "
                 "readable to every user")
     if found is not None:
-        home = (sandbox.worker_environment().get("HOME") or "")[:200]
+        home = (worker.get("HOME") or "")[:200]
         cache = os.path.dirname(os.path.dirname(found))[:200]
         return (f"the image holds a prebuilt JIT adapter, {found[:200]!r}, that this pod's "
                 f"mooncake did not load (its HOME is {home!r}): another user's pod may",

@@ -162,9 +162,7 @@ def architectures(value: str) -> tuple[str, ...]:
     kubelet writes them lower-case): a repeat is dropped, anything else refused, since a
     wrong value stops all learning and deletes what probes taught."""
     out: list[str] = []
-    for item in (n.strip() for n in value.split(",")):
-        if not item:
-            continue
+    for item in names(value):
         if not _ARCH_RE.fullmatch(item):
             raise ValueError(f"{item!r} is no kubernetes.io/arch value (amd64, arm64, …)")
         if item not in out:

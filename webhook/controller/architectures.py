@@ -8,14 +8,16 @@ lacks mooncake would otherwise teach "Unusable" for the amd64 variant too, and r
 every tenant's amd64 pods on it (a tenant chooses where its pod runs). So:
 
 * the recorder learns from a probe only when the node it ran on carries the kubelet's
-  ``kubernetes.io/arch`` label and no node carries another value (:func:`placement`);
-  the verdict records that architecture (``spec.architecture``). Otherwise the probe's
-  outcome is an Event on the pod and its owner, and nothing is learned;
-* once a node of a second architecture is labelled, every verdict a probe taught
-  (``spec.source`` probe, on any architecture) may be wrong for it: the controller
-  deletes them (:func:`run_sweep`, every ``EPGUARD_ARCHITECTURE_CHECK_SECONDS``, 60 by
-  default: a verdict learned before answers a minute at most on a node it may be wrong
-  for). A scan's verdicts stay: the scan recorder chose the platform it read.
+  ``kubernetes.io/arch`` label and one architecture holds (:func:`placement`): the one
+  ``controller.architectures`` declares, or, with none declared, the one every labelled
+  node has. The verdict records it (``spec.architecture``, and the label
+  ``epguard.io/architecture``). Otherwise the probe's outcome is an Event on the pod and
+  its owner, and nothing is learned;
+* every ``EPGUARD_ARCHITECTURE_CHECK_SECONDS`` (60) the controller deletes what may be
+  wrong (:func:`sweep_once`): with two architectures (on the nodes, or declared), every
+  verdict a probe taught; with one, those taught on another (a cluster that moved between
+  two checks). A verdict learned before answers a minute at most on a node it may be
+  wrong for. A scan's verdicts stay: the scan recorder chose the platform it read.
 
 Node labels are written by each node's kubelet (``kubernetes.io/arch`` is one the
 NodeRestriction plugin lets it set), never by a tenant. A node without the label is not

@@ -41,7 +41,7 @@ from epguard.webhook.cluster.kube import (
     get_verdict,
     list_pages,
 )
-from epguard.webhook.controller.architectures import KubeNodes, Placement, placement
+from epguard.webhook.controller.architectures import KubeNodes, Nodes, Placement, placement
 from epguard.webhook.controller.config import ControllerConfig
 from epguard.webhook.controller.owners import COMPONENT, KubeObjects, top_owner
 from epguard.webhook.engine.outcome import (
@@ -120,9 +120,10 @@ class OverBudget(Exception):
         self.taught = taught
 
 
-class RecorderApi(Protocol):
-    """The API calls recording needs. The real one is :class:`KubeRecorderApi`; the tests
-    use an in-memory one with the same conflict semantics."""
+class RecorderApi(Nodes, Protocol):
+    """The API calls recording needs, the node reads of :func:`placement` among them. The
+    real one is :class:`KubeRecorderApi`; the tests use an in-memory one with the same
+    conflict semantics."""
 
     def read_verdict(self, name: str) -> dict[str, Any] | None:
         """The ImageVerdict ``name`` as raw JSON (with its resourceVersion), None when
@@ -153,12 +154,6 @@ class RecorderApi(Protocol):
     ) -> bool:
         """Post one Event named by (``about``, ``key``): the same key again is the same
         Event (a 409, which counts as posted). False when it could not be posted."""
-
-    def architecture_of(self, node: str) -> str | None:
-        """architectures.Nodes: the node's ``kubernetes.io/arch`` label."""
-
-    def other_than(self, architecture: str | None) -> tuple[str, str] | None:
-        """architectures.Nodes: a node labelled with another architecture."""
 
 
 class KubeRecorderApi(KubeObjects):
@@ -426,9 +421,7 @@ def record_probe_outcomes(body: Mapping[str, Any], memo: kopf.Memo, **_: Any) ->
             if where is None:
                 node = as_map(body.get("spec")).get("nodeName")
                 declared = config.architectures if config is not None else ()
-                where = placement(
-                    recorder.api, node if isinstance(node, str) else None, declared
-                )
+                where = placement(recorder.api, node if isinstance(node, str) else None, declared)
             if where.refusal is not None:
                 # Another architecture's files may differ under the same digest.
                 log.warning("not learned from pod %s: %s", pod, where.refusal)
