@@ -277,8 +277,8 @@ def test_a_node_of_a_second_architecture_forgets_what_probes_taught_and_stops_le
     """A verdict is per digest, the same for every platform of a multi-platform image,
     while a probe judged one platform's files (controller/architectures.py). Once a node
     of another architecture joins, the verdicts probes taught are deleted (a scan's
-    stay), and a probe teaches nothing more: its pod and owner say why. Last in the
-    module: the arm64 node stays until the control plane goes."""
+    stay), and a probe teaches nothing more: its pod and owner say why. The arm64 node
+    is deleted at the end, so the module's other tests learn again."""
     cluster.kubectl("create", "namespace", "arch", check=True)
     _, message = run_real_probe(tmp_path)
     taught = "registry.example.com/e2e/sglang:arch-1"
@@ -307,19 +307,22 @@ def test_a_node_of_a_second_architecture_forgets_what_probes_taught_and_stops_le
         time.sleep(1)
         assert _exists(cluster, name)
     create_node(cluster, "gh200-e2e-1", "arm64")
-    eventually(lambda: not _exists(cluster, name), within=30, what="the probe's verdict deleted")
-    assert _exists(cluster, scanned) and _exists(cluster, scanned + "-x")
-    learned_not = "registry.example.com/e2e/sglang:arch-2"
-    fail_probe(cluster, "on-arm64", "arch", learned_not, message, node="gh200-e2e-1")
+    try:
+        eventually(lambda: not _exists(cluster, name), within=30, what="the verdict deleted")
+        assert _exists(cluster, scanned) and _exists(cluster, scanned + "-x")
+        learned_not = "registry.example.com/e2e/sglang:arch-2"
+        fail_probe(cluster, "on-arm64", "arch", learned_not, message, node="gh200-e2e-1")
 
-    def said_why() -> bool:
-        r = cluster.kubectl(
-            "get", "events", "-n", "arch", "-o", "json", "--field-selector",
-            "involvedObject.name=on-arm64,reason=EpguardVerdictNotLearned",
-        )  # fmt: skip
-        items = json.loads(r.stdout)["items"] if r.returncode == 0 else []
-        return any("more than one architecture" in e["message"] for e in items)
+        def said_why() -> bool:
+            r = cluster.kubectl(
+                "get", "events", "-n", "arch", "-o", "json", "--field-selector",
+                "involvedObject.name=on-arm64,reason=EpguardVerdictNotLearned",
+            )  # fmt: skip
+            items = json.loads(r.stdout)["items"] if r.returncode == 0 else []
+            return any("more than one architecture" in e["message"] for e in items)
 
-    eventually(said_why, within=60, what="the Event saying why nothing is learned")
-    assert probe_events(cluster, "arch", "on-arm64") == 1
-    assert not _exists(cluster, verdict_name(learned_not, digest_for(learned_not)))
+        eventually(said_why, within=60, what="the Event saying why nothing is learned")
+        assert probe_events(cluster, "arch", "on-arm64") == 1
+        assert not _exists(cluster, verdict_name(learned_not, digest_for(learned_not)))
+    finally:  # the module's other tests learn again, in whatever order they run
+        cluster.kubectl("delete", "node", "gh200-e2e-1", "--ignore-not-found")
