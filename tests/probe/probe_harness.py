@@ -21,7 +21,10 @@ REPO = Path(__file__).resolve().parents[2]
 PROBE_DIR = REPO / "probe"
 CACHE = Path(os.environ.get("EPGUARD_CACHE", Path.home() / ".cache" / "epguard")) / "realpkgs"
 TORCH_ENV = CACHE / "torch-2.13.0"
-TORCH_PY = TORCH_ENV / "bin" / "python"
+# A GPU machine brings its own torch (tests/probe/gpu-run.sh): its python3 replaces the
+# cached venv's, and the overlays come from scripts/gpu-payload.sh.
+OWN_TORCH = os.environ.get("EPGUARD_TORCH_PYTHON")
+TORCH_PY = Path(OWN_TORCH) if OWN_TORCH else TORCH_ENV / "bin" / "python"
 
 MTE_CUDA12 = "mte-0.3.13.post1"
 MTE_CUDA13 = "mte-cuda13-0.3.13.post1"
@@ -46,7 +49,7 @@ WORKER = [
 
 def overlay(name: str) -> Path:
     path = CACHE / "overlays" / name
-    if not (path / ".done").exists() or not (TORCH_ENV / ".done").exists():
+    if not (path / ".done").exists() or not (OWN_TORCH or (TORCH_ENV / ".done").exists()):
         pytest.fail(
             f"real-package env {path} missing: run `make tools` (scripts/tools.d/30-realpkgs.sh)"
         )
@@ -54,7 +57,7 @@ def overlay(name: str) -> Path:
 
 
 def torch_python() -> Path:
-    if not (TORCH_ENV / ".done").exists():
+    if not OWN_TORCH and not (TORCH_ENV / ".done").exists():
         pytest.fail("torch 2.13.0 env missing: run `make tools` (scripts/tools.d/30-realpkgs.sh)")
     return TORCH_PY
 
