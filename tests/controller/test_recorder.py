@@ -26,6 +26,7 @@ from epguard.webhook.controller.owners import Unreadable
 from epguard.webhook.controller.recorder import (
     COMPONENT,
     RECOUNT_SECONDS,
+    RESOLVED_FOR,
     WRITE_ATTEMPTS,
     Conflict,
     KubeRecorderApi,
@@ -34,7 +35,13 @@ from epguard.webhook.controller.recorder import (
     record_probe_outcomes,
 )
 from epguard.webhook.engine.imageref import parse
-from epguard.webhook.engine.signing import FRESH_SECONDS, SIGNATURE_ANNOTATION, SignatureLedger
+from epguard.webhook.engine.signing import (
+    FRESH_SECONDS,
+    SIGNATURE_ANNOTATION,
+    Keyring,
+    KeyringHolder,
+    SignatureLedger,
+)
 from epguard.webhook.engine.verdicts import (
     TAUGHT_BY_LABEL,
     ImageVerdictObject,
@@ -257,10 +264,15 @@ def probed_pod(
     signed_at: dt.datetime = NOW,
     node: str | None = NODE,
     image: str = IMAGE,
+    pull_policy: str = "Always",
 ) -> dict[str, Any]:
     """A pod /mutate injected and signed (created a second after signing), as the API
-    returns it once the kubelet of ``node`` wrote the probe's termination."""
+    returns it once the kubelet of ``node`` wrote the probe's termination. The worker's
+    ``pull_policy`` is its probe's (the API server's default is not signed)."""
     pod = signed_pod(uid, signed_at, signed_at + dt.timedelta(seconds=1), namespace, image)
+    for c in pod["spec"]["initContainers"]:
+        if c["name"] == "epguard-probe":
+            c["imagePullPolicy"] = pull_policy
     if node is not None:
         pod["spec"]["nodeName"] = node
     image_id = f"registry.example/sglang@{digest}" if digest else ""
@@ -426,8 +438,9 @@ class TestArchitectures:
         for kind, name in (("Pod", "pod-u1"), ("Deployment", "w")):
             said = {e.reason: e.message for e in api.events_on(kind, name)}
             assert said.keys() == {"MooncakeProbeFailed", "EpguardVerdictNotLearned"}
-            assert "nodes of more than one architecture (gh200-1 is arm64, gpu-1 is amd64)" in (
-                said["EpguardVerdictNotLearned"]
+            assert (
+                "nodes of more than one architecture (gh200-1 is arm64, gpu-1 is amd64)"
+                in (said["EpguardVerdictNotLearned"])
             )
 
     @pytest.mark.parametrize("node", [None, "gone", "unlabelled"])
@@ -486,6 +499,91 @@ class TestTags:
         hit = store.lookup(parse(IMAGE), T2 + dt.timedelta(minutes=1))
         assert hit is not None and hit.trust == "deny" and hit.verdict.image == IMAGE
         assert len(api.verdicts) == 2 and api.spec()["count"] == 1
+
+    def test_a_nodes_old_copy_of_a_tag_never_answers_for_the_tag(self, api: InMemoryApi) -> None:
+        """A tag moved to a fixed build; one node still holds the old one, and a probe
+        pulled IfNotPresent there ran it. Its Unusable answers for the old digest only:
+        pods on the tag (whose new bytes a resolving pull judged usable) are not refused,
+        and a pod pinned to the old digest is."""
+        fixed = "sha256:" + "cd" * 32
+        old = "sha256:" + "ef" * 32
+        record(probed_pod("u1", USABLE_MSG, 0, digest=fixed), replica(api, T1))
+        stale = probed_pod("u2", UNUSABLE_MSG, 1, digest=old, pull_policy="IfNotPresent",
+                           namespace="team-b")  # fmt: skip
+        record(stale, replica(api, T2))
+        assert set(api.verdicts) == {VERDICT, "sha256-" + "ef" * 32}
+        store = VerdictStore()
+        store.replace(v for o in api.verdicts.values() if (v := verdict_from_object(o)))
+        later = T2 + dt.timedelta(minutes=1)
+        by_tag = store.lookup(parse(IMAGE), later)
+        assert by_tag is not None and by_tag.trust == "usable"
+        by_old = store.lookup(parse(f"registry.example/sglang@{old}"), later)
+        assert by_old is not None and by_old.trust == "deny"
+        [said] = api.events_on("Pod", "pod-u2")
+        assert f"learned for {old} only" in said.message and "IfNotPresent" in said.message
+
+    def test_a_gated_workers_run_answers_for_the_tag_its_preflight_resolved(
+        self, api: InMemoryApi
+    ) -> None:
+        """The usual gated flow: the preflight pulls with Always, its files-only pass
+        teaches no verdict but tells the tag's bytes; the worker (IfNotPresent) then runs
+        those same bytes, and its Usable answers for the tag, so the next pods are not
+        gated again. A worker on a node with other bytes under the tag, or one probed
+        after RESOLVED_FOR, answers for its digest alone."""
+        cleared = "epguard: no image cause in this image's files: the GPU node decides"
+        clock = [T1]
+        one = Recorder(api, clock=lambda: clock[0])  # one controller; a pod per ledger
+        old = "sha256:" + "ef" * 32
+        record(probed_pod("p1", cleared, 0), replica(api, recorder=one))
+        assert api.verdicts == {} and api.verdict_writes == 0
+        record(probed_pod("w1", USABLE_MSG, 0, pull_policy="IfNotPresent"),
+               replica(api, recorder=one))  # fmt: skip
+        assert set(api.verdicts) == {VERDICT} and api.spec()["image"] == IMAGE
+        record(probed_pod("w2", USABLE_MSG, 0, digest=old, pull_policy="IfNotPresent"),
+               replica(api, recorder=one))  # fmt: skip
+        assert set(api.verdicts) == {VERDICT, "sha256-" + "ef" * 32}
+        clock[0] = T1 + RESOLVED_FOR + dt.timedelta(seconds=1)
+        api.verdicts.clear()
+        record(probed_pod("w3", USABLE_MSG, 0, pull_policy="IfNotPresent"),
+               replica(api, recorder=one))  # fmt: skip
+        assert set(api.verdicts) == {DIGEST.replace(":", "-")}
+
+    def test_a_pod_whose_signature_fails_resolves_no_tag(self, api: InMemoryApi) -> None:
+        cleared = "epguard: no image cause in this image's files: the GPU node decides"
+        one = Recorder(api, clock=lambda: T1)
+        forged = probed_pod("p1", cleared, 0)
+        forged["metadata"]["annotations"][SIGNATURE_ANNOTATION] = "v1:bogus"
+        record(forged, replica(api, recorder=one))
+        assert one.resolved == {}
+        record(probed_pod("w1", USABLE_MSG, 0, pull_policy="IfNotPresent"),
+               replica(api, recorder=one))  # fmt: skip
+        assert set(api.verdicts) == {DIGEST.replace(":", "-")}
+
+    def test_a_pod_that_is_no_evidence_is_checked_once_for_what_it_resolved(
+        self, api: InMemoryApi
+    ) -> None:
+        """A signature naming a key not held makes the controller read the Secret again
+        (another replica may have rotated). A tenant's pod with such a signature and a
+        pull with Always would otherwise cost a read at each of its events."""
+
+        class CountingKeys:
+            def __init__(self) -> None:
+                self.holder = KeyringHolder(keys().holder.ring)
+                self.reads = 0
+
+            def refresh(self) -> Keyring | None:
+                self.reads += 1
+                return self.holder.ring
+
+        counting = CountingKeys()
+        cleared = "epguard: no image cause in this image's files: the GPU node decides"
+        pod = probed_pod("p1", cleared, 0)
+        fmt, _key, at, mac = pod["metadata"]["annotations"][SIGNATURE_ANNOTATION].split(":")
+        pod["metadata"]["annotations"][SIGNATURE_ANNOTATION] = f"{fmt}:not-held:{at}:{mac}"
+        one = Recorder(api, clock=lambda: T1)
+        for _ in range(5):  # a label changed, the status written again ...
+            record(pod, replica(api, recorder=one, probe_keys=counting))
+        assert counting.reads == 1 and one.resolved == {}
 
 
 # --- once per run --------------------------------------------------------------------

@@ -111,7 +111,10 @@ def worker_spec(models: Path, image: str = BAD_WORKER.ref) -> dict[str, Any]:
             {
                 "name": "worker",
                 "image": image,
-                "imagePullPolicy": "IfNotPresent",
+                # The injected probe pulls as the worker does, and only a pull that
+                # resolved the tag teaches a verdict under it (outcome.verdict_image);
+                # the registry holds the tag, so this asks it for the manifest only.
+                "imagePullPolicy": "Always",
                 "command": list(WORKER_COMMAND),
                 "args": list(WORKER_ARGS),
                 "resources": {"limits": {"nvidia.com/gpu": 8}},

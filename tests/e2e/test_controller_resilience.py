@@ -108,8 +108,10 @@ def digest_for(image: str) -> str:
     return "sha256:" + hashlib.sha256(image.encode()).hexdigest()
 
 
-def probe_pod(name: str, namespace: str, image: str, labelled: bool = True) -> dict[str, Any]:
-    pod = pod_with_probe_status("", 1, image=image)
+def probe_pod(
+    name: str, namespace: str, image: str, labelled: bool = True, pull_policy: str = "Always"
+) -> dict[str, Any]:
+    pod = pod_with_probe_status("", 1, image=image, pull_policy=pull_policy)
     labels = {PROBED_LABEL: "true"} if labelled else {}
     pod["metadata"] = {"name": name, "namespace": namespace, "labels": labels}
     pod.pop("status")
@@ -144,15 +146,27 @@ def fail_probe(
     message: str,
     labelled: bool = True,
     node: str = NODE,
+    pull_policy: str = "Always",
+    exit_code: int = 1,
 ) -> None:
     """Create the (signed) pod, bound to ``node``, and write its probe's termination as
     the kubelet would."""
-    obj = signed(cp, probe_pod(name, namespace, image, labelled), namespace)
+    obj = signed(cp, probe_pod(name, namespace, image, labelled, pull_policy), namespace)
     obj["spec"]["nodeName"] = node
+    create_terminated(cp, obj, message, exit_code, digest_for(image))
+
+
+def create_terminated(
+    cp: ControlPlane, obj: dict[str, Any], message: str, exit_code: int, digest: str
+) -> None:
+    """Create ``obj`` and write its probe's termination (the bytes ``digest``) as the
+    kubelet would."""
     r = cp.kubectl("create", "-f", "-", input=as_yaml(obj))
     assert r.returncode == 0, r.stderr
-    image_id = f"{image.rsplit(':', 1)[0]}@{digest_for(image)}"
-    status = pod_with_probe_status(message, 1, image=image, image_id=image_id)["status"]
+    image = obj["spec"]["initContainers"][1]["image"]
+    image_id = f"{image.rsplit(':', 1)[0]}@{digest}"
+    status = pod_with_probe_status(message, exit_code, image=image, image_id=image_id)["status"]
+    name, namespace = obj["metadata"]["name"], obj["metadata"]["namespace"]
     r = cp.kubectl(
         "patch", "pod", name, "-n", namespace, "--subresource=status", "--type=merge",
         "-p", json.dumps({"status": status}),
@@ -171,6 +185,80 @@ def probe_events(cp: ControlPlane, namespace: str, pod: str) -> int:
         "--field-selector", f"involvedObject.name={pod},reason=MooncakeProbeFailed",
     )  # fmt: skip
     return len(json.loads(r.stdout)["items"])
+
+
+def test_a_probe_that_did_not_resolve_its_tag_teaches_the_digest_only(
+    cluster: ControlPlane, controllers: list[ManagedProcess], tmp_path: Path
+) -> None:
+    """IfNotPresent: the node ran its own copy of the tag, maybe an old build. The real
+    controller, through the real API server, names the verdict after the digest alone
+    and writes ``name@digest`` as its image: nothing answers for the tag."""
+    cluster.kubectl("create", "namespace", "stale", check=True)
+    _, message = run_real_probe(tmp_path)
+    image = "registry.example.com/e2e/sglang:stale-1"
+    fail_probe(cluster, "worker-stale", "stale", image, message, pull_policy="IfNotPresent")
+    digest = digest_for(image)
+    name = digest.replace(":", "-")
+    eventually(lambda: verdict_count(cluster, name) >= 1, within=60, what="the ImageVerdict")
+    got = json.loads(cluster.kubectl("get", "imageverdict", name, "-o", "json", check=True).stdout)
+    assert got["spec"]["image"] == f"registry.example.com/e2e/sglang@{digest}"
+    assert verdict_count(cluster, verdict_name(image, digest)) == 0
+
+
+def test_a_gated_workers_probe_answers_for_the_tag_its_preflight_pulled(
+    cluster: ControlPlane, controllers: list[ManagedProcess]
+) -> None:
+    """The preflight (Always) finds the tag's bytes and proves nothing from its files; the
+    worker, pulling IfNotPresent, runs the same bytes and passes: its verdict answers for
+    the tag, so the next pods on the tag are not gated again."""
+    cluster.kubectl("create", "namespace", "resolved", check=True)
+    image = "registry.example.com/e2e/sglang:resolved-1"
+    cleared = "epguard: no image cause in this image's files: the GPU node decides"
+    fail_probe(cluster, "preflight-r", "resolved", image, cleared, exit_code=0)
+    usable = (
+        "epguard: mooncake elastic EP is usable: mooncake.pg imports after torch\n"
+        "versions: torch=2.13.0+cu130 sglang=0.5.18 mooncake-transfer-engine-cuda13=0.3.13.post1"
+    )
+    # The preflight's event reaches the controller first (as on a node: minutes apart).
+    time.sleep(2)
+    fail_probe(cluster, "worker-r", "resolved", image, usable, pull_policy="IfNotPresent",
+               exit_code=0)  # fmt: skip
+    name = verdict_name(image, digest_for(image))
+    eventually(lambda: verdict_count(cluster, name) >= 1, within=60, what="the tag's verdict")
+    got = json.loads(cluster.kubectl("get", "imageverdict", name, "-o", "json", check=True).stdout)
+    assert got["spec"]["image"] == image and got["spec"]["verdict"] == "Usable"
+
+
+def test_one_signature_teaches_once_across_pods(
+    cluster: ControlPlane, controllers: list[ManagedProcess], tmp_path: Path
+) -> None:
+    """Issue 21.1: each signature counts once. A tenant copies an injected pod, signature
+    and all, into a second pod within FRESH_SECONDS; only the first pod's probe is
+    evidence, whatever the second's status says. Before, the controller kept its ledger
+    in each pod's own copy of kopf's memo, so the copy verified too (the unit tests,
+    sharing one memo, never saw it)."""
+    cluster.kubectl("create", "namespace", "replay", check=True)
+    _, message = run_real_probe(tmp_path)
+    image = "registry.example.com/e2e/sglang:replay-1"
+    first = signed(cluster, probe_pod("first", "replay", image), "replay")
+    first["spec"]["nodeName"] = NODE
+    second = json.loads(json.dumps(first))
+    second["metadata"]["name"] = "second"
+    other = "sha256:" + "5e" * 32
+    create_terminated(cluster, first, message, 1, digest_for(image))
+    name = verdict_name(image, digest_for(image))
+    eventually(lambda: verdict_count(cluster, name) >= 1, within=60, what="the first's verdict")
+    create_terminated(cluster, second, message, 1, other)
+
+    def refused() -> bool:
+        r = cluster.kubectl(
+            "get", "events", "-n", "replay", "-o", "json",
+            "--field-selector", "involvedObject.name=second,reason=EpguardProbeNotTrusted",
+        )  # fmt: skip
+        return any("used by pod uid" in e["message"] for e in json.loads(r.stdout)["items"])
+
+    eventually(refused, within=60, what="the copied signature refused")
+    assert verdict_count(cluster, verdict_name(image, other)) == 0
 
 
 def test_two_replicas_record_a_probe_outcome_once(
@@ -196,7 +284,8 @@ def test_two_replicas_record_a_probe_outcome_once(
     assert verdict_count(cluster, name) == 1
     assert probe_events(cluster, "ha", "worker-ha") == 1
     assert all(p.alive() for p in controllers)
-    handled = [p.name for p in controllers if RECORDED in p.log_tail(500)]
+    # This pod's line: other tests of the module record too, on whichever replica led.
+    handled = [p.name for p in controllers if f"{RECORDED} {image} from pod ha/" in p.log_tail(500)]
     assert len(handled) == 1, f"replicas that recorded the outcome: {handled}"
     # The other replica is paused: it never resumed, or it paused again after resuming
     # (both can resume for a moment at start, before each sees the other's priority).

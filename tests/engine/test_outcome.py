@@ -6,6 +6,8 @@ import datetime as dt
 import os
 from pathlib import Path
 
+import pytest
+
 from epguard.probe.message import FILES_CLEAR, NOTHING, UNUSABLE, UNUSABLE_HERE, USABLE_HERE
 from epguard.probe.message import USABLE as PROBE_USABLE
 from epguard.webhook.engine.outcome import (
@@ -15,6 +17,7 @@ from epguard.webhook.engine.outcome import (
     outcomes_of,
     parse_versions,
     recorded_runs,
+    resolved_tags,
     run_key,
     verdict_spec,
 )
@@ -44,6 +47,53 @@ def test_real_probe_failure_is_an_unusable_outcome(real_probe_failure: tuple[int
     assert outcome.digest == "sha256:" + "ab" * 32
     assert outcome.image == "docker.io/lmsysorg/sglang:v0.5.18-cu130"
     assert outcome.versions.mooncake == "none"
+
+
+@pytest.mark.parametrize("policy", ["IfNotPresent", "Never", ""])
+def test_a_tag_is_learned_only_from_a_pull_that_resolved_it(
+    real_probe_failure: tuple[int, str], policy: str
+) -> None:
+    """With IfNotPresent (or Never) the probe ran whatever its node held under the tag,
+    maybe a build the tag has moved away from: the verdict answers for the digest only,
+    so it never refuses (or clears) other pods on the tag's new bytes."""
+    code, message = real_probe_failure
+    digest = "sha256:" + "ab" * 32
+    [stale] = outcomes_of(pod_with_probe_status(message, code, pull_policy=policy))
+    assert stale.image == "docker.io/lmsysorg/sglang:v0.5.18-cu130"  # as the pod named it
+    assert stale.verdict_image == "docker.io/lmsysorg/sglang@" + digest
+    assert verdict_name(stale.verdict_image, stale.digest) == "sha256-" + "ab" * 32
+    spec = verdict_spec(stale, "llm/worker-0", dt.datetime(2026, 12, 1, tzinfo=dt.UTC), None)
+    assert spec["image"] == "docker.io/lmsysorg/sglang@" + digest
+    [resolved] = outcomes_of(pod_with_probe_status(message, code, pull_policy="Always"))
+    assert resolved.verdict_image == resolved.image
+    assert verdict_name(resolved.verdict_image, digest).startswith("sha256-" + "ab" * 32 + "-")
+    # A reference that pins its digest is about those bytes whatever the pull.
+    pinned = "docker.io/lmsysorg/sglang:v0.5.18-cu130@" + digest
+    [by_digest] = outcomes_of(
+        pod_with_probe_status(message, code, image=pinned, pull_policy="IfNotPresent")
+    )
+    assert by_digest.verdict_image == pinned
+
+
+@pytest.mark.parametrize(
+    ("image", "policy", "resolved"),
+    [
+        (
+            "docker.io/lmsysorg/sglang:v1",
+            "Always",
+            [("docker.io/lmsysorg/sglang:v1", "sha256:" + "ab" * 32)],
+        ),
+        ("docker.io/lmsysorg/sglang:v1", "IfNotPresent", []),
+        ("docker.io/lmsysorg/sglang:v1@sha256:" + "ab" * 32, "Always", []),
+    ],
+)
+def test_a_pull_with_always_tells_what_its_tag_named(
+    image: str, policy: str, resolved: list[tuple[str, str]]
+) -> None:
+    """Whatever the probe said (a preflight's files-only pass teaches no verdict)."""
+    pod = pod_with_probe_status(FILES_CLEAR + "x", 0, image=image, pull_policy=policy)
+    assert resolved_tags(pod) == resolved
+    assert resolved_tags(pod, probe_image="another:probe") == []
 
 
 def test_crash_loop_outcome_is_read_from_last_state(real_probe_failure: tuple[int, str]) -> None:
@@ -266,9 +316,11 @@ def test_a_files_only_run_whose_files_prove_a_cause_is_about_the_image(tmp_path:
 
 def test_no_first_line_that_learns_nothing_is_ever_a_verdict() -> None:
     # Whatever the exit code and whatever lines follow (a usable line, an image scope).
-    for first in (FILES_CLEAR + "left for the GPU node: the import of mooncake.pg",
-                  USABLE_HERE + "mooncake.pg imports after torch",
-                  NOTHING + "the worker argv does not request --elastic-ep-backend mooncake"):
+    for first in (
+        FILES_CLEAR + "left for the GPU node: the import of mooncake.pg",
+        USABLE_HERE + "mooncake.pg imports after torch",
+        NOTHING + "the worker argv does not request --elastic-ep-backend mooncake",
+    ):
         for rest in ("", "\n" + USABLE.splitlines()[0], "\nscope: image (in the image's files)"):
             for code in (0, 1):
                 assert classify(first + rest, code) is None, (first, rest, code)

@@ -190,6 +190,23 @@ def test_the_preflight_judges_files_with_the_workers_pull_and_placement() -> Non
     ]
 
 
+@pytest.mark.parametrize(
+    ("worker", "preflight_pulls"),
+    [(None, "Always"), ("IfNotPresent", "Always"), ("Always", "Always"), ("Never", "Never")],
+)
+def test_the_preflight_pulls_the_tag_as_the_registry_has_it_now(
+    worker: str | None, preflight_pulls: str
+) -> None:
+    """A verdict is learned under a tag only from a pull that resolved it: a node's old
+    copy of the tag is not what the tag names now. A worker that never pulls only ever
+    runs what its node holds, and so does its preflight."""
+    spec = worker_spec()
+    if worker is not None:
+        spec["containers"][0]["imagePullPolicy"] = worker
+    probe = preflight(spec)["spec"]["initContainers"][1]
+    assert probe["imagePullPolicy"] == preflight_pulls
+
+
 def test_the_preflight_mounts_none_of_the_workers_volumes_and_holds_no_gpu() -> None:
     p = preflight()["spec"]
     assert [v["name"] for v in p["volumes"]] == ["epguard-probe"]

@@ -25,8 +25,15 @@ def run_real_probe(
     message it wrote, as the kubelet would read it."""
     log = tmp_path / "termination-log"
     proc = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "probe"), "--termination-log", str(log), *opts,
-         "--", *argv],
+        [
+            sys.executable,
+            str(REPO_ROOT / "probe"),
+            "--termination-log",
+            str(log),
+            *opts,
+            "--",
+            *argv,
+        ],
         capture_output=True,
         text=True,
         timeout=120,
@@ -44,8 +51,10 @@ def pod_with_probe_status(
     image_id: str = "docker.io/lmsysorg/sglang@sha256:" + "ab" * 32,
     section: str = "state",
     restart_count: int = 0,
+    pull_policy: str = "Always",
 ) -> dict[str, Any]:
-    """A pod as the API returns it after the kubelet wrote the probe's termination."""
+    """A pod as the API returns it after the kubelet wrote the probe's termination.
+    ``pull_policy``: the probe's (the worker's) imagePullPolicy; Always resolved the tag."""
     terminated = {
         "exitCode": exit_code,
         "reason": "Error" if exit_code else "Completed",
@@ -74,6 +83,7 @@ def pod_with_probe_status(
                 {
                     "name": "epguard-probe",
                     "image": image,
+                    "imagePullPolicy": pull_policy,
                     "command": [
                         "python3",
                         "/epguard/probe",

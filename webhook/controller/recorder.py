@@ -44,12 +44,14 @@ from epguard.webhook.cluster.kube import (
 from epguard.webhook.controller.architectures import KubeNodes, Nodes, Placement, placement
 from epguard.webhook.controller.config import ControllerConfig
 from epguard.webhook.controller.owners import COMPONENT, KubeObjects, top_owner
+from epguard.webhook.engine.imageref import ImageRefError, parse
 from epguard.webhook.engine.outcome import (
     PROBED_LABEL,
     ProbeOutcome,
     is_probe,
     outcomes_of,
     recorded_runs,
+    resolved_tags,
     run_key,
     verdict_spec,
 )
@@ -85,6 +87,13 @@ WRITE_ATTEMPTS = 5
 # A namespace's count of the verdicts its probes taught is read again after this long
 # (an admin deleted some, or the other replica created some before a failover).
 RECOUNT_SECONDS = 300.0
+# A tag resolved to a digest by a pull with imagePullPolicy Always (a preflight, mostly)
+# lets a run of those same bytes that did not resolve it (the gated worker, pulling
+# IfNotPresent once its gate is off) answer for the tag, for this long: the time from a
+# preflight to its workers' probes (the deadline, a schedule, a pull), not the tag TTL.
+# Held in memory: after a restart the next gated pod's preflight resolves it again.
+RESOLVED_FOR = dt.timedelta(hours=1)
+MAX_RESOLVED = 10_000
 
 
 class KeySource(Protocol):
@@ -229,6 +238,34 @@ class Recorder:
         # handlers on several threads, so a slot is reserved under the lock.
         self.taught: dict[str, tuple[int, float]] = {}
         self._taught_lock = threading.Lock()
+        # (name:tag, digest) -> when a pull that resolved the tag found those bytes.
+        self.resolved: OrderedDict[tuple[str, str], dt.datetime] = OrderedDict()
+        self._resolved_lock = threading.Lock()
+
+    def note_resolved(self, tag: str, digest: str) -> None:
+        with self._resolved_lock:
+            self.resolved[(tag, digest)] = self.clock()
+            self.resolved.move_to_end((tag, digest))
+            while len(self.resolved) > MAX_RESOLVED:
+                self.resolved.popitem(last=False)
+
+    def resolved_recently(self, tag: str, digest: str) -> bool:
+        with self._resolved_lock:
+            at = self.resolved.get((tag, digest))
+        return at is not None and self.clock() - at <= RESOLVED_FOR
+
+    def answers_for(self, outcome: ProbeOutcome) -> str:
+        """The reference ``outcome``'s verdict answers for: its tag when its own pull
+        resolved the tag, or a resolving pull found the same bytes within RESOLVED_FOR;
+        else its digest alone (``ProbeOutcome.verdict_image``)."""
+        own = outcome.verdict_image
+        if own == outcome.image or outcome.digest is None:
+            return own
+        try:
+            tag = parse(outcome.image).name_tag
+        except ImageRefError:
+            return own
+        return outcome.image if self.resolved_recently(tag, outcome.digest) else own
 
     def _reserve(self, namespace: str) -> None:
         """Count one more verdict taught by ``namespace``; OverBudget when it has taught
@@ -263,14 +300,15 @@ class Recorder:
         """Count this run on the image's ImageVerdict; None when it was counted already.
         OverBudget when it would be a new verdict and the pod's namespace has taught its
         share (``per_namespace``) already. ``architecture``: its node's."""
-        name = verdict_name(outcome.image, outcome.digest)
+        image = self.answers_for(outcome)
+        name = verdict_name(image, outcome.digest)
         namespace = pod.partition("/")[0]
         for _ in range(WRITE_ATTEMPTS):
             existing = self.api.read_verdict(name)
             previous = existing.get("spec") if existing else None
             if run in recorded_runs(previous):
                 return None
-            spec = verdict_spec(outcome, pod, self.clock(), previous, run, architecture)
+            spec = verdict_spec(outcome, pod, self.clock(), previous, run, architecture, image)
             body = verdict_object(name, spec, COMPONENT, existing, taught_by=namespace)
             if existing is None:
                 self._reserve(namespace)
@@ -347,13 +385,19 @@ class Recorder:
             log.warning("could not post event on pod %s", about.name)
 
 
-def _message(outcome: ProbeOutcome, pod: str) -> str:
+def _message(outcome: ProbeOutcome, pod: str, answers_for: str) -> str:
     # The probe's own first line (verdict and cause), where the ImageVerdict keeps only
     # the cause: an Event is read alone, in `kubectl describe`.
     line = first_line(outcome.report) or outcome.reason
-    return (
+    said = (
         f"epguard probe in pod {pod} (container {outcome.container}, image {outcome.image}): {line}"
     )
+    if outcome.about_the_image and answers_for != outcome.image:
+        said += (
+            f" (learned for {outcome.digest} only: with imagePullPolicy "
+            f"{outcome.pull_policy or 'unset'} the node's copy of the tag may be an older build)"
+        )
+    return said
 
 
 def record_probe_outcomes(body: Mapping[str, Any], memo: kopf.Memo, **_: Any) -> None:
@@ -381,7 +425,14 @@ def record_probe_outcomes(body: Mapping[str, Any], memo: kopf.Memo, **_: Any) ->
         for o in outcomes_of(body, probe_image)
         if not recorder.is_done(run := run_key(uid, o))
     ]
-    if not fresh:
+    # Each pod's resolutions are considered once, like its runs: a pod that is no evidence
+    # would otherwise be verified again (a Secret read for a key it names) at each event.
+    resolved = [
+        (tag, digest, seen)
+        for tag, digest in resolved_tags(body, probe_image)
+        if not recorder.is_done(seen := f"{uid}/resolved/{digest}/{tag}")
+    ]
+    if not fresh and not resolved:
         return
     pod_ref = client.V1ObjectReference(
         api_version="v1",
@@ -395,6 +446,12 @@ def record_probe_outcomes(body: Mapping[str, Any], memo: kopf.Memo, **_: Any) ->
         ledger = SignatureLedger()
         memo["signatures"] = ledger
     checked = _verified(body, namespace, memo.get("probe_keys"), ledger)
+    for tag, digest, seen in resolved:
+        recorder.mark_done(seen)
+        if checked.ok:
+            recorder.note_resolved(tag, digest)
+    if not fresh:
+        return
     if not checked.ok:
         # Anyone who can create a pod can write a "probe" that prints any verdict: only
         # what epguard injected and signed, unchanged since, is evidence.
@@ -407,7 +464,7 @@ def record_probe_outcomes(body: Mapping[str, Any], memo: kopf.Memo, **_: Any) ->
     pod = f"{namespace}/{name}"
     where: Placement | None = None
     for outcome, run in fresh:
-        message = _message(outcome, pod)
+        message = _message(outcome, pod, recorder.answers_for(outcome))
         if not outcome.about_the_image:
             # A cause in this pod or its node (or no digest to pin it to) must not refuse
             # anyone else's pods: it is told where people look, and nothing is learned.
@@ -432,7 +489,10 @@ def record_probe_outcomes(body: Mapping[str, Any], memo: kopf.Memo, **_: Any) ->
                 try:
                     if recorder.upsert_verdict(outcome, pod, run, where.architecture) is not None:
                         log.info(
-                            "recorded %s for %s from pod %s", outcome.verdict, outcome.image, pod
+                            "recorded %s for %s from pod %s",
+                            outcome.verdict,
+                            recorder.answers_for(outcome),
+                            pod,
                         )
                 except OverBudget as spent:
                     log.warning("not learned from pod %s: %s", pod, spent)
@@ -512,6 +572,24 @@ def watch_probed_pods_only(settings: kopf.OperatorSettings, **_: Any) -> None:
 
 
 kopf.on.startup(id="epguard-probed-pods-selector")(watch_probed_pods_only)
+
+
+def start_recording(memo: kopf.Memo, **_: Any) -> None:
+    """One Recorder and one SignatureLedger for the whole process, in the operator's
+    memo. kopf gives each object's handlers a shallow copy of that memo, made when the
+    object is first seen: what a handler stores in its own copy is that pod's alone. Made
+    lazily there (before), each pod had a ledger of its own, so a signature copied into
+    a second pod within FRESH_SECONDS verified again ("each signature counts once" held
+    in the unit tests only, which share one memo), and every pod recounted its
+    namespace's share from the API."""
+    config: ControllerConfig = memo["config"]
+    memo["recorder"] = Recorder(
+        KubeRecorderApi(memo["api"]), per_namespace=config.verdicts_per_namespace
+    )
+    memo["signatures"] = SignatureLedger()
+
+
+kopf.on.startup(id="epguard-recorder-start")(start_recording)
 
 # Event handlers put no finalizer on pods (unlike create/update handlers), so a
 # missing controller never blocks a pod's deletion.

@@ -31,6 +31,7 @@ from epguard.probe.message import (
     USABLE_HERE,
 )
 from epguard.webhook.engine.argv import ExpansionTooLarge, container_argv
+from epguard.webhook.engine.imageref import ImageRefError, parse
 from epguard.webhook.engine.text import first_line
 from epguard.webhook.engine.verdicts import SOURCE_PROBE, ImageVerdictSpec, Versions, build_spec
 from epguard.webhook.engine.workloads import as_list, as_map
@@ -70,6 +71,32 @@ class ProbeOutcome:
     finished_at: str
     exit_code: int
     restart_count: int
+    # The probe container's imagePullPolicy, as the pod says (the kubelet's, defaulted by
+    # the API server; immutable): "Always" is the only one that resolves a tag.
+    pull_policy: str = ""
+
+    @property
+    def verdict_image(self) -> str:
+        """The reference a verdict of this run answers for.
+
+        A tag names the bytes the probe ran only if the kubelet asked the registry for
+        the tag when the probe started (``imagePullPolicy: Always``). With
+        ``IfNotPresent`` or ``Never`` the probe ran whatever that node holds under the
+        tag, maybe a build the tag has since moved away from; a verdict under the tag
+        would then refuse (or clear) every tenant's pods on the tag's new bytes, and each
+        pod landing on that node would refresh it. Such a run answers for its digest
+        alone (``name@digest``), unless a pull that did resolve the tag found these same
+        bytes a moment before (``Recorder.answers_for``): a gated worker after its
+        preflight."""
+        if self.digest is None or self.pull_policy == "Always":
+            return self.image
+        try:
+            ref = parse(self.image)
+        except ImageRefError:
+            return self.image
+        if ref.tag is None or ref.digest is not None:
+            return self.image
+        return f"{ref.name}@{self.digest}"
 
     @property
     def about_the_image(self) -> bool:
@@ -204,7 +231,7 @@ def outcomes_of(pod: Mapping[str, Any], probe_image: str | None = None) -> list[
     if not _trusted(spec, probe_image):
         return []
     spec_images = {
-        c.get("name"): c.get("image")
+        c.get("name"): (c.get("image"), c.get("imagePullPolicy"))
         for c in as_list(spec.get("initContainers"))
         if isinstance(c, Mapping) and is_probe(c)
     }
@@ -214,6 +241,33 @@ def outcomes_of(pod: Mapping[str, Any], probe_image: str | None = None) -> list[
         if isinstance(status, Mapping)
     )
     return [o for o in found if o is not None]
+
+
+def resolved_tags(pod: Mapping[str, Any], probe_image: str | None = None) -> list[tuple[str, str]]:
+    """``(name:tag, digest)`` for each probe container of ``pod`` that pulled an image
+    named by tag with ``imagePullPolicy: Always`` and whose status names the digest the
+    kubelet ran: at that moment the registry's tag named those bytes. A preflight's
+    files-only pass teaches no verdict, but tells this much (``Recorder.answers_for``)."""
+    spec = as_map(pod.get("spec"))
+    if not _trusted(spec, probe_image):
+        return []
+    always = {
+        c.get("name"): c.get("image")
+        for c in as_list(spec.get("initContainers"))
+        if isinstance(c, Mapping) and is_probe(c) and c.get("imagePullPolicy") == "Always"
+    }
+    found: list[tuple[str, str]] = []
+    for status in as_list(as_map(pod.get("status")).get("initContainerStatuses")):
+        if not isinstance(status, Mapping) or status.get("name") not in always:
+            continue
+        image, digest = always[status.get("name")], digest_of(status.get("imageID"))
+        try:
+            ref = parse(image) if isinstance(image, str) else None
+        except ImageRefError:
+            ref = None
+        if digest and ref is not None and ref.tag is not None and ref.digest is None:
+            found.append((ref.name_tag, digest))
+    return found
 
 
 def _outcome(status: Mapping[str, Any], spec_images: Mapping[Any, Any]) -> ProbeOutcome | None:
@@ -238,7 +292,7 @@ def _outcome(status: Mapping[str, Any], spec_images: Mapping[Any, Any]) -> Probe
     # the digest the kubelet reports (imageID). Patching the probe's image after the run
     # does not steer this: the image is in the signed parts, and the recorder learns only
     # from a pod whose signature verifies as it is now.
-    asked = spec_images[name]
+    asked, policy = spec_images[name]
     ran = status.get("image")
     image = asked if isinstance(asked, str) and asked else ran
     if classified is None or not isinstance(image, str) or not image:
@@ -256,6 +310,7 @@ def _outcome(status: Mapping[str, Any], spec_images: Mapping[Any, Any]) -> Probe
         finished_at=str(terminated.get("finishedAt") or ""),
         exit_code=code,
         restart_count=max(restarts, 0),
+        pull_policy=policy if isinstance(policy, str) else "",
     )
 
 
@@ -276,15 +331,17 @@ def verdict_spec(
     previous: Mapping[str, Any] | None,
     run: str = "",
     architecture: str | None = None,
+    image: str | None = None,
 ) -> ImageVerdictSpec:
     """The spec to write: the newest outcome replaces the old one; count and firstSeen
     carry; ``run`` (the termination, see ``run_key``) joins the remembered runs;
-    ``architecture``: the ``kubernetes.io/arch`` of the node the probe ran on."""
+    ``architecture``: the ``kubernetes.io/arch`` of the node the probe ran on; ``image``:
+    the reference it answers for (default ``outcome.verdict_image``)."""
     runs = recorded_runs(previous)
     if run and run not in runs:
         runs = [*runs, run][-MAX_RUNS:]
     return build_spec(
-        image=outcome.image,
+        image=image or outcome.verdict_image,
         digest=outcome.digest or "",
         verdict=outcome.verdict,
         reason=outcome.reason,

@@ -212,6 +212,10 @@ def preflight_pod(
     probe = {
         **{k: v for k, v in probe.items() if k not in ("env", "envFrom")},
         "securityContext": {**{k: own[k] for k in _RUN_AS if k in own}, **_CONFINED},
+        # The tag as the registry has it now, not as the node holds it: a verdict is
+        # learned under the tag only from a pull that resolved it (outcome.verdict_image).
+        # Never stays Never: such a worker only ever runs what its node holds.
+        "imagePullPolicy": "Never" if probe.get("imagePullPolicy") == "Never" else "Always",
     }
     probe, copy = _with_cpu_limit(probe, "1"), _with_cpu_limit(copy, "100m")
     spec: dict[str, Any] = {
@@ -283,7 +287,6 @@ def _done_container(settings: InjectionSettings) -> dict[str, Any]:
             "readOnlyRootFilesystem": True,
         },
     }
-
 
 
 # What a preflight came to: still running; nothing proven in the files (the gate comes
