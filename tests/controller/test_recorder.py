@@ -265,6 +265,7 @@ def probed_pod(
     node: str | None = NODE,
     image: str = IMAGE,
     pull_policy: str = "Always",
+    started: dt.datetime | None = None,
 ) -> dict[str, Any]:
     """A pod /mutate injected and signed (created a second after signing), as the API
     returns it once the kubelet of ``node`` wrote the probe's termination. The worker's
@@ -283,6 +284,7 @@ def probed_pod(
         image_id=image_id,
         section=section,
         restart_count=restart_count,
+        started_at=stamp(started or signed_at + dt.timedelta(seconds=2)),
     )["status"]
     if owners:
         pod["metadata"]["ownerReferences"] = list(owners)
@@ -548,6 +550,38 @@ class TestTags:
                replica(api, recorder=one))  # fmt: skip
         assert set(api.verdicts) == {DIGEST.replace(":", "-")}
 
+    def test_only_the_newest_recent_pull_in_the_workers_namespace_resolves_its_tag(
+        self, api: InMemoryApi
+    ) -> None:
+        """Found by a review helper on 0fcb7b2: resolutions were dated when the controller
+        saw them (a pod kept from before the tag moved resolved again at each restart),
+        any digest a tag ever had within the hour counted, and one tenant's pulls
+        counted for every namespace. Now: dated by the kubelet's startedAt, the newest
+        per tag, in the worker's namespace only."""
+        cleared = "epguard: no image cause in this image's files: the GPU node decides"
+        one = Recorder(api, clock=lambda: T1)
+        old = "sha256:" + "ef" * 32
+        digest_only = DIGEST.replace(":", "-")
+
+        def worker(uid: str, digest: str = DIGEST, namespace: str = "ml") -> set[str]:
+            api.verdicts.clear()
+            record(probed_pod(uid, USABLE_MSG, 0, digest=digest, namespace=namespace,
+                              pull_policy="IfNotPresent"), replica(api, recorder=one))  # fmt: skip
+            return set(api.verdicts)
+
+        # A pod whose resolving container started two hours ago, seen now.
+        kept = probed_pod("k1", cleared, 0, started=T1 - 2 * RESOLVED_FOR)
+        record(kept, replica(api, recorder=one))
+        assert worker("w1") == {digest_only}
+        # The tag named the old bytes, then the new ones: only the newest counts.
+        record(probed_pod("p1", cleared, 0, digest=old, started=NOW), replica(api, recorder=one))
+        record(probed_pod("p2", cleared, 0, started=NOW + dt.timedelta(minutes=5)),
+               replica(api, recorder=one))  # fmt: skip
+        assert worker("w2", old) == {"sha256-" + "ef" * 32}
+        assert worker("w3") == {VERDICT}
+        # Another namespace's pull says nothing about this namespace's workers.
+        assert worker("w4", namespace="team-b") == {digest_only}
+
     def test_a_pod_whose_signature_fails_resolves_no_tag(self, api: InMemoryApi) -> None:
         cleared = "epguard: no image cause in this image's files: the GPU node decides"
         one = Recorder(api, clock=lambda: T1)
@@ -581,8 +615,9 @@ class TestTags:
         fmt, _key, at, mac = pod["metadata"]["annotations"][SIGNATURE_ANNOTATION].split(":")
         pod["metadata"]["annotations"][SIGNATURE_ANNOTATION] = f"{fmt}:not-held:{at}:{mac}"
         one = Recorder(api, clock=lambda: T1)
+        memo = replica(api, recorder=one, probe_keys=counting)  # kopf's memo of this pod
         for _ in range(5):  # a label changed, the status written again ...
-            record(pod, replica(api, recorder=one, probe_keys=counting))
+            record(pod, memo)
         assert counting.reads == 1 and one.resolved == {}
 
 

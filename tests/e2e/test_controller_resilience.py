@@ -165,7 +165,10 @@ def create_terminated(
     assert r.returncode == 0, r.stderr
     image = obj["spec"]["initContainers"][1]["image"]
     image_id = f"{image.rsplit(':', 1)[0]}@{digest}"
-    status = pod_with_probe_status(message, exit_code, image=image, image_id=image_id)["status"]
+    now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    status = pod_with_probe_status(
+        message, exit_code, image=image, image_id=image_id, started_at=now
+    )["status"]
     name, namespace = obj["metadata"]["name"], obj["metadata"]["namespace"]
     r = cp.kubectl(
         "patch", "pod", name, "-n", namespace, "--subresource=status", "--type=merge",

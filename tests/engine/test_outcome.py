@@ -92,8 +92,14 @@ def test_a_pull_with_always_tells_what_its_tag_named(
 ) -> None:
     """Whatever the probe said (a preflight's files-only pass teaches no verdict)."""
     pod = pod_with_probe_status(FILES_CLEAR + "x", 0, image=image, pull_policy=policy)
-    assert resolved_tags(pod) == resolved
+    started = dt.datetime(2026, 11, 30, 20, 0, tzinfo=dt.UTC)  # the kubelet's startedAt
+    assert [(r.tag, r.digest, r.started_at) for r in resolved_tags(pod)] == [
+        (*r, started) for r in resolved
+    ]
     assert resolved_tags(pod, probe_image="another:probe") == []
+    for section in pod["status"]["initContainerStatuses"]:
+        del section["state"]["terminated"]["startedAt"]
+    assert resolved_tags(pod) == []  # no time from the kubelet: nothing to date it by
 
 
 def test_crash_loop_outcome_is_read_from_last_state(real_probe_failure: tuple[int, str]) -> None:

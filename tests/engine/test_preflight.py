@@ -199,12 +199,20 @@ def test_the_preflight_pulls_the_tag_as_the_registry_has_it_now(
 ) -> None:
     """A verdict is learned under a tag only from a pull that resolved it: a node's old
     copy of the tag is not what the tag names now. A worker that never pulls only ever
-    runs what its node holds, and so does its preflight."""
+    runs what its node holds, and so does its preflight; an image pinned by digest has
+    no tag to resolve, and keeps the worker's policy (a node that cannot reach the
+    registry still judges what it holds)."""
     spec = worker_spec()
     if worker is not None:
         spec["containers"][0]["imagePullPolicy"] = worker
     probe = preflight(spec)["spec"]["initContainers"][1]
     assert probe["imagePullPolicy"] == preflight_pulls
+    pinned = IMAGE.split(":")[0] + "@sha256:" + "ab" * 32
+    spec["containers"][0]["image"] = pinned
+    pod = preflight_pod("team-a", spec, key_of("team-a", spec, pinned), SETTINGS)
+    assert pod is not None
+    assert pod["spec"]["initContainers"][1].get("imagePullPolicy", None) == worker
+    assert worker is not None or "imagePullPolicy" not in pod["spec"]["initContainers"][1]
 
 
 def test_the_preflight_mounts_none_of_the_workers_volumes_and_holds_no_gpu() -> None:

@@ -52,6 +52,7 @@ def pod_with_probe_status(
     section: str = "state",
     restart_count: int = 0,
     pull_policy: str = "Always",
+    started_at: str = "2026-11-30T20:00:00Z",
 ) -> dict[str, Any]:
     """A pod as the API returns it after the kubelet wrote the probe's termination.
     ``pull_policy``: the probe's (the worker's) imagePullPolicy; Always resolved the tag."""
@@ -59,7 +60,7 @@ def pod_with_probe_status(
         "exitCode": exit_code,
         "reason": "Error" if exit_code else "Completed",
         "message": message,
-        "startedAt": "2026-11-30T20:00:00Z",
+        "startedAt": started_at,
         "finishedAt": "2026-11-30T20:00:07Z",
     }
     status: dict[str, Any] = {

@@ -48,6 +48,7 @@ from epguard.webhook.engine.imageref import ImageRefError, parse
 from epguard.webhook.engine.outcome import (
     PROBED_LABEL,
     ProbeOutcome,
+    Resolution,
     is_probe,
     outcomes_of,
     recorded_runs,
@@ -81,19 +82,25 @@ from epguard.webhook.engine.workloads import as_list, as_map, as_mapping
 
 log = logging.getLogger("epguard.controller.recorder")
 
-# Runs this process already recorded: re-delivered events skip the API entirely.
-MAX_DONE = 10_000
 WRITE_ATTEMPTS = 5
 # A namespace's count of the verdicts its probes taught is read again after this long
 # (an admin deleted some, or the other replica created some before a failover).
 RECOUNT_SECONDS = 300.0
 # A tag resolved to a digest by a pull with imagePullPolicy Always (a preflight, mostly)
-# lets a run of those same bytes that did not resolve it (the gated worker, pulling
-# IfNotPresent once its gate is off) answer for the tag, for this long: the time from a
-# preflight to its workers' probes (the deadline, a schedule, a pull), not the tag TTL.
-# Held in memory: after a restart the next gated pod's preflight resolves it again.
+# lets a run of those same bytes in the same namespace that did not resolve it (the gated
+# worker, pulling IfNotPresent once its gate is off) answer for the tag, for this long
+# after the kubelet started the resolving container: the time from a preflight to its
+# workers' probes (a schedule, a pull), not the tag TTL. Held in memory, the newest per
+# (namespace, tag): after a restart, the next gated pod's preflight resolves it again.
+# A pod kept from before the tag moved resolves nothing: its container started too long
+# ago, however often the controller sees it again.
 RESOLVED_FOR = dt.timedelta(hours=1)
-MAX_RESOLVED = 10_000
+CLOCK_SKEW = dt.timedelta(minutes=5)  # a kubelet's clock ahead of the controller's
+MAX_RESOLVED_PER_NAMESPACE = 256  # one namespace's pulls never evict another's
+# Per pod (kopf's memo of that object): the runs and resolutions already considered, so
+# re-delivered events skip the API entirely.
+SEEN_KEY = "epguard_recorder_seen"
+MAX_SEEN_PER_POD = 256
 
 
 class KeySource(Protocol):
@@ -231,33 +238,37 @@ class Recorder:
     ) -> None:
         self.api = api
         self.clock = clock
-        self.done: OrderedDict[str, None] = OrderedDict()
         self.per_namespace = per_namespace
         self.monotonic = monotonic
         # namespace -> (verdicts its probes taught, when that was counted); kopf runs
         # handlers on several threads, so a slot is reserved under the lock.
         self.taught: dict[str, tuple[int, float]] = {}
         self._taught_lock = threading.Lock()
-        # (name:tag, digest) -> when a pull that resolved the tag found those bytes.
-        self.resolved: OrderedDict[tuple[str, str], dt.datetime] = OrderedDict()
+        # namespace -> name:tag -> (digest, when the resolving container started).
+        self.resolved: dict[str, OrderedDict[str, tuple[str, dt.datetime]]] = {}
         self._resolved_lock = threading.Lock()
 
-    def note_resolved(self, tag: str, digest: str) -> None:
+    def note_resolved(self, namespace: str, found: Resolution) -> None:
+        """Keep what a pull found, if it is recent and newer than what is held."""
+        now = self.clock()
+        if found.started_at > now + CLOCK_SKEW or now - found.started_at > RESOLVED_FOR:
+            return
         with self._resolved_lock:
-            self.resolved[(tag, digest)] = self.clock()
-            self.resolved.move_to_end((tag, digest))
-            while len(self.resolved) > MAX_RESOLVED:
-                self.resolved.popitem(last=False)
+            tags = self.resolved.setdefault(namespace, OrderedDict())
+            held = tags.get(found.tag)
+            if held is not None and held[1] >= found.started_at:
+                return
+            tags[found.tag] = (found.digest, found.started_at)
+            tags.move_to_end(found.tag)
+            while len(tags) > MAX_RESOLVED_PER_NAMESPACE:
+                tags.popitem(last=False)
 
-    def resolved_recently(self, tag: str, digest: str) -> bool:
-        with self._resolved_lock:
-            at = self.resolved.get((tag, digest))
-        return at is not None and self.clock() - at <= RESOLVED_FOR
-
-    def answers_for(self, outcome: ProbeOutcome) -> str:
+    def answers_for(self, outcome: ProbeOutcome, namespace: str) -> str:
         """The reference ``outcome``'s verdict answers for: its tag when its own pull
-        resolved the tag, or a resolving pull found the same bytes within RESOLVED_FOR;
-        else its digest alone (``ProbeOutcome.verdict_image``)."""
+        resolved the tag, or when the newest pull in ``namespace`` that resolved it found
+        these bytes within RESOLVED_FOR; else its digest alone
+        (``ProbeOutcome.verdict_image``). Worked out once per run: the verdict and the
+        Event say the same."""
         own = outcome.verdict_image
         if own == outcome.image or outcome.digest is None:
             return own
@@ -265,7 +276,12 @@ class Recorder:
             tag = parse(outcome.image).name_tag
         except ImageRefError:
             return own
-        return outcome.image if self.resolved_recently(tag, outcome.digest) else own
+        with self._resolved_lock:
+            tags = self.resolved.get(namespace)
+            held = tags.get(tag) if tags is not None else None
+        if held is None or held[0] != outcome.digest:
+            return own
+        return outcome.image if self.clock() - held[1] <= RESOLVED_FOR else own
 
     def _reserve(self, namespace: str) -> None:
         """Count one more verdict taught by ``namespace``; OverBudget when it has taught
@@ -286,23 +302,21 @@ class Recorder:
             count, at = self.taught[namespace]
             self.taught[namespace] = (max(0, count - 1), at)
 
-    def is_done(self, run: str) -> bool:
-        return run in self.done
-
-    def mark_done(self, run: str) -> None:
-        self.done[run] = None
-        while len(self.done) > MAX_DONE:
-            self.done.popitem(last=False)
-
     def upsert_verdict(
-        self, outcome: ProbeOutcome, pod: str, run: str, architecture: str | None = None
+        self,
+        outcome: ProbeOutcome,
+        pod: str,
+        run: str,
+        architecture: str | None = None,
+        image: str | None = None,
     ) -> ImageVerdictSpec | None:
         """Count this run on the image's ImageVerdict; None when it was counted already.
         OverBudget when it would be a new verdict and the pod's namespace has taught its
-        share (``per_namespace``) already. ``architecture``: its node's."""
-        image = self.answers_for(outcome)
-        name = verdict_name(image, outcome.digest)
+        share (``per_namespace``) already. ``architecture``: its node's; ``image``: the
+        reference it answers for (``answers_for``)."""
         namespace = pod.partition("/")[0]
+        image = image or self.answers_for(outcome, namespace)
+        name = verdict_name(image, outcome.digest)
         for _ in range(WRITE_ATTEMPTS):
             existing = self.api.read_verdict(name)
             previous = existing.get("spec") if existing else None
@@ -415,22 +429,19 @@ def record_probe_outcomes(body: Mapping[str, Any], memo: kopf.Memo, **_: Any) ->
         return
     config: ControllerConfig | None = memo.get("config")
     probe_image = config.probe_image if config is not None else None
-    recorder: Recorder | None = memo.get("recorder")
-    if recorder is None:
-        share = config.verdicts_per_namespace if config is not None else 1000
-        recorder = Recorder(KubeRecorderApi(memo["api"]), per_namespace=share)
-        memo["recorder"] = recorder
+    # One of each per process (start_recording): made here, they would be this pod's.
+    recorder: Recorder = memo["recorder"]
+    ledger: SignatureLedger = memo["signatures"]
+    seen = _seen(memo)
     fresh = [
-        (o, run)
-        for o in outcomes_of(body, probe_image)
-        if not recorder.is_done(run := run_key(uid, o))
+        (o, run) for o in outcomes_of(body, probe_image) if (run := run_key(uid, o)) not in seen
     ]
     # Each pod's resolutions are considered once, like its runs: a pod that is no evidence
     # would otherwise be verified again (a Secret read for a key it names) at each event.
     resolved = [
-        (tag, digest, seen)
-        for tag, digest in resolved_tags(body, probe_image)
-        if not recorder.is_done(seen := f"{uid}/resolved/{digest}/{tag}")
+        (found, key)
+        for found in resolved_tags(body, probe_image)
+        if (key := f"{uid}/resolved/{found.digest}/{found.tag}") not in seen
     ]
     if not fresh and not resolved:
         return
@@ -441,15 +452,11 @@ def record_probe_outcomes(body: Mapping[str, Any], memo: kopf.Memo, **_: Any) ->
         namespace=namespace,
         uid=uid,
     )
-    ledger: SignatureLedger | None = memo.get("signatures")
-    if ledger is None:
-        ledger = SignatureLedger()
-        memo["signatures"] = ledger
     checked = _verified(body, namespace, memo.get("probe_keys"), ledger)
-    for tag, digest, seen in resolved:
-        recorder.mark_done(seen)
+    for found, key in resolved:
+        _mark(seen, key)
         if checked.ok:
-            recorder.note_resolved(tag, digest)
+            recorder.note_resolved(namespace, found)
     if not fresh:
         return
     if not checked.ok:
@@ -458,13 +465,14 @@ def record_probe_outcomes(body: Mapping[str, Any], memo: kopf.Memo, **_: Any) ->
         log.warning("not learned from pod %s/%s: %s", namespace, name, checked.reason)
         recorder.post_untrusted(pod_ref, checked.reason, uid)
         for _outcome, run in fresh:
-            recorder.mark_done(run)
+            _mark(seen, run)
         return
     owner = recorder.top_owner(namespace, pod_meta.get("ownerReferences"))
     pod = f"{namespace}/{name}"
     where: Placement | None = None
     for outcome, run in fresh:
-        message = _message(outcome, pod, recorder.answers_for(outcome))
+        answer = recorder.answers_for(outcome, namespace)
+        message = _message(outcome, pod, answer)
         if not outcome.about_the_image:
             # A cause in this pod or its node (or no digest to pin it to) must not refuse
             # anyone else's pods: it is told where people look, and nothing is learned.
@@ -487,11 +495,12 @@ def record_probe_outcomes(body: Mapping[str, Any], memo: kopf.Memo, **_: Any) ->
                         recorder.post_not_learned(about, outcome, where.refusal, run)
             else:
                 try:
-                    if recorder.upsert_verdict(outcome, pod, run, where.architecture) is not None:
+                    written = recorder.upsert_verdict(outcome, pod, run, where.architecture, answer)
+                    if written is not None:
                         log.info(
                             "recorded %s for %s from pod %s",
                             outcome.verdict,
-                            recorder.answers_for(outcome),
+                            answer,
                             pod,
                         )
                 except OverBudget as spent:
@@ -500,7 +509,23 @@ def record_probe_outcomes(body: Mapping[str, Any], memo: kopf.Memo, **_: Any) ->
         recorder.post_event(pod_ref, outcome, message, run)
         if owner is not None:
             recorder.post_event(owner, outcome, message, run)
-        recorder.mark_done(run)
+        _mark(seen, run)
+
+
+def _seen(memo: kopf.Memo) -> OrderedDict[str, None]:
+    """This pod's runs and resolutions considered already. kopf's memo of one object
+    (a copy of the operator's, made when the object is first seen, dropped when it is
+    deleted): a pod's churn never evicts another's, as one table for all did."""
+    seen: OrderedDict[str, None] | None = memo.get(SEEN_KEY)
+    if seen is None:
+        seen = memo[SEEN_KEY] = OrderedDict()
+    return seen
+
+
+def _mark(seen: OrderedDict[str, None], key: str) -> None:
+    seen[key] = None
+    while len(seen) > MAX_SEEN_PER_POD:  # a probe crash-looping for days
+        seen.popitem(last=False)
 
 
 def _verified(

@@ -33,7 +33,13 @@ from epguard.probe.message import (
 from epguard.webhook.engine.argv import ExpansionTooLarge, container_argv
 from epguard.webhook.engine.imageref import ImageRefError, parse
 from epguard.webhook.engine.text import first_line
-from epguard.webhook.engine.verdicts import SOURCE_PROBE, ImageVerdictSpec, Versions, build_spec
+from epguard.webhook.engine.verdicts import (
+    SOURCE_PROBE,
+    ImageVerdictSpec,
+    Versions,
+    build_spec,
+    parse_time,
+)
 from epguard.webhook.engine.workloads import as_list, as_map
 
 PROBE_CONTAINER = "epguard-probe"
@@ -243,11 +249,30 @@ def outcomes_of(pod: Mapping[str, Any], probe_image: str | None = None) -> list[
     return [o for o in found if o is not None]
 
 
-def resolved_tags(pod: Mapping[str, Any], probe_image: str | None = None) -> list[tuple[str, str]]:
-    """``(name:tag, digest)`` for each probe container of ``pod`` that pulled an image
-    named by tag with ``imagePullPolicy: Always`` and whose status names the digest the
-    kubelet ran: at that moment the registry's tag named those bytes. A preflight's
-    files-only pass teaches no verdict, but tells this much (``Recorder.answers_for``)."""
+@dataclass(frozen=True, slots=True)
+class Resolution:
+    """A pull with ``imagePullPolicy: Always`` of an image named by tag: when the kubelet
+    started that container (``startedAt``, which it writes, not the pod's owner), the
+    registry's ``tag`` named ``digest``."""
+
+    tag: str  # normalized name:tag
+    digest: str
+    started_at: dt.datetime
+
+
+def _started(status: Mapping[str, Any]) -> dt.datetime | None:
+    for section in ("state", "lastState"):
+        for phase in ("running", "terminated"):
+            at = parse_time(as_map(as_map(status.get(section)).get(phase)).get("startedAt"))
+            if at is not None:
+                return at
+    return None
+
+
+def resolved_tags(pod: Mapping[str, Any], probe_image: str | None = None) -> list[Resolution]:
+    """What each probe container of ``pod`` that pulled its by-tag image with Always
+    found: the digest the kubelet ran, and when. A preflight's files-only pass teaches no
+    verdict, but tells this much (``Recorder.answers_for``)."""
     spec = as_map(pod.get("spec"))
     if not _trusted(spec, probe_image):
         return []
@@ -256,17 +281,18 @@ def resolved_tags(pod: Mapping[str, Any], probe_image: str | None = None) -> lis
         for c in as_list(spec.get("initContainers"))
         if isinstance(c, Mapping) and is_probe(c) and c.get("imagePullPolicy") == "Always"
     }
-    found: list[tuple[str, str]] = []
+    found: list[Resolution] = []
     for status in as_list(as_map(pod.get("status")).get("initContainerStatuses")):
         if not isinstance(status, Mapping) or status.get("name") not in always:
             continue
         image, digest = always[status.get("name")], digest_of(status.get("imageID"))
+        started = _started(status)
         try:
             ref = parse(image) if isinstance(image, str) else None
         except ImageRefError:
             ref = None
-        if digest and ref is not None and ref.tag is not None and ref.digest is None:
-            found.append((ref.name_tag, digest))
+        if digest and started and ref is not None and ref.tag is not None and not ref.digest:
+            found.append(Resolution(ref.name_tag, digest, started))
     return found
 
 

@@ -178,6 +178,19 @@ def _without_extended(container: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _pull_policy(image: str, worker: Any) -> Any | None:
+    """The tag as the registry has it now, not as a node holds it: a verdict is learned
+    under a tag only from a pull that resolved it (outcome.verdict_image). A reference
+    pinned by digest has nothing to resolve, and Never stays Never (such a worker only
+    ever runs what its node holds): both keep the worker's policy, so a node that cannot
+    reach the registry still judges what it holds."""
+    try:
+        pinned = parse_ref(image).digest is not None
+    except ImageRefError:
+        pinned = False
+    return worker if pinned or worker == "Never" else "Always"
+
+
 def preflight_pod(
     namespace: str,
     worker_spec: Mapping[str, Any],
@@ -212,11 +225,12 @@ def preflight_pod(
     probe = {
         **{k: v for k, v in probe.items() if k not in ("env", "envFrom")},
         "securityContext": {**{k: own[k] for k in _RUN_AS if k in own}, **_CONFINED},
-        # The tag as the registry has it now, not as the node holds it: a verdict is
-        # learned under the tag only from a pull that resolved it (outcome.verdict_image).
-        # Never stays Never: such a worker only ever runs what its node holds.
-        "imagePullPolicy": "Never" if probe.get("imagePullPolicy") == "Never" else "Always",
     }
+    policy = _pull_policy(key.image, probe.get("imagePullPolicy"))
+    if policy is None:
+        probe.pop("imagePullPolicy", None)
+    else:
+        probe["imagePullPolicy"] = policy
     probe, copy = _with_cpu_limit(probe, "1"), _with_cpu_limit(copy, "100m")
     spec: dict[str, Any] = {
         "restartPolicy": "Never",

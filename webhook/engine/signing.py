@@ -36,6 +36,7 @@ import hashlib
 import hmac
 import json
 import secrets
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -66,14 +67,26 @@ MAX_SECRET_BYTES = 64 * 1024
 # one that a tenant adds (``workingDir``, ``restartPolicy: Always``, a lifecycle hook …)
 # breaks the signature.
 _DEFAULTED_FIELDS = frozenset(
-    {"terminationMessagePath", "terminationMessagePolicy", "imagePullPolicy", "resources",
-     "volumeMounts"}
+    {
+        "terminationMessagePath",
+        "terminationMessagePolicy",
+        "imagePullPolicy",
+        "resources",
+        "volumeMounts",
+    }
 )
 # Pod-level fields that decide what can reach the probe's process or files while it runs:
 # signed with the probe, so a signed probe copied into a pod with other values does not
 # verify.
-_POD_FIELDS = ("shareProcessNamespace", "hostPID", "hostIPC", "hostNetwork", "hostUsers",
-               "securityContext", "runtimeClassName")
+_POD_FIELDS = (
+    "shareProcessNamespace",
+    "hostPID",
+    "hostIPC",
+    "hostNetwork",
+    "hostUsers",
+    "securityContext",
+    "runtimeClassName",
+)
 # A signature is used once, by the pod it was made for: /validate refuses a CREATE whose
 # signature is older than this, and the controller learns only from a pod created within
 # this of its signature (``metadata.creationTimestamp``, set by the API server). It covers
@@ -421,13 +434,17 @@ class SignatureLedger:
     def __init__(self, limit: int = MAX_LEDGER) -> None:
         self.limit = limit
         self.owners: dict[str, str] = {}  # signature -> pod uid, insertion ordered
+        # One ledger per controller, and kopf runs handlers on several threads: two
+        # copies of a signature checked at once must not both be the first.
+        self._lock = threading.Lock()
 
     def claim(self, signature: str, uid: str) -> str | None:
         """None when ``uid`` may use ``signature``; else the uid that used it first."""
-        owner = self.owners.get(signature)
-        if owner is not None:
-            return None if owner == uid else owner
-        self.owners[signature] = uid
-        while len(self.owners) > self.limit:
-            del self.owners[next(iter(self.owners))]
-        return None
+        with self._lock:
+            owner = self.owners.get(signature)
+            if owner is not None:
+                return None if owner == uid else owner
+            self.owners[signature] = uid
+            while len(self.owners) > self.limit:
+                del self.owners[next(iter(self.owners))]
+            return None

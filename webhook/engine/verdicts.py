@@ -309,7 +309,8 @@ def _field(obj: Mapping[str, Any], name: str) -> Any:
     return None
 
 
-def _time(value: Any) -> dt.datetime | None:
+def parse_time(value: Any) -> dt.datetime | None:
+    """An RFC 3339 time as the API server writes it (``...Z``); None if it is not one."""
     if not isinstance(value, str) or not value:
         return None
     try:
@@ -325,7 +326,7 @@ def _written_at(meta: Mapping[str, Any]) -> dt.datetime | None:
     entries = meta.get("managedFields")
     if not isinstance(entries, list):
         return None
-    times = [_time(e.get("time")) for e in entries if isinstance(e, Mapping)]
+    times = [parse_time(e.get("time")) for e in entries if isinstance(e, Mapping)]
     return max((t for t in times if t is not None), default=None)
 
 
@@ -355,7 +356,7 @@ def verdict_from_object(obj: Any) -> Verdict | None:
     source = _field(obj, "source")
     recorded_by = _field(obj, "recordedBy")
     fix = _field(obj, "fix")
-    claimed = _time(_field(obj, "lastSeen"))
+    claimed = parse_time(_field(obj, "lastSeen"))
     written = _written_at(meta) if isinstance(meta, Mapping) else None
     return Verdict(
         object_name=name,
