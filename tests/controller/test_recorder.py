@@ -33,6 +33,7 @@ from epguard.webhook.controller.recorder import (
     Recorder,
     has_probe,
     record_probe_outcomes,
+    remembered,
 )
 from epguard.webhook.engine.imageref import parse
 from epguard.webhook.engine.signing import (
@@ -581,6 +582,26 @@ class TestTags:
         assert worker("w3") == {VERDICT}
         # Another namespace's pull says nothing about this namespace's workers.
         assert worker("w4", namespace="team-b") == {digest_only}
+        # ... but a newer one that found other bytes cancels: the tag moved (found by a
+        # review helper on fe48f13).
+        newer = probed_pod("p3", cleared, 0, digest=old, namespace="team-b",
+                           started=NOW + dt.timedelta(minutes=6))  # fmt: skip
+        record(newer, replica(api, recorder=one))
+        assert worker("w5") == {digest_only}
+
+    def test_a_pull_dated_ahead_of_the_controllers_clock_counts_as_now(
+        self, api: InMemoryApi
+    ) -> None:
+        """A node whose clock runs fast cannot make its pull outlast RESOLVED_FOR."""
+        cleared = "epguard: no image cause in this image's files: the GPU node decides"
+        clock = [T1]
+        one = Recorder(api, clock=lambda: clock[0])
+        ahead = probed_pod("p1", cleared, 0, started=T1 + dt.timedelta(hours=3))
+        record(ahead, replica(api, recorder=one))
+        clock[0] = T1 + RESOLVED_FOR + dt.timedelta(seconds=1)
+        record(probed_pod("w1", USABLE_MSG, 0, pull_policy="IfNotPresent"),
+               replica(api, recorder=one))  # fmt: skip
+        assert set(api.verdicts) == {DIGEST.replace(":", "-")}
 
     def test_a_pod_whose_signature_fails_resolves_no_tag(self, api: InMemoryApi) -> None:
         cleared = "epguard: no image cause in this image's files: the GPU node decides"
@@ -625,6 +646,19 @@ class TestTags:
 
 
 class TestOncePerRun:
+    def test_a_pods_memory_keeps_every_run_it_still_shows(self) -> None:
+        """Found by a review helper on fe48f13: 256 runs a pod, the oldest dropped past
+        that, let a pod of 300 probe containers have its old runs come back as new at
+        each event its owner causes (a relabel), each a write that renews an old
+        verdict. Now nothing it still shows is forgotten, and what it no longer shows
+        is."""
+        memo = kopf.Memo()
+        shown = {f"u1/epguard-probe-{i}/0/{FINISHED}" for i in range(300)}
+        remembered(memo, shown).update(shown)
+        for _ in range(3):
+            assert remembered(memo, shown) == shown
+        assert remembered(memo, set(list(shown)[:5])) == set(list(shown)[:5])
+
     def test_a_redelivered_pod_event_makes_no_api_call(self, api: InMemoryApi) -> None:
         memo = replica(api)
         pod = probed_pod("u1", UNUSABLE_MSG, 1, owners=deployment_chain(api))

@@ -98,9 +98,13 @@ RESOLVED_FOR = dt.timedelta(hours=1)
 CLOCK_SKEW = dt.timedelta(minutes=5)  # a kubelet's clock ahead of the controller's
 MAX_RESOLVED_PER_NAMESPACE = 256  # one namespace's pulls never evict another's
 # Per pod (kopf's memo of that object): the runs and resolutions already considered, so
-# re-delivered events skip the API entirely.
+# re-delivered events skip the API entirely. Kept while the pod still shows them, never
+# evicted by count: a pod of 300 probe containers would otherwise have old runs come back
+# as new at each event a tenant causes, each a verdict write that renews an old verdict.
 SEEN_KEY = "epguard_recorder_seen"
-MAX_SEEN_PER_POD = 256
+# The newest pull per tag in the whole cluster, beside each namespace's: a pull anywhere
+# that found other bytes cancels a namespace's older resolution (the tag moved).
+MAX_RESOLVED_TAGS = 10_000
 
 
 class KeySource(Protocol):
@@ -246,22 +250,29 @@ class Recorder:
         self._taught_lock = threading.Lock()
         # namespace -> name:tag -> (digest, when the resolving container started).
         self.resolved: dict[str, OrderedDict[str, tuple[str, dt.datetime]]] = {}
+        self.newest: OrderedDict[str, tuple[str, dt.datetime]] = OrderedDict()  # any namespace
         self._resolved_lock = threading.Lock()
 
     def note_resolved(self, namespace: str, found: Resolution) -> None:
-        """Keep what a pull found, if it is recent and newer than what is held."""
+        """Keep what a pull found, if it is recent and newer than what is held. A start
+        time ahead of this clock (a node's fast clock) counts as now, so it can neither
+        outlast RESOLVED_FOR nor be ignored as a later pull's cancel."""
         now = self.clock()
-        if found.started_at > now + CLOCK_SKEW or now - found.started_at > RESOLVED_FOR:
+        at = min(found.started_at, now)
+        if now - at > RESOLVED_FOR:
             return
         with self._resolved_lock:
-            tags = self.resolved.setdefault(namespace, OrderedDict())
-            held = tags.get(found.tag)
-            if held is not None and held[1] >= found.started_at:
-                return
-            tags[found.tag] = (found.digest, found.started_at)
-            tags.move_to_end(found.tag)
-            while len(tags) > MAX_RESOLVED_PER_NAMESPACE:
-                tags.popitem(last=False)
+            for tags, cap in (
+                (self.resolved.setdefault(namespace, OrderedDict()), MAX_RESOLVED_PER_NAMESPACE),
+                (self.newest, MAX_RESOLVED_TAGS),
+            ):
+                held = tags.get(found.tag)
+                if held is not None and held[1] >= at:
+                    continue
+                tags[found.tag] = (found.digest, at)
+                tags.move_to_end(found.tag)
+                while len(tags) > cap:
+                    tags.popitem(last=False)
 
     def answers_for(self, outcome: ProbeOutcome, namespace: str) -> str:
         """The reference ``outcome``'s verdict answers for: its tag when its own pull
@@ -279,8 +290,11 @@ class Recorder:
         with self._resolved_lock:
             tags = self.resolved.get(namespace)
             held = tags.get(tag) if tags is not None else None
+            anywhere = self.newest.get(tag)
         if held is None or held[0] != outcome.digest:
             return own
+        if anywhere is not None and anywhere[0] != outcome.digest:
+            return own  # a newer pull, in any namespace, found other bytes: the tag moved
         return outcome.image if self.clock() - held[1] <= RESOLVED_FOR else own
 
     def _reserve(self, namespace: str) -> None:
@@ -432,17 +446,16 @@ def record_probe_outcomes(body: Mapping[str, Any], memo: kopf.Memo, **_: Any) ->
     # One of each per process (start_recording): made here, they would be this pod's.
     recorder: Recorder = memo["recorder"]
     ledger: SignatureLedger = memo["signatures"]
-    seen = _seen(memo)
-    fresh = [
-        (o, run) for o in outcomes_of(body, probe_image) if (run := run_key(uid, o)) not in seen
-    ]
+    runs = [(o, run_key(uid, o)) for o in outcomes_of(body, probe_image)]
     # Each pod's resolutions are considered once, like its runs: a pod that is no evidence
     # would otherwise be verified again (a Secret read for a key it names) at each event.
-    resolved = [
-        (found, key)
+    pulls = [
+        (found, f"{uid}/resolved/{found.digest}/{found.tag}/{found.started_at.isoformat()}")
         for found in resolved_tags(body, probe_image)
-        if (key := f"{uid}/resolved/{found.digest}/{found.tag}") not in seen
     ]
+    seen = remembered(memo, {key for _, key in runs} | {key for _, key in pulls})
+    fresh = [(o, run) for o, run in runs if run not in seen]
+    resolved = [(found, key) for found, key in pulls if key not in seen]
     if not fresh and not resolved:
         return
     pod_ref = client.V1ObjectReference(
@@ -454,7 +467,7 @@ def record_probe_outcomes(body: Mapping[str, Any], memo: kopf.Memo, **_: Any) ->
     )
     checked = _verified(body, namespace, memo.get("probe_keys"), ledger)
     for found, key in resolved:
-        _mark(seen, key)
+        seen.add(key)
         if checked.ok:
             recorder.note_resolved(namespace, found)
     if not fresh:
@@ -465,7 +478,7 @@ def record_probe_outcomes(body: Mapping[str, Any], memo: kopf.Memo, **_: Any) ->
         log.warning("not learned from pod %s/%s: %s", namespace, name, checked.reason)
         recorder.post_untrusted(pod_ref, checked.reason, uid)
         for _outcome, run in fresh:
-            _mark(seen, run)
+            seen.add(run)
         return
     owner = recorder.top_owner(namespace, pod_meta.get("ownerReferences"))
     pod = f"{namespace}/{name}"
@@ -509,23 +522,19 @@ def record_probe_outcomes(body: Mapping[str, Any], memo: kopf.Memo, **_: Any) ->
         recorder.post_event(pod_ref, outcome, message, run)
         if owner is not None:
             recorder.post_event(owner, outcome, message, run)
-        _mark(seen, run)
+        seen.add(run)
 
 
-def _seen(memo: kopf.Memo) -> OrderedDict[str, None]:
-    """This pod's runs and resolutions considered already. kopf's memo of one object
-    (a copy of the operator's, made when the object is first seen, dropped when it is
-    deleted): a pod's churn never evicts another's, as one table for all did."""
-    seen: OrderedDict[str, None] | None = memo.get(SEEN_KEY)
+def remembered(memo: kopf.Memo, shown: set[str]) -> set[str]:
+    """This pod's runs and resolutions considered already, of those it still ``shown``.
+    In kopf's memo of this one object (a copy of the operator's, made when the object is
+    first seen, dropped when it is deleted): no pod's churn evicts another's, and what a
+    pod no longer shows cannot come back."""
+    seen: set[str] | None = memo.get(SEEN_KEY)
     if seen is None:
-        seen = memo[SEEN_KEY] = OrderedDict()
+        seen = memo[SEEN_KEY] = set()
+    seen &= shown
     return seen
-
-
-def _mark(seen: OrderedDict[str, None], key: str) -> None:
-    seen[key] = None
-    while len(seen) > MAX_SEEN_PER_POD:  # a probe crash-looping for days
-        seen.popitem(last=False)
 
 
 def _verified(
