@@ -267,6 +267,7 @@ def probed_pod(
     image: str = IMAGE,
     pull_policy: str = "Always",
     started: dt.datetime | None = None,
+    finished: str = FINISHED,
 ) -> dict[str, Any]:
     """A pod /mutate injected and signed (created a second after signing), as the API
     returns it once the kubelet of ``node`` wrote the probe's termination. The worker's
@@ -286,14 +287,15 @@ def probed_pod(
         section=section,
         restart_count=restart_count,
         started_at=stamp(started or signed_at + dt.timedelta(seconds=2)),
+        finished_at=finished,
     )["status"]
     if owners:
         pod["metadata"]["ownerReferences"] = list(owners)
     return pod
 
 
-def run_of(uid: str, restart_count: int = 0) -> str:
-    return f"{uid}/epguard-probe/{restart_count}/{FINISHED}"
+def run_of(uid: str, finished: str = FINISHED) -> str:
+    return f"{uid}/epguard-probe/{finished}"
 
 
 def replica(
@@ -402,12 +404,29 @@ class TestVerdicts:
     ) -> None:
         record(probed_pod("u1", UNUSABLE_MSG, 1), replica(api, T1))
         # The pod's probe ran again (Init:CrashLoopBackOff: the run is in lastState).
-        again = probed_pod("u1", UNUSABLE_MSG, 1, section="lastState", restart_count=2)
+        later = "2026-11-30T20:01:07Z"
+        again = probed_pod("u1", UNUSABLE_MSG, 1, section="lastState", restart_count=2,
+                           finished=later)  # fmt: skip
         record(again, replica(api, T2))
         spec = api.spec()
         assert spec["count"] == 2
-        assert spec["runs"] == [run_of("u1"), run_of("u1", 1)]
+        assert spec["runs"] == [run_of("u1"), run_of("u1", later)]
         assert (spec["firstSeen"], spec["lastSeen"]) == (stamp(T1), stamp(T2))
+
+    def test_one_termination_shown_under_two_restart_counts_counts_once(
+        self, api: InMemoryApi
+    ) -> None:
+        """Found by a review helper on 3c638ec: in a crash loop the kubelet shows one
+        termination in ``state`` while it ends, then in ``lastState`` while the container
+        waits (the count unchanged), then with the count raised once the next run starts.
+        Keyed by the count, it was recorded again."""
+        memo = replica(api, T1)
+        record(probed_pod("u1", UNUSABLE_MSG, 1, restart_count=3), memo)
+        waiting = probed_pod("u1", UNUSABLE_MSG, 1, section="lastState", restart_count=3)
+        record(waiting, memo)
+        running = probed_pod("u1", UNUSABLE_MSG, 1, section="lastState", restart_count=4)
+        record(running, replica(api, T2))  # another replica, after a failover
+        assert api.spec()["count"] == 1 and api.verdict_writes == 1
 
     def test_a_newer_outcome_of_another_pod_replaces_the_verdict(self, api: InMemoryApi) -> None:
         record(probed_pod("u1", UNUSABLE_MSG, 1), replica(api, T1))

@@ -186,7 +186,7 @@ def test_the_verdict_remembers_the_runs_it_counted_so_none_counts_twice() -> Non
     [outcome] = outcomes_of(pod_with_probe_status(USABLE, 0))
     t = dt.datetime(2026, 11, 30, 20, 0, tzinfo=dt.UTC)
     run = run_key("uid-1", outcome)
-    assert run == "uid-1/epguard-probe/0/2026-11-30T20:00:07Z"
+    assert run == "uid-1/epguard-probe/2026-11-30T20:00:07Z"
     spec = verdict_spec(outcome, "llm/w", t, None, run)
     assert recorded_runs(spec) == [run]
     again = verdict_spec(outcome, "llm/w", t, spec, run)

@@ -53,6 +53,7 @@ def pod_with_probe_status(
     restart_count: int = 0,
     pull_policy: str = "Always",
     started_at: str = "2026-11-30T20:00:00Z",
+    finished_at: str = "2026-11-30T20:00:07Z",
 ) -> dict[str, Any]:
     """A pod as the API returns it after the kubelet wrote the probe's termination.
     ``pull_policy``: the probe's (the worker's) imagePullPolicy; Always resolved the tag."""
@@ -61,7 +62,7 @@ def pod_with_probe_status(
         "reason": "Error" if exit_code else "Completed",
         "message": message,
         "startedAt": started_at,
-        "finishedAt": "2026-11-30T20:00:07Z",
+        "finishedAt": finished_at,
     }
     status: dict[str, Any] = {
         "name": "epguard-probe",

@@ -255,24 +255,29 @@ class Recorder:
 
     def note_resolved(self, namespace: str, found: Resolution) -> None:
         """Keep what a pull found, if it is recent and newer than what is held. A start
-        time ahead of this clock (a node's fast clock) counts as now, so it can neither
-        outlast RESOLVED_FOR nor be ignored as a later pull's cancel."""
+        time more than CLOCK_SKEW ahead of this clock (a node's fast clock) only cancels,
+        dated now: re-read after a restart, it would otherwise be dated now again and
+        outrank a real, newer pull."""
         now = self.clock()
+        ahead = found.started_at > now + CLOCK_SKEW
         at = min(found.started_at, now)
         if now - at > RESOLVED_FOR:
             return
         with self._resolved_lock:
-            for tags, cap in (
-                (self.resolved.setdefault(namespace, OrderedDict()), MAX_RESOLVED_PER_NAMESPACE),
-                (self.newest, MAX_RESOLVED_TAGS),
-            ):
-                held = tags.get(found.tag)
+            tables = [(self.newest, MAX_RESOLVED_TAGS)]
+            if not ahead:
+                tags = self.resolved.setdefault(namespace, OrderedDict())
+                while tags and now - next(iter(tags.values()))[1] > RESOLVED_FOR:
+                    tags.popitem(last=False)  # expired, oldest first
+                tables.append((tags, MAX_RESOLVED_PER_NAMESPACE))
+            for table, cap in tables:
+                held = table.get(found.tag)
                 if held is not None and held[1] >= at:
                     continue
-                tags[found.tag] = (found.digest, at)
-                tags.move_to_end(found.tag)
-                while len(tags) > cap:
-                    tags.popitem(last=False)
+                table[found.tag] = (found.digest, at)
+                table.move_to_end(found.tag)
+                while len(table) > cap:
+                    table.popitem(last=False)
 
     def answers_for(self, outcome: ProbeOutcome, namespace: str) -> str:
         """The reference ``outcome``'s verdict answers for: its tag when its own pull
@@ -293,8 +298,10 @@ class Recorder:
             anywhere = self.newest.get(tag)
         if held is None or held[0] != outcome.digest:
             return own
-        if anywhere is not None and anywhere[0] != outcome.digest:
-            return own  # a newer pull, in any namespace, found other bytes: the tag moved
+        if anywhere is None or anywhere[0] != outcome.digest:
+            # A newer pull, in any namespace, found other bytes (the tag moved), or the
+            # cluster-wide entry was evicted: unknown, so the digest alone.
+            return own
         return outcome.image if self.clock() - held[1] <= RESOLVED_FOR else own
 
     def _reserve(self, namespace: str) -> None:

@@ -112,8 +112,13 @@ class ProbeOutcome:
 
     @property
     def key(self) -> str:
-        """Identifies this termination, so re-delivered pod events are recorded once."""
-        return f"{self.container}/{self.restart_count}/{self.finished_at}"
+        """Identifies this termination, so re-delivered pod events are recorded once: its
+        container and the time the kubelet says it ended. Not the restart count: during a
+        crash loop the kubelet shows one termination under two counts (in ``state`` while
+        it ends, in ``lastState`` while it waits with the count unchanged, and with the
+        count raised once the next run starts), so a key with it changed and the run was
+        recorded again (found by a review helper on 3c638ec)."""
+        return f"{self.container}/{self.finished_at}"
 
 
 def _named_like_probe(name: object) -> bool:
@@ -384,5 +389,5 @@ def verdict_spec(
 
 def run_key(pod_uid: str, outcome: ProbeOutcome) -> str:
     """One probe termination, cluster-wide: the pod's uid (names are reused) and the
-    container's run (restart count and finish time)."""
+    container's run (``ProbeOutcome.key``)."""
     return f"{pod_uid}/{outcome.key}"
