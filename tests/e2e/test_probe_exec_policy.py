@@ -145,3 +145,26 @@ def test_the_workers_image_and_pods_without_epguard_containers_pass_the_policy(
     assert r.returncode == 0, output(r)
     r = cp.kubectl(f"--as={TENANT_USER}", "label", "-n", TENANT, "pod/w", "team=a")
     assert r.returncode == 0, output(r)  # an update that leaves epguard's images as they are
+
+
+@pytest.mark.parametrize(
+    "change", [["epguard.io/probed-"], ["epguard.io/probed=no", "--overwrite"]]
+)
+def test_the_probed_label_of_a_pod_with_epguard_containers_cannot_change(
+    cp: ControlPlane, change: list[str]
+) -> None:
+    """Found by a review helper on 3c638ec: with the webhook down (this control plane
+    runs none), a tenant removed the label, which takes the pod out of the controller's
+    watch and drops kopf's memory of it, then put it back: every run it still showed was
+    new again, and a verdict past its last 20 runs renewed. Other labels stay free."""
+    labelled = _pod("labelled")
+    labelled["metadata"]["labels"] = {"epguard.io/probed": "true"}
+    r = cp.kubectl("create", "-f", "-", input=json.dumps(labelled))
+    assert r.returncode == 0, output(r)
+    r = cp.kubectl(f"--as={TENANT_USER}", "label", "-n", TENANT, "pod", "labelled", *change)
+    assert r.returncode != 0
+    said = output(r)
+    assert PARTS in said and "epguard refuses a change to the label epguard.io/probed" in said
+    r = cp.kubectl(f"--as={TENANT_USER}", "label", "-n", TENANT, "pod", "labelled", "team=a")
+    assert r.returncode == 0, output(r)
+    cp.kubectl("delete", "pod", "-n", TENANT, "labelled", "--wait=false", check=True)
