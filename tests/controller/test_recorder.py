@@ -68,6 +68,8 @@ USABLE_MSG = (
     "versions: torch=2.13.0+cu130 sglang=0.5.18 mooncake-transfer-engine-cuda13=0.3.13.post1\n"
     "fix: nothing to fix"
 )
+# A preflight's files-only pass: no verdict, but its pull tells what a tag named.
+CLEARED_MSG = "epguard: no image cause in this image's files: the GPU node decides"
 UNUSABLE_MSG = (
     "epguard: mooncake elastic EP is unusable in this image: mooncake.pg was built for "
     "another torch\n"
@@ -313,6 +315,16 @@ def record(pod: dict[str, Any], memo: kopf.Memo) -> None:
     record_probe_outcomes(pod, memo)
 
 
+def record_worker(
+    api: InMemoryApi, one: Recorder, uid: str, digest: str = DIGEST, namespace: str = "ml"
+) -> None:
+    """A gated worker's own probe (it pulled IfNotPresent), recorded by controller ``one``
+    (a memo of its own: kopf's for this pod)."""
+    pod = probed_pod(uid, USABLE_MSG, 0, digest=digest, namespace=namespace,
+                     pull_policy="IfNotPresent")  # fmt: skip
+    record(pod, replica(api, recorder=one))
+
+
 def stamp(t: dt.datetime) -> str:
     return t.strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -552,22 +564,18 @@ class TestTags:
         those same bytes, and its Usable answers for the tag, so the next pods are not
         gated again. A worker on a node with other bytes under the tag, or one probed
         after RESOLVED_FOR, answers for its digest alone."""
-        cleared = "epguard: no image cause in this image's files: the GPU node decides"
         clock = [T1]
         one = Recorder(api, clock=lambda: clock[0])  # one controller; a pod per ledger
         old = "sha256:" + "ef" * 32
-        record(probed_pod("p1", cleared, 0), replica(api, recorder=one))
+        record(probed_pod("p1", CLEARED_MSG, 0), replica(api, recorder=one))
         assert api.verdicts == {} and api.verdict_writes == 0
-        record(probed_pod("w1", USABLE_MSG, 0, pull_policy="IfNotPresent"),
-               replica(api, recorder=one))  # fmt: skip
+        record_worker(api, one, "w1")
         assert set(api.verdicts) == {VERDICT} and api.spec()["image"] == IMAGE
-        record(probed_pod("w2", USABLE_MSG, 0, digest=old, pull_policy="IfNotPresent"),
-               replica(api, recorder=one))  # fmt: skip
+        record_worker(api, one, "w2", old)
         assert set(api.verdicts) == {VERDICT, "sha256-" + "ef" * 32}
         clock[0] = T1 + RESOLVED_FOR + dt.timedelta(seconds=1)
         api.verdicts.clear()
-        record(probed_pod("w3", USABLE_MSG, 0, pull_policy="IfNotPresent"),
-               replica(api, recorder=one))  # fmt: skip
+        record_worker(api, one, "w3")
         assert set(api.verdicts) == {DIGEST.replace(":", "-")}
 
     def test_only_the_newest_recent_pull_in_the_workers_namespace_resolves_its_tag(
@@ -578,24 +586,24 @@ class TestTags:
         any digest a tag ever had within the hour counted, and one tenant's pulls
         counted for every namespace. Now: dated by the kubelet's startedAt, the newest
         per tag, in the worker's namespace only."""
-        cleared = "epguard: no image cause in this image's files: the GPU node decides"
         one = Recorder(api, clock=lambda: T1)
         old = "sha256:" + "ef" * 32
         digest_only = DIGEST.replace(":", "-")
 
         def worker(uid: str, digest: str = DIGEST, namespace: str = "ml") -> set[str]:
             api.verdicts.clear()
-            record(probed_pod(uid, USABLE_MSG, 0, digest=digest, namespace=namespace,
-                              pull_policy="IfNotPresent"), replica(api, recorder=one))  # fmt: skip
+            record_worker(api, one, uid, digest, namespace)
             return set(api.verdicts)
 
         # A pod whose resolving container started two hours ago, seen now.
-        kept = probed_pod("k1", cleared, 0, started=T1 - 2 * RESOLVED_FOR)
+        kept = probed_pod("k1", CLEARED_MSG, 0, started=T1 - 2 * RESOLVED_FOR)
         record(kept, replica(api, recorder=one))
         assert worker("w1") == {digest_only}
         # The tag named the old bytes, then the new ones: only the newest counts.
-        record(probed_pod("p1", cleared, 0, digest=old, started=NOW), replica(api, recorder=one))
-        record(probed_pod("p2", cleared, 0, started=NOW + dt.timedelta(minutes=5)),
+        record(
+            probed_pod("p1", CLEARED_MSG, 0, digest=old, started=NOW), replica(api, recorder=one)
+        )
+        record(probed_pod("p2", CLEARED_MSG, 0, started=NOW + dt.timedelta(minutes=5)),
                replica(api, recorder=one))  # fmt: skip
         assert worker("w2", old) == {"sha256-" + "ef" * 32}
         assert worker("w3") == {VERDICT}
@@ -603,7 +611,7 @@ class TestTags:
         assert worker("w4", namespace="team-b") == {digest_only}
         # ... but a newer one that found other bytes cancels: the tag moved (found by a
         # review helper on fe48f13).
-        newer = probed_pod("p3", cleared, 0, digest=old, namespace="team-b",
+        newer = probed_pod("p3", CLEARED_MSG, 0, digest=old, namespace="team-b",
                            started=NOW + dt.timedelta(minutes=6))  # fmt: skip
         record(newer, replica(api, recorder=one))
         assert worker("w5") == {digest_only}
@@ -612,25 +620,21 @@ class TestTags:
         self, api: InMemoryApi
     ) -> None:
         """A node whose clock runs fast cannot make its pull outlast RESOLVED_FOR."""
-        cleared = "epguard: no image cause in this image's files: the GPU node decides"
         clock = [T1]
         one = Recorder(api, clock=lambda: clock[0])
-        ahead = probed_pod("p1", cleared, 0, started=T1 + dt.timedelta(hours=3))
+        ahead = probed_pod("p1", CLEARED_MSG, 0, started=T1 + dt.timedelta(hours=3))
         record(ahead, replica(api, recorder=one))
         clock[0] = T1 + RESOLVED_FOR + dt.timedelta(seconds=1)
-        record(probed_pod("w1", USABLE_MSG, 0, pull_policy="IfNotPresent"),
-               replica(api, recorder=one))  # fmt: skip
+        record_worker(api, one, "w1")
         assert set(api.verdicts) == {DIGEST.replace(":", "-")}
 
     def test_a_pod_whose_signature_fails_resolves_no_tag(self, api: InMemoryApi) -> None:
-        cleared = "epguard: no image cause in this image's files: the GPU node decides"
         one = Recorder(api, clock=lambda: T1)
-        forged = probed_pod("p1", cleared, 0)
+        forged = probed_pod("p1", CLEARED_MSG, 0)
         forged["metadata"]["annotations"][SIGNATURE_ANNOTATION] = "v1:bogus"
         record(forged, replica(api, recorder=one))
         assert one.resolved == {}
-        record(probed_pod("w1", USABLE_MSG, 0, pull_policy="IfNotPresent"),
-               replica(api, recorder=one))  # fmt: skip
+        record_worker(api, one, "w1")
         assert set(api.verdicts) == {DIGEST.replace(":", "-")}
 
     def test_a_pod_that_is_no_evidence_is_checked_once_for_what_it_resolved(
@@ -650,8 +654,7 @@ class TestTags:
                 return self.holder.ring
 
         counting = CountingKeys()
-        cleared = "epguard: no image cause in this image's files: the GPU node decides"
-        pod = probed_pod("p1", cleared, 0)
+        pod = probed_pod("p1", CLEARED_MSG, 0)
         fmt, _key, at, mac = pod["metadata"]["annotations"][SIGNATURE_ANNOTATION].split(":")
         pod["metadata"]["annotations"][SIGNATURE_ANNOTATION] = f"{fmt}:not-held:{at}:{mac}"
         one = Recorder(api, clock=lambda: T1)

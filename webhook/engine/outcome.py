@@ -241,17 +241,23 @@ def outcomes_of(pod: Mapping[str, Any], probe_image: str | None = None) -> list[
     spec = as_map(pod.get("spec"))
     if not _trusted(spec, probe_image):
         return []
-    spec_images = {
-        c.get("name"): (c.get("image"), c.get("imagePullPolicy"))
-        for c in as_list(spec.get("initContainers"))
-        if isinstance(c, Mapping) and is_probe(c)
-    }
+    probes = _probe_containers(spec)
+    spec_images = {name: (c.get("image"), c.get("imagePullPolicy")) for name, c in probes.items()}
     found = (
         _outcome(status, spec_images)
         for status in as_list(as_map(pod.get("status")).get("initContainerStatuses"))
         if isinstance(status, Mapping)
     )
     return [o for o in found if o is not None]
+
+
+def _probe_containers(spec: Mapping[str, Any]) -> dict[Any, Mapping[str, Any]]:
+    """The init containers that run the probe call, by name."""
+    return {
+        c.get("name"): c
+        for c in as_list(spec.get("initContainers"))
+        if isinstance(c, Mapping) and is_probe(c)
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,9 +288,9 @@ def resolved_tags(pod: Mapping[str, Any], probe_image: str | None = None) -> lis
     if not _trusted(spec, probe_image):
         return []
     always = {
-        c.get("name"): c.get("image")
-        for c in as_list(spec.get("initContainers"))
-        if isinstance(c, Mapping) and is_probe(c) and c.get("imagePullPolicy") == "Always"
+        name: c.get("image")
+        for name, c in _probe_containers(spec).items()
+        if c.get("imagePullPolicy") == "Always"
     }
     found: list[Resolution] = []
     for status in as_list(as_map(pod.get("status")).get("initContainerStatuses")):
