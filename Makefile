@@ -19,8 +19,9 @@ lint: venv
 	$(PY) -m mypy
 	.venv/bin/lint-imports  # .importlinter: the parts' layers, the pure engine, the stdlib probe
 
-# Two phases (scripts/test.sh): every test but the node's on two pytest workers, then
-# the tests marked node (the machine's one node) one after another.
+# Two phases (scripts/test.sh): every test but the node's and the bulk ones on two pytest
+# workers, then the tests marked node (the machine's one node) one after another, with the
+# bulk ones (CPU-bound, no tight time bound) beside them at the lowest priority.
 test: tools lint
 	@scripts/test.sh
 

@@ -31,7 +31,7 @@ from tests.chart.chartlib import CHART, NAMESPACE, RELEASE, run_helm
 from tests.e2e.e2e_kube import denied_by_epguard, eventually, exists, output, pod, worker
 from tests.scan.scan_harness import EPGUARD
 
-pytestmark = [pytest.mark.e2e, pytest.mark.realpkg]
+pytestmark = [pytest.mark.e2e, pytest.mark.realpkg, pytest.mark.bulk]
 
 POLICY = "epguard-scan-recorder"
 ALLOWED, OTHER = "image-scanner", "someone-else"

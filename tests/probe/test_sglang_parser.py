@@ -27,7 +27,7 @@ from epguard.probe import cmdline
 from scripts import sglang_options
 from tests.probe.probe_harness import overlay, torch_python
 
-pytestmark = pytest.mark.realpkg
+pytestmark = [pytest.mark.realpkg, pytest.mark.bulk]
 
 RELEASES = [t.release for t in cmdline.tables()]
 EXAMPLES = 300

@@ -41,6 +41,7 @@ from tests.scan.scan_harness import IMAGES, REPO, TORCH_SITE, overlay, scan
 
 pytestmark = [
     pytest.mark.realpkg,
+    pytest.mark.bulk,
     # mount namespaces, overlayfs and chroot: what `make test` has anyway (the local node).
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root for overlayfs and chroot"),
 ]

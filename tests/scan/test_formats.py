@@ -15,7 +15,7 @@ import pytest
 from tests.scan.imagebuild import ImageSpec, compress, pack, write_docker, write_layer, write_layout
 from tests.scan.scan_harness import Pieces, mooncake_spec, scan
 
-pytestmark = pytest.mark.realpkg
+pytestmark = [pytest.mark.realpkg, pytest.mark.bulk]
 
 REF = "registry.example/team/sglang:0.5.18-mte-cuda13-0.3.10"
 CONFIG = {"Env": ["PATH=/usr/local/bin:/usr/bin:/bin"],
