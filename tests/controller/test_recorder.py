@@ -36,6 +36,7 @@ from epguard.webhook.controller.recorder import (
     remembered,
 )
 from epguard.webhook.engine.imageref import parse
+from epguard.webhook.engine.outcome import MAX_RUNS
 from epguard.webhook.engine.signing import (
     FRESH_SECONDS,
     SIGNATURE_ANNOTATION,
@@ -43,6 +44,7 @@ from epguard.webhook.engine.signing import (
     KeyringHolder,
     SignatureLedger,
 )
+from epguard.webhook.engine.text import stamp
 from epguard.webhook.engine.verdicts import (
     TAUGHT_BY_LABEL,
     ImageVerdictObject,
@@ -57,9 +59,10 @@ from tests.probe.probe_pods import pod_with_probe_status
 IMAGE = "registry.example/sglang:1"
 DIGEST = "sha256:" + "cd" * 32
 VERDICT = verdict_name(IMAGE, DIGEST)  # sha256-<digest>-<hash of the tag>
-FINISHED = "2026-11-30T20:00:07Z"  # pod_with_probe_status's finishedAt
+FINISHED = stamp(NOW + dt.timedelta(seconds=7))  # a signed pod's probe ended (probed_pod)
 T1 = NOW + dt.timedelta(minutes=10)
 T2 = NOW + dt.timedelta(minutes=20)
+LATER = stamp(NOW + dt.timedelta(minutes=1))  # a second pod's probe ended
 NODE = "gpu-1"
 
 # What the probe writes (probe/message.py), as the kubelet hands it back.
@@ -325,10 +328,6 @@ def record_worker(
     record(pod, replica(api, recorder=one))
 
 
-def stamp(t: dt.datetime) -> str:
-    return t.strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 def owner_ref(api_version: str, kind: str, name: str, *, controller: bool = True) -> dict[str, Any]:
     return {
         "apiVersion": api_version,
@@ -382,8 +381,8 @@ class TestVerdicts:
                 "torch": "2.13.0+cu130",
                 "mooncake": "mooncake-transfer-engine 0.3.6",
             },
-            "firstSeen": stamp(T1),
-            "lastSeen": stamp(T1),
+            "firstSeen": FINISHED,  # when the run ended, not when it was read (T1)
+            "lastSeen": FINISHED,
             "pod": "ml/pod-u1",
             "source": "probe",
             "count": 1,
@@ -416,14 +415,36 @@ class TestVerdicts:
     ) -> None:
         record(probed_pod("u1", UNUSABLE_MSG, 1), replica(api, T1))
         # The pod's probe ran again (Init:CrashLoopBackOff: the run is in lastState).
-        later = "2026-11-30T20:01:07Z"
+        later = stamp(NOW + dt.timedelta(seconds=67))
         again = probed_pod("u1", UNUSABLE_MSG, 1, section="lastState", restart_count=2,
                            finished=later)  # fmt: skip
         record(again, replica(api, T2))
         spec = api.spec()
         assert spec["count"] == 2
         assert spec["runs"] == [run_of("u1"), run_of("u1", later)]
-        assert (spec["firstSeen"], spec["lastSeen"]) == (stamp(T1), stamp(T2))
+        assert (spec["firstSeen"], spec["lastSeen"]) == (FINISHED, later)
+
+    def test_a_run_read_again_after_a_restart_leaves_the_verdict_as_it_was(
+        self, api: InMemoryApi
+    ) -> None:
+        """The verdict remembers its last MAX_RUNS runs: a restarted controller reading an
+        older pod's run again counts it, as the run it is. The old code dated it when
+        read: the old Unusable answer came back over the newer Usable one, renewed."""
+        ended = [stamp(NOW + dt.timedelta(seconds=10 + i)) for i in range(MAX_RUNS + 1)]
+        old = probed_pod("u0", UNUSABLE_MSG, 1, finished=ended[0])
+        record(old, replica(api, T1))
+        for i in range(1, MAX_RUNS + 1):
+            record(probed_pod(f"u{i}", USABLE_MSG, 0, finished=ended[i]), replica(api, T1))
+        before = api.spec()
+        assert run_of("u0", ended[0]) not in before["runs"]
+        record(old, replica(api, T2))  # a new controller process
+        after = api.spec()
+        assert (after["verdict"], after["lastSeen"], after["pod"]) == (
+            "Usable",
+            ended[-1],
+            f"ml/pod-u{MAX_RUNS}",
+        )
+        assert after["count"] == before["count"] + 1
 
     def test_one_termination_shown_under_two_restart_counts_counts_once(
         self, api: InMemoryApi
@@ -714,14 +735,14 @@ class TestRaces:
     def test_a_create_that_loses_the_race_is_re_read_and_counted(self, api: InMemoryApi) -> None:
         mine, other = replica(api, T2), replica(api, T1)
         api.before_next_write = lambda: record(probed_pod("u2", USABLE_MSG, 0), other)
-        record(probed_pod("u1", UNUSABLE_MSG, 1), mine)
+        record(probed_pod("u1", UNUSABLE_MSG, 1, finished=LATER), mine)
         # The other replica's create landed between my read (nothing) and my create.
         assert api.called("create_verdict") == [VERDICT, VERDICT]  # mine, then the other's
         assert api.called("replace_verdict") == [VERDICT]  # mine, after the 409 and re-read
         spec = api.spec()
         assert spec["count"] == 2
-        assert spec["runs"] == [run_of("u2"), run_of("u1")]
-        assert (spec["firstSeen"], spec["lastSeen"]) == (stamp(T1), stamp(T2))
+        assert spec["runs"] == [run_of("u2"), run_of("u1", LATER)]
+        assert (spec["firstSeen"], spec["lastSeen"]) == (FINISHED, LATER)
         assert (spec["verdict"], spec["pod"]) == ("Unusable", "ml/pod-u1")
 
     def test_a_replace_at_a_stale_resource_version_is_re_read_and_counted(
@@ -744,7 +765,7 @@ class TestRaces:
         record(pod, mine)
         assert api.verdict_writes == 1
         spec = api.spec()
-        assert (spec["count"], spec["runs"], spec["lastSeen"]) == (1, [run_of("u1")], stamp(T1))
+        assert (spec["count"], spec["runs"], spec["lastSeen"]) == (1, [run_of("u1")], FINISHED)
         assert len(api.events_on("Pod", "pod-u1")) == 1
         assert len(api.events_on("Deployment", "w")) == 1
 

@@ -167,7 +167,7 @@ def create_terminated(
     image_id = f"{image.rsplit(':', 1)[0]}@{digest}"
     now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     status = pod_with_probe_status(
-        message, exit_code, image=image, image_id=image_id, started_at=now
+        message, exit_code, image=image, image_id=image_id, started_at=now, finished_at=now
     )["status"]
     name, namespace = obj["metadata"]["name"], obj["metadata"]["namespace"]
     r = cp.kubectl(

@@ -12,6 +12,7 @@ from epguard.probe.message import FILES_CLEAR, NOTHING, UNUSABLE, UNUSABLE_HERE,
 from epguard.probe.message import USABLE as PROBE_USABLE
 from epguard.webhook.engine.outcome import (
     MAX_RUNS,
+    ProbeOutcome,
     classify,
     digest_of,
     outcomes_of,
@@ -164,20 +165,68 @@ def test_verdict_name_is_by_digest_and_shared_by_spellings_of_one_tag() -> None:
     assert verdict_name("x", "sha256:" + "ab" * 32, SOURCE_SCAN) == "scan-sha256-" + "ab" * 32
 
 
+def _ended(message: str, code: int, at: str) -> ProbeOutcome:
+    [outcome] = outcomes_of(pod_with_probe_status(message, code, finished_at=at))
+    return outcome
+
+
 def test_verdict_spec_counts_runs_and_keeps_first_seen() -> None:
-    [outcome] = outcomes_of(pod_with_probe_status(USABLE, 0))
-    t1 = dt.datetime(2026, 11, 30, 20, 0, tzinfo=dt.UTC)
-    first = verdict_spec(outcome, "llm/worker-0", t1, None)
+    t1 = dt.datetime(2026, 11, 30, 20, 0, 30, tzinfo=dt.UTC)
+    first = verdict_spec(_ended(USABLE, 0, "2026-11-30T20:00:07Z"), "llm/worker-0", t1, None)
     assert (first["count"], first["firstSeen"], first["lastSeen"]) == (
         1,
-        "2026-11-30T20:00:00Z",
-        "2026-11-30T20:00:00Z",
+        "2026-11-30T20:00:07Z",
+        "2026-11-30T20:00:07Z",
     )
-    second = verdict_spec(outcome, "llm/worker-1", t1 + dt.timedelta(hours=1), first)
+    later = _ended(USABLE, 0, "2026-11-30T21:00:00Z")
+    second = verdict_spec(later, "llm/worker-1", t1 + dt.timedelta(hours=1), first)
     assert second["count"] == 2
-    assert second["firstSeen"] == "2026-11-30T20:00:00Z"
+    assert second["firstSeen"] == "2026-11-30T20:00:07Z"
     assert second["lastSeen"] == "2026-11-30T21:00:00Z"
     assert second["pod"] == "llm/worker-1"
+
+
+def test_a_run_is_dated_when_it_ended_not_when_it_is_read() -> None:
+    """A run read again two days later (a restarted controller, a verdict that remembers
+    only its last MAX_RUNS runs) does not renew a tag's 24 h."""
+    run = _ended(USABLE, 0, "2026-11-30T20:00:07Z")
+    read = dt.datetime(2026, 12, 2, 20, 0, tzinfo=dt.UTC)
+    spec = verdict_spec(run, "llm/worker-0", read, None)
+    assert (spec["firstSeen"], spec["lastSeen"]) == ("2026-11-30T20:00:07Z",) * 2
+    # A node's clock ahead of the controller's: never later than now.
+    ahead = verdict_spec(_ended(USABLE, 0, "2026-12-09T00:00:00Z"), "llm/w", read, None)
+    assert ahead["lastSeen"] == "2026-12-02T20:00:00Z"
+
+
+def test_an_older_run_is_counted_and_leaves_the_newer_answer(
+    real_probe_failure: tuple[int, str],
+) -> None:
+    """The old code dated every run when read: an old Unusable run, read again after a
+    restart, replaced the newer Usable answer and renewed it for 24 h."""
+    code, message = real_probe_failure
+    now = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.UTC)
+    newer = verdict_spec(_ended(USABLE, 0, "2026-12-01T11:00:00Z"), "llm/new", now, None)
+    assert newer["verdict"] == "Usable"
+    older = _ended(message, code, "2026-12-01T09:00:00Z")
+    assert older.verdict == "Unusable"
+    spec = verdict_spec(older, "llm/old", now, newer, run="u-old/epguard-probe/1")
+    assert spec["verdict"] == "Usable"
+    assert (spec["reason"], spec["report"], spec["versions"]) == (
+        newer["reason"],
+        newer["report"],
+        newer["versions"],
+    )
+    assert (spec["pod"], spec["lastSeen"]) == ("llm/new", "2026-12-01T11:00:00Z")
+    # Counted, remembered, and the first sighting moves back to it.
+    assert spec["count"] == 2
+    assert spec.get("runs", [])[-1] == "u-old/epguard-probe/1"
+    assert spec["firstSeen"] == "2026-12-01T09:00:00Z"
+    # A held time ahead of the controller's clock keeps nothing (a skewed writer).
+    ahead = verdict_spec(older, "llm/old", now, {**newer, "lastSeen": "2026-12-09T00:00:00Z"})
+    assert (ahead["verdict"], ahead["lastSeen"]) == ("Unusable", "2026-12-01T09:00:00Z")
+    # A newer run than the verdict's replaces its answer, as before.
+    again = verdict_spec(_ended(message, code, "2026-12-01T11:30:00Z"), "llm/x", now, spec)
+    assert (again["verdict"], again["lastSeen"]) == ("Unusable", "2026-12-01T11:30:00Z")
 
 
 def test_the_verdict_remembers_the_runs_it_counted_so_none_counts_twice() -> None:

@@ -32,7 +32,7 @@ from epguard.probe.message import (
 )
 from epguard.webhook.engine.argv import ExpansionTooLarge, container_argv
 from epguard.webhook.engine.imageref import ImageRefError, parse
-from epguard.webhook.engine.text import first_line
+from epguard.webhook.engine.text import first_line, stamp
 from epguard.webhook.engine.verdicts import (
     SOURCE_PROBE,
     ImageVerdictSpec,
@@ -373,11 +373,19 @@ def verdict_spec(
     """The spec to write: the newest outcome replaces the old one; count and firstSeen
     carry; ``run`` (the termination, see ``run_key``) joins the remembered runs;
     ``architecture``: the ``kubernetes.io/arch`` of the node the probe ran on; ``image``:
-    the reference it answers for (default ``outcome.verdict_image``)."""
+    the reference it answers for (default ``outcome.verdict_image``).
+
+    The run is dated when it ended (the kubelet's ``finishedAt``, never later than
+    ``now``), not when it is read: a run read again (the controller restarted, and the
+    verdict remembers only its last MAX_RUNS runs) is as old as it is, so it neither
+    renews a tag's TTL nor, being older than the answer the verdict holds, replaces it:
+    it is counted, and the newer answer stays."""
     runs = recorded_runs(previous)
     if run and run not in runs:
         runs = [*runs, run][-MAX_RUNS:]
-    return build_spec(
+    finished = parse_time(outcome.finished_at)
+    seen = min(now, finished) if finished is not None else now
+    spec = build_spec(
         image=image or outcome.verdict_image,
         digest=outcome.digest or "",
         verdict=outcome.verdict,
@@ -385,12 +393,48 @@ def verdict_spec(
         report=outcome.report,
         versions=outcome.versions,
         source=SOURCE_PROBE,
-        now=now,
+        now=seen,
         previous=previous,
         pod=pod,
         runs=runs,
         architecture=architecture,
     )
+    held = as_map(previous)
+    held_seen, held_first = parse_time(held.get("lastSeen")), parse_time(held.get("firstSeen"))
+    if held_first is not None and seen < held_first:
+        spec["firstSeen"] = spec["lastSeen"]
+    # A held time ahead of this clock (another replica's or an earlier clock's) is not
+    # trusted to keep its answer: a newer run replaces it, as every run did before.
+    if (
+        held_seen is None
+        or held_seen > now
+        or seen >= held_seen
+        or held.get("verdict") not in ("Usable", "Unusable")
+    ):
+        return spec
+    # An older run than the one the verdict holds: its answer and its time stay.
+    versions = as_map(held.get("versions"))
+    spec["verdict"] = str(held["verdict"])
+    spec["reason"] = str(held.get("reason") or "")
+    spec["report"] = str(held.get("report") or "")
+    spec["versions"] = {
+        "sglang": _held_version(versions.get("sglang")),
+        "torch": _held_version(versions.get("torch")),
+        "mooncake": _held_version(versions.get("mooncake")),
+    }
+    spec["lastSeen"] = stamp(held_seen)
+    held_pod, held_arch = held.get("pod"), held.get("architecture")
+    spec.pop("pod", None)
+    spec.pop("architecture", None)
+    if isinstance(held_pod, str):
+        spec["pod"] = held_pod
+    if isinstance(held_arch, str):
+        spec["architecture"] = held_arch
+    return spec
+
+
+def _held_version(value: Any) -> str:
+    return value if isinstance(value, str) else ""
 
 
 def run_key(pod_uid: str, outcome: ProbeOutcome) -> str:
