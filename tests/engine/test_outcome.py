@@ -221,6 +221,10 @@ def test_an_older_run_is_counted_and_leaves_the_newer_answer(
     assert spec["count"] == 2
     assert spec.get("runs", [])[-1] == "u-old/epguard-probe/1"
     assert spec["firstSeen"] == "2026-12-01T09:00:00Z"
+    # The held answer keeps the reference its pod named (a digest's object is shared by
+    # every name that pins it).
+    named = {**newer, "image": "mirror.example/sglang@sha256:" + "ab" * 32}
+    assert verdict_spec(older, "llm/old", now, named)["image"] == named["image"]
     # A held time ahead of the controller's clock keeps nothing (a skewed writer).
     ahead = verdict_spec(older, "llm/old", now, {**newer, "lastSeen": "2026-12-09T00:00:00Z"})
     assert (ahead["verdict"], ahead["lastSeen"]) == ("Unusable", "2026-12-01T09:00:00Z")
@@ -383,3 +387,25 @@ def test_no_first_line_that_learns_nothing_is_ever_a_verdict() -> None:
     for verdict_line in (PROBE_USABLE, UNUSABLE, UNUSABLE_HERE):
         assert not FILES_CLEAR.startswith(verdict_line)
         assert not verdict_line.startswith(FILES_CLEAR)
+
+
+def test_a_nodes_clock_orders_nothing_past_the_api_servers_and_the_controllers(
+    real_probe_failure: tuple[int, str],
+) -> None:
+    code, message = real_probe_failure
+    now = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.UTC)
+    newer = verdict_spec(_ended(USABLE, 0, "2026-12-01T11:00:00Z"), "llm/new", now, None)
+    # A node 3 h fast: its old run, read again, would be the newest at every restart.
+    fast = _ended(message, code, "2026-12-01T13:00:00Z")
+    kept = verdict_spec(fast, "llm/old", now, newer)
+    assert (kept["verdict"], kept["lastSeen"]) == ("Usable", "2026-12-01T11:00:00Z")
+    assert verdict_spec(fast, "llm/old", now, None)["lastSeen"] == "2026-12-01T12:00:00Z"
+    # Within CLOCK_SKEW ahead: an ordinary new run (dated now).
+    near = verdict_spec(_ended(message, code, "2026-12-01T12:03:00Z"), "llm/n", now, newer)
+    assert (near["verdict"], near["lastSeen"]) == ("Unusable", "2026-12-01T12:00:00Z")
+    # A node a day slow: never earlier than its pod's creation (the API server's clock),
+    # else a tag's verdict would be born expired.
+    created = dt.datetime(2026, 12, 1, 11, 59, tzinfo=dt.UTC)
+    slow = _ended(message, code, "2026-11-30T11:59:30Z")
+    spec = verdict_spec(slow, "llm/s", now, None, created=created)
+    assert spec["lastSeen"] == "2026-12-01T11:59:00Z"

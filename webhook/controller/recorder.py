@@ -46,6 +46,7 @@ from epguard.webhook.controller.config import ControllerConfig
 from epguard.webhook.controller.owners import COMPONENT, KubeObjects, top_owner
 from epguard.webhook.engine.imageref import ImageRefError, parse
 from epguard.webhook.engine.outcome import (
+    CLOCK_SKEW,
     PROBED_LABEL,
     ProbeOutcome,
     Resolution,
@@ -95,7 +96,6 @@ RECOUNT_SECONDS = 300.0
 # A pod kept from before the tag moved resolves nothing: its container started too long
 # ago, however often the controller sees it again.
 RESOLVED_FOR = dt.timedelta(hours=1)
-CLOCK_SKEW = dt.timedelta(minutes=5)  # a kubelet's clock ahead of the controller's
 MAX_RESOLVED_PER_NAMESPACE = 256  # one namespace's pulls never evict another's
 # Per pod (kopf's memo of that object): the runs and resolutions already considered, so
 # re-delivered events skip the API entirely. Kept while the pod still shows them, never
@@ -330,11 +330,13 @@ class Recorder:
         run: str,
         architecture: str | None = None,
         image: str | None = None,
+        created: dt.datetime | None = None,
     ) -> ImageVerdictSpec | None:
         """Count this run on the image's ImageVerdict; None when it was counted already.
         OverBudget when it would be a new verdict and the pod's namespace has taught its
         share (``per_namespace``) already. ``architecture``: its node's; ``image``: the
-        reference it answers for (``answers_for``)."""
+        reference it answers for (``answers_for``); ``created``: the pod's creation
+        (``verdict_spec``)."""
         namespace = pod.partition("/")[0]
         image = image or self.answers_for(outcome, namespace)
         name = verdict_name(image, outcome.digest)
@@ -343,7 +345,9 @@ class Recorder:
             previous = existing.get("spec") if existing else None
             if run in recorded_runs(previous):
                 return None
-            spec = verdict_spec(outcome, pod, self.clock(), previous, run, architecture, image)
+            spec = verdict_spec(
+                outcome, pod, self.clock(), previous, run, architecture, image, created
+            )
             body = verdict_object(name, spec, COMPONENT, existing, taught_by=namespace)
             if existing is None:
                 self._reserve(namespace)
@@ -515,13 +519,18 @@ def record_probe_outcomes(body: Mapping[str, Any], memo: kopf.Memo, **_: Any) ->
                         recorder.post_not_learned(about, outcome, where.refusal, run)
             else:
                 try:
-                    written = recorder.upsert_verdict(outcome, pod, run, where.architecture, answer)
+                    written = recorder.upsert_verdict(
+                        outcome, pod, run, where.architecture, answer, created_at(body)
+                    )
                     if written is not None:
                         log.info(
-                            "recorded %s for %s from pod %s",
+                            "recorded %s for %s from pod %s%s",
                             outcome.verdict,
                             answer,
                             pod,
+                            ""
+                            if written["verdict"] == outcome.verdict
+                            else f" (an older run: the verdict stays {written['verdict']})",
                         )
                 except OverBudget as spent:
                     log.warning("not learned from pod %s: %s", pod, spent)

@@ -354,6 +354,9 @@ def _outcome(status: Mapping[str, Any], spec_images: Mapping[Any, Any]) -> Probe
 # The runs an ImageVerdict remembers (``spec.runs``), so a re-delivered pod event is
 # counted once without the controller writing to anyone's pod.
 MAX_RUNS = 20
+# A kubelet's clock ahead of the controller's by more than this: its times are not
+# trusted to order anything (a node's fast clock).
+CLOCK_SKEW = dt.timedelta(minutes=5)
 
 
 def recorded_runs(previous: Mapping[str, Any] | None) -> list[str]:
@@ -369,22 +372,30 @@ def verdict_spec(
     run: str = "",
     architecture: str | None = None,
     image: str | None = None,
+    created: dt.datetime | None = None,
 ) -> ImageVerdictSpec:
     """The spec to write: the newest outcome replaces the old one; count and firstSeen
     carry; ``run`` (the termination, see ``run_key``) joins the remembered runs;
     ``architecture``: the ``kubernetes.io/arch`` of the node the probe ran on; ``image``:
-    the reference it answers for (default ``outcome.verdict_image``).
+    the reference it answers for (default ``outcome.verdict_image``); ``created``: the
+    pod's creationTimestamp (the API server's clock).
 
-    The run is dated when it ended (the kubelet's ``finishedAt``, never later than
-    ``now``), not when it is read: a run read again (the controller restarted, and the
-    verdict remembers only its last MAX_RUNS runs) is as old as it is, so it neither
-    renews a tag's TTL nor, being older than the answer the verdict holds, replaces it:
-    it is counted, and the newer answer stays."""
+    The run is dated when it ended (the kubelet's ``finishedAt``), not when it is read:
+    a run read again (the controller restarted, and the verdict remembers only its last
+    MAX_RUNS runs) is as old as it is, so it neither renews a tag's TTL nor, being older
+    than the answer the verdict holds, replaces it: it is counted, and the newer answer
+    stays. The node's clock is bounded by the others: never later than ``now``, never
+    earlier than the pod's creation; a time more than CLOCK_SKEW ahead of ``now`` is
+    dated now and replaces no held answer (a fast clock would otherwise make an old run
+    the newest again at every restart)."""
     runs = recorded_runs(previous)
     if run and run not in runs:
         runs = [*runs, run][-MAX_RUNS:]
     finished = parse_time(outcome.finished_at)
+    ahead = finished is not None and finished > now + CLOCK_SKEW
     seen = min(now, finished) if finished is not None else now
+    if created is not None and seen < created:
+        seen = min(created, now)
     spec = build_spec(
         image=image or outcome.verdict_image,
         digest=outcome.digest or "",
@@ -408,7 +419,7 @@ def verdict_spec(
     if (
         held_seen is None
         or held_seen > now
-        or seen >= held_seen
+        or (seen >= held_seen and not ahead)
         or held.get("verdict") not in ("Usable", "Unusable")
     ):
         return spec
@@ -423,6 +434,8 @@ def verdict_spec(
         "mooncake": _held_version(versions.get("mooncake")),
     }
     spec["lastSeen"] = stamp(held_seen)
+    if isinstance(held.get("image"), str) and held["image"]:
+        spec["image"] = held["image"]  # the reference the held run's pod named
     held_pod, held_arch = held.get("pod"), held.get("architecture")
     spec.pop("pod", None)
     spec.pop("architecture", None)
