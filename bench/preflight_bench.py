@@ -1,10 +1,10 @@
 """The preflight controller's passes at scale, on the in-memory API of its unit tests
 (tests/controller/test_gatekeeper.py): N gated pods over namespaces and images. Prints the
 preflights started (at most one per namespace and image), the time of the passes that
-start them (run one after another, as the controller runs them: CREATE_SECONDS of
-creates each) and of the pass that decides every gate once they finished, and the peak
-Python memory of a pass. The API server's own time is not in these figures (the real
-node: tests/e2e/test_preflight_on_node.py).
+start them (run one after another, as the controller runs them; the in-memory creates
+never spend a pass's CREATE_SECONDS, so one here) and of the pass that decides every
+gate once they finished, and the peak Python memory of a pass. The API server's own
+time is not in these figures (the real node: tests/e2e/test_preflight_on_node.py).
 
     .venv/bin/python bench/preflight_bench.py
 """
@@ -30,7 +30,7 @@ def run(pods: int, namespaces: int, images: int) -> tuple[int, int, float, float
         )  # fmt: skip
     started = time.perf_counter()
     created, passes = 0, 0
-    while True:  # CREATE_SECONDS of creates a pass: the loop runs the next one at once
+    while True:  # as the controller's loop: the next pass at once while some are left
         done = pf.run_once()
         created, passes = created + len(done.created), passes + 1
         if not done.deferred:

@@ -400,6 +400,18 @@ def test_a_nodes_clock_orders_nothing_past_the_api_servers_and_the_controllers(
     kept = verdict_spec(fast, "llm/old", now, newer)
     assert (kept["verdict"], kept["lastSeen"]) == ("Usable", "2026-12-01T11:00:00Z")
     assert verdict_spec(fast, "llm/old", now, None)["lastSeen"] == "2026-12-01T12:00:00Z"
+    # ... but a fresh run there (its pod created after the held answer) is new: it is
+    # ordered by its pod's creation, the API server's clock.
+    fresh = verdict_spec(fast, "llm/f", now, newer, created=now - dt.timedelta(minutes=1))
+    assert (fresh["verdict"], fresh["lastSeen"], fresh["pod"]) == (
+        "Unusable",
+        "2026-12-01T12:00:00Z",
+        "llm/f",
+    )
+    # A held time a minute ahead (another replica's clock, within CLOCK_SKEW) still holds.
+    ahead_a_bit = {**newer, "lastSeen": "2026-12-01T12:01:00Z"}
+    old = _ended(message, code, "2026-12-01T10:00:00Z")
+    assert verdict_spec(old, "llm/o", now, ahead_a_bit)["verdict"] == "Usable"
     # Within CLOCK_SKEW ahead: an ordinary new run (dated now).
     near = verdict_spec(_ended(message, code, "2026-12-01T12:03:00Z"), "llm/n", now, newer)
     assert (near["verdict"], near["lastSeen"]) == ("Unusable", "2026-12-01T12:00:00Z")

@@ -118,9 +118,9 @@ NEW_PER_NAMESPACE = 16
 # turn: the creates go through admission, and on the 2-core node under load 78 of them
 # made a 13.8 s pass, during which every preflight that ended waited to have its pods
 # decided (the gates' "within 10 s of the preflight's end"). The rest are left to the
-# next pass, which starts at once. A time, not a count: an idle API server takes a
-# thousand new images' creates in one pass (a count of 24 took 84 passes of 2,000 pods
-# each, 45 s in bench/preflight_bench.py, where one pass took ~4 s).
+# next pass, which starts at once. A time, not a count: where creates are quick, one
+# pass still takes them all (a count of 24 took 84 passes of 2,000 pods each, 45 s, in
+# bench/preflight_bench.py, where one pass takes ~1 s).
 CREATE_SECONDS = 2.0
 
 
@@ -425,6 +425,7 @@ class Preflights:
         self.keys = keys
         self.clock = clock
         self.monotonic = monotonic  # CREATE_SECONDS
+        self._failed: set[PreflightKey] = set()  # keys whose create failed last pass
         self._whole = threading.BoundedSemaphore(WHOLE_PODS)
         self._unreadable: set[tuple[str, str]] = set()  # said once each (bounded)
 
@@ -490,7 +491,7 @@ class Preflights:
             waiting.append((slim, keys))
         done.listed = time.monotonic() - started
 
-        later = PreflightResult(
+        budget_spent = PreflightResult(
             "running", "", "the preflights of other images are being started first"
         )
         create_until: list[float] = []  # set when the creates start
@@ -501,11 +502,14 @@ class Preflights:
             assert ring is not None  # _known asked for a preflight: it held a key
             if self.monotonic() > create_until[0]:
                 left.append(key)
-                return key, later
+                return key, budget_spent
             # One key's trouble (an API error, a namespace's own admission policy) must
             # not stop the pass for every other namespace.
             try:
                 with self._whole:  # only the reading: the creates run side by side
+                    if self.monotonic() > create_until[0]:  # waited for its turn
+                        left.append(key)
+                        return key, budget_spent
                     made = self._body(key, pod)
                 if isinstance(made, PreflightResult):
                     return key, made
@@ -567,7 +571,9 @@ class Preflights:
                 results[key] = overdue(key, known)
             else:
                 missing.append((key, pod))
-        missing = _across_namespaces(missing)
+        # Those whose create failed last pass go last, so a few slow failures (onError
+        # hold retries them) cannot spend every pass's budget ahead of the others.
+        missing = sorted(_across_namespaces(missing), key=lambda item: item[0] in self._failed)
         answered = [
             item
             for item in waiting
@@ -577,8 +583,10 @@ class Preflights:
             list(pool.map(decide, answered))
             done.answered = time.monotonic() - started - done.listed
             create_until.append(self.monotonic() + CREATE_SECONDS)
-            results.update((k, overdue(k, r)) for k, r in pool.map(create, missing))
+            made = list(pool.map(create, missing))
             done.deferred = len(left)
+            self._failed = {k for k, r in made if r.phase == "failed"}
+            results.update((k, overdue(k, r)) for k, r in made)
             first_step = {id(pod) for pod, _ in answered}
             list(pool.map(decide, [item for item in waiting if id(item[0]) not in first_step]))
         done.rest = time.monotonic() - started - done.listed - done.answered
@@ -867,14 +875,18 @@ async def _loop(memo: kopf.Memo, preflights: Preflights, stop: asyncio.Event) ->
         wake.clear()
         if event_at is not None:
             woken = f"a pod event {started - event_at:.2f} s before"
+        rerun = False
         try:
             if await loop.run_in_executor(None, leadership.leads):
                 done = await loop.run_in_executor(None, preflights.run_once)
                 _log_pass(done, loop.time() - started, woken)
-                if done.deferred:
-                    wake.set()  # the rest of the creates: the next pass at once
+                # The creates it left, at once, while creates go through (else the timer).
+                rerun = bool(done.deferred and done.created)
         except Exception:
             log.exception("preflight pass failed; retrying")
+        if rerun:
+            woken = "the creates the last pass left"
+            continue
         waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(wake.wait())]
         await asyncio.wait(waiters, timeout=INTERVAL_SECONDS, return_when=asyncio.FIRST_COMPLETED)
         woken = "the timer"

@@ -524,13 +524,14 @@ def record_probe_outcomes(body: Mapping[str, Any], memo: kopf.Memo, **_: Any) ->
                     )
                     if written is not None:
                         log.info(
-                            "recorded %s for %s from pod %s%s",
+                            "recorded %s for %s from pod %s (the verdict: %s, of pod %s, "
+                            "last seen %s)",
                             outcome.verdict,
                             answer,
                             pod,
-                            ""
-                            if written["verdict"] == outcome.verdict
-                            else f" (an older run: the verdict stays {written['verdict']})",
+                            written["verdict"],
+                            written.get("pod", ""),
+                            written["lastSeen"],
                         )
                 except OverBudget as spent:
                     log.warning("not learned from pod %s: %s", pod, spent)

@@ -386,16 +386,22 @@ def verdict_spec(
     than the answer the verdict holds, replaces it: it is counted, and the newer answer
     stays. The node's clock is bounded by the others: never later than ``now``, never
     earlier than the pod's creation; a time more than CLOCK_SKEW ahead of ``now`` is
-    dated now and replaces no held answer (a fast clock would otherwise make an old run
-    the newest again at every restart)."""
+    dated now and ordered by the pod's creation (a fast clock would otherwise make an
+    old run the newest again at every restart)."""
     runs = recorded_runs(previous)
     if run and run not in runs:
         runs = [*runs, run][-MAX_RUNS:]
     finished = parse_time(outcome.finished_at)
-    ahead = finished is not None and finished > now + CLOCK_SKEW
-    seen = min(now, finished) if finished is not None else now
-    if created is not None and seen < created:
-        seen = min(created, now)
+    if finished is not None and finished > now + CLOCK_SKEW:
+        # The node's clock is not trusted: dated now, ordered by the pod's creation
+        # (the API server's), or by nothing (kept behind any held answer).
+        seen = now
+        order = min(created, now) if created is not None else None
+    else:
+        seen = min(now, finished) if finished is not None else now
+        if created is not None and seen < created:
+            seen = min(created, now)
+        order = seen
     spec = build_spec(
         image=image or outcome.verdict_image,
         digest=outcome.digest or "",
@@ -414,12 +420,12 @@ def verdict_spec(
     held_seen, held_first = parse_time(held.get("lastSeen")), parse_time(held.get("firstSeen"))
     if held_first is not None and seen < held_first:
         spec["firstSeen"] = spec["lastSeen"]
-    # A held time ahead of this clock (another replica's or an earlier clock's) is not
-    # trusted to keep its answer: a newer run replaces it, as every run did before.
+    # A held time further ahead of this clock than CLOCK_SKEW (a replica's or an earlier
+    # clock's) is not trusted to keep its answer: a newer run replaces it.
     if (
         held_seen is None
-        or held_seen > now
-        or (seen >= held_seen and not ahead)
+        or held_seen > now + CLOCK_SKEW
+        or (order is not None and order >= held_seen)
         or held.get("verdict") not in ("Usable", "Unusable")
     ):
         return spec
