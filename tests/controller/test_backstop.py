@@ -179,3 +179,38 @@ def test_a_verdict_change_wakes_the_writer_before_the_poll_but_never_before_its_
     # Woken during the slow sync: the next after its rest (PACE x 0.5 s), not at the poll.
     assert 0.5 + backstop.PACE * 0.5 - 0.1 <= calls[1] - calls[0] < 3.0, calls
     assert calls[2] - calls[0] < 4.0, calls  # woken again: far sooner than POLL (30 s)
+
+
+def test_a_replace_that_loses_to_a_status_write_is_read_again_and_retried() -> None:
+    """The kube-controller-manager writes a new generation's status ~12 s after it: a
+    rules change's replace read before that write got a 409, and the backstop followed
+    the rule a whole sync later (CI, bb66800)."""
+    from types import SimpleNamespace
+
+    from kubernetes.client.exceptions import ApiException
+
+    reads: list[str] = []
+    replaced: list[str] = []
+    conflicts = [2]
+
+    def read(name: str) -> Any:
+        reads.append(str(len(reads) + 1))
+        return SimpleNamespace(metadata=SimpleNamespace(resource_version=reads[-1]))
+
+    def replace(name: str, obj: dict[str, Any]) -> None:
+        replaced.append(obj["metadata"]["resourceVersion"])
+        if conflicts[0] > 0:
+            conflicts[0] -= 1
+            raise ApiException(status=409, reason="Conflict")
+
+    def create(obj: dict[str, Any]) -> None:
+        raise AssertionError("it exists")
+
+    backstop._put(read, create, replace, {"metadata": {"name": "epguard-backstop"}})
+    assert replaced == ["1", "2", "3"]  # each replace at the version read just before
+    # A conflict every time still reaches the sync's own retry, after PUT_ATTEMPTS.
+    conflicts[0] = 1_000
+    replaced.clear()
+    with pytest.raises(ApiException):
+        backstop._put(read, create, replace, {"metadata": {"name": "x"}})
+    assert len(replaced) == backstop.PUT_ATTEMPTS

@@ -127,19 +127,33 @@ def owner_of(api: client.ApiClient, webhook_configuration: str) -> dict[str, Any
     }
 
 
+# The kube-controller-manager writes the policy's status once it has type-checked a new
+# generation (~12 s after it on the 2-core node): a replace read before that write gets
+# a 409, and the next sync came a whole pace later (a rule's refusal missed a 30 s wait
+# in CI). Such a conflict is read again and retried at once, a few times.
+PUT_ATTEMPTS = 5
+
+
 def _put(read: Any, create: Any, replace: Any, obj: dict[str, Any]) -> None:
-    """Create, or replace at the resourceVersion read (a raw object: the policy is built
-    as the JSON the API takes, which the client passes through as is)."""
+    """Create, or replace at the resourceVersion read, read again after a conflict (a raw
+    object: the policy is built as the JSON the API takes, which the client passes
+    through as is)."""
     name = obj["metadata"]["name"]
-    try:
-        current = read(name)
-    except ApiException as exc:
-        if exc.status != 404:
-            raise
-        create(obj)
-        return
-    obj["metadata"]["resourceVersion"] = current.metadata.resource_version
-    replace(name, obj)
+    for attempt in range(PUT_ATTEMPTS):
+        try:
+            current = read(name)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            create(obj)
+            return
+        obj["metadata"]["resourceVersion"] = current.metadata.resource_version
+        try:
+            replace(name, obj)
+            return
+        except ApiException as exc:
+            if exc.status != 409 or attempt == PUT_ATTEMPTS - 1:
+                raise
 
 
 def install(
