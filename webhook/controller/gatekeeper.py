@@ -491,24 +491,20 @@ class Preflights:
             waiting.append((slim, keys))
         done.listed = time.monotonic() - started
 
+        # Left to the next pass (CREATE_SECONDS from when the creates start).
         budget_spent = PreflightResult(
             "running", "", "the preflights of other images are being started first"
         )
-        create_until: list[float] = []  # set when the creates start
-        left: list[PreflightKey] = []  # to the next pass (list.append is atomic)
+        create_until = 0.0  # set when the creates start
 
         def create(item: tuple[PreflightKey, Json]) -> tuple[PreflightKey, PreflightResult]:
             key, pod = item
             assert ring is not None  # _known asked for a preflight: it held a key
-            if self.monotonic() > create_until[0]:
-                left.append(key)
-                return key, budget_spent
             # One key's trouble (an API error, a namespace's own admission policy) must
             # not stop the pass for every other namespace.
             try:
                 with self._whole:  # only the reading: the creates run side by side
-                    if self.monotonic() > create_until[0]:  # waited for its turn
-                        left.append(key)
+                    if self.monotonic() > create_until:
                         return key, budget_spent
                     made = self._body(key, pod)
                 if isinstance(made, PreflightResult):
@@ -582,9 +578,9 @@ class Preflights:
         with ThreadPoolExecutor(PASS_WORKERS) as pool:
             list(pool.map(decide, answered))
             done.answered = time.monotonic() - started - done.listed
-            create_until.append(self.monotonic() + CREATE_SECONDS)
+            create_until = self.monotonic() + CREATE_SECONDS
             made = list(pool.map(create, missing))
-            done.deferred = len(left)
+            done.deferred = sum(r is budget_spent for _, r in made)
             self._failed = {k for k, r in made if r.phase == "failed"}
             results.update((k, overdue(k, r)) for k, r in made)
             first_step = {id(pod) for pod, _ in answered}
