@@ -380,11 +380,12 @@ def _scale(cp: ControlPlane, refs: list[str], total: int, namespaces: int, image
                   f"{statistics.median(reported):.1f}s, max {max(reported):.1f}s; shown -> "
                   f"gate decided: median {statistics.median(decided):.1f}s, "
                   f"max {max(decided):.1f}s ({len(decided)} pods)")  # fmt: skip
-        passes = [float(line.split("a pass of ")[1].split(" s")[0])
-                  for line in _controller_lines(cp, "a pass of ")]  # fmt: skip
-        if passes:
-            print(f"  passes that changed something: {len(passes)}, each took median "
-                  f"{statistics.median(passes):.2f}s, max {max(passes):.2f}s")  # fmt: skip
+        for run, said in (("a pass of ", "passes"), ("an answer run of ", "answer runs")):
+            took = [float(line.split(run)[1].split(" s")[0])
+                    for line in _controller_lines(cp, run)]  # fmt: skip
+            if took:
+                print(f"  {said} that changed something: {len(took)}, each took median "
+                      f"{statistics.median(took):.2f}s, max {max(took):.2f}s")  # fmt: skip
         r = cp.kubectl("get", "--raw",
                        "/api/v1/namespaces/epguard-system/pods")  # fmt: skip
         for p in json.loads(r.stdout)["items"]:

@@ -5,6 +5,7 @@ server and node: tests/e2e/test_preflight_on_node.py."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import datetime as dt
 import itertools
@@ -70,6 +71,7 @@ class MemoryApi:
         self.event_keys: set[tuple[str, str]] = set()
         self.uids = itertools.count(1)
         self.deleted: list[str] = []
+        self.lists: list[str | None] = []  # the namespace of each list call (None: all)
 
     def add(self, pod: dict[str, Any]) -> dict[str, Any]:
         pod = copy.deepcopy(pod)
@@ -79,16 +81,24 @@ class MemoryApi:
         self.pods[(meta["namespace"], meta["name"])] = pod
         return pod
 
-    def _probed(self) -> Iterator[dict[str, Any]]:
+    def _probed(self, namespace: str | None) -> Iterator[dict[str, Any]]:
+        self.lists.append(namespace)
         for p in list(self.pods.values()):
-            if p["metadata"].get("labels", {}).get(PROBED_LABEL) == "true":
+            if p["metadata"].get("labels", {}).get(PROBED_LABEL) == "true" and namespace in (
+                None,
+                p["metadata"]["namespace"],
+            ):
                 yield copy.deepcopy(p)
 
-    def preflight_pods(self) -> Iterator[dict[str, Any]]:
-        return (p for p in self._probed() if p["metadata"]["labels"].get(PREFLIGHT_LABEL) == "true")
+    def preflight_pods(self, namespace: str | None = None) -> Iterator[dict[str, Any]]:
+        return (
+            p
+            for p in self._probed(namespace)
+            if p["metadata"]["labels"].get(PREFLIGHT_LABEL) == "true"
+        )
 
-    def unscheduled_probed_pods(self) -> Iterator[dict[str, Any]]:
-        return (p for p in self._probed() if not p.get("spec", {}).get("nodeName"))
+    def unscheduled_probed_pods(self, namespace: str | None = None) -> Iterator[dict[str, Any]]:
+        return (p for p in self._probed(namespace) if not p.get("spec", {}).get("nodeName"))
 
     def read_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
         found = self.pods.get((namespace, name))
@@ -734,8 +744,8 @@ class StreamingApi(MemoryApi):
         super().__init__(clock)
         self.pad = pad
 
-    def unscheduled_probed_pods(self) -> Iterator[dict[str, Any]]:
-        for p in super().unscheduled_probed_pods():
+    def unscheduled_probed_pods(self, namespace: str | None = None) -> Iterator[dict[str, Any]]:
+        for p in super().unscheduled_probed_pods(namespace):
             if p["metadata"]["name"].startswith("big-"):
                 self.pad(p)
             yield p
@@ -887,3 +897,198 @@ def test_a_preflight_too_big_to_copy_is_decided_by_on_error() -> None:
     said = api.pod("ml", "w")["status"]["conditions"][0]
     assert said["reason"] == "PreflightFailedGateOpened"
     assert f"more than {MAX_PREFLIGHT_BYTES:,}" in said["message"]
+
+
+# -- a preflight's answer, decided at once -----------------------------------------------
+
+
+def test_an_answer_run_decides_only_its_namespaces_answered_pods_and_makes_nothing() -> None:
+    pf, api, _, _ = setup()
+    for name in ("w-0", "w-1"):
+        api.add(gated_pod(name))
+    api.add(gated_pod("w-0", namespace="team-b"))
+    pf.run_once()
+    ml, team_b = sorted(api.preflights(), key=lambda p: p["metadata"]["namespace"])
+    api.finish(ml, 0, CLEAR)
+    api.finish(team_b, 1, BAD)
+    api.add(gated_pod("w-new", image="r.example/sglang:newer"))  # no preflight yet
+    api.lists.clear()
+    done = pf.answer(["ml"])
+    assert sorted(done.ungated) == ["Pod ml/w-0", "Pod ml/w-1"]
+    assert api.lists == ["ml", "ml"]  # its namespace's preflights and gated pods only
+    assert done.created == [] and done.deleted == [] and len(api.preflights()) == 2
+    assert is_gated(api.pod("ml", "w-new"))
+    assert all(c["type"] != CONDITION for c in api.pod("ml", "w-new").get("status", {}).get(
+        "conditions", []))  # fmt: skip
+    assert all(c["reason"] != "ImageUnusable" for c in api.pod("team-b", "w-0")["status"][
+        "conditions"])  # fmt: skip
+    # The next pass does the rest, and nothing twice.
+    events = len(api.events)
+    later = pf.run_once()
+    assert later.ungated == [] and later.held == ["Pod team-b/w-0"]
+    assert later.created == ["Pod ml/" + next(
+        p["metadata"]["name"] for p in api.preflights()
+        if p["metadata"]["namespace"] == "ml" and "status" not in p)]  # fmt: skip
+    assert len(api.events) == events + 1  # the held pod's (it has no owner)
+
+
+def _answer_while_the_pass_lists(
+    pf: Preflights, api: MemoryApi, before: Callable[[], None] = lambda: None
+) -> None:
+    """The next pass lists the gated pods as they are, then an answer run of "ml" runs
+    (after ``before``) and decides them before the pass does, from the pass's list."""
+    real = api.unscheduled_probed_pods
+
+    def listing(namespace: str | None = None) -> Iterator[dict[str, Any]]:
+        listed = list(real(namespace))
+        if namespace is None:
+            before()
+            pf.answer(["ml"])
+        return iter(listed)
+
+    api.unscheduled_probed_pods = listing  # type: ignore[method-assign]
+
+
+def test_a_pass_and_an_answer_run_deciding_one_pod_write_it_once() -> None:
+    """Each decides from its own list: a pass that listed the pods before the answer run
+    wrote their condition held them again (a second condition with a later
+    lastTransitionTime, the Events posted again)."""
+    pf, api, _, _ = setup()
+    for i in range(3):
+        api.add(gated_pod(f"w-{i}"))
+    pf.run_once()
+    api.finish(api.preflights()[0], 1, BAD)
+    writes: list[str] = []
+    real = api.set_condition
+
+    def counted(namespace: str, name: str, condition: dict[str, Any]) -> None:
+        writes.append(f"{name} {condition['reason']}")
+        real(namespace, name, condition)
+
+    api.set_condition = counted  # type: ignore[method-assign]
+    _answer_while_the_pass_lists(pf, api)
+    assert pf.run_once().held == []  # the answer run held them
+    assert sorted(writes) == [f"w-{i} ImageUnusable" for i in range(3)]  # once each
+    assert len([e for e in api.events if e[2] == "ImageUnusable"]) == 3
+
+
+def test_a_pass_that_listed_before_an_answer_does_not_undo_its_decision() -> None:
+    """The pass listed the preflight running; it ended and the answer run took the gate
+    off while the pass went on: the pass then wrote "waiting for the preflight" on the
+    opened pod, which no later pass reads again (it is no longer gated)."""
+    pf, api, _, _ = setup()
+    api.add(gated_pod("w-0"))
+    pf.run_once()
+    api.add(gated_pod("w-1"))  # created since: no condition yet
+    _answer_while_the_pass_lists(pf, api, lambda: api.finish(api.preflights()[0], 0, CLEAR))
+    pf.run_once()
+    pod = api.pod("ml", "w-1")
+    assert not is_gated(pod)
+    cond = next(c for c in pod["status"]["conditions"] if c["type"] == CONDITION)
+    assert (cond["status"], cond["reason"]) == ("True", "PreflightPassed")
+
+
+def test_a_condition_another_replica_changed_since_is_written_again() -> None:
+    """A replica that leads again holds what it wrote before the failover: the other
+    replica's condition since then (a retried preflight, running) is what a new list
+    shows, and the same decision as before is written again."""
+    pf, api, _, _ = setup()
+    api.add(gated_pod("w-0"))
+    pf.run_once()
+    api.finish(api.preflights()[0], 1, BAD)
+    assert pf.answer(["ml"]).held == ["Pod ml/w-0"]
+    other = {"type": CONDITION, "status": "False", "reason": "PreflightRunning", "message": "x"}
+    api.set_condition("ml", "w-0", other)
+    assert pf.run_once().held == ["Pod ml/w-0"]
+    cond = next(c for c in api.pod("ml", "w-0")["status"]["conditions"] if c["type"] == CONDITION)
+    assert cond["reason"] == "ImageUnusable"
+
+
+@pytest.mark.parametrize(
+    "error", [ApiException(status=500, reason="etcd timeout"), TimeoutError("read timed out")]
+)
+def test_a_failed_condition_write_is_tried_again(error: Exception) -> None:
+    pf, api, _, _ = setup()
+    api.add(gated_pod("w-0"))
+    pf.run_once()
+    api.finish(api.preflights()[0], 1, BAD)
+    real = api.set_condition
+
+    def failing(namespace: str, name: str, condition: dict[str, Any]) -> None:
+        raise error
+
+    api.set_condition = failing  # type: ignore[method-assign]
+    pf.answer(["ml"])
+    api.set_condition = real  # type: ignore[method-assign]
+    assert pf.run_once().held == ["Pod ml/w-0"]
+
+
+def _answers(ring: Keyring | None) -> gatekeeper.Answers:
+    return gatekeeper.Answers(lambda: ring, timeout_seconds=300)
+
+
+def test_only_epguards_own_finished_preflight_counts_as_an_answer() -> None:
+    pf, api, _, ring = setup()
+    api.add(gated_pod("w-0"))
+    pf.run_once()
+    preflight = api.preflights()[0]
+
+    async def noted(body: dict[str, Any], held: Keyring | None = ring) -> bool:
+        answers = _answers(held)
+        said = answers.note(kopf.Body(copy.deepcopy(body)), NOW)
+        assert answers.take() == (["ml"] if said else [])
+        return said
+
+    assert not asyncio.run(noted(preflight))  # still running
+    api.finish(preflight, 1, BAD)
+    assert asyncio.run(noted(preflight))
+    assert not asyncio.run(noted(preflight, held=None))  # no keys held: the passes decide
+    forged = copy.deepcopy(preflight)
+    forged["spec"]["initContainers"][-1]["image"] = "r.example/tenant:any"
+    assert not asyncio.run(noted(forged))  # a tenant's pod labelled as one: no answer
+    assert not asyncio.run(noted(api.pod("ml", "w-0")))  # a gated worker
+
+
+def test_an_answer_wakes_the_answer_loop_which_decides_its_pods_not_a_pass() -> None:
+    pf, api, _, ring = setup()
+    api.add(gated_pod("w-0"))
+    api.add(gated_pod("w-0", namespace="team-b"))
+    pf.run_once()
+    for p in api.preflights():
+        api.finish(p, 0, CLEAR)
+    answered: list[list[str]] = []
+    real = pf.answer
+
+    def answer(namespaces: Any) -> gatekeeper.Pass:
+        answered.append(sorted(namespaces))
+        return real(namespaces)
+
+    pf.answer = answer  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        memo = kopf.Memo()
+        wake = memo["preflight_wake"] = gatekeeper._Wake()
+        answers = memo["preflight_answers"] = _answers(ring)
+        stop = asyncio.Event()
+        loop = asyncio.create_task(gatekeeper._answer_loop(pf, answers, stop))
+        for p in api.preflights():
+            await gatekeeper._pod_event(memo=memo, body=kopf.Body(copy.deepcopy(p)), type=None)
+        assert wake.is_set() and not answers.namespaces  # kopf's listing: a pass decides
+        wake.clear()
+        for p in api.preflights():
+            await gatekeeper._pod_event(
+                memo=memo, body=kopf.Body(copy.deepcopy(p)), type="MODIFIED"
+            )
+        assert not wake.is_set()  # no whole pass for an answer
+        for _ in range(200):
+            if not is_gated(api.pod("ml", "w-0")) and not is_gated(api.pod("team-b", "w-0")):
+                break
+            await asyncio.sleep(0.01)
+        stop.set()
+        await loop
+        await gatekeeper._pod_event(memo=memo, body=kopf.Body(gated_pod("w-1")), type="ADDED")
+        assert wake.is_set()  # a gated pod's event still wakes a pass
+
+    asyncio.run(scenario())
+    assert not is_gated(api.pod("ml", "w-0")) and not is_gated(api.pod("team-b", "w-0"))
+    assert answered == [["ml", "team-b"]]  # one run for both (noted before it started)
