@@ -1092,3 +1092,103 @@ def test_an_answer_wakes_the_answer_loop_which_decides_its_pods_not_a_pass() -> 
     asyncio.run(scenario())
     assert not is_gated(api.pod("ml", "w-0")) and not is_gated(api.pod("team-b", "w-0"))
     assert answered == [["ml", "team-b"]]  # one run for both (noted before it started)
+
+
+def test_an_opened_pods_condition_waits_for_a_write_in_flight_and_says_opened() -> None:
+    """A pass writes "waiting" (its list saw the preflight running) while the preflight
+    ends and an answer run opens the pod: the answer run's condition was skipped for the
+    write in flight, and the opened pod said "waiting" for good."""
+    pf, api, _, _ = setup()
+    api.add(gated_pod("w-0"))
+    pf.run_once()
+    api.add(gated_pod("w-1"))  # no condition yet: the next pass writes "waiting" on it
+    real = api.set_condition
+    writing, release = threading.Event(), threading.Event()
+
+    def slow(namespace: str, name: str, condition: dict[str, Any]) -> None:
+        if condition["reason"] == "PreflightRunning":
+            writing.set()
+            assert release.wait(10)
+        real(namespace, name, condition)
+
+    api.set_condition = slow  # type: ignore[method-assign]
+    passing = threading.Thread(target=pf.run_once)
+    passing.start()
+    assert writing.wait(10)
+    api.finish(api.preflights()[0], 0, CLEAR)
+    answering = threading.Thread(target=pf.answer, args=(["ml"],))
+    answering.start()
+    time.sleep(0.2)  # the answer run has opened the pod and waits for the write
+    release.set()
+    passing.join(10)
+    answering.join(10)
+    pod = api.pod("ml", "w-1")
+    assert not is_gated(pod)
+    cond = next(c for c in pod["status"]["conditions"] if c["type"] == CONDITION)
+    assert (cond["status"], cond["reason"]) == ("True", "PreflightPassed")
+
+
+def test_a_pass_and_an_answer_run_list_at_most_two_at_once() -> None:
+    pf, api, _, _ = setup()
+    for ns in ("a", "b", "c", "d"):
+        api.add(gated_pod("w-0", namespace=ns))
+    pf.run_once()
+    for p in api.preflights():
+        api.finish(p, 1, BAD)
+    real = api._probed
+    lock, now, most = threading.Lock(), [0], [0]
+
+    def counted(namespace: str | None) -> Iterator[dict[str, Any]]:
+        with lock:
+            now[0] += 1
+            most[0] = max(most[0], now[0])
+        try:
+            time.sleep(0.05)
+            yield from real(namespace)
+        finally:
+            with lock:
+                now[0] -= 1
+
+    api._probed = counted  # type: ignore[method-assign]
+    passing = threading.Thread(target=pf.run_once)
+    passing.start()
+    pf.answer(["a", "b", "c", "d"])
+    passing.join(10)
+    assert most[0] == gatekeeper.LISTS == 2
+    for ns in "abcd":
+        cond = next(c for c in api.pod(ns, "w-0")["status"]["conditions"] if c["type"] == CONDITION)
+        assert cond["reason"] == "ImageUnusable"
+
+
+def test_the_record_of_written_conditions_keeps_only_gated_pods() -> None:
+    pf, api, _, _ = setup()
+    for i in range(3):
+        api.add(gated_pod(f"w-{i}"))
+    pf.run_once()
+    assert len(pf._written) == 3  # "waiting", each
+    api.finish(api.preflights()[0], 0, CLEAR)
+    pf.run_once()  # opened: no longer gated
+    pf.run_once()
+    assert pf._written == {}
+
+
+def test_one_namespaces_list_reads_answer_pages() -> None:
+    calls: list[tuple[str, int]] = []
+
+    class Response:
+        data = b'{"metadata": {}, "items": []}'
+
+    class Core:
+        def list_namespaced_pod(self, namespace: str, limit: int, **_: Any) -> Response:
+            calls.append((namespace, limit))
+            return Response()
+
+        def list_pod_for_all_namespaces(self, limit: int, **_: Any) -> Response:
+            calls.append(("*", limit))
+            return Response()
+
+    api = KubePreflightApi(client.ApiClient())
+    api.core = Core()  # type: ignore[assignment]
+    list(api.unscheduled_probed_pods("ml"))
+    list(api.preflight_pods())
+    assert calls == [("ml", gatekeeper.ANSWER_PAGE), ("*", gatekeeper.POD_PAGE)]

@@ -132,6 +132,9 @@ LISTS = 2  # lists at once in all: a pass's and an answer run's, or two of an an
 # pass still takes them all (a count of 24 took 84 passes of 2,000 pods each, 45 s, in
 # bench/preflight_bench.py, where one pass takes ~1 s).
 CREATE_SECONDS = 2.0
+# How long a pod's condition write waits for another thread's write of it to end (each
+# is one request, under the client's REQUEST_TIMEOUT: connect and read).
+WRITE_WAIT = sum(REQUEST_TIMEOUT) + 5.0
 
 
 class Conflict(Exception):
@@ -316,7 +319,6 @@ class Pass:
     rest: float = 0.0
     pods: int = 0
     deferred: int = 0  # preflights left to the next pass (CREATE_SECONDS)
-    began: float = 0.0  # time.monotonic() before its lists
 
 
 @dataclass(frozen=True, slots=True)
@@ -344,8 +346,14 @@ class _Survey:
     first: dict[PreflightKey, Json] = field(default_factory=dict)
     deferred: set[PreflightKey] = field(default_factory=set)
     pods: int = 0
+    # When each namespace's lists began (time.monotonic(); None: every namespace's).
+    listed: dict[str | None, float] = field(default_factory=dict)
+
+    def since(self, namespace: str) -> float:
+        return self.listed.get(namespace, self.listed.get(None, 0.0))
 
     def add(self, other: _Survey) -> None:
+        self.listed |= other.listed
         self.preflights |= other.preflights
         self.ours |= other.ours
         self.waiting += other.waiting
@@ -490,7 +498,7 @@ class Preflights:
         # and the older list must neither undo the newer one's decision nor repeat it
         # (see _condition). Kept for the pods the last whole pass saw gated.
         self._written: dict[str, _Written] = {}
-        self._writing = threading.Lock()
+        self._writing = threading.Condition()
         # Lists of tenants' pods held at once (a pass's, an answer run's namespaces):
         # what they hold is bounded by two, not by how many namespaces answer at once.
         self._lists = threading.BoundedSemaphore(LISTS)
@@ -527,7 +535,7 @@ class Preflights:
             return self._listed(namespace, ring, now)
 
     def _listed(self, namespace: str | None, ring: Keyring | None, now: dt.datetime) -> _Survey:
-        seen = _Survey()
+        seen = _Survey(listed={namespace: time.monotonic()})
         # The preflights first (so a key's first pod is kept whole only when its
         # preflight is still to be made); a pod labelled as one that epguard did not sign
         # counts by its name alone.
@@ -570,7 +578,7 @@ class Preflights:
     def _run(self, namespaces: list[str] | None) -> Pass:
         now = self.clock()
         done = Pass()
-        started = done.began = time.monotonic()
+        started = time.monotonic()
         ring = self.keys.refresh()
         if namespaces is None:
             seen = self._survey(None, ring, now)
@@ -611,7 +619,8 @@ class Preflights:
         def decide(item: tuple[Json, list[PreflightKey]]) -> None:
             pod, keys = item
             try:
-                self._decide(pod, [results[k] for k in keys], read, done)
+                since = seen.since(_name(pod)[0])
+                self._decide(pod, [results[k] for k in keys], read, done, since)
             except Exception:
                 log.exception("preflight: could not decide %s", describe("Pod", *_name(pod)[:2]))
 
@@ -683,7 +692,9 @@ class Preflights:
         done.rest = time.monotonic() - started - done.listed - done.answered
         gated = {_name(pod)[2] for pod, _ in waiting}
         with self._writing:
-            self._written = {uid: w for uid, w in self._written.items() if uid in gated}
+            self._written = {
+                uid: w for uid, w in self._written.items() if uid in gated or w.finished is None
+            }
         self._clean(ours, {k.hash for _, keys in waiting for k in keys}, now, done)
         return done
 
@@ -751,7 +762,12 @@ class Preflights:
         return PreflightResult("running", "")
 
     def _decide(
-        self, pod: Json, results: list[PreflightResult], read: Callable[[str], Json], done: Pass
+        self,
+        pod: Json,
+        results: list[PreflightResult],
+        read: Callable[[str], Json],
+        done: Pass,
+        since: float,
     ) -> None:
         uid = _name(pod)[2]
         if any(r.phase == "gone" for r in results):
@@ -759,18 +775,18 @@ class Preflights:
         unusable = [r for r in results if r.phase == "unusable"]
         failed = [r for r in results if r.phase == "failed"]
         if unusable:
-            self._hold(pod, "ImageUnusable", unusable[0].message, read, done)
+            self._hold(pod, "ImageUnusable", unusable[0].message, read, done, since)
         elif any(r.phase == "running" for r in results):
             stalled = next((r.stalled for r in results if r.stalled), "")
             self._condition(
-                done.began,
+                since,
                 pod,
                 "False",
                 "PreflightRunning",
                 f"waiting for epguard's preflight of this image{': ' + stalled if stalled else ''}",
             )
         elif failed and self.config.on_error == "hold":
-            self._hold(pod, "PreflightFailed", failed[0].message, read, done)
+            self._hold(pod, "PreflightFailed", failed[0].message, read, done, since)
         else:
             why = (
                 failed[0].message
@@ -791,14 +807,22 @@ class Preflights:
                     else f"epguard's preflight found no image cause: {why}"
                 )
                 self.api.post_event(_ref(pod), reason, said, warning=warning, key=f"{uid}/open")
-                self._condition(done.began, pod, "True", reason, said)
+                # The gate's removal is the newest fact about the pod: its condition is
+                # written whatever an older or concurrent decision wrote.
+                self._condition(time.monotonic(), pod, "True", reason, said)
 
     def _hold(
-        self, pod: Json, reason: str, message: str, read: Callable[[str], Json], done: Pass
+        self,
+        pod: Json,
+        reason: str,
+        message: str,
+        read: Callable[[str], Json],
+        done: Pass,
+        since: float,
     ) -> None:
         namespace, name, uid = _name(pod)
         said = f"epguard keeps this pod unscheduled: {message}"
-        if self._condition(done.began, pod, "False", reason, said):
+        if self._condition(since, pod, "False", reason, said):
             done.held.append(describe("Pod", namespace, name))
             self.api.post_event(_ref(pod), reason, said, warning=True, key=f"{uid}/{reason}")
             owner = top_owner(read, namespace, meta(pod).get("ownerReferences"))
@@ -846,6 +870,8 @@ class Preflights:
             ):
                 return False
         with self._writing:  # claimed before the write: of two racing decisions, one writes
+            # A write in flight is waited for (it ends or fails within REQUEST_TIMEOUT).
+            self._writing.wait_for(lambda: self._in_flight(uid) is None, timeout=WRITE_WAIT)
             prior = self._written.get(uid)
             if prior is not None and (
                 prior.finished is None
@@ -853,7 +879,7 @@ class Preflights:
                 or (prior.said == said and prior.finished >= since)
             ):
                 return False
-            self._written[uid] = _Written(said, since, None)
+            claim = self._written[uid] = _Written(said, since, None)
         condition = {
             "type": CONDITION,
             "status": status,
@@ -865,17 +891,25 @@ class Preflights:
             self.api.set_condition(namespace, name, condition)
         except BaseException as exc:
             with self._writing:  # not written: the next decision writes it
-                if prior is None:
-                    self._written.pop(uid, None)
-                else:
-                    self._written[uid] = prior
+                if self._written.get(uid) is claim:
+                    if prior is None:
+                        del self._written[uid]
+                    else:
+                        self._written[uid] = prior
+                self._writing.notify_all()
             if not isinstance(exc, ApiException):
                 raise
             log.warning("could not set %s on pod %s/%s: %s", CONDITION, namespace, name, exc)
             return True
         with self._writing:
-            self._written[uid] = _Written(said, since, time.monotonic())
+            if self._written.get(uid) is claim:
+                self._written[uid] = _Written(said, since, time.monotonic())
+            self._writing.notify_all()
         return True
+
+    def _in_flight(self, uid: str) -> _Written | None:
+        written = self._written.get(uid)
+        return written if written is not None and written.finished is None else None
 
     def _clean(
         self,

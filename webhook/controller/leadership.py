@@ -5,7 +5,8 @@ loop a startup handler starts (the preflight passes, the backstop's writer) runs
 every replica. Such a loop asks :class:`Leadership` before each round, which applies
 kopf's own rule to the peering object's status (one entry per replica), so it runs where
 kopf handles the events. (A loop that acts only on kopf's events, like the preflight's
-answer loop, needs no asking: kopf stops its watches on a paused replica.) Shared by the controller's concerns, like ``background``.
+answer loop, needs no asking: kopf stops its watches on a paused replica.) Shared by the
+controller's concerns, like ``background``.
 """
 
 from __future__ import annotations
