@@ -26,12 +26,16 @@ module holding its kopf handlers, added to ``HANDLER_MODULES``; ``__main__`` imp
 one before kopf starts, which is all kopf needs to register the handlers.
 """
 
+# kopf runs one object's event handlers one after another, in the order they were
+# registered: the gatekeeper's (a note and a wake-up) before the recorder's (API writes,
+# up to a second or more on a loaded API server), so a preflight's answer reaches its
+# waiting pods without waiting for its verdict to be written.
 HANDLER_MODULES: tuple[str, ...] = (
     "epguard.webhook.controller.login",
     "epguard.webhook.controller.certificates",
     "epguard.webhook.controller.probe_key",
+    "epguard.webhook.controller.gatekeeper",
     "epguard.webhook.controller.recorder",
     "epguard.webhook.controller.architectures",
-    "epguard.webhook.controller.gatekeeper",
     "epguard.webhook.controller.backstop",
 )
