@@ -83,8 +83,7 @@ from epguard.webhook.engine.preflight import (
     signed,
     ungate_patch,
 )
-from epguard.webhook.engine.signing import Keyring, verify
-from epguard.webhook.engine.text import parse_stamp
+from epguard.webhook.engine.signing import Keyring, created_at, verify
 from epguard.webhook.engine.workloads import as_list, as_map, as_mapping, describe
 
 log = logging.getLogger("epguard.controller.gatekeeper")
@@ -366,11 +365,6 @@ class _Survey:
 GRACE_SECONDS = 60
 
 
-def _created(obj: Mapping[str, Any]) -> dt.datetime | None:
-    written = meta(obj).get("creationTimestamp")
-    return parse_stamp(written) if isinstance(written, str) else None
-
-
 def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc)[:300]}"
 
@@ -557,7 +551,7 @@ class Preflights:
                 continue
             try:
                 keys, slim = worker_keys(pod), _slim(pod)
-                created = _created(pod) or now
+                created = created_at(pod) or now
             except Exception as exc:  # one tenant's pod must not stop everyone's pass
                 self._skip(pod, exc)
                 continue
@@ -921,7 +915,7 @@ class Preflights:
         for (namespace, name), pod in preflights.items():
             key = str(as_map(meta(pod).get("labels")).get(KEY_LABEL) or "")
             result = preflight_result(pod, now, self.config.settings.timeout_seconds)
-            created = _created(pod)
+            created = created_at(pod)
             age = (now - created).total_seconds() if created else float("inf")
             old = age > self.config.retain_seconds
             if key in wanted:

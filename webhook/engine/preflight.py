@@ -33,8 +33,8 @@ from epguard.webhook.engine.imageref import ImageRefError
 from epguard.webhook.engine.imageref import parse as parse_ref
 from epguard.webhook.engine.injection import InjectionSettings, plan
 from epguard.webhook.engine.outcome import PROBE_CONTAINER, PROBED_LABEL, classify
-from epguard.webhook.engine.signing import SIGNATURE_ANNOTATION, Key, sign
-from epguard.webhook.engine.text import cut, first_line, parse_stamp
+from epguard.webhook.engine.signing import SIGNATURE_ANNOTATION, Key, created_at, sign
+from epguard.webhook.engine.text import cut, first_line
 from epguard.webhook.engine.verdicts import VerdictLookup
 from epguard.webhook.engine.workloads import as_list, as_map
 
@@ -364,8 +364,7 @@ def preflight_result(
         why = f"{status.get('reason') or 'Failed'}: {status.get('message') or ''}".strip(": ")
         return PreflightResult("failed", cut(f"the preflight pod failed ({why})", MAX_MESSAGE))
     stalled = cut(_waiting(inits) or _unschedulable(status), MAX_MESSAGE)
-    written = as_map(pod.get("metadata")).get("creationTimestamp")
-    created = parse_stamp(written) if isinstance(written, str) else None
+    created = created_at(pod)
     if created is not None and (now - created).total_seconds() > timeout_seconds:
         why = f" ({stalled})" if stalled else ""
         return PreflightResult(
