@@ -1192,3 +1192,23 @@ def test_one_namespaces_list_reads_answer_pages() -> None:
     list(api.unscheduled_probed_pods("ml"))
     list(api.preflight_pods())
     assert calls == [("ml", gatekeeper.ANSWER_PAGE), ("*", gatekeeper.POD_PAGE)]
+
+
+def test_an_image_cause_holds_a_pod_whose_other_image_is_still_being_judged() -> None:
+    """A pod with two elastic-EP containers on two images: one image's cause holds it at
+    once, in an answer run as in a pass, whatever the other preflight says yet (the
+    answer run waited for both, and only a pass held it)."""
+    pf, api, _, _ = setup()
+    pod = gated_pod("w-0")
+    second = copy.deepcopy(pod["spec"]["containers"][0])
+    second.update(name="worker-b", image="r.example/sglang:other")
+    pod["spec"]["containers"].append(second)
+    api.add(pod)
+    pf.run_once()
+    assert len(api.preflights()) == 2
+    bad = next(p for p in api.preflights()
+               if p["spec"]["initContainers"][-1]["image"] == "r.example/sglang:new")  # fmt: skip
+    api.finish(bad, 1, BAD)
+    assert pf.answer(["ml"]).held == ["Pod ml/w-0"]
+    api.pods.pop(("ml", next(p["metadata"]["name"] for p in api.preflights() if p is not bad)))
+    assert pf.run_once().held == []  # already held; the other image's preflight is made again

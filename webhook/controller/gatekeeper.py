@@ -610,11 +610,14 @@ class Preflights:
                 failed = f"the preflight could not be started: {_error(exc)}"
                 return key, PreflightResult("failed", failed)
 
+        not_yet = PreflightResult("running", "")  # a key an answer run does not create
+
         def decide(item: tuple[Json, list[PreflightKey]]) -> None:
             pod, keys = item
             try:
                 since = seen.since(_name(pod)[0])
-                self._decide(pod, [results[k] for k in keys], read, done, since)
+                said = [results.get(k, not_yet) for k in keys]
+                self._decide(pod, said, read, done, since)
             except Exception:
                 log.exception("preflight: could not decide %s", describe("Pod", *_name(pod)[:2]))
 
@@ -666,10 +669,13 @@ class Preflights:
         # Those whose create failed last pass go last, so a few slow failures (onError
         # hold retries them) cannot spend every pass's budget ahead of the others.
         missing = sorted(_across_namespaces(missing), key=lambda item: item[0] in self._failed)
+        # Answered: every key has answered, or one has found an image cause (the pod is
+        # held whatever its other images' preflights say).
         answered = [
             item
             for item in waiting
             if all(k in results and results[k].phase != "running" for k in item[1])
+            or any(k in results and results[k].phase == "unusable" for k in item[1])
         ]
         with ThreadPoolExecutor(PASS_WORKERS) as pool:
             list(pool.map(decide, answered))
