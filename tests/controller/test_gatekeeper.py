@@ -1212,3 +1212,34 @@ def test_an_image_cause_holds_a_pod_whose_other_image_is_still_being_judged() ->
     assert pf.answer(["ml"]).held == ["Pod ml/w-0"]
     api.pods.pop(("ml", next(p["metadata"]["name"] for p in api.preflights() if p is not bad)))
     assert pf.run_once().held == []  # already held; the other image's preflight is made again
+
+
+@pytest.mark.parametrize(
+    "errors",
+    [
+        [ApiException(status=500, reason="etcd timeout"), TimeoutError("read timed out")],
+        [TimeoutError("read timed out"), ApiException(status=429, reason="throttled")],
+    ],
+)
+def test_an_opened_pods_condition_is_tried_again_when_its_write_fails(
+    errors: list[Exception], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No pass lists a pod once its gate is gone: a failed write of its condition left
+    the "waiting" one for good."""
+    monkeypatch.setattr(gatekeeper, "OPENED_BACKOFF", 0.0)
+    pf, api, _, _ = setup()
+    api.add(gated_pod("w-0"))
+    pf.run_once()
+    api.finish(api.preflights()[0], 0, CLEAR)
+    real = api.set_condition
+    left = list(errors)
+
+    def flaky(namespace: str, name: str, condition: dict[str, Any]) -> None:
+        if left:
+            raise left.pop(0)
+        real(namespace, name, condition)
+
+    api.set_condition = flaky  # type: ignore[method-assign]
+    assert pf.answer(["ml"]).ungated == ["Pod ml/w-0"]
+    cond = next(c for c in api.pod("ml", "w-0")["status"]["conditions"] if c["type"] == CONDITION)
+    assert (cond["status"], cond["reason"]) == ("True", "PreflightPassed")

@@ -131,9 +131,11 @@ LISTS = 2  # lists at once in all: a pass's and an answer run's, or two of an an
 # pass still takes them all (a count of 24 took 84 passes of 2,000 pods each, 45 s, in
 # bench/preflight_bench.py, where one pass takes ~1 s).
 CREATE_SECONDS = 2.0
-# How long a pod's condition write waits for another thread's write of it to end (each
-# is one request, under the client's REQUEST_TIMEOUT: connect and read).
-WRITE_WAIT = sum(REQUEST_TIMEOUT) + 5.0
+# An opened pod's condition is written up to OPENED_WRITES times (OPENED_BACKOFF s, then
+# twice that, between): no pass lists a pod once its gate is gone, so a failed write
+# would leave what it said before ("waiting for the preflight") for good.
+OPENED_WRITES = 3
+OPENED_BACKOFF = 0.5
 
 
 class Conflict(Exception):
@@ -807,9 +809,20 @@ class Preflights:
                     else f"epguard's preflight found no image cause: {why}"
                 )
                 self.api.post_event(_ref(pod), reason, said, warning=warning, key=f"{uid}/open")
-                # The gate's removal is the newest fact about the pod: its condition is
-                # written whatever an older or concurrent decision wrote.
-                self._condition(time.monotonic(), pod, "True", reason, said)
+                self._opened(pod, reason, said)
+
+    def _opened(self, pod: Json, reason: str, said: str) -> None:
+        """The condition of a pod whose gate this process removed: the removal is the
+        newest fact about the pod, so it is written whatever an older or concurrent
+        decision wrote, and tried again (OPENED_WRITES) if the write fails."""
+        for attempt in range(1, OPENED_WRITES + 1):
+            try:
+                if self._condition(time.monotonic(), pod, "True", reason, said) is not None:
+                    return
+            except Exception:
+                if attempt == OPENED_WRITES:
+                    raise
+            time.sleep(OPENED_BACKOFF * attempt)
 
     def _hold(
         self,
@@ -822,7 +835,7 @@ class Preflights:
     ) -> None:
         namespace, name, uid = _name(pod)
         said = f"epguard keeps this pod unscheduled: {message}"
-        if self._condition(since, pod, "False", reason, said):
+        if self._condition(since, pod, "False", reason, said) is not False:
             done.held.append(describe("Pod", namespace, name))
             self.api.post_event(_ref(pod), reason, said, warning=True, key=f"{uid}/{reason}")
             owner = top_owner(read, namespace, meta(pod).get("ownerReferences"))
@@ -854,11 +867,15 @@ class Preflights:
         done.ungated.append(describe("Pod", namespace, name))
         return True
 
-    def _condition(self, since: float, pod: Json, status: str, reason: str, message: str) -> bool:
+    def _condition(
+        self, since: float, pod: Json, status: str, reason: str, message: str
+    ) -> bool | None:
         """Set the pod's epguard condition, as decided from a list begun at ``since``
-        (time.monotonic); False when nothing was written: the pod already says this (as
-        listed), or this process wrote its condition from a newer list, or is writing it
-        now, or wrote this very condition after ``since`` (so the list may not show it)."""
+        (time.monotonic): True when written; None when the API server refused or failed
+        the write (logged; an error that is not the API server's is raised); False when
+        there was nothing to write: the pod already says this (as listed), or this
+        process wrote its condition from a newer list, or wrote this very condition after
+        ``since`` (so the list may not show it)."""
         namespace, name, uid = _name(pod)
         message = message[:1024]
         said = (status, reason, message)
@@ -870,8 +887,9 @@ class Preflights:
             ):
                 return False
         with self._writing:  # claimed before the write: of two racing decisions, one writes
-            # A write in flight is waited for (it ends or fails within REQUEST_TIMEOUT).
-            self._writing.wait_for(lambda: self._in_flight(uid) is None, timeout=WRITE_WAIT)
+            # A write in flight is waited for: its thread holds no lock while it makes
+            # its request, which ends or fails (the client's timeouts and retries).
+            self._writing.wait_for(lambda: self._in_flight(uid) is None)
             prior = self._written.get(uid)
             if prior is not None and (
                 prior.finished is None
@@ -900,7 +918,7 @@ class Preflights:
             if not isinstance(exc, ApiException):
                 raise
             log.warning("could not set %s on pod %s/%s: %s", CONDITION, namespace, name, exc)
-            return True
+            return None
         with self._writing:
             if self._written.get(uid) is claim:
                 self._written[uid] = _Written(said, since, time.monotonic())
