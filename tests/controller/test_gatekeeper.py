@@ -173,6 +173,19 @@ class Keys:
         return self.ring
 
 
+def _conditions_written(api: MemoryApi) -> list[str]:
+    """Each condition written from now on, as "<pod> <reason>", in order."""
+    written: list[str] = []
+    write = api.set_condition
+
+    def recorded(namespace: str, name: str, condition: dict[str, Any]) -> None:
+        written.append(f"{name} {condition['reason']}")
+        write(namespace, name, condition)
+
+    api.set_condition = recorded  # type: ignore[method-assign]
+    return written
+
+
 def gated_pod(
     name: str, image: str = "r.example/sglang:new", namespace: str = "ml", owner: str | None = None
 ) -> dict[str, Any]:
@@ -689,14 +702,7 @@ def test_pods_whose_preflight_answered_are_decided_before_the_waiting_ones_are_w
     for i in range(40):
         api.add(gated_pod(f"new-{i}", image="r.example/sglang:new"))
     api.pods = dict(sorted(api.pods.items(), key=lambda kv: not kv[0][1].startswith("new-")))
-    order: list[str] = []
-    write = api.set_condition
-
-    def recorded(namespace: str, name: str, condition: dict[str, Any]) -> None:
-        order.append(f"{name} {condition['reason']}")
-        write(namespace, name, condition)
-
-    api.set_condition = recorded  # type: ignore[method-assign]
+    order = _conditions_written(api)
     done = pf.run_once()
     assert len(done.held) == 3
     held = [i for i, what in enumerate(order) if what.endswith("ImageUnusable")]
@@ -958,14 +964,7 @@ def test_a_pass_and_an_answer_run_deciding_one_pod_write_it_once() -> None:
         api.add(gated_pod(f"w-{i}"))
     pf.run_once()
     api.finish(api.preflights()[0], 1, BAD)
-    writes: list[str] = []
-    real = api.set_condition
-
-    def counted(namespace: str, name: str, condition: dict[str, Any]) -> None:
-        writes.append(f"{name} {condition['reason']}")
-        real(namespace, name, condition)
-
-    api.set_condition = counted  # type: ignore[method-assign]
+    writes = _conditions_written(api)
     _answer_while_the_pass_lists(pf, api)
     assert pf.run_once().held == []  # the answer run held them
     assert sorted(writes) == [f"w-{i} ImageUnusable" for i in range(3)]  # once each

@@ -889,7 +889,7 @@ class Preflights:
         with self._writing:  # claimed before the write: of two racing decisions, one writes
             # A write in flight is waited for: its thread holds no lock while it makes
             # its request, which ends or fails (the client's timeouts and retries).
-            self._writing.wait_for(lambda: self._in_flight(uid) is None)
+            self._writing.wait_for(lambda: not self._in_flight(uid))
             prior = self._written.get(uid)
             if prior is not None and (
                 prior.finished is None
@@ -925,9 +925,9 @@ class Preflights:
             self._writing.notify_all()
         return True
 
-    def _in_flight(self, uid: str) -> _Written | None:
+    def _in_flight(self, uid: str) -> bool:
         written = self._written.get(uid)
-        return written if written is not None and written.finished is None else None
+        return written is not None and written.finished is None
 
     def _clean(
         self,
