@@ -1135,17 +1135,20 @@ def test_a_pass_and_an_answer_run_list_at_most_two_at_once() -> None:
     for p in api.preflights():
         api.finish(p, 1, BAD)
     real = api._probed
-    lock, now, most = threading.Lock(), [0], [0]
+    listing, now, most = threading.Condition(), [0], [0]
 
     def counted(namespace: str | None) -> Iterator[dict[str, Any]]:
-        with lock:
+        # Each list waits (up to 0.5 s) for a third beside it: with the bound, two lists
+        # always meet and the third never comes; without it, the third does.
+        with listing:
             now[0] += 1
             most[0] = max(most[0], now[0])
+            listing.notify_all()
+            listing.wait_for(lambda: now[0] > gatekeeper.LISTS, timeout=0.5)
         try:
-            time.sleep(0.05)
             yield from real(namespace)
         finally:
-            with lock:
+            with listing:
                 now[0] -= 1
 
     api._probed = counted  # type: ignore[method-assign]
