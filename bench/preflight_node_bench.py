@@ -107,6 +107,7 @@ class Timeline:
         self.seen: dict[str, float] = {}
         self.decided: set[str] = set()
         self.stop = threading.Event()
+        self.errors: list[str] = []
         self.thread = threading.Thread(target=self._watch, daemon=True)
         self.thread.start()
 
@@ -228,24 +229,37 @@ class Sightings:
         self.ended: dict[tuple[str, str], float] = {}  # (namespace, image) -> epoch s
         self.decided: dict[tuple[str, str], float] = {}  # (namespace, pod) -> epoch s
         self.stop = threading.Event()
+        self.errors: list[str] = []
         self.thread = threading.Thread(target=self._watch, daemon=True)
         self.thread.start()
 
     def _watch(self) -> None:
-        w = watch.Watch()
-        for event in w.stream(self.api.list_pod_for_all_namespaces, timeout_seconds=1800):
-            pod, now = event["object"], time.time()
-            ns = pod.metadata.namespace
-            if (pod.metadata.labels or {}).get(PREFLIGHT_LABEL) == "true":
-                for status in pod.status.init_container_statuses or []:
-                    if status.name == "epguard-probe" and status.state.terminated:
-                        image = pod.spec.init_containers[-1].image
-                        self.ended.setdefault((ns, image), now)
-            elif any(c.type == CONDITION and c.reason == "ImageUnusable"
-                     for c in pod.status.conditions or []):  # fmt: skip
-                self.decided.setdefault((ns, pod.metadata.name), now)
-            if self.stop.is_set():
-                w.stop()
+        # Read the raw objects (no model to fail on a field it does not know) and start
+        # again after any error, which the report names: a watch that died quietly once
+        # left the split out of a whole run.
+        while not self.stop.is_set():
+            w = watch.Watch()
+            try:
+                for event in w.stream(self.api.list_pod_for_all_namespaces,
+                                      timeout_seconds=1800):  # fmt: skip
+                    self._saw(event["raw_object"], time.time())
+                    if self.stop.is_set():
+                        w.stop()
+            except Exception as exc:
+                self.errors.append(f"{type(exc).__name__}: {exc}"[:200])
+                time.sleep(0.5)
+
+    def _saw(self, pod: dict[str, Any], now: float) -> None:
+        meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+        ns = meta.get("namespace", "")
+        if (meta.get("labels") or {}).get(PREFLIGHT_LABEL) == "true":
+            for s in status.get("initContainerStatuses") or []:
+                if s.get("name") == "epguard-probe" and (s.get("state") or {}).get("terminated"):
+                    image = pod["spec"]["initContainers"][-1]["image"]
+                    self.ended.setdefault((ns, image), now)
+        elif any(c.get("type") == CONDITION and c.get("reason") == "ImageUnusable"
+                 for c in status.get("conditions") or []):  # fmt: skip
+            self.decided.setdefault((ns, meta.get("name", "")), now)
 
 
 def _core(cp: ControlPlane) -> client.CoreV1Api:
@@ -380,6 +394,8 @@ def _scale(cp: ControlPlane, refs: list[str], total: int, namespaces: int, image
                   f"{statistics.median(reported):.1f}s, max {max(reported):.1f}s; shown -> "
                   f"gate decided: median {statistics.median(decided):.1f}s, "
                   f"max {max(decided):.1f}s ({len(decided)} pods)")  # fmt: skip
+        if seen.errors:
+            print(f"    the watch started again {len(seen.errors)} times; last: {seen.errors[-1]}")
         for run, said in (("a pass of ", "passes"), ("an answer run of ", "answer runs")):
             took = [float(line.split(run)[1].split(" s")[0])
                     for line in _controller_lines(cp, run)]  # fmt: skip
