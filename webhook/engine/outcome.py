@@ -32,13 +32,12 @@ from epguard.probe.message import (
 )
 from epguard.webhook.engine.argv import ExpansionTooLarge, container_argv
 from epguard.webhook.engine.imageref import ImageRefError, parse
-from epguard.webhook.engine.text import first_line, stamp
+from epguard.webhook.engine.text import first_line, parse_time, stamp
 from epguard.webhook.engine.verdicts import (
     SOURCE_PROBE,
     ImageVerdictSpec,
     Versions,
     build_spec,
-    parse_time,
 )
 from epguard.webhook.engine.workloads import as_list, as_map
 

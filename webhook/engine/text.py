@@ -28,6 +28,20 @@ def parse_stamp(value: str) -> dt.datetime | None:
         return None
 
 
+def parse_time(value: object) -> dt.datetime | None:
+    """An RFC 3339 time as the API server writes it (``...Z``, fractional seconds
+    allowed), in UTC; None if ``value`` is not one. Lenient, for times others write
+    (the API server, a container's status, an object a tenant may have edited), where
+    :func:`parse_stamp` takes only epguard's own."""
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        t = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return t if t.tzinfo else t.replace(tzinfo=dt.UTC)
+
+
 def cut(text: str, limit: int) -> str:
     """``text`` cut to ``limit`` characters, the last one an ellipsis so that a cut text
     says so."""

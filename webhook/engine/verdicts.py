@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, NotRequired, Protocol, TypedDict
 
 from epguard.webhook.engine.imageref import ImageRef, ImageRefError, parse
-from epguard.webhook.engine.text import first_line, stamp
+from epguard.webhook.engine.text import first_line, parse_time, stamp
 
 Trust = Literal["deny", "warn", "usable"]
 
@@ -307,17 +307,6 @@ def _field(obj: Mapping[str, Any], name: str) -> Any:
         if isinstance(section, Mapping) and section.get(name) is not None:
             return section.get(name)
     return None
-
-
-def parse_time(value: Any) -> dt.datetime | None:
-    """An RFC 3339 time as the API server writes it (``...Z``); None if it is not one."""
-    if not isinstance(value, str) or not value:
-        return None
-    try:
-        t = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return t if t.tzinfo else t.replace(tzinfo=dt.UTC)
 
 
 def _written_at(meta: Mapping[str, Any]) -> dt.datetime | None:
