@@ -45,7 +45,7 @@ from epguard.webhook.engine.preflight import (
     PreflightSettings,
     is_gated,
 )
-from epguard.webhook.engine.signing import Keyring, new_keyring, verify
+from epguard.webhook.engine.signing import MAX_KEYS, Keyring, new_keyring, rotated, verify
 
 NOW = dt.datetime(2026, 12, 3, 12, 0, tzinfo=dt.UTC)
 BAD_LINE = "epguard: mooncake elastic EP is unusable in this image: torch has no mooncake"
@@ -124,8 +124,11 @@ class MemoryApi:
         except (jsonpatch.JsonPatchTestFailed, jsonpatch.JsonPatchConflict) as exc:
             raise Conflict(str(exc)) from exc
 
-    def set_condition(self, namespace: str, name: str, condition: dict[str, Any]) -> None:
-        status = self.pods[(namespace, name)].setdefault("status", {})
+    def set_condition(self, namespace: str, name: str, uid: str, condition: dict[str, Any]) -> None:
+        pod = self.pods.get((namespace, name))
+        if pod is None or pod["metadata"]["uid"] != uid:  # the API server: 404, or 422
+            raise ApiException(status=422 if pod else 404, reason="not that pod")
+        status = pod.setdefault("status", {})
         kept = [c for c in status.get("conditions", []) if c["type"] != condition["type"]]
         status["conditions"] = [*kept, condition]
 
@@ -178,9 +181,9 @@ def _conditions_written(api: MemoryApi) -> list[str]:
     written: list[str] = []
     write = api.set_condition
 
-    def recorded(namespace: str, name: str, condition: dict[str, Any]) -> None:
+    def recorded(namespace: str, name: str, uid: str, condition: dict[str, Any]) -> None:
         written.append(f"{name} {condition['reason']}")
-        write(namespace, name, condition)
+        write(namespace, name, uid, condition)
 
     api.set_condition = recorded  # type: ignore[method-assign]
     return written
@@ -349,12 +352,30 @@ def test_a_preflight_that_cannot_judge_opens_or_holds(on_error: str) -> None:
         assert done.held == ["Pod ml/w-0"]
 
 
-def test_without_a_signing_key_no_preflight_runs_and_the_gate_opens() -> None:
-    pf, api, _, _ = setup(ring=False)
+def test_without_a_signing_key_nothing_is_decided_until_the_deadline() -> None:
+    # Without keys epguard's preflights cannot be told from a tenant's pods under their
+    # names: each read as "not made by epguard", and every waiting pod was opened.
+    pf, api, clock, _ = setup(ring=False)
     api.add(gated_pod("w-0"))
     done = pf.run_once()
-    assert done.created == [] and api.preflights() == []
-    assert done.ungated == ["Pod ml/w-0"]
+    assert done.created == [] and api.preflights() == [] and done.ungated == []
+    assert is_gated(api.pod("ml", "w-0"))
+    clock.now += dt.timedelta(seconds=300 + 61)  # the deadline and a minute, keyless
+    done = pf.run_once()
+    assert done.created == [] and done.ungated == ["Pod ml/w-0"]  # onError=open
+    assert "holds no probe-signing key" in api.events[-1][4]
+
+
+def test_a_held_pod_stays_held_while_the_keys_cannot_be_read() -> None:
+    pf, api, _, _ = setup()
+    api.add(gated_pod("w-0"))
+    pf.run_once()
+    api.finish(api.preflights()[0], 1, BAD)
+    assert pf.run_once().held == ["Pod ml/w-0"]
+    pf.keys.ring = None  # type: ignore[attr-defined]  # a failed read of the Secret
+    done = pf.run_once()
+    assert done.ungated == [] and is_gated(api.pod("ml", "w-0"))
+    assert pf.answer(["ml"]).ungated == []
 
 
 def test_a_preflight_the_api_server_refuses_cannot_judge() -> None:
@@ -461,7 +482,10 @@ def test_one_namespaces_api_trouble_does_not_stop_the_others() -> None:
     assert done.created == [
         "Pod team-b/epguard-preflight-" + worker_keys(api.pod("team-b", "w"))[0].hash
     ]
-    assert done.ungated == ["Pod aaa/w"]  # onError=open for the namespace in trouble
+    # The API server's trouble is no verdict on the image: it waits, and says why.
+    assert done.ungated == [] and is_gated(api.pod("aaa", "w"))
+    cond = next(c for c in api.pod("aaa", "w")["status"]["conditions"] if c["type"] == CONDITION)
+    assert cond["reason"] == "PreflightRunning" and "500 Internal Server Error" in cond["message"]
     api.finish(api.preflights()[0], 0, CLEAR)
     assert pf.run_once().ungated == ["Pod team-b/w"]
 
@@ -726,9 +750,9 @@ def test_pods_whose_preflight_answered_are_decided_before_new_preflights_are_cre
         order.append("create")
         create(namespace, body)
 
-    def written(namespace: str, name: str, condition: dict[str, Any]) -> None:
+    def written(namespace: str, name: str, uid: str, condition: dict[str, Any]) -> None:
         order.append(f"{name} {condition['reason']}")
-        write(namespace, name, condition)
+        write(namespace, name, uid, condition)
 
     api.create_pod = created  # type: ignore[method-assign]
     api.set_condition = written  # type: ignore[method-assign]
@@ -997,7 +1021,7 @@ def test_a_condition_another_replica_changed_since_is_written_again() -> None:
     api.finish(api.preflights()[0], 1, BAD)
     assert pf.answer(["ml"]).held == ["Pod ml/w-0"]
     other = {"type": CONDITION, "status": "False", "reason": "PreflightRunning", "message": "x"}
-    api.set_condition("ml", "w-0", other)
+    api.set_condition("ml", "w-0", api.pod("ml", "w-0")["metadata"]["uid"], other)
     assert pf.run_once().held == ["Pod ml/w-0"]
     cond = next(c for c in api.pod("ml", "w-0")["status"]["conditions"] if c["type"] == CONDITION)
     assert cond["reason"] == "ImageUnusable"
@@ -1013,7 +1037,7 @@ def test_a_failed_condition_write_is_tried_again(error: Exception) -> None:
     api.finish(api.preflights()[0], 1, BAD)
     real = api.set_condition
 
-    def failing(namespace: str, name: str, condition: dict[str, Any]) -> None:
+    def failing(namespace: str, name: str, uid: str, condition: dict[str, Any]) -> None:
         raise error
 
     api.set_condition = failing  # type: ignore[method-assign]
@@ -1104,11 +1128,11 @@ def test_an_opened_pods_condition_waits_for_a_write_in_flight_and_says_opened() 
     real = api.set_condition
     writing, release = threading.Event(), threading.Event()
 
-    def slow(namespace: str, name: str, condition: dict[str, Any]) -> None:
+    def slow(namespace: str, name: str, uid: str, condition: dict[str, Any]) -> None:
         if condition["reason"] == "PreflightRunning":
             writing.set()
             assert release.wait(10)
-        real(namespace, name, condition)
+        real(namespace, name, uid, condition)
 
     api.set_condition = slow  # type: ignore[method-assign]
     passing = threading.Thread(target=pf.run_once)
@@ -1236,12 +1260,246 @@ def test_an_opened_pods_condition_is_tried_again_when_its_write_fails(
     real = api.set_condition
     left = list(errors)
 
-    def flaky(namespace: str, name: str, condition: dict[str, Any]) -> None:
+    def flaky(namespace: str, name: str, uid: str, condition: dict[str, Any]) -> None:
         if left:
             raise left.pop(0)
-        real(namespace, name, condition)
+        real(namespace, name, uid, condition)
 
     api.set_condition = flaky  # type: ignore[method-assign]
     assert pf.answer(["ml"]).ungated == ["Pod ml/w-0"]
     cond = next(c for c in api.pod("ml", "w-0")["status"]["conditions"] if c["type"] == CONDITION)
     assert (cond["status"], cond["reason"]) == ("True", "PreflightPassed")
+
+
+# -- a pod proven unusable stays held; nothing but a clear answer opens it ----------------
+
+
+def _held(on_error: str = "open") -> tuple[Preflights, MemoryApi, Clock, Keyring | None]:
+    pf, api, clock, ring = setup(on_error=on_error)
+    api.add(gated_pod("w-0"))
+    pf.run_once()
+    api.finish(api.preflights()[0], 1, BAD)
+    assert pf.run_once().held == ["Pod ml/w-0"]
+    return pf, api, clock, ring
+
+
+def _reason(api: MemoryApi, name: str) -> str:
+    return str(
+        next(c for c in api.pod("ml", name)["status"]["conditions"] if c["type"] == CONDITION)[
+            "reason"
+        ]
+    )
+
+
+def test_a_held_pod_whose_preflight_is_deleted_stays_held_while_it_runs_again() -> None:
+    # The pod garbage collector or an admin's `delete pods --field-selector
+    # status.phase==Failed` removes the finished preflight: the new one was charged the
+    # held pod's age and read as overdue, and onError=open removed the gate.
+    pf, api, clock, _ = _held()
+    clock.now += dt.timedelta(seconds=400)  # past the deadline counted from the pod
+    del api.pods[("ml", api.preflights()[0]["metadata"]["name"])]
+    done = pf.run_once()
+    assert len(done.created) == 1 and done.ungated == []
+    assert is_gated(api.pod("ml", "w-0")) and _reason(api, "w-0") == "ImageUnusable"
+    api.finish(api.preflights()[0], 1, BAD)
+    assert pf.run_once().ungated == [] and is_gated(api.pod("ml", "w-0"))
+
+
+def test_a_held_pod_is_not_opened_by_a_preflight_that_cannot_run_again() -> None:
+    pf, api, _, _ = _held()
+    del api.pods[("ml", api.preflights()[0]["metadata"]["name"])]
+    pf.run_once()
+    api.finish(api.preflights()[0], 128, "")  # the new one could not start: no answer
+    done = pf.run_once()
+    assert done.ungated == [] and _reason(api, "w-0") == "ImageUnusable"
+
+
+def test_a_held_pod_is_opened_when_its_image_is_found_clear_again() -> None:
+    # An admin deletes a mistaken verdict and the preflight: the new answer decides.
+    pf, api, _, _ = _held()
+    del api.pods[("ml", api.preflights()[0]["metadata"]["name"])]
+    pf.run_once()
+    api.finish(api.preflights()[0], 0, CLEAR)
+    assert pf.run_once().ungated == ["Pod ml/w-0"]
+
+
+@pytest.mark.parametrize("change", ["rotated past", "replaced"])
+def test_a_preflight_signed_with_a_key_no_longer_held_is_made_again(change: str) -> None:
+    # Three rotations (30 days each) or a replaced Secret: the retained preflight no
+    # longer verifies. It read as a tenant's pod under its name, and its held pods were
+    # opened (onError=open) or held for good and never retried (hold).
+    for on_error in ("open", "hold"):
+        pf, api, _, ring = _held(on_error)
+        assert ring is not None
+        if change == "replaced":
+            pf.keys.ring = new_keyring(NOW)  # type: ignore[attr-defined]
+        else:
+            for _ in range(MAX_KEYS):  # the key that signed it is no longer kept
+                ring = rotated(ring, NOW)
+            pf.keys.ring = ring  # type: ignore[attr-defined]
+        old = api.preflights()[0]["metadata"]["uid"]
+        done = pf.run_once()
+        assert done.ungated == [] and len(done.deleted) == 1, (on_error, done)
+        assert is_gated(api.pod("ml", "w-0")) and _reason(api, "w-0") == "ImageUnusable"
+        done = pf.run_once()
+        (made,) = api.preflights()
+        assert done.created and made["metadata"]["uid"] != old, on_error
+
+
+def test_an_answer_read_in_time_is_not_overdue_because_the_list_was_slow() -> None:
+    # The preflight answers at 299.5 s of a 300 s deadline while the pass lists the gated
+    # pods (4 s): it was judged with the clock read after the list, "did not finish".
+    pf, api, clock, _ = setup()
+    api.add(gated_pod("w-0"))
+    pf.run_once()
+    clock.now = NOW + dt.timedelta(seconds=299)
+    real = api.unscheduled_probed_pods
+
+    def slow(namespace: str | None = None) -> Iterator[dict[str, Any]]:
+        listed = list(real(namespace))
+        api.finish(api.preflights()[0], 1, BAD)
+        clock.now = NOW + dt.timedelta(seconds=303)
+        return iter(listed)
+
+    api.unscheduled_probed_pods = slow  # type: ignore[method-assign]
+    assert pf.run_once().ungated == []
+    api.unscheduled_probed_pods = real  # type: ignore[method-assign]
+    assert pf.run_once().held == ["Pod ml/w-0"]
+
+
+def test_an_older_pass_does_not_open_a_pod_a_newer_answer_run_held() -> None:
+    pf, api, clock, _ = setup()
+    api.add(gated_pod("w-0"))
+    pf.run_once()
+    clock.now = NOW + dt.timedelta(seconds=301)  # the pass will find it overdue
+    real = api.unscheduled_probed_pods
+    held: list[str] = []
+
+    def listing(namespace: str | None = None) -> Iterator[dict[str, Any]]:
+        listed = list(real(namespace))
+        if namespace is None:  # the pass's list is read; then the answer and its run
+            api.finish(api.preflights()[0], 1, BAD)
+            held.extend(pf.answer(["ml"]).held)
+        return iter(listed)
+
+    api.unscheduled_probed_pods = listing  # type: ignore[method-assign]
+    done = pf.run_once()
+    assert held == ["Pod ml/w-0"] and done.ungated == []
+    assert is_gated(api.pod("ml", "w-0")) and _reason(api, "w-0") == "ImageUnusable"
+
+
+def test_the_gate_of_another_pod_made_under_the_same_name_stays() -> None:
+    # A StatefulSet's pod deleted and made again (new uid, new image) between the list
+    # and the patch: the patch removed the new pod's gate, unjudged.
+    pf, api, _, _ = setup()
+    api.add(gated_pod("sglang-0"))
+    pf.run_once()
+    api.finish(api.preflights()[0], 0, CLEAR)
+    real = api.patch_pod
+
+    def made_again(namespace: str, name: str, ops: list[dict[str, Any]]) -> None:
+        del api.pods[(namespace, name)]
+        api.add(gated_pod(name, image="r.example/sglang:unjudged"))
+        real(namespace, name, ops)
+
+    api.patch_pod = made_again  # type: ignore[method-assign]
+    assert pf.run_once().ungated == []
+    assert is_gated(api.pod("ml", "sglang-0"))
+    api.patch_pod = real  # type: ignore[method-assign]
+    done = pf.run_once()
+    assert len(done.created) == 1 and done.ungated == []  # its own image's preflight
+
+
+def test_an_api_error_on_create_waits_and_the_deadline_still_bounds_it() -> None:
+    pf, api, clock, _ = setup()
+    api.add(gated_pod("w-0"))
+
+    def failing(namespace: str, body: dict[str, Any]) -> None:
+        raise ApiException(status=500, reason="etcdserver: request timed out")
+
+    api.create_pod = failing  # type: ignore[method-assign]
+    assert pf.run_once().ungated == []
+    assert "etcdserver" in api.pod("ml", "w-0")["status"]["conditions"][0]["message"]
+    clock.now += dt.timedelta(seconds=300 + 61)
+    assert pf.run_once().ungated == ["Pod ml/w-0"]  # onError=open, at the deadline
+
+
+def test_refused_creates_do_not_take_the_other_images_places() -> None:
+    pf, api, _, _ = setup(on_error="hold")
+    for i in range(NEW_PER_NAMESPACE):
+        api.add(gated_pod(f"a-{i:02d}", image=f"r.example/refused:{i}"))
+    api.add(gated_pod("z-ok", image="r.example/fine:1"))
+    real = api.create_pod
+
+    def create(namespace: str, body: dict[str, Any]) -> None:
+        if "refused" in json.dumps(body):
+            raise Refused("denied by the namespace's policy")
+        real(namespace, body)
+
+    api.create_pod = create  # type: ignore[method-assign]
+    pf.run_once()  # 16 refused, z-ok deferred
+    assert api.preflights() == []
+    pf.run_once()  # the refused go last: z-ok's preflight is made
+    assert len(api.preflights()) == 1
+
+
+def test_one_namespaces_slow_list_does_not_hold_up_anothers_answer() -> None:
+    pf, api, _, _ = setup()
+    for ns in ("b-fast", "a-slow"):
+        api.add(gated_pod("w-0", namespace=ns))
+    pf.run_once()
+    for p in api.preflights():
+        api.finish(p, 1, BAD)
+    real = api.unscheduled_probed_pods
+    fast_decided = threading.Event()
+
+    def listing(namespace: str | None = None) -> Iterator[dict[str, Any]]:
+        if namespace == "a-slow":  # until the other namespace's pod is decided (or 5 s)
+            fast_decided.wait(5)
+        return real(namespace)
+
+    write = api.set_condition
+
+    def written(namespace: str, name: str, uid: str, condition: dict[str, Any]) -> None:
+        write(namespace, name, uid, condition)
+        if namespace == "b-fast":
+            fast_decided.set()
+
+    api.unscheduled_probed_pods = listing  # type: ignore[method-assign]
+    api.set_condition = written  # type: ignore[method-assign]
+    started = time.monotonic()
+    done = pf.answer(["a-slow", "b-fast"])
+    assert sorted(done.held) == ["Pod a-slow/w-0", "Pod b-fast/w-0"]
+    assert time.monotonic() - started < 4  # "b-fast" was decided while "a-slow" listed
+
+
+def test_a_preflight_is_noted_once_however_often_it_changes() -> None:
+    pf, api, _, ring = setup()
+    api.add(gated_pod("w-0"))
+    pf.run_once()
+    preflight = api.preflights()[0]
+    api.finish(preflight, 1, BAD)
+    answers = _answers(ring)
+
+    async def note_three_times() -> list[list[str]]:
+        taken = []
+        for i in range(3):  # the kubelet's later reports, a tenant's relabelling
+            body = copy.deepcopy(preflight)
+            body["metadata"]["labels"]["tenant"] = str(i)
+            assert answers.note(kopf.Body(body), NOW)
+            taken.append(answers.take())
+        return taken
+
+    assert asyncio.run(note_three_times()) == [["ml"], [], []]
+
+
+def test_a_preflight_made_after_its_pods_deadline_still_gets_its_own_time() -> None:
+    # The controller was down past the deadline: the preflight it then makes is judged
+    # on its own deadline, not opened at once for the pod's age.
+    pf, api, clock, _ = setup()
+    api.add(gated_pod("w-0"))
+    clock.now += dt.timedelta(seconds=400)
+    assert len(pf.run_once().created) == 1
+    assert pf.run_once().ungated == [] and is_gated(api.pod("ml", "w-0"))
+    api.finish(api.preflights()[0], 1, BAD)
+    assert pf.run_once().held == ["Pod ml/w-0"]

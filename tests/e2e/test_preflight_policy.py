@@ -20,8 +20,10 @@ from epguard.webhook.engine.preflight import (
     CONDITION,
     GATE,
     PreflightSettings,
+    condition_patch,
     key_of,
     preflight_pod,
+    ungate_patch,
 )
 from tests.chart.chartlib import CHART, NAMESPACE, RELEASE, run_helm
 from tests.control_plane import running_control_plane
@@ -160,17 +162,15 @@ def gated(cp: ControlPlane) -> Iterator[str]:
     cp.kubectl("delete", "pod", name, "-n", TENANT, "--wait=false", "--ignore-not-found")
 
 
+def pod_json(cp: ControlPlane, name: str) -> dict[str, Any]:
+    r = cp.kubectl("get", "pod", name, "-n", TENANT, "-o", "json")
+    assert r.returncode == 0, output(r)
+    pod: dict[str, Any] = json.loads(r.stdout)
+    return pod
+
+
 def gates(cp: ControlPlane, name: str) -> list[str]:
-    r = cp.kubectl(
-        "get",
-        "pod",
-        name,
-        "-n",
-        TENANT,
-        "-o",
-        "json",
-    )
-    return [g["name"] for g in json.loads(r.stdout)["spec"].get("schedulingGates", [])]
+    return [g["name"] for g in pod_json(cp, name)["spec"].get("schedulingGates", [])]
 
 
 def patch(
@@ -192,22 +192,38 @@ def test_the_controller_may_remove_its_gate_and_nothing_else(cp: ControlPlane, g
         r = patch(cp, gated, ops)
         assert refused(r, why), (ops, output(r))
     assert gates(cp, gated) == ["kueue.x-k8s.io/admission", GATE]
-    ours = "/spec/schedulingGates/1"
-    r = patch(cp, gated, [{"op": "test", "path": ours, "value": {"name": GATE}},
-                          {"op": "remove", "path": ours}])  # fmt: skip
+    # The patch the controller sends (engine.preflight.ungate_patch), guarded by the uid:
+    # the same pod's passes; another pod's uid (one made again under the name) fails.
+    listed = pod_json(cp, gated)
+    other = {
+        **listed,
+        "metadata": {**listed["metadata"], "uid": "0" * 8 + "-0000-0000-0000-" + "0" * 12},
+    }
+    r = patch(cp, gated, ungate_patch(other))
+    # A failed test is a 422 that no policy made (the controller reads it as a Conflict).
+    assert r.returncode != 0 and "invalid" in r.stderr and POLICY not in r.stderr, output(r)
+    assert gates(cp, gated) == ["kueue.x-k8s.io/admission", GATE]
+    r = patch(cp, gated, ungate_patch(listed))
     assert r.returncode == 0, output(r)
     assert gates(cp, gated) == ["kueue.x-k8s.io/admission"]
 
 
 def test_the_controller_may_set_its_own_condition_only(cp: ControlPlane, gated: str) -> None:
     def status(conditions: list[dict[str, Any]], **more: Any) -> subprocess.CompletedProcess[str]:
-        body = json.dumps({"status": {"conditions": conditions, **more}})
+        return patch_status({"status": {"conditions": conditions, **more}})
+
+    def patch_status(body: dict[str, Any]) -> subprocess.CompletedProcess[str]:
         return as_controller(cp, "patch", "pod", gated, "-n", TENANT, "--subresource=status",
-                             "--type=strategic", "-p", body)  # fmt: skip
+                             "--type=strategic", "-p", json.dumps(body))  # fmt: skip
 
     ours = {"type": CONDITION, "status": "False", "reason": "PreflightRunning",
             "message": "waiting", "lastTransitionTime": "2026-12-03T00:00:00Z"}  # fmt: skip
-    r = status([ours])
+    # The patch the controller sends (engine.preflight.condition_patch): with the pod's
+    # uid it is written; with another's (a pod made again under the name) it is refused.
+    uid = pod_json(cp, gated)["metadata"]["uid"]
+    r = patch_status(condition_patch("0" * 8 + "-0000-0000-0000-" + "0" * 12, ours))
+    assert r.returncode != 0 and "uid" in r.stderr.lower(), output(r)
+    r = patch_status(condition_patch(uid, ours))
     assert r.returncode == 0, output(r)
     other = {**ours, "type": "Ready"}
     assert refused(status([other]), "its own epguard.io/Preflight condition")

@@ -130,6 +130,15 @@ def test_ungating_removes_epguards_gate_only() -> None:
     assert ungate_patch({"spec": {"schedulingGates": "not a list"}}) == []
 
 
+def test_ungating_fails_on_another_pod_under_the_same_name() -> None:
+    listed = {"metadata": {"uid": "u-1"}, "spec": {"schedulingGates": [{"name": GATE}]}}
+    patch = ungate_patch(listed)
+    made_again = {"metadata": {"uid": "u-2"}, "spec": {"schedulingGates": [{"name": GATE}]}}
+    with pytest.raises(jsonpatch.JsonPatchTestFailed):
+        jsonpatch.apply_patch(made_again, patch)
+    assert jsonpatch.apply_patch(listed, patch)["spec"]["schedulingGates"] == []
+
+
 def test_ungating_fails_rather_than_remove_a_gate_that_moved() -> None:
     pod = {"spec": {"schedulingGates": [{"name": "a"}, {"name": GATE}]}}
     patch = ungate_patch(pod)

@@ -76,6 +76,7 @@ from epguard.webhook.engine.preflight import (
     PreflightKey,
     PreflightResult,
     PreflightSettings,
+    condition_patch,
     is_gated,
     key_of,
     preflight_pod,
@@ -122,6 +123,7 @@ NEW_PER_NAMESPACE = 16
 # whatever the number of namespaces whose preflights answered.
 ANSWER_LISTS = 2
 ANSWER_PAGE = 8
+NOTED = 10_000  # preflights an Answers remembers having noted (a uid each, ~100 bytes)
 LISTS = 2  # lists at once in all: a pass's and an answer run's, or two of an answer run's
 # And a pass starts creates for CREATE_SECONDS at most, taken from the namespaces in
 # turn: the creates go through admission, and on the 2-core node under load 78 of them
@@ -136,6 +138,10 @@ CREATE_SECONDS = 2.0
 # would leave what it said before ("waiting for the preflight") for good.
 OPENED_WRITES = 3
 OPENED_BACKOFF = 0.5
+
+
+# What a preflight epguard has just created says: running, bounded by its own deadline.
+STARTED = PreflightResult("running", "")
 
 
 class Conflict(Exception):
@@ -179,8 +185,9 @@ class PreflightApi(Protocol):
         """Apply a JSON patch; Conflict when a ``test`` fails or the pod changed, Refused
         when an admission policy or webhook refuses it."""
 
-    def set_condition(self, namespace: str, name: str, condition: Json) -> None:
-        """Set one condition in the pod's status (``pods/status``, merged by type)."""
+    def set_condition(self, namespace: str, name: str, uid: str, condition: Json) -> None:
+        """Set one condition in the status (``pods/status``, merged by type) of the pod
+        ``uid`` only: another pod made since under that name makes it fail."""
 
     def read_object(self, path: str) -> Json:
         """Any object by REST path; Unreadable when the API server refuses it."""
@@ -271,11 +278,11 @@ class KubePreflightApi(KubeObjects):
                 raise Conflict(said) from exc
             raise
 
-    def set_condition(self, namespace: str, name: str, condition: Json) -> None:
+    def set_condition(self, namespace: str, name: str, uid: str, condition: Json) -> None:
         self.core.patch_namespaced_pod_status(
             name,
             namespace,
-            {"status": {"conditions": [condition]}},
+            condition_patch(uid, condition),
             _content_type="application/strategic-merge-patch+json",
             _request_timeout=REQUEST_TIMEOUT,
         )
@@ -321,6 +328,18 @@ class Pass:
     pods: int = 0
     deferred: int = 0  # preflights left to the next pass (CREATE_SECONDS)
 
+    def add(self, other: Pass) -> None:
+        """Another namespace's answer run, beside this one's (its times: the longest)."""
+        self.created += other.created
+        self.ungated += other.ungated
+        self.held += other.held
+        self.deleted += other.deleted
+        self.listed = max(self.listed, other.listed)
+        self.answered = max(self.answered, other.answered)
+        self.rest = max(self.rest, other.rest)
+        self.pods += other.pods
+        self.deferred += other.deferred
+
 
 @dataclass(frozen=True, slots=True)
 class _Written:
@@ -342,6 +361,7 @@ class _Survey:
 
     preflights: dict[tuple[str, str], Json] = field(default_factory=dict)
     ours: dict[tuple[str, str], Json] = field(default_factory=dict)
+    stale: dict[tuple[str, str], Json] = field(default_factory=dict)  # _signer_not_held
     waiting: list[tuple[Json, list[PreflightKey]]] = field(default_factory=list)
     oldest: dict[PreflightKey, dt.datetime] = field(default_factory=dict)
     first: dict[PreflightKey, Json] = field(default_factory=dict)
@@ -357,6 +377,7 @@ class _Survey:
         self.listed |= other.listed
         self.preflights |= other.preflights
         self.ours |= other.ours
+        self.stale |= other.stale
         self.waiting += other.waiting
         self.oldest |= other.oldest
         self.first |= other.first
@@ -375,6 +396,14 @@ def _made_by_epguard(pod: Mapping[str, Any], ring: Keyring | None) -> bool:
     """A preflight pod whose signature verifies: epguard's own (a tenant can label a pod
     of its own as a preflight, never sign it)."""
     return ring is not None and verify(ring, _name(pod)[0], pod).ok
+
+
+def _signer_not_held(pod: Mapping[str, Any], ring: Keyring) -> bool:
+    """A preflight signed with a key the controller does not hold: one it made before
+    its keys rotated past that key (or the Secret was replaced), or one the other replica
+    made with a newer key than this one has read. Never evidence; made again."""
+    checked = verify(ring, _name(pod)[0], pod)
+    return not checked.ok and bool(checked.key_id) and ring.find(checked.key_id) is None
 
 
 def _name(obj: Mapping[str, Any]) -> tuple[str, str, str]:
@@ -419,6 +448,16 @@ def _slim_preflight(pod: Mapping[str, Any]) -> Json:
         | {"labels": {k: labels[k] for k in (KEY_LABEL, PREFLIGHT_LABEL) if k in labels}},
         "status": as_map(pod.get("status")),
     }
+
+
+def _held_for_an_image_cause(pod: Mapping[str, Any]) -> bool:
+    """Whether the pod's epguard condition, as listed, holds it for an image cause."""
+    return any(
+        as_map(c).get("type") == CONDITION
+        and as_map(c).get("status") == "False"
+        and as_map(c).get("reason") == "ImageUnusable"
+        for c in as_list(as_map(pod.get("status")).get("conditions"))
+    )
 
 
 def _ref(obj: Mapping[str, Any]) -> client.V1ObjectReference:
@@ -498,6 +537,7 @@ class Preflights:
         # Lists of tenants' pods held at once (a pass's, an answer run's namespaces):
         # what they hold is bounded by two, not by how many namespaces answer at once.
         self._lists = threading.BoundedSemaphore(LISTS)
+        self._keyless_since: dt.datetime | None = None  # see _keys_known
 
     def _skip(self, pod: Json, exc: Exception) -> None:
         """A pod the pass cannot read (no such pod is known: insurance) is left as it
@@ -521,8 +561,14 @@ class Preflights:
         asks for (:class:`Answers`), so that its pods never wait for the pass under way
         and the next one's list of every gated pod (passes of up to 5.9 s, lists of up to
         3.4 s, with 200 gated pods on the loaded 2-core node). Nothing is created or
-        deleted here, and a pod still waiting on a preflight is left to the passes."""
-        return self._run(sorted(set(namespaces)))
+        deleted here, and a pod still waiting on a preflight is left to the passes. Each
+        namespace is decided as soon as its own list is read (ANSWER_LISTS side by side):
+        one namespace with many or large pods delays no other's."""
+        done = Pass()
+        with ThreadPoolExecutor(ANSWER_LISTS) as pool:
+            for part in pool.map(self._run, sorted(set(namespaces))):
+                done.add(part)
+        return done
 
     def _survey(self, namespace: str | None, ring: Keyring | None, now: dt.datetime) -> _Survey:
         """What the preflights and the gated pods of ``namespace`` (None: every
@@ -539,6 +585,8 @@ class Preflights:
             at = _name(pod)[:2]
             if _made_by_epguard(pod, ring):
                 seen.preflights[at] = seen.ours[at] = _slim_preflight(pod)
+            elif ring is not None and _signer_not_held(pod, ring):
+                seen.preflights[at] = seen.stale[at] = _slim_preflight(pod)
             else:
                 seen.preflights[at] = _slim(pod)
         starting: Counter[str] = Counter()
@@ -564,26 +612,25 @@ class Preflights:
                 seen.first[key] = slim
                 if (key.namespace, key.pod_name) in seen.preflights:
                     continue
-                if starting[key.namespace] < NEW_PER_NAMESPACE:
+                if key in self._failed:
+                    pass  # refused last pass: tried again last, never ahead of the others
+                elif starting[key.namespace] < NEW_PER_NAMESPACE:
                     starting[key.namespace] += 1
                 else:
                     seen.deferred.add(key)
             seen.waiting.append((slim, keys))
         return seen
 
-    def _run(self, namespaces: list[str] | None) -> Pass:
+    def _run(self, namespace: str | None) -> Pass:
+        """A whole pass (``namespace`` None), or one namespace's answer run."""
         now = self.clock()
         done = Pass()
         started = time.monotonic()
         ring = self.keys.refresh()
-        if namespaces is None:
-            seen = self._survey(None, ring, now)
-        else:  # a few namespaces side by side: each list is a request or two
-            seen = _Survey()
-            with ThreadPoolExecutor(ANSWER_LISTS) as pool:
-                for part in pool.map(lambda ns: self._survey(ns, ring, now), namespaces):
-                    seen.add(part)
-        preflights, ours, waiting = seen.preflights, seen.ours, seen.waiting
+        if not self._keys_known(ring, now):
+            return done
+        seen = self._survey(namespace, ring, now)
+        ours, waiting = seen.ours, seen.waiting
         oldest, first, deferred = seen.oldest, seen.first, seen.deferred
         done.pods = seen.pods
         done.listed = time.monotonic() - started
@@ -593,6 +640,11 @@ class Preflights:
             "running", "", "the preflights of other images are being started first"
         )
         create_until = 0.0  # set when the creates start
+
+        # The keys whose preflight epguard made and can read: their own deadline
+        # (preflight_result) bounds them, not their pods' age -- a pod held for good on an
+        # image cause is older than any deadline when its preflight is made again.
+        made_by_us = {k for k in first if (k.namespace, k.pod_name) in ours}
 
         def create(item: tuple[PreflightKey, Json]) -> tuple[PreflightKey, PreflightResult]:
             key, pod = item
@@ -606,11 +658,16 @@ class Preflights:
                     made = self._body(key, pod)
                 if isinstance(made, PreflightResult):
                     return key, made
-                return key, self._create(key, made, ring, done)
+                result = self._create(key, made, ring, done)
+                if result is STARTED:
+                    made_by_us.add(key)
+                return key, result
             except Exception as exc:
+                # The API server's trouble (a 500, a timeout) is no verdict on the
+                # image: tried again next pass, until the pods' deadline (overdue).
                 log.exception("preflight %s: could not start it", key.pod_name)
-                failed = f"the preflight could not be started: {_error(exc)}"
-                return key, PreflightResult("failed", failed)
+                stalled = f"the preflight could not be started: {_error(exc)}"
+                return key, PreflightResult("running", "", stalled)
 
         not_yet = PreflightResult("running", "")  # a key an answer run does not create
 
@@ -628,7 +685,7 @@ class Preflights:
         limit = dt.timedelta(seconds=self.config.settings.timeout_seconds + GRACE_SECONDS)
 
         def overdue(key: PreflightKey, result: PreflightResult) -> PreflightResult:
-            if result.phase == "running" and now - oldest[key] > limit:
+            if result.phase == "running" and key not in made_by_us and now - oldest[key] > limit:
                 return PreflightResult(
                     "failed",
                     f"no preflight answered within {int(limit.total_seconds())} s of the "
@@ -660,7 +717,7 @@ class Preflights:
                 results[key] = overdue(key, later)
                 continue
             try:
-                known = self._known(key, preflights, ours, ring)
+                known = self._known(key, seen, ring, now)
             except Exception as exc:  # this key only
                 log.exception("preflight %s: could not make it", key.pod_name)
                 known = PreflightResult("failed", f"the preflight could not be made: {_error(exc)}")
@@ -679,10 +736,12 @@ class Preflights:
             if all(k in results and results[k].phase != "running" for k in item[1])
             or any(k in results and results[k].phase == "unusable" for k in item[1])
         ]
-        with ThreadPoolExecutor(PASS_WORKERS) as pool:
+        # An answer run's namespaces decide side by side: PASS_WORKERS threads in all.
+        workers = PASS_WORKERS if namespace is None else PASS_WORKERS // ANSWER_LISTS
+        with ThreadPoolExecutor(workers) as pool:
             list(pool.map(decide, answered))
             done.answered = time.monotonic() - started - done.listed
-            if namespaces is not None:
+            if namespace is not None:
                 return done
             create_until = self.monotonic() + CREATE_SECONDS
             made = list(pool.map(create, missing))
@@ -698,22 +757,45 @@ class Preflights:
                 uid: w for uid, w in self._written.items() if uid in gated or w.finished is None
             }
         self._clean(ours, {k.hash for _, keys in waiting for k in keys}, now, done)
+        for (ns, name), pod in seen.stale.items():  # made again once gone
+            self._delete(ns, name, _name(pod)[2], done)
         return done
 
+    def _keys_known(self, ring: Keyring | None, now: dt.datetime) -> bool:
+        """Whether a run may decide: with no keys held (the Secret unread since start, an
+        API error), epguard's preflights cannot be told from a tenant's pods under their
+        names, and each would read as "a pod epguard did not make" -- every waiting pod
+        opened under onError=open. So nothing is decided for up to the deadline (and a
+        minute) without keys; past it, onError decides as for any preflight that cannot
+        run."""
+        if ring is not None:
+            self._keyless_since = None
+            return True
+        if self._keyless_since is None:
+            self._keyless_since = now
+        waited = (now - self._keyless_since).total_seconds()
+        if waited <= self.config.settings.timeout_seconds + GRACE_SECONDS:
+            log.warning("preflight: no probe-signing key held (%.0f s): nothing decided", waited)
+            return False
+        return True
+
     def _known(
-        self,
-        key: PreflightKey,
-        preflights: Mapping[tuple[str, str], Json],
-        ours: Mapping[tuple[str, str], Json],
-        ring: Keyring | None,
+        self, key: PreflightKey, seen: _Survey, ring: Keyring | None, now: dt.datetime
     ) -> PreflightResult | None:
-        """What the listed preflight of ``key`` says; None when it is to be made (no API
-        call)."""
+        """What the listed preflight of ``key`` said when the list began (``now``: a list
+        can take seconds, and an answer read then is in time); None when it is to be
+        made (no API call)."""
         at = (key.namespace, key.pod_name)
-        existing = ours.get(at)
+        existing = seen.ours.get(at)
         if existing is not None and as_map(meta(existing).get("labels")).get(KEY_LABEL) == key.hash:
-            return preflight_result(existing, self.clock(), self.config.settings.timeout_seconds)
-        if at in preflights:
+            return preflight_result(existing, now, self.config.settings.timeout_seconds)
+        if at in seen.stale:
+            return PreflightResult(
+                "running",
+                "",
+                "its preflight was signed with a key epguard does not hold now: it is made again",
+            )
+        if at in seen.preflights:
             # Labelled as a preflight, but not signed by epguard: a tenant's pod under
             # the preflight's name. Its status is no answer.
             return PreflightResult(
@@ -754,6 +836,7 @@ class Preflights:
             # Signed now, not at the start of the pass: /validate refuses a stale signature.
             self.api.create_pod(key.namespace, signed(body, ring.current, self.clock()))
             done.created.append(describe("Pod", key.namespace, key.pod_name))
+            return STARTED
         except Conflict:
             pass  # another pass (the other replica) created it: its result comes next pass
         except Terminating:
@@ -778,6 +861,11 @@ class Preflights:
         failed = [r for r in results if r.phase == "failed"]
         if unusable:
             self._hold(pod, "ImageUnusable", unusable[0].message, read, done, since)
+        elif _held_for_an_image_cause(pod) and not all(r.phase == "clear" for r in results):
+            # Proven unusable before: a preflight made again (its key rotated out, the
+            # old one deleted) or one that cannot run now proves nothing new. Only its
+            # images all found clear open it.
+            return
         elif any(r.phase == "running" for r in results):
             stalled = next((r.stalled for r in results if r.stalled), "")
             self._condition(
@@ -797,7 +885,7 @@ class Preflights:
                 if results
                 else "no container of this pod asks for mooncake: nothing to judge"
             )
-            if self._ungate(pod, done):
+            if self._ungate(pod, done, since):
                 warning = bool(failed)
                 if warning:
                     log.warning("preflight: %s opened: %s", describe("Pod", *_name(pod)[:2]), why)
@@ -848,22 +936,39 @@ class Preflights:
                     key=f"{owner.uid or owner.name}/{reason}/{message[:200]}",
                 )
 
-    def _ungate(self, pod: Json, done: Pass) -> bool:
-        namespace, name, _ = _name(pod)
+    def _ungate(self, pod: Json, done: Pass, since: float) -> bool:
+        """Remove the gate, as decided from a list begun at ``since``: not when this
+        process has decided the pod from a newer list (an answer run that held it while
+        an older pass found its preflight overdue), and never beside a condition write
+        in flight (claimed as _condition claims)."""
+        namespace, name, uid = _name(pod)
         ops = ungate_patch(pod)
         if not ops:
             return False
+        with self._writing:
+            self._writing.wait_for(lambda: not self._in_flight(uid))
+            prior = self._written.get(uid)
+            if prior is not None and prior.since > since:
+                return False
+            claim = self._written[uid] = _Written(("", "ungating", ""), since, None)
         try:
             self.api.patch_pod(namespace, name, ops)
         except Conflict:
             return False  # changed since listed (or ungated by the other replica): next pass
         except Refused as exc:
             # An admission policy of the namespace's refuses the change: say so, once.
-            uid = _name(pod)[2]
             said = f"epguard could not remove its scheduling gate {GATE}: {exc}"
             self.api.post_event(_ref(pod), "PreflightGateStuck", said, warning=True,
                                 key=f"{uid}/stuck")  # fmt: skip
             return False
+        finally:
+            with self._writing:  # the condition written next (_opened) is the record
+                if self._written.get(uid) is claim:
+                    if prior is None:
+                        del self._written[uid]
+                    else:
+                        self._written[uid] = prior
+                self._writing.notify_all()
         done.ungated.append(describe("Pod", namespace, name))
         return True
 
@@ -906,7 +1011,7 @@ class Preflights:
             "lastTransitionTime": self.clock().strftime("%Y-%m-%dT%H:%M:%SZ"),
         }
         try:
-            self.api.set_condition(namespace, name, condition)
+            self.api.set_condition(namespace, name, uid, condition)
         except BaseException as exc:
             with self._writing:  # not written: the next decision writes it
                 if self._written.get(uid) is claim:
@@ -951,12 +1056,15 @@ class Preflights:
             # for its image until it is older than the retention.
             elif not (result.phase == "running" or old):
                 continue
-            try:
-                self.api.delete_pod(namespace, name, str(meta(pod).get("uid") or ""))
-            except Exception:
-                log.exception("preflight: could not delete %s", describe("Pod", namespace, name))
-                continue
-            done.deleted.append(describe("Pod", namespace, name))
+            self._delete(namespace, name, str(meta(pod).get("uid") or ""), done)
+
+    def _delete(self, namespace: str, name: str, uid: str, done: Pass) -> None:
+        try:
+            self.api.delete_pod(namespace, name, uid)
+        except Exception:
+            log.exception("preflight: could not delete %s", describe("Pod", namespace, name))
+            return
+        done.deleted.append(describe("Pod", namespace, name))
 
 
 # -- kopf wiring -------------------------------------------------------------------------
@@ -1023,13 +1131,20 @@ class Answers:
     8.9 s from the API server showing the end to the last gate decided). Only a
     preflight whose signature verifies with the keys the controller holds counts: a
     tenant's pod labelled as one is no answer, and wakes only the passes, as before. The
-    set holds namespace names: bounded by the cluster's namespaces."""
+    set holds namespace names: bounded by the cluster's namespaces.
+
+    Each preflight is noted once, at its first event with an answer: the kubelet's later
+    reports (its last container, its phase) and any change a tenant makes to its own
+    preflight's labels say nothing new, and must not keep its namespace in every run
+    (each run lists it, in one of the two list slots the passes share). The uids noted
+    are kept up to NOTED, the oldest forgotten first."""
 
     def __init__(self, ring: Callable[[], Keyring | None], timeout_seconds: int) -> None:
         self.ring = ring  # the keys held now (no API call: this runs in kopf's event loop)
         self.timeout_seconds = timeout_seconds
         self.namespaces: set[str] = set()
         self.wake = _Wake()
+        self._noted: dict[str, None] = {}  # insertion-ordered: the oldest first
 
     def note(self, body: Mapping[str, Any], now: dt.datetime) -> bool:
         """Whether ``body`` is epguard's preflight with an answer; its namespace is then
@@ -1037,11 +1152,17 @@ class Answers:
         pod = as_mapping(body)
         if as_map(meta(pod).get("labels")).get(PREFLIGHT_LABEL) != "true":
             return False
+        namespace, _, uid = _name(pod)
+        if uid in self._noted:
+            return True  # answered before: its pods were decided then
         if preflight_result(pod, now, self.timeout_seconds).phase == "running":
             return False
         if not _made_by_epguard(pod, self.ring()):
             return False
-        self.namespaces.add(_name(pod)[0])
+        if len(self._noted) >= NOTED:
+            del self._noted[next(iter(self._noted))]
+        self._noted[uid] = None
+        self.namespaces.add(namespace)
         self.wake.set()
         return True
 

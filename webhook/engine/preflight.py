@@ -128,17 +128,29 @@ def gate_patch(spec: Mapping[str, Any], path: str = "/spec") -> list[dict[str, A
 
 def ungate_patch(pod: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The JSON patch that removes :data:`GATE` and nothing else from a pod, guarded by a
-    ``test`` of the gate's place (a concurrent change of the list fails the patch rather
-    than removing another gate). Empty when the pod is not gated by epguard."""
+    ``test`` of the pod's uid (a pod deleted and made again under the same name since it
+    was listed -- a StatefulSet's -- is another pod, maybe on another image) and of the
+    gate's place (a concurrent change of the list fails the patch rather than removing
+    another gate). Empty when the pod is not gated by epguard."""
+    uid = as_map(pod.get("metadata")).get("uid")
+    guard = [{"op": "test", "path": "/metadata/uid", "value": uid}] if uid else []
     gates = as_list(as_map(pod.get("spec")).get("schedulingGates"))
     for i, g in enumerate(gates):
         if isinstance(g, Mapping) and g.get("name") == GATE:
             where = f"/spec/schedulingGates/{i}"
             return [
+                *guard,
                 {"op": "test", "path": where, "value": dict(g)},
                 {"op": "remove", "path": where},
             ]
     return []
+
+
+def condition_patch(uid: str, condition: Mapping[str, Any]) -> dict[str, Any]:
+    """The strategic merge patch of ``pods/status`` that sets epguard's condition (merged
+    by type) on the pod ``uid`` only: an object's uid cannot change, so the API server
+    refuses the patch of another pod made since under the same name (422)."""
+    return {**({"metadata": {"uid": uid}} if uid else {}), "status": {"conditions": [condition]}}
 
 
 @dataclass(frozen=True, slots=True)
