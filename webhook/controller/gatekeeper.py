@@ -72,6 +72,8 @@ from epguard.webhook.engine.preflight import (
     CONDITION,
     GATE,
     KEY_LABEL,
+    MAX_MESSAGE,
+    NAME_PREFIX,
     PREFLIGHT_LABEL,
     PreflightKey,
     PreflightResult,
@@ -85,6 +87,7 @@ from epguard.webhook.engine.preflight import (
     ungate_patch,
 )
 from epguard.webhook.engine.signing import Keyring, created_at, verify
+from epguard.webhook.engine.text import cut
 from epguard.webhook.engine.workloads import as_list, as_map, as_mapping, describe
 
 log = logging.getLogger("epguard.controller.gatekeeper")
@@ -289,7 +292,12 @@ class KubePreflightApi(KubeObjects):
 
 
 class KeySource(Protocol):
-    def refresh(self) -> Keyring | None: ...
+    def refresh(self) -> Keyring | None:
+        """The keys held (read once if none are)."""
+
+    def reread(self) -> Keyring | None:
+        """The keys read again (a preflight names a key not held: the other replica may
+        have rotated)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -399,9 +407,13 @@ def _made_by_epguard(pod: Mapping[str, Any], ring: Keyring | None) -> bool:
 
 
 def _signer_not_held(pod: Mapping[str, Any], ring: Keyring) -> bool:
-    """A preflight signed with a key the controller does not hold: one it made before
-    its keys rotated past that key (or the Secret was replaced), or one the other replica
-    made with a newer key than this one has read. Never evidence; made again."""
+    """A preflight, named as its key's, signed with a key the controller does not hold:
+    one it made before its keys rotated past that key (or the Secret was replaced), or
+    one the other replica made with a newer key than this one has read. Never evidence;
+    made again. (Any other pod labelled as a preflight is a tenant's, left alone.)"""
+    key = as_map(meta(pod).get("labels")).get(KEY_LABEL)
+    if not isinstance(key, str) or _name(pod)[1] != NAME_PREFIX + key:
+        return False
     checked = verify(ring, _name(pod)[0], pod)
     return not checked.ok and bool(checked.key_id) and ring.find(checked.key_id) is None
 
@@ -450,12 +462,22 @@ def _slim_preflight(pod: Mapping[str, Any]) -> Json:
     }
 
 
-def _held_for_an_image_cause(pod: Mapping[str, Any]) -> bool:
-    """Whether the pod's epguard condition, as listed, holds it for an image cause."""
+def _preflight_mark(key: PreflightKey) -> str:
+    """How a hold's message names the preflight that found its image cause (whose log,
+    ``kubectl logs <it> -c epguard-probe``, has the probe's whole report)."""
+    return f"[preflight {key.pod_name}]"
+
+
+def _held_for_an_image_cause(pod: Mapping[str, Any], keys: Iterable[PreflightKey]) -> bool:
+    """Whether the pod's epguard condition, as listed, holds it for an image cause that
+    one of its images now (``keys``) was found to have: a pod whose image was changed
+    since is judged afresh."""
+    marks = [_preflight_mark(k) for k in keys]
     return any(
         as_map(c).get("type") == CONDITION
         and as_map(c).get("status") == "False"
         and as_map(c).get("reason") == "ImageUnusable"
+        and any(m in str(as_map(c).get("message")) for m in marks)
         for c in as_list(as_map(pod.get("status")).get("conditions"))
     )
 
@@ -538,6 +560,10 @@ class Preflights:
         # what they hold is bounded by two, not by how many namespaces answer at once.
         self._lists = threading.BoundedSemaphore(LISTS)
         self._keyless_since: dt.datetime | None = None  # see _keys_known
+        # When a whole pass first saw each key with no preflight epguard made: a key held
+        # up is charged from then, not from its pods' age (pods older than the deadline
+        # wait when the controller was down, or were held for good on an image cause).
+        self._unmade_since: dict[PreflightKey, dt.datetime] = {}
 
     def _skip(self, pod: Json, exc: Exception) -> None:
         """A pod the pass cannot read (no such pod is known: insurance) is left as it
@@ -581,8 +607,12 @@ class Preflights:
         # The preflights first (so a key's first pod is kept whole only when its
         # preflight is still to be made); a pod labelled as one that epguard did not sign
         # counts by its name alone.
+        reread = False
         for pod in self.api.preflight_pods(namespace):
             at = _name(pod)[:2]
+            if ring is not None and not reread and _signer_not_held(pod, ring):
+                reread = True  # once a list: the other replica may have rotated the keys
+                ring = self.keys.reread() or ring
             if _made_by_epguard(pod, ring):
                 seen.preflights[at] = seen.ours[at] = _slim_preflight(pod)
             elif ring is not None and _signer_not_held(pod, ring):
@@ -676,7 +706,7 @@ class Preflights:
             try:
                 since = seen.since(_name(pod)[0])
                 said = [results.get(k, not_yet) for k in keys]
-                self._decide(pod, said, read, done, since)
+                self._decide(pod, keys, said, read, done, since)
             except Exception:
                 log.exception("preflight: could not decide %s", describe("Pod", *_name(pod)[:2]))
 
@@ -685,11 +715,15 @@ class Preflights:
         limit = dt.timedelta(seconds=self.config.settings.timeout_seconds + GRACE_SECONDS)
 
         def overdue(key: PreflightKey, result: PreflightResult) -> PreflightResult:
-            if result.phase == "running" and key not in made_by_us and now - oldest[key] > limit:
+            if result.phase != "running" or key in made_by_us:
+                return result
+            held_up = max(oldest[key], self._unmade_since.get(key, now))
+            if now - held_up > limit:
                 return PreflightResult(
                     "failed",
                     f"no preflight answered within {int(limit.total_seconds())} s of the "
-                    f"first pod's creation{': ' + result.stalled if result.stalled else ''}",
+                    f"first pod's creation (or of epguard finding the preflight missing)"
+                    f"{': ' + result.stalled if result.stalled else ''}",
                 )
             return result
 
@@ -751,6 +785,9 @@ class Preflights:
             first_step = {id(pod) for pod, _ in answered}
             list(pool.map(decide, [item for item in waiting if id(item[0]) not in first_step]))
         done.rest = time.monotonic() - started - done.listed - done.answered
+        self._unmade_since = {
+            key: self._unmade_since.get(key, now) for key in first if key not in made_by_us
+        }
         gated = {_name(pod)[2] for pod, _ in waiting}
         with self._writing:
             self._written = {
@@ -785,6 +822,8 @@ class Preflights:
         """What the listed preflight of ``key`` said when the list began (``now``: a list
         can take seconds, and an answer read then is in time); None when it is to be
         made (no API call)."""
+        if ring is None:  # past the keyless grace (_keys_known): nothing can be told apart
+            return PreflightResult("failed", "the controller holds no probe-signing key")
         at = (key.namespace, key.pod_name)
         existing = seen.ours.get(at)
         if existing is not None and as_map(meta(existing).get("labels")).get(KEY_LABEL) == key.hash:
@@ -801,8 +840,6 @@ class Preflights:
             return PreflightResult(
                 "failed", f"a pod epguard did not make holds the preflight's name {key.pod_name}"
             )
-        if ring is None:
-            return PreflightResult("failed", "the controller holds no probe-signing key")
         return None
 
     def _body(self, key: PreflightKey, pod: Json) -> PreflightResult | dict[str, Any]:
@@ -849,6 +886,7 @@ class Preflights:
     def _decide(
         self,
         pod: Json,
+        keys: list[PreflightKey],
         results: list[PreflightResult],
         read: Callable[[str], Json],
         done: Pass,
@@ -857,11 +895,13 @@ class Preflights:
         uid = _name(pod)[2]
         if any(r.phase == "gone" for r in results):
             return  # its namespace is being deleted: it goes as it is, held or gated
-        unusable = [r for r in results if r.phase == "unusable"]
+        unusable = [(k, r) for k, r in zip(keys, results, strict=True) if r.phase == "unusable"]
         failed = [r for r in results if r.phase == "failed"]
         if unusable:
-            self._hold(pod, "ImageUnusable", unusable[0].message, read, done, since)
-        elif _held_for_an_image_cause(pod) and not all(r.phase == "clear" for r in results):
+            key, result = unusable[0]
+            message = f"{cut(result.message, MAX_MESSAGE - 120)} {_preflight_mark(key)}"
+            self._hold(pod, "ImageUnusable", message, read, done, since)
+        elif _held_for_an_image_cause(pod, keys) and not all(r.phase == "clear" for r in results):
             # Proven unusable before: a preflight made again (its key rotated out, the
             # old one deleted) or one that cannot run now proves nothing new. Only its
             # images all found clear open it.
@@ -1098,6 +1138,10 @@ class _Keys:
         ring: Keyring | None = manager.holder.ring or manager.refresh()
         return ring
 
+    def reread(self) -> Keyring | None:
+        manager = self.memo.get("probe_keys")
+        return None if manager is None else cast(Keyring | None, manager.refresh())
+
     def held(self) -> Keyring | None:
         """The keys held now, without reading the Secret (for kopf's event loop)."""
         manager = self.memo.get("probe_keys")
@@ -1232,26 +1276,48 @@ async def _until(stop: asyncio.Event, wake: asyncio.Event, timeout: float | None
 
 
 async def _answer_loop(preflights: Preflights, answers: Answers, stop: asyncio.Event) -> None:
-    """Each answered namespace's waiting pods decided as soon as the answer is seen, one
-    answer run at a time, beside the passes (one run takes every namespace noted while
-    the last ran). A run that fails leaves its pods to the next pass. No leadership
-    check: the answers come from kopf's watch, which kopf peering pauses on every replica
-    but the one it keeps active."""
+    """Each answered namespace's waiting pods decided as soon as the answer is seen, in
+    a run of its own: ANSWER_LISTS namespaces at a time, beside the passes, so that a
+    namespace whose list is slow (many or large gated pods) delays no other namespace's
+    answer, in this run or the next. One run per namespace at a time: a namespace noted
+    again meanwhile runs again after it. A run that fails leaves its pods to the next
+    pass. No leadership check: the answers come from kopf's watch, which kopf peering
+    pauses on every replica but the one it keeps active."""
     loop = asyncio.get_running_loop()
+    slots = asyncio.Semaphore(ANSWER_LISTS)
+    running: set[str] = set()  # bounded by the cluster's namespaces
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def run(namespace: str, noted: float | None) -> None:
+        try:
+            async with slots:
+                started = loop.time()
+                done = await loop.run_in_executor(None, preflights.answer, [namespace])
+                woken = f"a preflight answered in {namespace}"
+                if noted is not None:
+                    woken += f" {started - noted:.2f} s before"
+                _log_pass(done, loop.time() - started, woken, run="an answer run")
+        except Exception:
+            log.exception("preflight answer run in %s failed; the passes decide", namespace)
+        finally:
+            running.discard(namespace)
+            if namespace in answers.namespaces:  # noted again while it ran
+                answers.wake.set()
+
     while not stop.is_set():
         await _until(stop, answers.wake, None)
-        started, noted = loop.time(), answers.wake.at
-        namespaces = answers.take()
-        if stop.is_set() or not namespaces:
-            continue
-        try:
-            done = await loop.run_in_executor(None, preflights.answer, namespaces)
-            woken = f"preflights answered in {len(namespaces)} namespaces"
-            if noted is not None:
-                woken += f", the first {started - noted:.2f} s before"
-            _log_pass(done, loop.time() - started, woken, run="an answer run")
-        except Exception:
-            log.exception("preflight answer run failed; the passes decide its pods")
+        noted = answers.wake.at
+        if stop.is_set():
+            break
+        for namespace in answers.take():
+            if namespace in running:
+                answers.namespaces.add(namespace)  # after the run under way
+                continue
+            running.add(namespace)
+            task = asyncio.create_task(run(namespace, noted))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 @kopf.on.startup(id="epguard-preflight-start")
