@@ -588,10 +588,18 @@ def test_a_key_held_up_by_a_squatted_name_fails_at_the_deadline() -> None:
     (key,) = worker_keys(api.pod("ml", "w-0"))
     api.add({"metadata": {"name": key.pod_name, "namespace": "ml"}, "spec": {}})
     assert pf.run_once().ungated == []  # every create is a 409; it waits...
-    clock.now += dt.timedelta(seconds=300 + 61)
-    done = pf.run_once()
-    assert done.ungated == ["Pod ml/w-0"]
+    assert _passes_for(pf, clock, 300 + 61) == ["Pod ml/w-0"]  # ...until the deadline
     assert "no preflight answered within 360 s" in api.events[-1][4]
+
+
+def _passes_for(pf: Preflights, clock: Clock, seconds: int, every: int = 30) -> list[str]:
+    """``seconds`` of the controller's life, a pass every ``every`` s (a pass runs every
+    5 s; a longer gap means no pass ran): the pods those passes opened."""
+    opened: list[str] = []
+    for _ in range(0, seconds, every):
+        clock.now += dt.timedelta(seconds=every)
+        opened += pf.run_once().ungated
+    return opened
 
 
 def test_a_preflight_is_signed_when_it_is_created_not_when_the_pass_began() -> None:
@@ -1428,8 +1436,7 @@ def test_an_api_error_on_create_waits_and_the_deadline_still_bounds_it() -> None
     api.create_pod = failing  # type: ignore[method-assign]
     assert pf.run_once().ungated == []
     assert "etcdserver" in api.pod("ml", "w-0")["status"]["conditions"][0]["message"]
-    clock.now += dt.timedelta(seconds=300 + 61)
-    assert pf.run_once().ungated == ["Pod ml/w-0"]  # onError=open, at the deadline
+    assert _passes_for(pf, clock, 300 + 61) == ["Pod ml/w-0"]  # onError=open, at the deadline
 
 
 def test_refused_creates_do_not_take_the_other_images_places() -> None:
@@ -1653,3 +1660,106 @@ def _reason_message(api: MemoryApi, name: str) -> str:
             "message"
         ]
     )
+
+
+def test_keys_left_for_later_are_never_overdue_and_an_outage_charges_no_key() -> None:
+    # 40 new images in a namespace (16 preflights a pass); then no pass for 390 s (the
+    # API server down): the 8 still queued were opened as overdue, never judged.
+    pf, api, clock, _ = setup()
+    for i in range(40):
+        api.add(gated_pod(f"w-{i:02}", image=f"r.example/sglang:new-{i:02}"))
+    assert len(pf.run_once().created) == NEW_PER_NAMESPACE
+    for p in api.preflights():
+        api.finish(p, 1, BAD)
+    clock.now += dt.timedelta(seconds=390)
+    opened = pf.run_once().ungated + pf.run_once().ungated + pf.run_once().ungated
+    assert opened == [] and len(api.preflights()) == 40
+
+
+def test_a_key_held_up_is_not_charged_the_time_no_pass_ran() -> None:
+    pf, api, clock, _ = setup()
+    api.add(gated_pod("w-0"))
+
+    def failing(namespace: str, body: dict[str, Any]) -> None:
+        raise ApiException(status=500, reason="etcdserver: request timed out")
+
+    api.create_pod = failing  # type: ignore[method-assign]
+    pf.run_once()
+    clock.now += dt.timedelta(seconds=390)  # no pass ran meanwhile (another replica led)
+    assert pf.run_once().ungated == []
+    assert _passes_for(pf, clock, 300 + 61) == ["Pod ml/w-0"]  # passes again: the deadline
+
+
+def test_a_finished_preflight_older_than_the_retention_is_made_again_for_waiting_pods() -> None:
+    # A tag pushed again with the fix: the held pods' old answer is not kept for ever.
+    pf, api, clock, _ = _held()
+    clock.now += dt.timedelta(seconds=3601)
+    assert len(pf.run_once().deleted) == 1
+    assert len(pf.run_once().created) == 1 and is_gated(api.pod("ml", "w-0"))
+    assert _reason(api, "w-0") == "ImageUnusable"  # held while it runs again
+    api.finish(api.preflights()[0], 0, CLEAR)
+    assert pf.run_once().ungated == ["Pod ml/w-0"]
+
+
+def test_a_namespace_over_its_pod_quota_waits_for_the_preflight() -> None:
+    pf, api, _, _ = setup()
+    api.add(gated_pod("w-0"))
+
+    def over(namespace: str, body: dict[str, Any]) -> None:
+        raise Refused('pods "epguard-preflight-x" is forbidden: exceeded quota: pods')
+
+    api.create_pod = over  # type: ignore[method-assign]
+    assert pf.run_once().ungated == [] and is_gated(api.pod("ml", "w-0"))
+    assert "exceeded quota" in _reason_message(api, "w-0")
+
+
+def test_the_answer_loop_starts_no_run_once_stopping() -> None:
+    pf, api, _, ring = setup()
+    for i in range(6):
+        api.add(gated_pod("w-0", namespace=f"ns-{i}"))
+    pf.run_once()
+    for p in api.preflights():
+        api.finish(p, 1, BAD)
+    release = threading.Event()
+    real = api.unscheduled_probed_pods
+    listed: list[str | None] = []
+
+    def listing(namespace: str | None = None) -> Iterator[dict[str, Any]]:
+        listed.append(namespace)
+        release.wait(5)
+        return real(namespace)
+
+    api.unscheduled_probed_pods = listing  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        answers = _answers(ring)
+        stop = asyncio.Event()
+        loop = asyncio.create_task(gatekeeper._answer_loop(pf, answers, stop))
+        for p in api.preflights():
+            answers.note(kopf.Body(copy.deepcopy(p)), NOW)
+        await asyncio.sleep(0.3)  # two runs are listing, four wait for a place
+        stop.set()
+        answers.wake.set()
+        release.set()
+        await loop
+
+    asyncio.run(scenario())
+    assert len(listed) == gatekeeper.ANSWER_LISTS  # the four waiting never started
+
+
+def test_a_key_queued_behind_held_up_ones_gets_its_preflight_not_the_deadline() -> None:
+    # 16 keys whose names are squatted (every create a 409) keep the namespace's places;
+    # the 17th waits behind them. At the deadline the 16 are decided (onError=open); the
+    # 17th, never held up itself, then gets its preflight instead of being opened too.
+    pf, api, clock, _ = setup()
+    for i in range(NEW_PER_NAMESPACE):
+        api.add(gated_pod(f"s-{i:02}", image=f"r.example/squatted:{i}"))
+        (key,) = worker_keys(api.pod("ml", f"s-{i:02}"))
+        api.add({"metadata": {"name": key.pod_name, "namespace": "ml"}, "spec": {}})
+    api.add(gated_pod("z-queued", image="r.example/sglang:queued"))
+    pf.run_once()
+    opened = _passes_for(pf, clock, 300 + 61)
+    assert len(opened) == NEW_PER_NAMESPACE and "Pod ml/z-queued" not in opened
+    pf.run_once()
+    (queued,) = worker_keys(api.pod("ml", "z-queued"))
+    assert is_gated(api.pod("ml", "z-queued")) and ("ml", queued.pod_name) in api.pods

@@ -564,6 +564,7 @@ class Preflights:
         # up is charged from then, not from its pods' age (pods older than the deadline
         # wait when the controller was down, or were held for good on an image cause).
         self._unmade_since: dict[PreflightKey, dt.datetime] = {}
+        self._last_pass: dt.datetime | None = None  # when the last whole pass began
 
     def _skip(self, pod: Json, exc: Exception) -> None:
         """A pod the pass cannot read (no such pod is known: insurance) is left as it
@@ -659,6 +660,13 @@ class Preflights:
         ring = self.keys.refresh()
         if not self._keys_known(ring, now):
             return done
+        if namespace is None and (
+            self._last_pass is None
+            or (now - self._last_pass).total_seconds() > INTERVAL_SECONDS + GRACE_SECONDS
+        ):
+            # No pass finished for a while (the API server down, another replica leading):
+            # that time held nothing up that a pass could have made.
+            self._unmade_since = {}
         seen = self._survey(namespace, ring, now)
         ours, waiting = seen.ours, seen.waiting
         oldest, first, deferred = seen.oldest, seen.first, seen.deferred
@@ -748,7 +756,7 @@ class Preflights:
                     f"{NEW_PER_NAMESPACE} other images of this namespace are having their "
                     "preflights started first",
                 )
-                results[key] = overdue(key, later)
+                results[key] = later  # epguard's own queue: passes rerun at once for it
                 continue
             try:
                 known = self._known(key, seen, ring, now)
@@ -781,13 +789,15 @@ class Preflights:
             made = list(pool.map(create, missing))
             done.deferred = sum(r is budget_spent for _, r in made)
             self._failed = {k for k, r in made if r.phase == "failed"}
-            results.update((k, overdue(k, r)) for k, r in made)
+            # What the create budget left is the next pass's at once, not held up.
+            results.update((k, r if r is budget_spent else overdue(k, r)) for k, r in made)
             first_step = {id(pod) for pod, _ in answered}
             list(pool.map(decide, [item for item in waiting if id(item[0]) not in first_step]))
         done.rest = time.monotonic() - started - done.listed - done.answered
         self._unmade_since = {
             key: self._unmade_since.get(key, now) for key in first if key not in made_by_us
         }
+        self._last_pass = now
         gated = {_name(pod)[2] for pod, _ in waiting}
         with self._writing:
             self._written = {
@@ -880,7 +890,10 @@ class Preflights:
             return PreflightResult("gone", "the namespace is being deleted")
         except Refused as exc:
             log.warning("preflight %s/%s refused: %s", key.namespace, key.pod_name, exc)
-            return PreflightResult("failed", f"the preflight pod could not be created: {exc}")
+            said = f"the preflight pod could not be created: {exc}"
+            if "exceeded quota" in str(exc):  # the namespace's own pods may free it
+                return PreflightResult("running", "", said)
+            return PreflightResult("failed", said)
         return PreflightResult("running", "")
 
     def _decide(
@@ -1088,9 +1101,11 @@ class Preflights:
             age = (now - created).total_seconds() if created else float("inf")
             old = age > self.config.retain_seconds
             if key in wanted:
-                # Waited on: kept, but a failed one is retried after the retention (under
-                # onError=hold its pods would otherwise wait on it forever).
-                if not (result.phase == "failed" and old):
+                # Waited on: kept, but once older than the retention a finished one is made
+                # again (a tag pushed again with the fix is judged again; a failed one is
+                # retried, else under onError=hold its pods would wait on it forever). Pods
+                # held for an image cause stay held while it runs.
+                if not (result.phase != "running" and old):
                     continue
             # Nobody waits: a running one is not needed; a finished one is kept to answer
             # for its image until it is older than the retention.
@@ -1291,6 +1306,8 @@ async def _answer_loop(preflights: Preflights, answers: Answers, stop: asyncio.E
     async def run(namespace: str, noted: float | None) -> None:
         try:
             async with slots:
+                if stop.is_set():  # stopping: the next start's first pass decides them
+                    return
                 started = loop.time()
                 done = await loop.run_in_executor(None, preflights.answer, [namespace])
                 woken = f"a preflight answered in {namespace}"
