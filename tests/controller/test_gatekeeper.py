@@ -1747,19 +1747,61 @@ def test_the_answer_loop_starts_no_run_once_stopping() -> None:
     assert len(listed) == gatekeeper.ANSWER_LISTS  # the four waiting never started
 
 
-def test_a_key_queued_behind_held_up_ones_gets_its_preflight_not_the_deadline() -> None:
-    # 16 keys whose names are squatted (every create a 409) keep the namespace's places;
-    # the 17th waits behind them. At the deadline the 16 are decided (onError=open); the
-    # 17th, never held up itself, then gets its preflight instead of being opened too.
+def test_keys_whose_create_started_nothing_take_no_place_from_another_image() -> None:
+    # 16 keys that never start a preflight (names squatted: every create a 409; or a
+    # namespace quota, a 500) kept the namespace's 16 places each pass, and the 17th
+    # image waited behind them, "16 other images ... first", for good under open.
     pf, api, clock, _ = setup()
     for i in range(NEW_PER_NAMESPACE):
         api.add(gated_pod(f"s-{i:02}", image=f"r.example/squatted:{i}"))
         (key,) = worker_keys(api.pod("ml", f"s-{i:02}"))
         api.add({"metadata": {"name": key.pod_name, "namespace": "ml"}, "spec": {}})
     api.add(gated_pod("z-queued", image="r.example/sglang:queued"))
-    pf.run_once()
-    opened = _passes_for(pf, clock, 300 + 61)
-    assert len(opened) == NEW_PER_NAMESPACE and "Pod ml/z-queued" not in opened
-    pf.run_once()
     (queued,) = worker_keys(api.pod("ml", "z-queued"))
-    assert is_gated(api.pod("ml", "z-queued")) and ("ml", queued.pod_name) in api.pods
+    pf.run_once()  # the 16 squatted try first; z-queued is left for later
+    assert ("ml", queued.pod_name) not in api.pods
+    pf.run_once()  # they go last now, and take no place
+    assert ("ml", queued.pod_name) in api.pods and is_gated(api.pod("ml", "z-queued"))
+    api.finish(api.pod("ml", queued.pod_name), 1, BAD)  # judged: held
+    opened = _passes_for(pf, clock, 300 + 61)  # the squatted ones: onError at the deadline
+    assert len(opened) == NEW_PER_NAMESPACE and "Pod ml/z-queued" not in opened
+
+
+def test_a_slow_pass_is_still_a_pass_for_the_held_up_deadline() -> None:
+    # Each pass of 66 s (a slow API server): the gap from one pass's start to the next
+    # read as "no pass ran", and the held-up clocks were reset every pass, for good.
+    pf, api, clock, _ = setup()
+    api.add(gated_pod("w-0"))
+    (key,) = worker_keys(api.pod("ml", "w-0"))
+    api.add({"metadata": {"name": key.pod_name, "namespace": "ml"}, "spec": {}})
+    real = api.unscheduled_probed_pods
+
+    def slow(namespace: str | None = None) -> Iterator[dict[str, Any]]:
+        clock.now += dt.timedelta(seconds=66)
+        return real(namespace)
+
+    api.unscheduled_probed_pods = slow  # type: ignore[method-assign]
+    opened: list[str] = []
+    for _ in range(8):
+        opened += pf.run_once().ungated
+    assert opened == ["Pod ml/w-0"]
+
+
+def test_a_waited_on_preflight_is_not_made_again_sooner_than_its_deadline() -> None:
+    # A retention shorter than a preflight's run remade a held image's preflight in every
+    # other pass (each a pull, and a GPU under gpus: worker).
+    pf, api, clock, _ = setup(retain=0)
+    api.add(gated_pod("w-0"))
+    pf.run_once()
+    api.finish(api.preflights()[0], 1, BAD)
+    state = api.preflights()[0]["status"]["initContainerStatuses"][0]["state"]
+    state["terminated"]["finishedAt"] = (NOW + dt.timedelta(seconds=20)).strftime(
+        "%Y-%m-%dT%H:%M:%SZ"
+    )
+    made = 0
+    for _ in range(10):  # 100 s, a pass every 10 s
+        clock.now += dt.timedelta(seconds=10)
+        made += len(pf.run_once().created)
+    assert made == 0 and is_gated(api.pod("ml", "w-0"))
+    clock.now = NOW + dt.timedelta(seconds=20 + 301)  # the deadline (300 s) after it
+    assert len(pf.run_once().deleted) == 1

@@ -25,7 +25,8 @@ What each result does to the pods waiting on it:
   keeps it with the condition saying why.
 
 A finished preflight answers for its key for ``preflight.retainSeconds`` (new pods on
-the image are decided at once), then it is deleted once no pod waits on it.
+the image are decided at once), then it is deleted, and made again if pods still wait
+on it (not sooner than a preflight's deadline after its answer).
 
 Writes to pods: the gate's removal (a JSON patch that ``test``s the gate's place first)
 and the condition (``pods/status``); the chart's ValidatingAdmissionPolicy lets this
@@ -87,7 +88,7 @@ from epguard.webhook.engine.preflight import (
     ungate_patch,
 )
 from epguard.webhook.engine.signing import Keyring, created_at, verify
-from epguard.webhook.engine.text import cut
+from epguard.webhook.engine.text import cut, parse_time
 from epguard.webhook.engine.workloads import as_list, as_map, as_mapping, describe
 
 log = logging.getLogger("epguard.controller.gatekeeper")
@@ -462,6 +463,17 @@ def _slim_preflight(pod: Mapping[str, Any]) -> Json:
     }
 
 
+def _answered_at(pod: Mapping[str, Any]) -> dt.datetime | None:
+    """When a preflight's containers last ended (the kubelet's ``finishedAt``), if any."""
+    status = as_map(pod.get("status"))
+    ends = [
+        parse_time(as_map(as_map(as_map(c).get("state")).get("terminated")).get("finishedAt"))
+        for part in ("initContainerStatuses", "containerStatuses")
+        for c in as_list(status.get(part))
+    ]
+    return max((t for t in ends if t is not None), default=None)
+
+
 def _preflight_mark(key: PreflightKey) -> str:
     """How a hold's message names the preflight that found its image cause (whose log,
     ``kubectl logs <it> -c epguard-probe``, has the probe's whole report)."""
@@ -547,7 +559,7 @@ class Preflights:
         self.keys = keys
         self.clock = clock
         self.monotonic = monotonic  # CREATE_SECONDS
-        self._failed: set[PreflightKey] = set()  # keys whose create failed last pass
+        self._failed: set[PreflightKey] = set()  # keys whose create started nothing last pass
         self._whole = threading.BoundedSemaphore(WHOLE_PODS)
         self._unreadable: set[tuple[str, str]] = set()  # said once each (bounded)
         # The condition this process last wrote on each gated pod: a pass and an answer
@@ -564,7 +576,7 @@ class Preflights:
         # up is charged from then, not from its pods' age (pods older than the deadline
         # wait when the controller was down, or were held for good on an image cause).
         self._unmade_since: dict[PreflightKey, dt.datetime] = {}
-        self._last_pass: dt.datetime | None = None  # when the last whole pass began
+        self._last_pass: dt.datetime | None = None  # when the last whole pass ended
 
     def _skip(self, pod: Json, exc: Exception) -> None:
         """A pod the pass cannot read (no such pod is known: insurance) is left as it
@@ -788,7 +800,10 @@ class Preflights:
             create_until = self.monotonic() + CREATE_SECONDS
             made = list(pool.map(create, missing))
             done.deferred = sum(r is budget_spent for _, r in made)
-            self._failed = {k for k, r in made if r.phase == "failed"}
+            # Every key whose create did not start a preflight (refused, over quota, an
+            # API error, a name squatted) goes last next pass and takes none of its
+            # namespace's places, so it cannot keep another image waiting.
+            self._failed = {k for k, r in made if r is not STARTED and r is not budget_spent}
             # What the create budget left is the next pass's at once, not held up.
             results.update((k, r if r is budget_spent else overdue(k, r)) for k, r in made)
             first_step = {id(pod) for pod, _ in answered}
@@ -797,7 +812,7 @@ class Preflights:
         self._unmade_since = {
             key: self._unmade_since.get(key, now) for key in first if key not in made_by_us
         }
-        self._last_pass = now
+        self._last_pass = self.clock()  # when it ended: a slow pass is still a pass
         gated = {_name(pod)[2] for pod, _ in waiting}
         with self._writing:
             self._written = {
@@ -1101,11 +1116,19 @@ class Preflights:
             age = (now - created).total_seconds() if created else float("inf")
             old = age > self.config.retain_seconds
             if key in wanted:
-                # Waited on: kept, but once older than the retention a finished one is made
-                # again (a tag pushed again with the fix is judged again; a failed one is
-                # retried, else under onError=hold its pods would wait on it forever). Pods
+                # Waited on: kept, but made again once its answer is older than the
+                # retention, and never sooner than a preflight's deadline after it (a
+                # retention shorter than a preflight's run would remake it without end):
+                # a tag pushed again with the fix is judged again, and a failed one is
+                # retried (under onError=hold its pods would wait on it forever). Pods
                 # held for an image cause stay held while it runs.
-                if not (result.phase != "running" and old):
+                answered = _answered_at(pod) or created
+                since = (now - answered).total_seconds() if answered else float("inf")
+                settings = self.config.settings
+                if not (
+                    result.phase != "running"
+                    and since > max(self.config.retain_seconds, settings.timeout_seconds)
+                ):
                     continue
             # Nobody waits: a running one is not needed; a finished one is kept to answer
             # for its image until it is older than the retention.
