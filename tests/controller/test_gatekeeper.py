@@ -1805,3 +1805,61 @@ def test_a_waited_on_preflight_is_not_made_again_sooner_than_its_deadline() -> N
     assert made == 0 and is_gated(api.pod("ml", "w-0"))
     clock.now = NOW + dt.timedelta(seconds=20 + 301)  # the deadline (300 s) after it
     assert len(pf.run_once().deleted) == 1
+
+
+@pytest.mark.parametrize(
+    "status",
+    [
+        {"phase": "Failed", "reason": "Evicted", "message": "The node was low on resource: "
+         "ephemeral-storage."},
+        {"phase": "Failed", "reason": "Terminated", "message": "Pod was terminated in "
+         "response to imminent node shutdown."},
+        {"phase": "Failed", "conditions": [{"type": "DisruptionTarget", "status": "True",
+         "reason": "PreemptionByScheduler", "message": "preempted"}]},
+    ],
+    ids=["evicted", "node shutdown", "preempted"],
+)  # fmt: skip
+def test_a_preflight_the_cluster_stopped_is_made_again_not_taken_as_cannot_judge(
+    status: dict[str, Any],
+) -> None:
+    # An evicted (its own pull can fill the disk), preempted or shut-down preflight said
+    # "failed", and onError=open opened every waiting pod unjudged.
+    pf, api, _, _ = setup()
+    api.add(gated_pod("w-0"))
+    pf.run_once()
+    api.preflights()[0]["status"] = status
+    done = pf.run_once()
+    assert done.ungated == [] and len(done.deleted) == 1
+    assert "stopped by the cluster" in _reason_message(api, "w-0")
+    assert len(pf.run_once().created) == 1
+    api.finish(api.preflights()[0], 1, BAD)
+    assert pf.run_once().held == ["Pod ml/w-0"]
+
+
+def test_preflights_stopped_again_and_again_still_meet_the_deadline() -> None:
+    pf, api, clock, _ = setup()
+    api.add(gated_pod("w-0"))
+    opened: list[str] = []
+    for _ in range(14):  # 420 s: each preflight evicted before it answers
+        opened += pf.run_once().ungated
+        for p in api.preflights():
+            p["status"] = {"phase": "Failed", "reason": "Evicted", "message": "disk"}
+        clock.now += dt.timedelta(seconds=30)
+    assert opened == ["Pod ml/w-0"]  # onError=open, at the deadline
+
+
+def test_a_failure_answers_only_for_pods_created_before_it() -> None:
+    # A retained "cannot judge" opened every new pod on the image at once, for the whole
+    # retention, with no preflight made for them.
+    pf, api, clock, _ = setup()
+    api.add(gated_pod("w-0"))
+    pf.run_once()
+    api.finish(api.preflights()[0], 128, "")  # could not start the probe
+    state = api.preflights()[0]["status"]["initContainerStatuses"][0]["state"]
+    state["terminated"]["finishedAt"] = NOW.strftime("%Y-%m-%dT%H:%M:%SZ")
+    assert pf.run_once().ungated == ["Pod ml/w-0"]  # onError=open
+    clock.now += dt.timedelta(seconds=600)
+    api.add(gated_pod("w-1"))
+    done = pf.run_once()
+    assert done.ungated == [] and len(done.deleted) == 1
+    assert len(pf.run_once().created) == 1 and is_gated(api.pod("ml", "w-1"))

@@ -21,6 +21,7 @@ from epguard.webhook.engine.preflight import (
     PreflightKey,
     PreflightResult,
     PreflightSettings,
+    disruption,
     gate_patch,
     is_gated,
     key_of,
@@ -509,3 +510,23 @@ def test_a_mesh_is_asked_not_to_inject_into_a_preflight() -> None:
     annotations = preflight()["metadata"]["annotations"]
     assert annotations["sidecar.istio.io/inject"] == "false"
     assert annotations["linkerd.io/inject"] == "disabled"
+
+
+@pytest.mark.parametrize(
+    ("status", "stopped"),
+    [
+        ({"phase": "Failed", "reason": "Evicted", "message": "low on ephemeral-storage"}, True),
+        ({"phase": "Failed", "reason": "OutOfcpu"}, True),
+        ({"phase": "Running", "conditions": [{"type": "DisruptionTarget", "status": "True",
+          "reason": "PreemptionByScheduler"}]}, True),
+        ({"phase": "Failed"}, False),  # the probe's own exit (an image cause, OOMKilled)
+        ({"phase": "Failed", "reason": "DeadlineExceeded"}, False),  # the preflight's deadline
+        ({"phase": "Failed", "conditions": [{"type": "DisruptionTarget", "status": "False"}]},
+         False),
+        ({"phase": "Succeeded", "reason": "Evicted"}, False),
+    ],
+)  # fmt: skip
+def test_a_preflight_stopped_by_the_cluster_is_told_from_one_that_failed(
+    status: dict[str, Any], stopped: bool
+) -> None:
+    assert bool(disruption({"status": status})) is stopped

@@ -80,6 +80,7 @@ from epguard.webhook.engine.preflight import (
     PreflightResult,
     PreflightSettings,
     condition_patch,
+    disruption,
     is_gated,
     key_of,
     preflight_pod,
@@ -370,7 +371,11 @@ class _Survey:
 
     preflights: dict[tuple[str, str], Json] = field(default_factory=dict)
     ours: dict[tuple[str, str], Json] = field(default_factory=dict)
-    stale: dict[tuple[str, str], Json] = field(default_factory=dict)  # _signer_not_held
+    # Preflights to delete and make again, with why: signed with a key not held
+    # (_signer_not_held), stopped by the cluster (disruption), or a "cannot judge" older
+    # than a pod waiting on it.
+    remake: dict[tuple[str, str], tuple[Json, str]] = field(default_factory=dict)
+    newest: dict[PreflightKey, dt.datetime] = field(default_factory=dict)
     waiting: list[tuple[Json, list[PreflightKey]]] = field(default_factory=list)
     oldest: dict[PreflightKey, dt.datetime] = field(default_factory=dict)
     first: dict[PreflightKey, Json] = field(default_factory=dict)
@@ -386,7 +391,8 @@ class _Survey:
         self.listed |= other.listed
         self.preflights |= other.preflights
         self.ours |= other.ours
-        self.stale |= other.stale
+        self.remake |= other.remake
+        self.newest |= other.newest
         self.waiting += other.waiting
         self.oldest |= other.oldest
         self.first |= other.first
@@ -572,10 +578,11 @@ class Preflights:
         # what they hold is bounded by two, not by how many namespaces answer at once.
         self._lists = threading.BoundedSemaphore(LISTS)
         self._keyless_since: dt.datetime | None = None  # see _keys_known
-        # When a whole pass first saw each key with no preflight epguard made: a key held
-        # up is charged from then, not from its pods' age (pods older than the deadline
-        # wait when the controller was down, or were held for good on an image cause).
-        self._unmade_since: dict[PreflightKey, dt.datetime] = {}
+        # When a whole pass first found each key without an answer (kept while it has
+        # none, a preflight made again after a disruption included): a key held up is
+        # charged from then, not from its pods' age (pods older than the deadline wait
+        # when the controller was down, or were held for good on an image cause).
+        self._unanswered_since: dict[PreflightKey, dt.datetime] = {}
         self._last_pass: dt.datetime | None = None  # when the last whole pass ended
 
     def _skip(self, pod: Json, exc: Exception) -> None:
@@ -629,7 +636,9 @@ class Preflights:
             if _made_by_epguard(pod, ring):
                 seen.preflights[at] = seen.ours[at] = _slim_preflight(pod)
             elif ring is not None and _signer_not_held(pod, ring):
-                seen.preflights[at] = seen.stale[at] = _slim_preflight(pod)
+                seen.preflights[at] = _slim_preflight(pod)
+                why = "its preflight was signed with a key epguard does not hold now"
+                seen.remake[at] = (seen.preflights[at], why)
             else:
                 seen.preflights[at] = _slim(pod)
         starting: Counter[str] = Counter()
@@ -650,6 +659,7 @@ class Preflights:
                 continue
             for key in keys:
                 seen.oldest[key] = min(seen.oldest.get(key, created), created)
+                seen.newest[key] = max(seen.newest.get(key, created), created)
                 if key in seen.first:
                     continue
                 seen.first[key] = slim
@@ -662,7 +672,35 @@ class Preflights:
                 else:
                     seen.deferred.add(key)
             seen.waiting.append((slim, keys))
+        self._no_answers(seen, now)
         return seen
+
+    def _no_answers(self, seen: _Survey, now: dt.datetime) -> None:
+        """epguard's preflights whose "cannot judge" is no answer for their pods: the
+        cluster stopped them (evicted, preempted, the node shut down), or a pod waiting on
+        one was created after it said so (under onError=open a retained failure opened
+        every new pod on the image at once, for the whole retention). Made again; the
+        deadline counts on from when the key was first found without an answer."""
+        timeout = self.config.settings.timeout_seconds
+        keys = {(k.namespace, k.pod_name): k for k in seen.first}
+        for at, pod in list(seen.ours.items()):
+            if preflight_result(pod, now, timeout).phase != "failed":
+                continue
+            key = keys.get(at)
+            stopped = disruption(pod)
+            created = created_at(pod)
+            said = _answered_at(pod) or (
+                created + dt.timedelta(seconds=timeout) if created else None
+            )
+            newer = key is not None and said is not None and seen.newest[key] > said
+            if stopped or newer:
+                why = (
+                    f"its preflight was stopped by the cluster ({stopped})"
+                    if stopped
+                    else "its preflight could not judge before this pod was created"
+                )
+                del seen.ours[at]
+                seen.remake[at] = (pod, why)
 
     def _run(self, namespace: str | None) -> Pass:
         """A whole pass (``namespace`` None), or one namespace's answer run."""
@@ -678,7 +716,7 @@ class Preflights:
         ):
             # No pass finished for a while (the API server down, another replica leading):
             # that time held nothing up that a pass could have made.
-            self._unmade_since = {}
+            self._unanswered_since = {}
         seen = self._survey(namespace, ring, now)
         ours, waiting = seen.ours, seen.waiting
         oldest, first, deferred = seen.oldest, seen.first, seen.deferred
@@ -735,9 +773,10 @@ class Preflights:
         limit = dt.timedelta(seconds=self.config.settings.timeout_seconds + GRACE_SECONDS)
 
         def overdue(key: PreflightKey, result: PreflightResult) -> PreflightResult:
-            if result.phase != "running" or key in made_by_us:
+            # Deadlines are the passes' (an answer run decides what has answered).
+            if result.phase != "running" or key in made_by_us or namespace is not None:
                 return result
-            held_up = max(oldest[key], self._unmade_since.get(key, now))
+            held_up = max(oldest[key], self._unanswered_since.get(key, now))
             if now - held_up > limit:
                 return PreflightResult(
                     "failed",
@@ -809,8 +848,10 @@ class Preflights:
             first_step = {id(pod) for pod, _ in answered}
             list(pool.map(decide, [item for item in waiting if id(item[0]) not in first_step]))
         done.rest = time.monotonic() - started - done.listed - done.answered
-        self._unmade_since = {
-            key: self._unmade_since.get(key, now) for key in first if key not in made_by_us
+        self._unanswered_since = {
+            key: self._unanswered_since.get(key, now)
+            for key in first
+            if results.get(key, not_yet).phase == "running"
         }
         self._last_pass = self.clock()  # when it ended: a slow pass is still a pass
         gated = {_name(pod)[2] for pod, _ in waiting}
@@ -819,7 +860,7 @@ class Preflights:
                 uid: w for uid, w in self._written.items() if uid in gated or w.finished is None
             }
         self._clean(ours, {k.hash for _, keys in waiting for k in keys}, now, done)
-        for (ns, name), pod in seen.stale.items():  # made again once gone
+        for (ns, name), (pod, _) in seen.remake.items():  # made again once gone
             self._delete(ns, name, _name(pod)[2], done)
         return done
 
@@ -853,12 +894,8 @@ class Preflights:
         existing = seen.ours.get(at)
         if existing is not None and as_map(meta(existing).get("labels")).get(KEY_LABEL) == key.hash:
             return preflight_result(existing, now, self.config.settings.timeout_seconds)
-        if at in seen.stale:
-            return PreflightResult(
-                "running",
-                "",
-                "its preflight was signed with a key epguard does not hold now: it is made again",
-            )
+        if at in seen.remake:
+            return PreflightResult("running", "", f"{seen.remake[at][1]}: it is made again")
         if at in seen.preflights:
             # Labelled as a preflight, but not signed by epguard: a tenant's pod under
             # the preflight's name. Its status is no answer.
@@ -978,7 +1015,8 @@ class Preflights:
             except Exception:
                 if attempt == OPENED_WRITES:
                     raise
-            time.sleep(OPENED_BACKOFF * attempt)
+            if attempt < OPENED_WRITES:
+                time.sleep(OPENED_BACKOFF * attempt)
 
     def _hold(
         self,

@@ -349,6 +349,27 @@ def _unschedulable(status: Mapping[str, Any]) -> str:
     return ""
 
 
+# Why the cluster, not the image, stopped a preflight: the kubelet evicted it (node
+# pressure: its own pull of a large image can cause disk pressure) or rejected it, the
+# scheduler preempted it, its node shut down. No answer about the image: made again.
+_DISRUPTED = ("Evicted", "Preempting", "Terminated", "Shutdown", "NodeShutdown",
+              "NodeAffinity", "UnexpectedAdmissionError")  # fmt: skip
+
+
+def disruption(pod: Mapping[str, Any]) -> str:
+    """Why the cluster stopped this pod before it could answer ("" when it did not):
+    a ``DisruptionTarget`` condition, or a Failed phase for one of those reasons."""
+    status = as_map(pod.get("status"))
+    for c in map(as_map, as_list(status.get("conditions"))):
+        if c.get("type") == "DisruptionTarget" and c.get("status") == "True":
+            return cut(f"{c.get('reason') or 'DisruptionTarget'}: {c.get('message') or ''}", 200)
+    reason = status.get("reason")
+    failed = status.get("phase") == "Failed" and isinstance(reason, str)
+    if failed and (reason in _DISRUPTED or str(reason).startswith("OutOf")):
+        return cut(f"{reason}: {status.get('message') or ''}", 200)
+    return ""
+
+
 def preflight_result(
     pod: Mapping[str, Any], now: dt.datetime, timeout_seconds: int
 ) -> PreflightResult:
