@@ -1863,3 +1863,22 @@ def test_a_failure_answers_only_for_pods_created_before_it() -> None:
     done = pf.run_once()
     assert done.ungated == [] and len(done.deleted) == 1
     assert len(pf.run_once().created) == 1 and is_gated(api.pod("ml", "w-1"))
+
+
+def test_under_hold_a_preflight_stopped_every_time_is_not_made_again_every_deadline() -> None:
+    # Each preflight evicted before it answers (its own pull fills the disk): past the
+    # deadline its failure stood for one pass, then it was made again, and again, for
+    # good -- the pods flipping between held and waiting.
+    pf, api, clock, _ = setup(on_error="hold", retain=3600)
+    api.add(gated_pod("w-0"))
+    created, reasons = 0, []
+    for _ in range(80):  # 40 min, a pass every 30 s
+        created += len(pf.run_once().created)
+        reasons.append(_reason(api, "w-0"))
+        for p in api.preflights():
+            p["status"] = {"phase": "Failed", "reason": "Evicted", "message": "disk"}
+        clock.now += dt.timedelta(seconds=30)
+    assert is_gated(api.pod("ml", "w-0"))
+    held = reasons.index("PreflightFailed")
+    assert set(reasons[held:]) == {"PreflightFailed"}  # held from the deadline on
+    assert created <= 7  # made again only until the deadline, then after the retention

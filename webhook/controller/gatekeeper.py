@@ -25,8 +25,9 @@ What each result does to the pods waiting on it:
   keeps it with the condition saying why.
 
 A finished preflight answers for its key for ``preflight.retainSeconds`` (new pods on
-the image are decided at once), then it is deleted, and made again if pods still wait
-on it (not sooner than a preflight's deadline after its answer).
+the image are decided at once; a "cannot judge" only for pods created before it), then
+it is deleted, and made again if pods still wait on it (not sooner than a preflight's
+deadline after its answer).
 
 Writes to pods: the gate's removal (a JSON patch that ``test``s the gate's place first)
 and the condition (``pods/status``); the chart's ValidatingAdmissionPolicy lets this
@@ -584,6 +585,10 @@ class Preflights:
         # when the controller was down, or were held for good on an image cause).
         self._unanswered_since: dict[PreflightKey, dt.datetime] = {}
         self._last_pass: dt.datetime | None = None  # when the last whole pass ended
+        # Keys whose deadline passed while their stopped preflight was being made again:
+        # that failure then stands as the answer until it is retried (_clean), rather
+        # than a preflight being made again each deadline for good under onError=hold.
+        self._gave_up: dict[PreflightKey, dt.datetime] = {}
 
     def _skip(self, pod: Json, exc: Exception) -> None:
         """A pod the pass cannot read (no such pod is known: insurance) is left as it
@@ -688,6 +693,11 @@ class Preflights:
                 continue
             key = keys.get(at)
             stopped = disruption(pod)
+            gave_up = self._gave_up.get(key) if key is not None else None
+            if gave_up is not None and (now - gave_up).total_seconds() <= max(
+                self.config.retain_seconds, timeout
+            ):
+                continue  # its failure stands (see _gave_up)
             created = created_at(pod)
             said = _answered_at(pod) or (
                 created + dt.timedelta(seconds=timeout) if created else None
@@ -853,6 +863,12 @@ class Preflights:
             for key in first
             if results.get(key, not_yet).phase == "running"
         }
+        for key in first:  # past its deadline while being made again: the failure stands
+            at = (key.namespace, key.pod_name)
+            if at in seen.remake and results.get(key, not_yet).phase == "failed":
+                del seen.remake[at]
+                self._gave_up.setdefault(key, now)
+        self._gave_up = {k: t for k, t in self._gave_up.items() if k in first}
         self._last_pass = self.clock()  # when it ended: a slow pass is still a pass
         gated = {_name(pod)[2] for pod, _ in waiting}
         with self._writing:
