@@ -1882,3 +1882,46 @@ def test_under_hold_a_preflight_stopped_every_time_is_not_made_again_every_deadl
     held = reasons.index("PreflightFailed")
     assert set(reasons[held:]) == {"PreflightFailed"}  # held from the deadline on
     assert created <= 7  # made again only until the deadline, then after the retention
+
+
+def test_under_hold_a_stopped_preflights_failure_stands_for_the_retention_each_time() -> None:
+    # Every preflight evicted (retain 600 s, deadline 300 s), for 4 hours: made again
+    # until the deadline, then the failure stands until the retention retries it -- in
+    # every cycle, not only the first.
+    pf, api, clock, _ = setup(on_error="hold", retain=600)
+    api.add(gated_pod("w-0"))
+    made: list[int] = []
+    for t in range(0, 4 * 3600, 30):
+        if pf.run_once().created:
+            made.append(t)
+        for p in api.preflights():
+            p["status"] = {"phase": "Failed", "reason": "Evicted", "message": "disk"}
+        clock.now += dt.timedelta(seconds=30)
+    runs = [[made[0]]]
+    for t in made[1:]:
+        if t - runs[-1][-1] <= 120:
+            runs[-1].append(t)
+        else:
+            runs.append([t])
+    gaps = [b[0] - a[-1] for a, b in itertools.pairwise(runs)]
+    assert len(runs) >= 4 and min(gaps) >= 540, (runs, gaps)  # retried; stood meanwhile
+    assert all(r[-1] - r[0] <= 300 + 61 + 60 for r in runs)  # each run ends at a deadline
+    assert is_gated(api.pod("ml", "w-0"))
+
+
+def test_a_pod_created_after_a_stopped_preflights_failure_stood_gets_a_new_one() -> None:
+    pf, api, clock, _ = setup()
+    api.add(gated_pod("w-0"))
+    done = pf.run_once()
+    for _ in range(40):  # every preflight evicted: w-0 is opened at the deadline
+        for p in api.preflights():
+            p["status"] = {"phase": "Failed", "reason": "Evicted", "message": "disk"}
+        clock.now += dt.timedelta(seconds=30)
+        done = pf.run_once()
+        if done.ungated:
+            break
+    assert done.ungated == ["Pod ml/w-0"]
+    clock.now += dt.timedelta(seconds=30)
+    api.add(gated_pod("w-1"))  # created after that failure stood
+    done = pf.run_once()
+    assert done.ungated == [] and is_gated(api.pod("ml", "w-1"))

@@ -585,10 +585,11 @@ class Preflights:
         # when the controller was down, or were held for good on an image cause).
         self._unanswered_since: dict[PreflightKey, dt.datetime] = {}
         self._last_pass: dt.datetime | None = None  # when the last whole pass ended
-        # Keys whose deadline passed while their stopped preflight was being made again:
-        # that failure then stands as the answer until it is retried (_clean), rather
-        # than a preflight being made again each deadline for good under onError=hold.
-        self._gave_up: dict[PreflightKey, dt.datetime] = {}
+        # Stopped preflights (by uid) whose key's deadline passed while they were to be
+        # made again, and when: that failure then stands as the preflight's answer, for
+        # the pods created before then, until the retention retries it (_clean) -- not a
+        # preflight made again every deadline for good under onError=hold.
+        self._stands: dict[str, dt.datetime] = {}
 
     def _skip(self, pod: Json, exc: Exception) -> None:
         """A pod the pass cannot read (no such pod is known: insurance) is left as it
@@ -692,15 +693,13 @@ class Preflights:
             if preflight_result(pod, now, timeout).phase != "failed":
                 continue
             key = keys.get(at)
-            stopped = disruption(pod)
-            gave_up = self._gave_up.get(key) if key is not None else None
-            if gave_up is not None and (now - gave_up).total_seconds() <= max(
-                self.config.retain_seconds, timeout
-            ):
-                continue  # its failure stands (see _gave_up)
+            stands = self._stands.get(_name(pod)[2])
+            stopped = "" if stands is not None else disruption(pod)
             created = created_at(pod)
-            said = _answered_at(pod) or (
-                created + dt.timedelta(seconds=timeout) if created else None
+            said = (
+                stands
+                or _answered_at(pod)
+                or (created + dt.timedelta(seconds=timeout) if created else None)
             )
             newer = key is not None and said is not None and seen.newest[key] > said
             if stopped or newer:
@@ -866,9 +865,10 @@ class Preflights:
         for key in first:  # past its deadline while being made again: the failure stands
             at = (key.namespace, key.pod_name)
             if at in seen.remake and results.get(key, not_yet).phase == "failed":
-                del seen.remake[at]
-                self._gave_up.setdefault(key, now)
-        self._gave_up = {k: t for k, t in self._gave_up.items() if k in first}
+                pod, _ = seen.remake.pop(at)
+                self._stands[_name(pod)[2]] = now
+        listed = {_name(p)[2] for p in seen.preflights.values()}
+        self._stands = {uid: t for uid, t in self._stands.items() if uid in listed}
         self._last_pass = self.clock()  # when it ended: a slow pass is still a pass
         gated = {_name(pod)[2] for pod, _ in waiting}
         with self._writing:
