@@ -1299,12 +1299,14 @@ def _held(on_error: str = "open") -> tuple[Preflights, MemoryApi, Clock, Keyring
     return pf, api, clock, ring
 
 
+def _condition_of(api: MemoryApi, name: str, namespace: str = "ml") -> dict[str, Any]:
+    """The pod's epguard condition ({} when it has none)."""
+    conditions = api.pod(namespace, name).get("status", {}).get("conditions", [])
+    return next((c for c in conditions if c["type"] == CONDITION), {})
+
+
 def _reason(api: MemoryApi, name: str) -> str:
-    return str(
-        next(c for c in api.pod("ml", name)["status"]["conditions"] if c["type"] == CONDITION)[
-            "reason"
-        ]
-    )
+    return str(_condition_of(api, name)["reason"])
 
 
 def test_a_held_pod_whose_preflight_is_deleted_stays_held_while_it_runs_again() -> None:
@@ -1563,8 +1565,7 @@ def test_a_namespace_answered_during_anothers_slow_run_is_decided_without_waitin
 
 
 def _reason_in(api: MemoryApi, namespace: str) -> str:
-    conditions = api.pod(namespace, "w-0").get("status", {}).get("conditions", [])
-    return next((str(c["reason"]) for c in conditions if c["type"] == CONDITION), "")
+    return str(_condition_of(api, "w-0", namespace).get("reason", ""))
 
 
 def test_keys_left_for_later_after_an_outage_are_not_overdue_at_once() -> None:
@@ -1655,11 +1656,7 @@ def test_a_tenants_labelled_pod_not_named_as_a_preflight_is_left_alone() -> None
 
 
 def _reason_message(api: MemoryApi, name: str) -> str:
-    return str(
-        next(c for c in api.pod("ml", name)["status"]["conditions"] if c["type"] == CONDITION)[
-            "message"
-        ]
-    )
+    return str(_condition_of(api, name)["message"])
 
 
 def test_keys_left_for_later_are_never_overdue_and_an_outage_charges_no_key() -> None:

@@ -1084,13 +1084,7 @@ class Preflights:
                                 key=f"{uid}/stuck")  # fmt: skip
             return False
         finally:
-            with self._writing:  # the condition written next (_opened) is the record
-                if self._written.get(uid) is claim:
-                    if prior is None:
-                        del self._written[uid]
-                    else:
-                        self._written[uid] = prior
-                self._writing.notify_all()
+            self._give_back(uid, claim, prior)  # the condition written next is the record
         done.ungated.append(describe("Pod", namespace, name))
         return True
 
@@ -1135,13 +1129,7 @@ class Preflights:
         try:
             self.api.set_condition(namespace, name, uid, condition)
         except BaseException as exc:
-            with self._writing:  # not written: the next decision writes it
-                if self._written.get(uid) is claim:
-                    if prior is None:
-                        del self._written[uid]
-                    else:
-                        self._written[uid] = prior
-                self._writing.notify_all()
+            self._give_back(uid, claim, prior)  # not written: the next decision writes it
             if not isinstance(exc, ApiException):
                 raise
             log.warning("could not set %s on pod %s/%s: %s", CONDITION, namespace, name, exc)
@@ -1151,6 +1139,17 @@ class Preflights:
                 self._written[uid] = _Written(said, since, time.monotonic())
             self._writing.notify_all()
         return True
+
+    def _give_back(self, uid: str, claim: _Written, prior: _Written | None) -> None:
+        """Undo a claim on the pod's record (what was there before it comes back), if no
+        other decision has replaced it since, and wake whoever waits on it."""
+        with self._writing:
+            if self._written.get(uid) is claim:
+                if prior is None:
+                    del self._written[uid]
+                else:
+                    self._written[uid] = prior
+            self._writing.notify_all()
 
     def _in_flight(self, uid: str) -> bool:
         written = self._written.get(uid)
