@@ -11,7 +11,9 @@ memory (tracemalloc) and the process's RSS growth:
   the budget: read until the review's shared budget runs out);
 * 48 containers of distinct 1000-word argvs asking for mooncake (argparse's share,
   bounded by the per-review parse budget);
-* a 1.5 KB pod whose ``$(VAR)`` chain doubles at each of 40 steps.
+* a 1.5 KB pod whose ``$(VAR)`` chain doubles at each of 40 steps;
+* a 1.4 MB pod whose worker's command is 245,000 ``A=1`` words before the launcher
+  (a copy of the line per skipped word made it quadratic: ~33 s).
 
 Targets (issue 10): each judged in under 100 ms with bounded memory. The answer must be
 "denied" (the image is refused by the test rules and the line is judged as requesting
@@ -36,6 +38,7 @@ from tests.hostile_pods import (  # noqa: E402
     doubling_env_pod,
     many_words_pod,
     nested_script_pod,
+    wrapper_prefix_pod,
 )
 
 RUNS = 20
@@ -54,6 +57,7 @@ def main() -> int:
         ("48 x 30 KB (inside the budget)", nested_script_pod(30 * 1024)),
         ("48 x 1000-word argvs (argparse)", many_words_pod()),
         ("doubling $(VAR) chain, 40 steps", doubling_env_pod()),
+        ("245,000 A=1 words before python3", wrapper_prefix_pod()),
     )
     for name, obj in inputs:
         req = request(obj)

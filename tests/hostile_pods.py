@@ -88,3 +88,27 @@ def many_words_pod(words: int = 1000) -> dict[str, Any]:
         "metadata": {"name": "words", "namespace": "ml"},
         "spec": {"containers": containers},
     }
+
+
+def wrapper_prefix_pod(words: int = 245_000) -> dict[str, Any]:
+    """A ~1.4 MB pod: a first container that is plainly not mooncake (so a check that
+    stops at the first answer stays cheap), then one whose command is ``words`` words of
+    ``A=1`` in front of a launcher asking for mooncake -- a copy of the line per skipped
+    word made reading it quadratic."""
+    prefix = ["A=1"] * words
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "prefix", "namespace": "ml"},
+        "spec": {
+            "containers": [
+                {"name": "plain", "image": IMAGE, "args": ["--elastic-ep-backend", "none"]},
+                {
+                    "name": "worker",
+                    "image": IMAGE,
+                    "command": [*prefix, "python3", "-m", "sglang.launch_server"],
+                    "args": ["--elastic-ep-backend", "mooncake"],
+                },
+            ]
+        },
+    }

@@ -27,7 +27,7 @@ from epguard.webhook.engine.preflight import (
     preflight_pod,
     signed,
 )
-from epguard.webhook.engine.signing import SIGNATURE_ANNOTATION, new_keyring, verify
+from epguard.webhook.engine.signing import FORMAT, SIGNATURE_ANNOTATION, new_keyring, verify
 from epguard.webhook.engine.verdicts import Verdict, VerdictStore
 from tests.factory import TEST_RULES, container, pod, review
 from tests.servers import RunningServer, running_server
@@ -143,9 +143,10 @@ def test_a_preflight_label_without_a_valid_signature_is_injected_as_any_pod(
     ring = server.runtime.state.keys.ring
     assert ring is not None
     obj = signed(_preflight(server), ring.current, _now())
-    obj["metadata"]["annotations"][SIGNATURE_ANNOTATION] = "v2:forged:1:00"
+    obj["metadata"]["annotations"][SIGNATURE_ANNOTATION] = f"{FORMAT}:forged:1:00"
     obj["metadata"]["annotations"].update(INJECT)
     _, stored = mutate(server, obj)
     # Its main container asks for nothing, so its epguard-* parts are removed.
-    assert not [c for c in stored["spec"].get("initContainers", []) if c["name"].startswith(
-        "epguard-")]
+    assert not [
+        c for c in stored["spec"].get("initContainers", []) if c["name"].startswith("epguard-")
+    ]

@@ -16,6 +16,7 @@ import jsonpatch
 import pytest
 
 from epguard.webhook.engine.signing import (
+    FORMAT,
     MAX_KEYS,
     SIGNATURE_ANNOTATION,
     KeyringError,
@@ -64,7 +65,7 @@ def worker_pod(**kw: Any) -> dict[str, Any]:
 
 def test_the_injected_probe_is_signed_and_verifies(signed: RunningServer) -> None:
     stored = injected(signed, worker_pod())
-    assert stored["metadata"]["annotations"][SIGNATURE_ANNOTATION].startswith("v2:")
+    assert stored["metadata"]["annotations"][SIGNATURE_ANNOTATION].startswith(f"{FORMAT}:")
     ring = signed.runtime.state.keys.ring
     assert ring is not None and verify(ring, "ml", stored).ok
     assert post(signed, "/validate", review(stored))["allowed"] is True
@@ -434,6 +435,48 @@ def test_signed_parts_around_an_unsigned_neighbour_are_no_evidence(
         "message", ""
     )
     assert "will not be learned" in said or response["allowed"] is False
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        # The kubelet mounts its own empty file at the path, over the image's file: the
+        # probe then finds the image's mooncake package broken (found by a review helper).
+        ("terminationMessagePath", "/usr/local/lib/python3.12/site-packages/mooncake/pg.py"),
+        ("terminationMessagePolicy", "File"),
+    ],
+)
+def test_the_probes_termination_message_settings_are_signed(
+    signed: RunningServer, field: str, value: str
+) -> None:
+    stored = injected(signed, worker_pod())
+    ring = signed.runtime.state.keys.ring
+    assert ring is not None
+    # As the API server stores it: the copy container's settings defaulted.
+    for c in stored["spec"]["initContainers"]:
+        c.setdefault("terminationMessagePath", "/dev/termination-log")
+        c.setdefault("terminationMessagePolicy", "File")
+    assert verify(ring, "ml", stored).ok
+    hand = _hand_made_copy(stored)
+    probe = next(c for c in hand["spec"]["initContainers"] if c["name"] == "epguard-probe")
+    assert probe[field] != value
+    probe[field] = value
+    assert not verify(ring, "ml", hand).ok
+    response = post(signed, "/validate", review(hand))
+    assert response["allowed"] is False
+    assert "differ from what epguard signed" in response["status"]["message"]
+
+
+def test_a_signature_of_an_older_format_is_no_evidence(signed: RunningServer) -> None:
+    stored = injected(signed, worker_pod())
+    ring = signed.runtime.state.keys.ring
+    assert ring is not None
+    annotations = stored["metadata"]["annotations"]
+    annotations[SIGNATURE_ANNOTATION] = "v2" + annotations[SIGNATURE_ANNOTATION][len(FORMAT) :]
+    checked = verify(ring, "ml", stored)
+    assert not checked.ok and checked.outdated and "older epguard" in checked.reason
+    response = post(signed, "/validate", review(stored))
+    assert response["allowed"] is False and "older epguard" in response["status"]["message"]
 
 
 def test_a_mesh_init_container_before_the_probe_is_still_evidence(signed: RunningServer) -> None:

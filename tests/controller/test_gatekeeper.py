@@ -12,6 +12,7 @@ import itertools
 import json
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -45,7 +46,15 @@ from epguard.webhook.engine.preflight import (
     PreflightSettings,
     is_gated,
 )
-from epguard.webhook.engine.signing import MAX_KEYS, Keyring, new_keyring, rotated, verify
+from epguard.webhook.engine.signing import (
+    FORMAT,
+    MAX_KEYS,
+    SIGNATURE_ANNOTATION,
+    Keyring,
+    new_keyring,
+    rotated,
+    verify,
+)
 
 NOW = dt.datetime(2026, 12, 3, 12, 0, tzinfo=dt.UTC)
 BAD_LINE = "epguard: mooncake elastic EP is unusable in this image: torch has no mooncake"
@@ -572,7 +581,7 @@ def test_a_forged_preflight_with_a_non_ascii_signature_time_stops_no_pass() -> N
     assert ring is not None
     forged = {"metadata": {"name": "forged", "namespace": "team-evil", "labels": {
         PROBED_LABEL: "true", "epguard.io/preflight-pod": "true"}, "annotations": {
-        "epguard.io/probe-signature": f"v2:{ring.keys[0].id}:\u00b2:00"}},
+        "epguard.io/probe-signature": f"{FORMAT}:{ring.keys[0].id}:\u00b2:00"}},
         "spec": {"initContainers": [{"name": "epguard-x", "image": "busybox"}],
                  "containers": [{"name": "c", "image": "busybox"}]}}  # fmt: skip
     api.add(forged)
@@ -1341,16 +1350,21 @@ def test_a_held_pod_is_opened_when_its_image_is_found_clear_again() -> None:
     assert pf.run_once().ungated == ["Pod ml/w-0"]
 
 
-@pytest.mark.parametrize("change", ["rotated past", "replaced"])
+@pytest.mark.parametrize("change", ["rotated past", "replaced", "older format"])
 def test_a_preflight_signed_with_a_key_no_longer_held_is_made_again(change: str) -> None:
     # Three rotations (30 days each) or a replaced Secret: the retained preflight no
     # longer verifies. It read as a tenant's pod under its name, and its held pods were
-    # opened (onError=open) or held for good and never retried (hold).
+    # opened (onError=open) or held for good and never retried (hold). So does one an
+    # older epguard signed (a format that signed less) after an upgrade.
     for on_error in ("open", "hold"):
         pf, api, _, ring = _held(on_error)
         assert ring is not None
         if change == "replaced":
             pf.keys.ring = new_keyring(NOW)  # type: ignore[attr-defined]
+        elif change == "older format":
+            annotations = api.preflights()[0]["metadata"]["annotations"]
+            fields = annotations[SIGNATURE_ANNOTATION].split(":")
+            annotations[SIGNATURE_ANNOTATION] = ":".join(["v2", *fields[1:]])
         else:
             for _ in range(MAX_KEYS):  # the key that signed it is no longer kept
                 ring = rotated(ring, NOW)
@@ -1922,3 +1936,46 @@ def test_a_pod_created_after_a_stopped_preflights_failure_stood_gets_a_new_one()
     api.add(gated_pod("w-1"))  # created after that failure stood
     done = pf.run_once()
     assert done.ungated == [] and is_gated(api.pod("ml", "w-1"))
+
+
+def test_a_key_the_namespace_keeps_queueing_is_never_overdue(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """epguard's own queue is no failure of the image: a namespace that brings a new image
+    every pass keeps its other images queued (one place a pass here), with passes running
+    all along; past the deadline the queued image was opened unjudged."""
+    monkeypatch.setattr(gatekeeper, "NEW_PER_NAMESPACE", 1)
+    pf, api, clock, _ = setup()
+    api.add(gated_pod("z-0", image="r.example/sglang:queued"))
+    opened: list[str] = []
+    for i in range(14):  # 14 passes 30 s apart: 420 s, past the 360 s deadline
+        api.add(gated_pod(f"a-{i:02}", image=f"r.example/sglang:new-{i:02}"))
+        # The API server lists a namespace by name: every new "a-" pod before "z-0".
+        api.pods = dict(sorted(api.pods.items()))
+        clock.now += dt.timedelta(seconds=30)
+        opened += pf.run_once().ungated
+    assert "Pod ml/z-0" not in opened
+    assert is_gated(api.pod("ml", "z-0"))
+    assert "having their preflights started first" in _condition_of(api, "z-0")["message"]
+
+
+def test_an_opened_pods_condition_write_sleeps_only_between_its_tries(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each try of an opened pod's condition write waits before the next one, never
+    after the last: that wait held the deciding thread for nothing."""
+    slept: list[float] = []
+    clock_only = types.SimpleNamespace(monotonic=time.monotonic, sleep=slept.append)
+    monkeypatch.setattr(gatekeeper, "time", clock_only)
+    pf, api, _, _ = setup()
+    api.add(gated_pod("w-0"))
+    pf.run_once()
+    api.finish(api.preflights()[0], 0, CLEAR)
+
+    def failing(namespace: str, name: str, uid: str, condition: dict[str, Any]) -> None:
+        raise ApiException(status=500, reason="etcdserver: request timed out")
+
+    api.set_condition = failing  # type: ignore[method-assign]
+    assert pf.answer(["ml"]).ungated == ["Pod ml/w-0"]
+    backoff = gatekeeper.OPENED_BACKOFF
+    assert slept == [backoff * n for n in range(1, gatekeeper.OPENED_WRITES)]

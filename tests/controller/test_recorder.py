@@ -461,6 +461,19 @@ class TestVerdicts:
         record(running, replica(api, T2))  # another replica, after a failover
         assert api.spec()["count"] == 1 and api.verdict_writes == 1
 
+    def test_a_failed_run_shown_beside_the_next_runs_digest_teaches_nothing(
+        self, api: InMemoryApi
+    ) -> None:
+        """A tenant's tag moved to another image between two runs of a crash-looping
+        probe: once the next run starts, imageID is the new bytes' while lastState is
+        the old run's failure. A controller that had not seen the failure (restarted, or
+        a failover) recorded it for the new digest."""
+        other = "sha256:" + "ee" * 32
+        again = probed_pod("u1", UNUSABLE_MSG, 1, section="running again", restart_count=1,
+                           digest=other)  # fmt: skip
+        record(again, replica(api, T2))
+        assert api.verdicts == {} and api.verdict_writes == 0
+
     def test_a_newer_outcome_of_another_pod_replaces_the_verdict(self, api: InMemoryApi) -> None:
         record(probed_pod("u1", UNUSABLE_MSG, 1), replica(api, T1))
         record(probed_pod("u2", USABLE_MSG, 0), replica(api, T2))

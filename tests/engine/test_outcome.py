@@ -111,6 +111,25 @@ def test_crash_loop_outcome_is_read_from_last_state(real_probe_failure: tuple[in
     assert outcome.restart_count == 2
 
 
+def test_a_run_in_last_state_is_not_paired_with_the_next_runs_image(
+    real_probe_failure: tuple[int, str],
+) -> None:
+    """Once the next run starts, imageID is its own: a tag moved between the runs
+    would name the old run's failure after the new bytes (found by a review helper)."""
+    code, message = real_probe_failure
+    waiting = pod_with_probe_status(message, code, section="lastState", restart_count=3)
+    again = pod_with_probe_status(message, code, section="running again", restart_count=3)
+    assert len(outcomes_of(waiting)) == 1 and outcomes_of(again) == []
+    # The tag's resolution is dated by the run imageID describes: the new one's start.
+    [resolved] = resolved_tags(again)
+    assert resolved.started_at == dt.datetime(2026, 11, 30, 20, 0, 7, tzinfo=dt.UTC)
+    [resolved] = resolved_tags(waiting)
+    assert resolved.started_at == dt.datetime(2026, 11, 30, 20, 0, 0, tzinfo=dt.UTC)
+    # The next run created, not started yet: nothing dates its imageID.
+    again["status"]["initContainerStatuses"][0]["state"] = {"waiting": {"reason": "Created"}}
+    assert resolved_tags(again) == []
+
+
 def test_usable_message_with_exit_zero_is_a_usable_outcome() -> None:
     [outcome] = outcomes_of(pod_with_probe_status(USABLE, 0))
     assert outcome.verdict == "Usable"

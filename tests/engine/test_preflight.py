@@ -31,7 +31,13 @@ from epguard.webhook.engine.preflight import (
     ungate_patch,
     unjudged,
 )
-from epguard.webhook.engine.signing import SIGNATURE_ANNOTATION, exposure, new_keyring, verify
+from epguard.webhook.engine.signing import (
+    FORMAT,
+    SIGNATURE_ANNOTATION,
+    exposure,
+    new_keyring,
+    verify,
+)
 from epguard.webhook.engine.verdicts import Verdict, VerdictStore
 from tests import realmanifests
 
@@ -265,7 +271,7 @@ def test_a_signature_whose_time_is_not_ascii_digits_is_malformed(stamp: str) -> 
     ring = new_keyring(dt.datetime.now(dt.UTC))
     pod = signed(preflight(), ring.keys[0], dt.datetime.now(dt.UTC))
     _, key_id, _, mac = pod["metadata"]["annotations"][SIGNATURE_ANNOTATION].split(":")
-    pod["metadata"]["annotations"][SIGNATURE_ANNOTATION] = f"v2:{key_id}:{stamp}:{mac}"
+    pod["metadata"]["annotations"][SIGNATURE_ANNOTATION] = f"{FORMAT}:{key_id}:{stamp}:{mac}"
     checked = verify(ring, "team-a", pod)
     assert not checked.ok and "malformed" in checked.reason
 

@@ -57,24 +57,31 @@ def pod_with_probe_status(
 ) -> dict[str, Any]:
     """A pod as the API returns it after the kubelet wrote the probe's termination.
     ``pull_policy``: the probe's (the worker's) imagePullPolicy; Always resolved the tag."""
+    ended = "containerd://" + "c1" * 32
     terminated = {
         "exitCode": exit_code,
         "reason": "Error" if exit_code else "Completed",
         "message": message,
         "startedAt": started_at,
         "finishedAt": finished_at,
+        "containerID": ended,
     }
     status: dict[str, Any] = {
         "name": "epguard-probe",
         "image": image,
         "imageID": image_id,
+        "containerID": ended,
         "ready": False,
         "restartCount": restart_count,
         "state": {"terminated": terminated},
     }
-    if section == "lastState":
+    if section == "lastState":  # waiting to restart: the status is still the ended run's
         status["state"] = {"waiting": {"reason": "CrashLoopBackOff"}}
         status["lastState"] = {"terminated": terminated}
+    elif section == "running again":  # the next run started: containerID, imageID its own
+        status["state"] = {"running": {"startedAt": finished_at}}
+        status["lastState"] = {"terminated": terminated}
+        status["containerID"] = "containerd://" + "c2" * 32
     return {
         "apiVersion": "v1",
         "kind": "Pod",

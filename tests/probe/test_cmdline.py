@@ -426,3 +426,40 @@ def test_odd_environment_values_do_not_crash_the_reader() -> None:
 def test_a_huge_argv_is_over_budget_without_being_read_word_by_word() -> None:
     r = read([*P.split(), *(["--tp", "1"] * 20_000), *FLAG.split()])
     assert r.requested and r.over_budget
+
+
+@pytest.mark.parametrize("prefix", [["A=1"], ["nohup"], ["env", "B=2"]])
+def test_the_words_unwrap_skips_are_charged_to_the_budget(prefix: list[str]) -> None:
+    # A copy of the line for each skipped word made a long run of them quadratic (0.9 s
+    # for 40,000 words, minutes for a pod the API server still sends), and the words
+    # skipped were charged nothing.
+    r = read([*(prefix * 20_000), *P.split(), *FLAG.split()])
+    assert r.requested and r.over_budget
+
+
+def test_unwrap_skips_assignments_and_wrappers_in_any_mix() -> None:
+    line = [
+        "A=1",
+        "nohup",
+        "env",
+        "-u",
+        "X",
+        "B=2",
+        "timeout",
+        "-s",
+        "KILL",
+        "5",
+        "nice",
+        "-n",
+        "3",
+        "taskset",
+        "-c",
+        "0-3",
+        "exec",
+        "-a",
+        "x",
+        *LAUNCH,
+    ]
+    assert shell.unwrap(line) == LAUNCH
+    assert shell.unwrap(["A=1", "nohup"]) == []
+    assert shell.unwrap(LAUNCH) is LAUNCH

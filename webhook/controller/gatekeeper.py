@@ -416,14 +416,17 @@ def _made_by_epguard(pod: Mapping[str, Any], ring: Keyring | None) -> bool:
 
 def _signer_not_held(pod: Mapping[str, Any], ring: Keyring) -> bool:
     """A preflight, named as its key's, signed with a key the controller does not hold:
-    one it made before its keys rotated past that key (or the Secret was replaced), or
-    one the other replica made with a newer key than this one has read. Never evidence;
-    made again. (Any other pod labelled as a preflight is a tenant's, left alone.)"""
+    one it made before its keys rotated past that key (or the Secret was replaced), one
+    the other replica made with a newer key than this one has read, or one an older
+    epguard signed in an older format. Never evidence; made again. (Any other pod
+    labelled as a preflight is a tenant's, left alone.)"""
     key = as_map(meta(pod).get("labels")).get(KEY_LABEL)
     if not isinstance(key, str) or _name(pod)[1] != NAME_PREFIX + key:
         return False
     checked = verify(ring, _name(pod)[0], pod)
-    return not checked.ok and bool(checked.key_id) and ring.find(checked.key_id) is None
+    if checked.ok:
+        return False
+    return checked.outdated or (bool(checked.key_id) and ring.find(checked.key_id) is None)
 
 
 def _name(obj: Mapping[str, Any]) -> tuple[str, str, str]:
@@ -643,7 +646,10 @@ class Preflights:
                 seen.preflights[at] = seen.ours[at] = _slim_preflight(pod)
             elif ring is not None and _signer_not_held(pod, ring):
                 seen.preflights[at] = _slim_preflight(pod)
-                why = "its preflight was signed with a key epguard does not hold now"
+                why = (
+                    "its preflight was signed with a key epguard does not hold now, or by "
+                    "an older epguard"
+                )
                 seen.remake[at] = (seen.preflights[at], why)
             else:
                 seen.preflights[at] = _slim(pod)

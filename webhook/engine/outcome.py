@@ -226,9 +226,19 @@ def _termination(status: Mapping[str, Any]) -> tuple[Mapping[str, Any], int] | N
     """
     for section in ("state", "lastState"):
         terminated = as_map(as_map(status.get(section)).get("terminated"))
-        if terminated:
+        if terminated and (section == "state" or _same_run(status, terminated)):
             return terminated, int(status.get("restartCount") or 0) - (section == "lastState")
     return None
+
+
+def _same_run(status: Mapping[str, Any], last: Mapping[str, Any]) -> bool:
+    """Whether a lastState run is the one the status's ``imageID`` describes. While the
+    container waits to restart the kubelet shows the run that ended, lastState and
+    containerID alike; once the next run starts, containerID and imageID are the new
+    run's: a tag moved meanwhile would pair the old run's answer with the new bytes (a
+    verdict for an image that never said it)."""
+    container = status.get("containerID")
+    return isinstance(container, str) and bool(container) and last.get("containerID") == container
 
 
 def outcomes_of(pod: Mapping[str, Any], probe_image: str | None = None) -> list[ProbeOutcome]:
@@ -271,9 +281,13 @@ class Resolution:
 
 
 def _started(status: Mapping[str, Any]) -> dt.datetime | None:
+    """When the run the status's ``imageID`` describes started (:func:`_same_run`)."""
     for section in ("state", "lastState"):
         for phase in ("running", "terminated"):
-            at = parse_time(as_map(as_map(status.get(section)).get(phase)).get("startedAt"))
+            run = as_map(as_map(status.get(section)).get(phase))
+            if section == "lastState" and not _same_run(status, run):
+                continue
+            at = parse_time(run.get("startedAt"))
             if at is not None:
                 return at
     return None

@@ -50,7 +50,12 @@ from epguard.webhook.engine.workloads import as_list, as_map
 PREFIX = "epguard-"
 SIGNATURE_ANNOTATION = "epguard.io/probe-signature"
 PROBE_VOLUME = "epguard-probe"
-FORMAT = "v2"
+FORMAT = "v3"
+# Formats of older epguards, which signed less (v2: not the probe's termination message):
+# never evidence now. The controller makes such a preflight again; /validate refuses a
+# CREATE signed so (a pod mutated by an old replica during an upgrade: its controller
+# creates it again).
+OLDER_FORMATS = frozenset({"v1", "v2"})
 
 # The Secret's one data key: JSON {"keys": [{"id", "key" (base64), "created"}, ...]},
 # newest first. Two keys are kept after a rotation so pods signed just before it verify.
@@ -63,9 +68,13 @@ MAX_SECRET_BYTES = 64 * 1024
 
 # Container fields the API server fills in after /mutate's patch (defaulting) or that
 # epguard signs in a projection of its own (resources: quantities are canonicalised;
-# volumeMounts: below). Every other field of an epguard container is signed as it is, so
-# one that a tenant adds (``workingDir``, ``restartPolicy: Always``, a lifecycle hook …)
-# breaks the signature.
+# volumeMounts and the termination message: below). Every other field of an epguard
+# container is signed as it is, so one that a tenant adds (``workingDir``,
+# ``restartPolicy: Always``, a lifecycle hook …) breaks the signature.
+# ``imagePullPolicy`` alone is not signed (its default depends on the image's tag): it
+# changes which bytes the kubelet runs, never what the probe reports about them, and a
+# verdict is keyed by the digest the runtime reports (by tag only after a pull with
+# Always, outcome.py).
 _DEFAULTED_FIELDS = frozenset(
     {
         "terminationMessagePath",
@@ -75,6 +84,14 @@ _DEFAULTED_FIELDS = frozenset(
         "volumeMounts",
     }
 )
+# The API server's defaults for the termination message (k8s.io/api core/v1
+# TerminationMessagePathDefault, TerminationMessageReadFile). Both are signed with the
+# defaults filled in: the kubelet mounts a file of its own at the path, over whatever the
+# image holds there (a path into the image's mooncake package empties that file for the
+# probe, which then reports the image broken), and the policy decides whether a probe's
+# log stands in for its message.
+_TERMINATION_PATH = "/dev/termination-log"
+_TERMINATION_POLICY = "File"
 # Pod-level fields that decide what can reach the probe's process or files while it runs:
 # signed with the probe, so a signed probe copied into a pod with other values does not
 # verify.
@@ -230,6 +247,10 @@ def _project_container(c: Mapping[str, Any]) -> dict[str, Any]:
         for section in ("requests", "limits")
         if as_map(resources.get(section))
     }
+    if as_list(resources.get("claims")):  # a DRA claim gives the container a device
+        out["resources"]["claims"] = as_list(resources.get("claims"))
+    out["terminationMessagePath"] = c.get("terminationMessagePath") or _TERMINATION_PATH
+    out["terminationMessagePolicy"] = c.get("terminationMessagePolicy") or _TERMINATION_POLICY
     out["volumeMounts"] = [
         {
             "name": m.get("name"),
@@ -348,7 +369,7 @@ def _payload(
 
 def sign(key: Key, namespace: str, pod: Mapping[str, Any], now: dt.datetime) -> str:
     """The annotation value for a pod as it will be stored (after /mutate's patch, with
-    its probed label): ``v2:<key id>:<unix seconds>:<hex HMAC>``."""
+    its probed label): ``v3:<key id>:<unix seconds>:<hex HMAC>``."""
     signed_at = int(now.timestamp())
     mac = hmac.new(key.secret, _payload(namespace, pod, signed_at), hashlib.sha256)
     return f"{FORMAT}:{key.id}:{signed_at}:{mac.hexdigest()}"
@@ -360,6 +381,7 @@ class Verification:
     reason: str  # why not, in words a tenant and an admin can act on; "" when ok
     key_id: str = ""  # the key the signature names, held or not ("" without a signature)
     signed_at: int | None = None  # when /mutate signed it (unix seconds), once verified
+    outdated: bool = False  # signed by an older epguard (OLDER_FORMATS)
 
 
 def verify(ring: Keyring, namespace: str, pod: Mapping[str, Any]) -> Verification:
@@ -386,6 +408,13 @@ def check_signature(ring: Keyring, namespace: str, pod: Mapping[str, Any]) -> Ve
             False, f"its epguard-* init containers carry no {SIGNATURE_ANNOTATION} annotation"
         )
     fields = parts.signature.split(":")
+    if len(fields) == 4 and fields[0] in OLDER_FORMATS:
+        return Verification(
+            False,
+            f"its {SIGNATURE_ANNOTATION} was made by an older epguard (format {fields[0]}, "
+            "which signed less than this one checks)",
+            outdated=True,
+        )
     # ASCII digits only: str.isdigit() is true of "²", which int() refuses.
     if (len(fields) != 4 or fields[0] != FORMAT or not fields[2].isascii()
             or not fields[2].isdigit() or len(fields[2]) > 12):  # fmt: skip
