@@ -388,6 +388,21 @@ def test_env_values_that_carry_the_flag_are_sent() -> None:
     assert not evaluate(expressions()["pods"], pod(pod_spec(c(["$(TP)"], env=plain))))
 
 
+def test_kubectl_debug_with_the_flag_is_sent_through_pods_ephemeralcontainers() -> None:
+    """`kubectl debug` adds an ephemeral container with an UPDATE of the subresource
+    pods/ephemeralcontainers (the object is the whole Pod): the pods webhook asks for
+    that subresource, and its condition reads ephemeral containers."""
+    assert "pods/ephemeralcontainers" in HOOK_RULES["pods"][1]
+    debug = {**pod(pod_spec(c(PLAIN_ARGS))), "status": {}}
+    debug["spec"]["ephemeralContainers"] = [c(FLAG_ARGS, name="debug")]
+    assert evaluate(expressions()["pods"], debug)
+    debug["spec"]["ephemeralContainers"] = [c(PLAIN_ARGS, name="debug")]
+    assert not evaluate(expressions()["pods"], debug)
+    mwc = next(o for o in render().objects if o["kind"] == "MutatingWebhookConfiguration")
+    assert all("pods/ephemeralcontainers" not in r["resources"] for w in mwc["webhooks"]
+               for r in w["rules"])  # fmt: skip  (nothing to inject through it)
+
+
 def _hook_for(doc: Obj) -> str | None:
     group = doc["apiVersion"].split("/")[0] if "/" in doc["apiVersion"] else ""
     for name, (groups, resources) in HOOK_RULES.items():

@@ -224,8 +224,9 @@ expression walked so far, .depth names the loop variables.
 CEL: an object of a kind described by paths (.kind: templates, podSpecs, containers,
 as webhook/engine/workloads.py and webhook.extraKinds describe them) has a container
 string that mentions the needle. Each node reached is read as a pod spec and as a
-container at once: its containers and initContainers, and itself (a pod spec has no
-command, a container no containers), then each container's command, args and literal
+container at once: its containers and initContainers (and, for a Pod, .kind.ephemeral:
+its ephemeralContainers, which `kubectl debug` adds through pods/ephemeralcontainers),
+and itself (a pod spec has no command, a container no containers), then each container's command, args and literal
 env values. Every step is guarded by has(), so an object of another shape (or with
 fields missing) is false, never an error: an error would apply failurePolicy to it.
 */}}
@@ -241,7 +242,7 @@ fields missing) is false, never an error: an error would apply failurePolicy to 
 {{- $d := int $nodes.d -}}
 {{- include "epguard.cel.guarded" $nodes -}}
 {{- range $i := untilStep (sub $d 1 | int) 0 -1 -}}.exists(l{{ $i }}, l{{ $i }}{{- end -}}
-.exists(p, ([p] + (has(p.containers) ? p.containers : []) + (has(p.initContainers) ? p.initContainers : []))
+.exists(p, ([p] + (has(p.containers) ? p.containers : []) + (has(p.initContainers) ? p.initContainers : []){{ if .kind.ephemeral }} + (has(p.ephemeralContainers) ? p.ephemeralContainers : []){{ end }})
 {{- /**/ -}}.exists(c, ((has(c.command) ? c.command : []) + (has(c.args) ? c.args : []) + (has(c.env) ? c.env.map(e, has(e.value) ? e.value : "") : []))
 {{- /**/ -}}.exists(s, string(s).contains("{{ include "epguard.cel.needle" . }}") || string(s).matches("[\x27\x22\\\\]") && string(s).matches(r"{{ include "epguard.cel.needlePattern" . }}"))))
 {{- repeat (sub $d 1 | int) ")" -}}
@@ -269,7 +270,7 @@ has(object.metadata.labels) && "epguard.io/probed" in object.metadata.labels || 
 {{/* CEL: a Pod (object.spec) mentions the needle. The pods webhook of the validating
 configuration and both webhooks of the mutating one use exactly this text. */}}
 {{- define "epguard.cel.pod" -}}
-{{ include "epguard.cel.kind" (dict "kind" (dict "podSpecs" (list "spec"))) }}
+{{ include "epguard.cel.kind" (dict "kind" (dict "podSpecs" (list "spec") "ephemeral" true)) }}
 {{- end -}}
 
 {{/* The values of epguard.io/inject that opt in, on a namespace label or a pod annotation
