@@ -93,6 +93,36 @@ def test_a_pod_that_does_not_ask_for_mooncake_is_not_gated(server: RunningServer
     assert not is_gated(stored)
 
 
+@pytest.mark.parametrize(
+    ("args", "env"),
+    [
+        (
+            ["--model-path", "/m", "--elastic-ep-backend", "$(EP)"],
+            [{"name": "EP", "valueFrom": {"configMapKeyRef": {"name": "sglang", "key": "ep"}}}],
+        ),
+        (["--config", "/etc/sglang/serve.yaml"], None),
+    ],
+    ids=["value-from-a-configmap", "config-file"],
+)
+def test_a_worker_whose_flag_admission_cannot_see_is_probed_not_gated(
+    server: RunningServer, args: list[str], env: list[dict[str, Any]] | None
+) -> None:
+    """The probe sees the pod's values when it starts; the gate would hold the pod on a
+    verdict about mooncake that the worker may never ask for (and its preflight, without
+    the pod's variables, could not tell). Before, such a worker got neither."""
+    obj = pod([container(image=NEW, args=args, env=env)], annotations=INJECT)
+    response, stored = mutate(server, obj)
+    assert response["allowed"] is True
+    assert PROBE_CONTAINER in [c["name"] for c in stored["spec"]["initContainers"]]
+    assert not is_gated(stored)
+    ring = server.runtime.state.keys.ring
+    assert ring is not None and verify(ring, "ml", stored).ok  # its outcome is evidence
+    with server.client() as client:
+        said = client.post("/validate", json=review(stored)).json()["response"]
+    assert said["allowed"] is True
+    assert any("the epguard probe checks it when the pod starts" in w for w in said["warnings"])
+
+
 def test_a_namespace_label_overrides_the_default_both_ways(
     server: RunningServer, tmp_path: Path
 ) -> None:

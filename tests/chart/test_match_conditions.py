@@ -399,8 +399,11 @@ def test_kubectl_debug_with_the_flag_is_sent_through_pods_ephemeralcontainers() 
     debug["spec"]["ephemeralContainers"] = [c(PLAIN_ARGS, name="debug")]
     assert not evaluate(expressions()["pods"], debug)
     mwc = next(o for o in render().objects if o["kind"] == "MutatingWebhookConfiguration")
-    assert all("pods/ephemeralcontainers" not in r["resources"] for w in mwc["webhooks"]
-               for r in w["rules"])  # fmt: skip  (nothing to inject through it)
+    assert all(
+        "pods/ephemeralcontainers" not in r["resources"]
+        for w in mwc["webhooks"]
+        for r in w["rules"]
+    )  # fmt: skip  (nothing to inject through it)
 
 
 def _hook_for(doc: Obj) -> str | None:

@@ -253,6 +253,26 @@ def test_no_preflight_when_no_container_on_the_image_asks_for_mooncake() -> None
     assert preflight_pod("t", spec, key_of("t", spec, "busybox"), SETTINGS) is None
 
 
+def test_the_preflight_probes_the_worker_that_asks_for_mooncake_on_its_line() -> None:
+    """A container of the same image whose flag's value admission cannot see is probed in
+    the pod, never by the preflight: its probe, without the pod's variables, would find
+    nothing to judge and let the gated pods go unjudged."""
+    spec = worker_spec()
+    settled = spec["containers"][0]
+    unseen = {
+        **settled,
+        "name": "sidecar",
+        "args": ["--model-path", "/m", "--elastic-ep-backend", "$(EP)"],
+        "env": [{"name": "EP", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "ep"}}}],
+    }
+    spec["containers"] = [unseen, settled]
+    probe = preflight(spec)["spec"]["initContainers"][1]
+    cmd = probe["command"]
+    assert cmd[cmd.index("--") + 1 :] == [*settled.get("command", []), *settled["args"]]
+    spec["containers"] = [unseen]  # nothing the preflight could judge
+    assert preflight_pod("t", spec, key_of("t", spec, IMAGE), SETTINGS) is None
+
+
 def test_a_signed_preflight_verifies_and_exposes_nothing() -> None:
     ring = new_keyring(dt.datetime.now(dt.UTC))
     pod = signed(preflight(), ring.keys[0], dt.datetime.now(dt.UTC))

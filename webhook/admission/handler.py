@@ -339,10 +339,9 @@ def injection_for(
         signature = sign(ring.current, req.namespace or "", stored, now)
     # Without a key the controller cannot sign a preflight either: no gate then.
     gate: list[dict[str, Any]] = []
-    if signature is not None and _preflight_mode(state, req.namespace, settings) == "gate":
-        images = dict.fromkeys(str(c.get("image")) for c in injection.containers[1:])
-        if unjudged(images, state.verdicts, now):
-            gate = gate_patch(as_map(obj.get("spec")))
+    gated = signature is not None and _preflight_mode(state, req.namespace, settings) == "gate"
+    if gated and unjudged(injection.settled, state.verdicts, now):
+        gate = gate_patch(as_map(obj.get("spec")))
     # The label only with a signature: it puts the pod on the controller's lists, and
     # /validate refuses it on a pod epguard did not sign. Nor epguard's gate: a pod a
     # keyed replica gated, reinvoked here without a key, would wait where nothing looks.

@@ -53,6 +53,17 @@ class ArgvReport:
     # Too large to read exactly: judged as requesting mooncake (the safe side).
     over_budget: bool = False
 
+    @property
+    def may_request_mooncake(self) -> bool:
+        """Requests mooncake, or may where admission cannot see (the flag's value from a
+        Secret, ConfigMap, field or shell variable; an SGLang line with ``--config``):
+        the pod is probed, and the probe, which sees the values, decides when it starts."""
+        return (
+            self.requests_mooncake
+            or self.unresolved_value is not None
+            or (self.config_file is not None and self.looks_like_sglang)
+        )
+
 
 NOTHING = ArgvReport(requests_mooncake=False)
 OVER_BUDGET = ArgvReport(requests_mooncake=True, over_budget=True, looks_like_sglang=True)

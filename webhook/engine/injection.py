@@ -77,6 +77,10 @@ class Injection:
     volume: dict[str, Any] | None = None
     removed: bool = False  # parts under epguard's names that the spec brought were removed
     spec: dict[str, Any] | None = None  # the pod spec as the patch leaves it (what is signed)
+    # The images of the workers that ask for mooncake on their command line, as admission
+    # reads it: what a preflight can judge (a worker whose flag's value admission cannot
+    # see is probed in the pod, never gated: its image may not be asked for mooncake).
+    settled: tuple[str, ...] = ()
 
     @property
     def changed(self) -> bool:
@@ -268,18 +272,21 @@ def plan(pod_spec: Any, settings: InjectionSettings, path: str = "/spec") -> Inj
     afresh: a tenant cannot bring a "probe" of its own, and a reinvocation (after a later
     webhook changed the worker) derives the probe from the worker as it is now. Applying
     the patch twice gives the same spec. A spec that does not ask for mooncake gets only
-    the removal, if it needs one.
+    the removal, if it needs one; a worker that may ask for it where admission cannot see
+    (``ArgvReport.may_request_mooncake``) gets the probe too.
     """
     spec = as_map(pod_spec)
     kept = _kept(spec)
     budget = shell.Budget()
-    workers = [
-        c
+    reports = [
+        (c, analyse_container(c, budget))
         for c in as_list(spec.get("containers"))
-        if isinstance(c, Mapping)
-        and analyse_container(c, budget).requests_mooncake
-        and c.get("image")
+        if isinstance(c, Mapping) and c.get("image")
     ]
+    workers = [c for c, report in reports if report.may_request_mooncake]
+    settled = tuple(
+        dict.fromkeys(str(c.get("image")) for c, report in reports if report.requests_mooncake)
+    )
     if not workers:
         patch = _removal(kept, path)
         return Injection(patch=patch, probes=(), removed=bool(patch))
@@ -298,6 +305,7 @@ def plan(pod_spec: Any, settings: InjectionSettings, path: str = "/spec") -> Inj
         volume=volume,
         removed=kept.removed_inits or kept.removed_volume,
         spec={**spec, "initContainers": patch[0]["value"], "volumes": patch[1]["value"]},
+        settled=settled,
     )
 
 

@@ -205,13 +205,20 @@ def _template_findings(
             continue  # the common case: nothing to see, no strings to build
         image_text = c.image if c.image is not None else "<none>"
         subject = _subject(c, t.where, image_text)
+        probe_present = injects or c.image in probed_images
+        # The probe sees what admission cannot (injection.plan probes such a worker).
+        then = (
+            "; the epguard probe checks it when the pod starts"
+            if probe_present
+            else "; add the epguard probe (enable injection) to have it checked when the pod starts"
+        )
         if report.unresolved_value is not None:
             findings.append(
                 Finding(
                     "warn",
                     f"{subject} passes {FLAG} {report.unresolved_value}, whose value cannot be "
                     "resolved at admission (it comes from a Secret, ConfigMap, field or shell "
-                    "variable); epguard could not check it",
+                    f"variable), so epguard could not judge it here{then}",
                 )
             )
         hidden = report.config_file is not None and not report.requests_mooncake
@@ -220,7 +227,8 @@ def _template_findings(
                 Finding(
                     "warn",
                     f"{subject} reads --config {report.config_file or '<file>'}; a {FLAG} set "
-                    "in that file cannot be seen at admission, so epguard did not check it",
+                    f"in that file cannot be seen at admission, so epguard could not judge it "
+                    f"here{then}",
                 )
             )
         if not report.requests_mooncake:
@@ -256,7 +264,6 @@ def _template_findings(
                     (*key, "stale-probe"),
                 )
             )
-        probe_present = injects or c.image in probed_images
         if not matched and hit is None and not probe_present:
             findings.append(
                 Finding(
@@ -425,4 +432,3 @@ def _conclude(findings: list[Finding], mode: Mode, exemption: str | None) -> Dec
         audit_annotations={"would-deny": fired},
         message=message,
     )
-

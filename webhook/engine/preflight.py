@@ -29,6 +29,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+from epguard.probe import shell
+from epguard.webhook.engine.argv import analyse_container
 from epguard.webhook.engine.imageref import ImageRefError
 from epguard.webhook.engine.imageref import parse as parse_ref
 from epguard.webhook.engine.injection import InjectionSettings, plan
@@ -213,10 +215,13 @@ def preflight_pod(
     container of that spec on ``key.image`` asks for mooncake (nothing to judge).
 
     Unsigned: the controller signs it (``signing.sign``) before it creates it."""
+    budget = shell.Budget()
     workers = [
         c
         for c in as_list(worker_spec.get("containers"))
-        if isinstance(c, Mapping) and c.get("image") == key.image
+        if isinstance(c, Mapping)
+        and c.get("image") == key.image
+        and analyse_container(c, budget).requests_mooncake  # what the key was made for
     ]
     injection = plan(
         {"containers": workers},
