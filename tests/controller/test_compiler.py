@@ -359,6 +359,10 @@ def test_a_verdict_text_cannot_forge_the_name_slot() -> None:
     [
         "ubuntu",
         "Registry.Example.com/x/y:1",
+        "NVCR.IO:443/nvidia/sglang:1.6.1",
+        "registry-1.docker.io/lmsysorg/sglang:v1",
+        "Index.Docker.IO:443/ubuntu",
+        "localhost:5443/x",
         "localhost/x",
         "localhost:5000/x/y:t",
         "index.docker.io/x",

@@ -33,6 +33,13 @@ DIGEST = "sha256:" + "0123456789abcdef" * 4
         (f"lmsysorg/sglang:v1@{DIGEST}", f"docker.io/lmsysorg/sglang:v1@{DIGEST}"),
         ("a/b__c/d-e--f.g:T_a.g-1", "docker.io/a/b__c/d-e--f.g:T_a.g-1"),
         ("  lmsysorg/sglang:v1  ", "docker.io/lmsysorg/sglang:v1"),
+        # One registry however its host is written (the runtime keeps the spelling but
+        # pulls the same bytes): no case, no HTTPS port, Docker Hub's other names.
+        ("NVCR.IO/nvidia/sglang:1.6.1", "nvcr.io/nvidia/sglang:1.6.1"),
+        ("nvcr.io:443/nvidia/sglang:1.6.1", "nvcr.io/nvidia/sglang:1.6.1"),
+        ("Registry-1.Docker.IO/lmsysorg/sglang:v1", "docker.io/lmsysorg/sglang:v1"),
+        ("registry-1.docker.io:443/library/ubuntu", "docker.io/library/ubuntu:latest"),
+        ("localhost:5443/x", "localhost:5443/x:latest"),
     ],
 )
 def test_normalizes_like_the_container_runtime(written: str, normalized: str) -> None:
@@ -77,6 +84,8 @@ def test_rejects_malformed_references_with_an_error_not_a_crash(bad: str) -> Non
         ("ubuntu:*", "docker.io/library/ubuntu:*"),
         ("docker.io/lmsysorg/sglang:*", "docker.io/lmsysorg/sglang:*"),
         ("index.docker.io/a/b:*", "docker.io/a/b:*"),
+        ("NVCR.IO:443/nvidia/*", "nvcr.io/nvidia/*"),
+        ("registry-1.docker.io/a/b:*", "docker.io/a/b:*"),
         ("nvcr.io/nvidia/*", "nvcr.io/nvidia/*"),
         ("*/sglang:*", "*/sglang:*"),
     ],

@@ -64,6 +64,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from epguard.webhook.engine.imageref import HUB_NAMES
 from epguard.webhook.engine.namespaces import MODE_LABEL, MODES, Mode
 from epguard.webhook.engine.policy import SKIP_ANNOTATION, rule_denial, verdict_denial
 from epguard.webhook.engine.rules import Rule, RuleSet
@@ -616,21 +617,24 @@ def _mentions(c: str) -> str:
 def _repo(name: str) -> str:
     """CEL: the normalized repository of ``name`` (a valid reference's name as written),
     as imageref._split_domain: the first component is a registry host only if it has a
-    dot or a port, is ``localhost`` or has upper case; docker.io's one-component names
-    are under ``library/``."""
+    dot or a port, is ``localhost`` or has upper case; a host is compared without case
+    or the port 443; Docker Hub's names are docker.io, whose one-component names are
+    under ``library/``."""
     first = f"{name}.split('/')[0]"
     is_host = (
         f"({name}.contains('/') && ({first}.contains('.') || {first}.contains(':') || "
         f"{first} == 'localhost' || {first}.lowerAscii() != {first}))"
     )
     rest = f"{name}.substring(size({first}) + 1)"
+    lower = f"{first}.lowerAscii()"
+    host = f"({lower}.endsWith(':443') ? {lower}.substring(0, size({first}) - 4) : {lower})"
 
     def docker(path: str) -> str:
         return f"('docker.io/' + ({path}.contains('/') ? {path} : 'library/' + {path}))"
 
     return (
-        f"({is_host} ? (({first} == 'docker.io' || {first} == 'index.docker.io') ? "
-        f"{docker(rest)} : {name}) : {docker(name)})"
+        f"({is_host} ? ({host} in [{', '.join(map(_cel, HUB_NAMES))}] ? "
+        f"{docker(rest)} : {host} + '/' + {rest}) : {docker(name)})"
     )
 
 

@@ -16,6 +16,9 @@ from functools import lru_cache
 
 DEFAULT_DOMAIN = "docker.io"
 LEGACY_DEFAULT_DOMAIN = "index.docker.io"
+HUB_REGISTRY_DOMAIN = "registry-1.docker.io"  # where Docker Hub's API answers
+# Docker Hub's names, each read as DEFAULT_DOMAIN (controller/compiler.py's CEL too).
+HUB_NAMES = (DEFAULT_DOMAIN, LEGACY_DEFAULT_DOMAIN, HUB_REGISTRY_DOMAIN)
 OFFICIAL_REPO_PREFIX = "library/"
 MAX_NAME_LENGTH = 255
 
@@ -71,7 +74,13 @@ def _split_domain(name: str) -> tuple[str, str]:
         domain, remainder = first, rest
     else:
         domain, remainder = DEFAULT_DOMAIN, name
-    if domain == LEGACY_DEFAULT_DOMAIN:
+    # One registry, however its host is written: DNS names carry no case, 443 is the
+    # port HTTPS takes anyway, and Docker Hub answers under three names. The runtime
+    # keeps each spelling as its own name, but pulls the same bytes from the same
+    # registry, so a rule or a tag's verdict for one spelling holds for every other
+    # (``NVCR.IO/nvidia/...:1.6.1`` escaped a rule for ``nvcr.io/nvidia/...:1.6.*``).
+    domain = domain.lower().removesuffix(":443")
+    if domain in HUB_NAMES:
         domain = DEFAULT_DOMAIN
     if domain == DEFAULT_DOMAIN and "/" not in remainder:
         remainder = OFFICIAL_REPO_PREFIX + remainder
@@ -132,7 +141,10 @@ def normalize_pattern(pattern: str) -> str:
         return p
     first, sep, rest = p.partition("/")
     if sep and ("." in first or ":" in first or first == "localhost"):
-        return (DEFAULT_DOMAIN + "/" + rest) if first == LEGACY_DEFAULT_DOMAIN else p
+        domain = first.lower().removesuffix(":443")  # as _split_domain spells a host
+        if domain in HUB_NAMES:
+            domain = DEFAULT_DOMAIN
+        return f"{domain}/{rest}"
     if not sep:
         return f"{DEFAULT_DOMAIN}/{OFFICIAL_REPO_PREFIX}{p}"
     return f"{DEFAULT_DOMAIN}/{p}"
