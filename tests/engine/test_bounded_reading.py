@@ -9,7 +9,8 @@ import pytest
 
 from epguard.webhook.engine.argv import analyse_container
 from epguard.webhook.engine.policy import decide
-from tests.factory import make_state, request
+from epguard.webhook.engine.workloads import MAX_VISITS
+from tests.factory import BAD_IMAGE, container, make_state, request
 from tests.hostile_pods import CONTAINERS, doubling_env_pod, many_words_pod, nested_script_pod
 
 MAX_PEAK = 50 * 2**20
@@ -44,3 +45,30 @@ def test_a_nested_script_inside_the_budget_is_read_exactly() -> None:
     reports = [analyse_container(c) for c in containers]
     assert len(reports) == CONTAINERS
     assert all(r.requests_mooncake and not r.over_budget for r in reports)
+
+
+def _disaggregated(roles: list[dict[str, object]]) -> dict[str, object]:
+    return {
+        "apiVersion": "disaggregatedset.x-k8s.io/v1",
+        "kind": "DisaggregatedSet",
+        "metadata": {"name": "d", "namespace": "ml"},
+        "spec": {"roles": roles},
+    }
+
+
+def test_an_object_too_large_to_read_is_answered_by_mode_not_taken_for_no_pods() -> None:
+    """Past the walk's budget the object read as one without pods and was admitted: 9,999
+    empty roles and then one worker on a refused image (found by a review helper)."""
+    bad = {"spec": {"leaderWorkerTemplate": {"workerTemplate": {"spec": {"containers": [
+        container(image=BAD_IMAGE)]}}}}}  # fmt: skip
+    obj = _disaggregated([{} for _ in range(MAX_VISITS)] + [bad])
+    refused = decide(request(obj), make_state())
+    assert not refused.allowed and "too large for epguard" in refused.message
+    warned = decide(request(obj), make_state(default_mode="warn"))
+    assert warned.allowed and any("too large" in w for w in warned.warnings)
+    # An update of an object that was already that large is not blocked by it.
+    relabelled = decide(request(obj, operation="UPDATE", old=obj), make_state())
+    assert relabelled.allowed
+    # Within the budget, the same worker is read and refused by its image.
+    small = decide(request(_disaggregated([{}, bad])), make_state())
+    assert not small.allowed and "too large" not in small.message

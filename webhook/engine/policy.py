@@ -26,7 +26,9 @@ from epguard.webhook.engine.workloads import (
     ContainerView,
     KindRegistry,
     PodTemplateView,
+    TooManyPlaces,
     annotations_of,
+    as_map,
 )
 
 SKIP_ANNOTATION = "epguard.io/skip"
@@ -334,7 +336,10 @@ def decide(
     if (request.subResource or "") not in JUDGED_SUBRESOURCES:
         return ALLOW_IGNORED
     kinds = state.config.kinds
-    templates = kinds.pod_templates(request.kind.group, request.kind.kind, request.object)
+    try:
+        templates = kinds.pod_templates(request.kind.group, request.kind.kind, request.object)
+    except TooManyPlaces as exc:
+        return _too_many_places(request, state, exc)
     if templates is None:
         return ALLOW_IGNORED  # a kind epguard does not judge: never in the way
     now = now or dt.datetime.now(dt.UTC)
@@ -347,9 +352,12 @@ def decide(
     if request.operation == "UPDATE" and request.oldObject is not None:
         # Do not block an update (a scale-down, a finalizer removal, a label) of an
         # object whose problem was already there: only what the update introduces.
-        old_templates = kinds.pod_templates(
-            request.kind.group, request.kind.kind, request.oldObject
-        )
+        try:
+            old_templates = kinds.pod_templates(
+                request.kind.group, request.kind.kind, request.oldObject
+            )
+        except TooManyPlaces:
+            old_templates = []  # what the update introduces is judged: the new object
         old_keys = {
             f.key
             for f in _judge(old_templates or [], {}, state, now, ns.inject).findings
@@ -374,6 +382,27 @@ def decide(
     return _conclude(
         findings, mode, judgement.exemption if denied else judgement.template_exemption
     )
+
+
+def _too_many_places(request: AdmissionRequest, state: PolicyState, exc: TooManyPlaces) -> Decision:
+    """An object too large to read its pods from is never taken for one without any: a
+    denial by the namespace's mode (the pods it makes are judged one by one as they are
+    created). An UPDATE of an object that was already so large is not blocked."""
+    mode: Mode = state.namespaces.get(request.namespace).mode or state.config.default_mode
+    name = as_map(as_map(request.object).get("metadata")).get("name")
+    message = (
+        f"{request.kind.kind} {str(name)[:253]!r} is too large for epguard to read its pods "
+        f"from ({exc}); the pods it creates are judged as they are created"
+    )
+    finding = Finding("deny", message, "too-large", ("too-large",))
+    if request.operation == "UPDATE" and request.oldObject is not None:
+        try:
+            state.config.kinds.pod_templates(
+                request.kind.group, request.kind.kind, request.oldObject
+            )
+        except TooManyPlaces:
+            finding = Finding("warn", message + " (already so before this update)")
+    return _conclude([finding], mode, None)
 
 
 def _conclude(findings: list[Finding], mode: Mode, exemption: str | None) -> Decision:

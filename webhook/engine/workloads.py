@@ -33,6 +33,11 @@ _SEGMENT = re.compile(r"^(?:[A-Za-z_][A-Za-z0-9_]*(?:\[\])?|\*)$")
 MAX_VISITS = 10_000
 
 
+class TooManyPlaces(ValueError):
+    """An object whose paths reach more than MAX_VISITS values: not read, and never taken
+    for one without pods (policy.decide answers it by mode)."""
+
+
 class KindError(ValueError):
     """An admin-defined kind that cannot be used (named field and reason)."""
 
@@ -66,7 +71,9 @@ class TemplatePath:
             for where, value in found:
                 visits += 1
                 if visits > MAX_VISITS:
-                    return
+                    raise TooManyPlaces(
+                        f"its path {self.path} reaches more than {MAX_VISITS} values"
+                    )
                 m = as_map(value)
                 if seg == "*":
                     nxt.extend((f"{where}.{k}", v) for k, v in m.items() if isinstance(k, str))
