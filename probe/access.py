@@ -173,6 +173,40 @@ def user_site(environ):
     return os.path.join(base, "lib", version, "site-packages")
 
 
+def user_site_of(home, environ):
+    """The user site-packages a child with ``environ`` but HOME ``home`` would add (None:
+    it adds none, whatever the HOME)."""
+    return user_site(dict(environ, HOME=home))
+
+
+def another_users_site(environ, homes, runtime_home):
+    """A user site-packages that holds something, as (folder, its HOME), when which one
+    the child adds depends on the pod's user; None when it does not.
+
+    A child adds the user site of its HOME. Where the image sets no HOME, the runtime
+    sets the user's own from /etc/passwd (``runtime_home``; ``/`` for a uid it does not
+    name), so the packages found follow the pod's ``runAsUser``: an image whose packages
+    sit in one user's site reads "torch is not installed" for any uid whose HOME is
+    ``/``. ``homes``: every HOME a user of the image may have (inventory.user_homes). A
+    HOME other than the runtime's, or PYTHONUSERBASE, was set by the image: the same for
+    every user."""
+    if environ.get("PYTHONUSERBASE") or environ.get("HOME") != runtime_home:
+        return None
+    for home in homes:
+        site = user_site_of(home, environ)
+        if site is not None and _holds_something(site):
+            return site, home
+    return None
+
+
+def _holds_something(folder):
+    try:
+        with os.scandir(folder) as entries:
+            return next(entries, None) is not None
+    except OSError:
+        return False
+
+
 def refused_folder(folders):
     """The first of ``folders`` (the loader's search path) that exists and this user may
     not search; None when there is none. The loader skips such a folder for this user

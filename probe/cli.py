@@ -432,6 +432,11 @@ def _run(opts, worker):
         o, v, evidence, usable_here = _with_pod_environment(
             o, v, evidence, o_w, v_w, sandbox.said_names(pod_vars))
     dropped = sandbox.interpreter_variables(sandbox.worker_environment())
+    if v.verdict == _sibling("diagnosis").USABLE and not usable_here:
+        other = _users_site(sandbox.image_environment())
+        if other is not None:  # a pass another user's pod may not share
+            usable_here = True
+            evidence.insert(min(2, len(evidence)), "environment: " + other)
     if v.verdict != _sibling("diagnosis").USABLE and v.scope == message.IMAGE:
         refused = _refused_to_this_user(deep=not from_files,
                                         libraries=bool(v.missing_libraries))
@@ -472,7 +477,33 @@ def _refused_to_this_user(deep, libraries=False):
         folder = access.refused_folder(_sibling("elf").system_dirs(None, environ))
         if folder is not None:
             return _not_judged("cannot search", folder, "where the loader looks for libraries")
-    return None
+    files = _sibling("files")
+    if files.LIVE.denied is not None:
+        # Refused on the way to something the diagnosis looked for (a RUNPATH folder, a
+        # CUDA_HOME): what seems missing may only be hidden from this user.
+        return _not_judged("cannot read", files.LIVE.denied,
+                           "so what the image seems to lack may be hidden from it")
+    return _users_site(environ)
+
+
+def _users_site(environ):
+    """Why the packages found depend on the pod's user (its HOME's user site), in words;
+    None when they do not (probe/access.py another_users_site)."""
+    homes, _ = _sibling("inventory").user_homes([environ])
+    found = _sibling("access").another_users_site(environ, homes, _runtime_home())
+    if found is None:
+        return None
+    site, home = found
+    return (f"the image holds packages in {site[:200]!r}, the user site of HOME "
+            f"{home[:200]!r}, and a child adds the site of its user's HOME (uid "
+            f"{os.getuid()} has {environ.get('HOME', '')[:200]!r}): another user's pod "
+            "imports other packages, so the image is not judged as this user")
+
+
+def _runtime_home():
+    """The HOME the runtime gives this uid where the image sets none: its /etc/passwd
+    entry's, or ``/`` (read as every image file is: bounded, non-blocking)."""
+    return _sibling("inventory").passwd_home(os.getuid()) or "/"
 
 
 def _adapter_elsewhere():

@@ -223,18 +223,12 @@ MAX_HOMES = 256
 MAX_CACHE_ENTRIES = 256
 
 
-def jit_cache_roots(environs, fs=None):
-    """(every folder 0.3.14 would look for a prebuilt adapter in, for any user of the
-    image; why no list of folders can say it, or None).
-
-    The folders: ``MOONCAKE_PG_JIT_DIR`` of each environment given (the image's first),
-    and the default cache under each environment's HOME, ``/`` (a uid /etc/passwd does
-    not name), root's and every HOME ``/etc/passwd`` names. A pod runs as a user of its
-    choice (``runAsUser``), and its HOME follows: an adapter one user's mooncake finds is
-    no absence in the image for another's. mooncake expands ``~`` in the variable
-    (``Path.expanduser``), so ``~/x`` is looked for under every HOME. Undecided: a
-    relative value or HOME (the pod's ``workingDir`` decides), ``~name``, and a list cut
-    at MAX_HOMES (a place past it may hold the adapter)."""
+def user_homes(environs, fs=None):
+    """(every HOME a user of the image may have, the environments' first; why that list
+    may be incomplete, or None): each environment's HOME, ``/`` (a uid /etc/passwd does
+    not name: the runtime's HOME then), root's and every HOME ``/etc/passwd`` names, up
+    to MAX_HOMES users. A pod runs as a user of its choice (``runAsUser``), and its HOME
+    follows. Relative HOMEs are left out (and make the list undecided)."""
     fs = fs or files.Live()  # its own: ``denied`` says what this call was refused
     homes = [e.get("HOME") for e in environs] + ["/", "/root"]
     text = fs.read_text("/etc/passwd", MAX_PASSWD_BYTES)
@@ -252,7 +246,38 @@ def jit_cache_roots(environs, fs=None):
     for home in homes:
         if home and not posixpath.isabs(home):
             undecided = undecided or f"HOME {home!r} is relative"
-    homes = [h for h in homes if h and posixpath.isabs(h)]
+    out = []
+    for home in homes:
+        if home and posixpath.isabs(home) and home not in out:
+            out.append(home)
+    return out, undecided
+
+
+def passwd_home(uid, fs=None):
+    """The HOME /etc/passwd gives ``uid`` (None: it names no such user, or cannot be
+    read whole)."""
+    fs = fs or files.Live()
+    text = fs.read_text("/etc/passwd", MAX_PASSWD_BYTES)
+    for line in (text or "").splitlines():
+        fields = line.split(":")
+        if len(fields) >= 7 and fields[2] == str(uid):
+            return fields[5] or None
+    return None
+
+
+def jit_cache_roots(environs, fs=None):
+    """(every folder 0.3.14 would look for a prebuilt adapter in, for any user of the
+    image; why no list of folders can say it, or None).
+
+    The folders: ``MOONCAKE_PG_JIT_DIR`` of each environment given (the image's first),
+    and the default cache under each environment's HOME, ``/`` (a uid /etc/passwd does
+    not name), root's and every HOME ``/etc/passwd`` names. A pod runs as a user of its
+    choice (``runAsUser``), and its HOME follows: an adapter one user's mooncake finds is
+    no absence in the image for another's. mooncake expands ``~`` in the variable
+    (``Path.expanduser``), so ``~/x`` is looked for under every HOME. Undecided: a
+    relative value or HOME (the pod's ``workingDir`` decides), ``~name``, and a list cut
+    at MAX_HOMES (a place past it may hold the adapter)."""
+    homes, undecided = user_homes(environs, fs)
     roots = []
     for value in (e.get("MOONCAKE_PG_JIT_DIR") for e in environs):
         if not value:

@@ -688,3 +688,68 @@ def test_a_path_folder_the_user_cannot_search_proves_nothing_about_the_image(
     assert code == 0 and text.startswith(FILES_CLEAR), text
     # (The message names a path from the environment by its variable.)
     assert "cannot search '$PATH', a folder of PATH, so another python3 may run" in text, text
+
+
+def test_packages_in_a_user_site_that_follows_the_pods_user_are_no_image_fact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An image that installed its packages with ``pip install --user`` as its own user and
+    sets no HOME: the runtime gives each uid its passwd HOME (``/`` for one it does not
+    name), so a pod's runAsUser chose which user site the probe read, and "torch is not
+    installed", scope image, was learned for every tenant (found by a review helper).
+    Here in-process, with the homes given (the host's /etc/passwd is not the image's)."""
+    from epguard.probe import access
+
+    monkeypatch.setattr(access, "_venv_isolated", lambda: False)  # an image's python3
+    app = tmp_path / "home" / "app"
+    site = Path(access.user_site_of(str(app), {}))
+    homes = ["/", "/root", str(app)]
+    runtime = {"PATH": "/usr/bin:/bin", "HOME": "/"}  # a uid passwd does not name
+    assert access.another_users_site(runtime, homes, "/") is None  # no user site holds anything
+    site.mkdir(parents=True)
+    (site / "torch").mkdir()
+    assert access.another_users_site(runtime, homes, "/") == (str(site), str(app))
+    # The image's own user, HOME from the runtime: still one user's packages.
+    mine = {**runtime, "HOME": str(app)}
+    assert access.another_users_site(mine, homes, str(app)) == (str(site), str(app))
+    # A HOME or PYTHONUSERBASE the image sets is every user's.
+    assert access.another_users_site(mine, homes, "/root") is None
+    assert access.another_users_site({**runtime, "PYTHONUSERBASE": "/opt/u"}, homes, "/") is None
+
+
+def test_a_refusal_met_looking_for_a_library_or_a_toolchain_is_no_image_fact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The dependency walk (a RUNPATH folder) and the JIT toolchain check (CUDA_HOME)
+    stat through files.LIVE, which keeps the first path this user was refused; nothing
+    read it, so a root-only RUNPATH folder made "missing libibverbs.so.1", scope image,
+    for any other uid (found by a review helper). In-process: the refusal is given."""
+    from epguard.probe import cli, files
+
+    monkeypatch.setattr(files.LIVE, "denied", None)
+    assert cli._refused_to_this_user(deep=False, libraries=True) is None
+    monkeypatch.setattr(files.LIVE, "denied", "/opt/rdma/lib")
+    said = cli._refused_to_this_user(deep=False, libraries=True)
+    assert said is not None and "cannot read '/opt/rdma/lib'" in said
+    assert "the image is not judged as this user" in said
+
+
+def test_an_image_cause_read_through_one_users_site_is_this_pods(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The probe's check before a failure is called the image's: a user site that
+    follows the pod's user makes it this pod's (in-process, the homes and the runtime's
+    HOME given: the host's /etc/passwd is not the image's)."""
+    from epguard.probe import access, cli, files, inventory, sandbox
+
+    monkeypatch.setattr(access, "_venv_isolated", lambda: False)
+    monkeypatch.setattr(files.LIVE, "denied", None)
+    app = tmp_path / "app"
+    environ = {"PATH": "/usr/bin:/bin", "HOME": "/"}
+    monkeypatch.setattr(sandbox, "image_environment", lambda: environ)
+    monkeypatch.setattr(inventory, "user_homes", lambda environs, fs=None: (["/", str(app)], None))
+    monkeypatch.setattr(cli, "_runtime_home", lambda: "/")
+    assert cli._refused_to_this_user(deep=False) is None
+    (Path(access.user_site_of(str(app), environ)) / "torch").mkdir(parents=True)
+    said = cli._refused_to_this_user(deep=False)
+    assert said is not None and f"the user site of HOME {str(app)!r}" in said, said

@@ -165,3 +165,11 @@ def test_an_adapter_hidden_from_this_user_is_said_hidden(hide: str) -> None:
         assert as_nobody() == [None, str(hidden)]
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_the_runtimes_home_for_a_uid_is_its_passwd_entrys() -> None:
+    passwd = Passwd("root:x:0:0:root:/root:/bin/sh\nbuilder:x:1000:1000::/home/builder:/bin/sh\n")
+    assert inventory.passwd_home(1000, passwd) == "/home/builder"
+    assert inventory.passwd_home(0, passwd) == "/root"
+    assert inventory.passwd_home(4242, passwd) is None  # the runtime's HOME is then /
+    assert inventory.passwd_home(0, Passwd(None)) is None
