@@ -38,6 +38,8 @@ PACKAGES = ("mooncake", "torch", "sglang", "nvidia", "torchgen", "functorch")
 # this, what was not looked at is not reported (the walk says so in its result).
 MAX_ENTRIES = 200000
 MAX_PTH_BYTES = 1 << 20
+# Entries of another user's site looked at for PACKAGES (another_users_site).
+MAX_SITE_ENTRIES = 10000
 # The files an import reads: sources, compiled modules and the shared libraries they
 # load (``libfoo.so.12``), and what the probe reads of a dist-info.
 IMPORTED = (".py", ".so", ".pyd", ".pth")
@@ -180,8 +182,8 @@ def user_site_of(home, environ):
 
 
 def another_users_site(environ, homes, runtime_home):
-    """A user site-packages that holds something, as (folder, its HOME), when which one
-    the child adds depends on the pod's user; None when it does not.
+    """A user site-packages that holds one of PACKAGES, as (folder, its HOME), when which
+    one the child adds depends on the pod's user; None when it does not.
 
     A child adds the user site of its HOME. Where the image sets no HOME, the runtime
     sets the user's own from /etc/passwd (``runtime_home``; ``/`` for a uid it does not
@@ -194,17 +196,22 @@ def another_users_site(environ, homes, runtime_home):
         return None
     for home in homes:
         site = user_site_of(home, environ)
-        if site is not None and _holds_something(site):
+        if site is not None and _holds_the_packages(site):
             return site, home
     return None
 
 
-def _holds_something(folder):
+def _holds_the_packages(folder):
+    """Does ``folder`` hold one of PACKAGES (a module folder or a dist-info of one)?
+    Looks at MAX_SITE_ENTRIES entries at most (past them: it may, so it does)."""
     try:
         with os.scandir(folder) as entries:
-            return next(entries, None) is not None
+            for seen, entry in enumerate(entries):
+                if seen >= MAX_SITE_ENTRIES or entry.name.lower().startswith(PACKAGES):
+                    return True
     except OSError:
-        return False
+        pass
+    return False
 
 
 def refused_folder(folders):

@@ -439,7 +439,8 @@ def _run(opts, worker):
             evidence.insert(min(2, len(evidence)), "environment: " + other)
     if v.verdict != _sibling("diagnosis").USABLE and v.scope == message.IMAGE:
         refused = _refused_to_this_user(deep=not from_files,
-                                        libraries=bool(v.missing_libraries))
+                                        libraries=bool(v.missing_libraries),
+                                        cause=v.classification)
         fix = ("run the pod as a user that can read the image's packages (or make them "
                "readable in the image), then the probe can judge the image")
         if refused is None and v.classification == "jit-prerequisites":
@@ -455,7 +456,14 @@ def _run(opts, worker):
                     pod_vars)
 
 
-def _refused_to_this_user(deep, libraries=False):
+# Causes that say something is absent from the image (a package, a module, a name, a
+# library, a toolchain): a path this user was refused on the way may hide it.
+_ABSENCE = frozenset({"torch-not-installed", "mooncake-not-installed", "module-missing",
+                      "missing-names", "missing-libraries", "no-extension-for-torch",
+                      "jit-prerequisites", "cuda-mismatch"})
+
+
+def _refused_to_this_user(deep, libraries=False, cause=None):
     """A path Python finds packages through that this process's user may not read
     (probe/access.py), in words; None when there is none. Before a failure is called
     the image's: a cause only the pod's runAsUser sees is no fact about the image.
@@ -463,7 +471,10 @@ def _refused_to_this_user(deep, libraries=False):
     (after the reading of the files, which noted every refusal it met). Then the
     folders of PATH (the runtime looks python3 up as this user: past one it may not
     search, another interpreter runs, without the image's packages) and, with
-    ``libraries`` (a library is said missing), of the loader's search path."""
+    ``libraries`` (a library is said missing), of the loader's search path. With a
+    ``cause`` that says something is absent (_ABSENCE), any path this user was refused
+    while the probe looked (files.LIVE). Last, whether the packages found follow the
+    user's HOME (_users_site)."""
     environ = sandbox.image_environment()
     access = _sibling("access")
     where, _cut = access.refused(live_image(environ).path, environ, deep=deep)
@@ -478,9 +489,10 @@ def _refused_to_this_user(deep, libraries=False):
         if folder is not None:
             return _not_judged("cannot search", folder, "where the loader looks for libraries")
     files = _sibling("files")
-    if files.LIVE.denied is not None:
+    if files.LIVE.denied is not None and (libraries or cause in _ABSENCE):
         # Refused on the way to something the diagnosis looked for (a RUNPATH folder, a
-        # CUDA_HOME): what seems missing may only be hidden from this user.
+        # CUDA_HOME): what seems missing may only be hidden from this user. (Not a
+        # mismatch the files show whole: that is no absence.)
         return _not_judged("cannot read", files.LIVE.denied,
                            "so what the image seems to lack may be hidden from it")
     return _users_site(environ)
@@ -589,7 +601,7 @@ def _files_only(opts, req_argv):
     pod_vars = sandbox.pod_variables()
     if found is None:
         return _files_clear(opts, req_argv, facts, note, pod_vars)
-    refused = _refused_to_this_user(deep=False)
+    refused = _refused_to_this_user(deep=False, cause=found.verdict.classification)
     if refused is not None:
         return _files_clear(opts, req_argv, facts, refused + ": the files decide nothing",
                             pod_vars)

@@ -467,16 +467,31 @@ def test_the_probes_termination_message_settings_are_signed(
     assert "differ from what epguard signed" in response["status"]["message"]
 
 
-def test_a_signature_of_an_older_format_is_no_evidence(signed: RunningServer) -> None:
+def test_a_signature_of_the_older_format_is_admitted_and_never_evidence(
+    signed: RunningServer,
+) -> None:
+    """A pod an old webhook replica mutated during an upgrade (format v2, which did not
+    sign the termination message): admitted with a warning, so an upgrade refuses no
+    pod, but never evidence, since what v2 left out is what a replayed probe would
+    change. A v2 signature that does not verify is refused as any forged one."""
     stored = injected(signed, worker_pod())
     ring = signed.runtime.state.keys.ring
     assert ring is not None
     annotations = stored["metadata"]["annotations"]
-    annotations[SIGNATURE_ANNOTATION] = "v2" + annotations[SIGNATURE_ANNOTATION][len(FORMAT) :]
+    annotations[SIGNATURE_ANNOTATION] = sign(
+        ring.current, "ml", stored, dt.datetime.now(dt.UTC), fmt="v2"
+    )
+    probe = next(c for c in stored["spec"]["initContainers"] if c["name"] == "epguard-probe")
+    probe["terminationMessagePath"] = "/usr/lib/python3/dist-packages/mooncake/pg.py"
     checked = verify(ring, "ml", stored)
     assert not checked.ok and checked.outdated and "older epguard" in checked.reason
     response = post(signed, "/validate", review(stored))
-    assert response["allowed"] is False and "older epguard" in response["status"]["message"]
+    assert response["allowed"] is True
+    assert any("will not be learned" in w and "older epguard" in w for w in response["warnings"])
+    forged = annotations[SIGNATURE_ANNOTATION][:-4] + "0000"
+    annotations[SIGNATURE_ANNOTATION] = forged
+    assert not verify(ring, "ml", stored).outdated
+    assert post(signed, "/validate", review(stored))["allowed"] is False
 
 
 def test_a_mesh_init_container_before_the_probe_is_still_evidence(signed: RunningServer) -> None:

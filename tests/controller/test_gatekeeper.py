@@ -53,6 +53,7 @@ from epguard.webhook.engine.signing import (
     Keyring,
     new_keyring,
     rotated,
+    sign,
     verify,
 )
 
@@ -1361,10 +1362,11 @@ def test_a_preflight_signed_with_a_key_no_longer_held_is_made_again(change: str)
         assert ring is not None
         if change == "replaced":
             pf.keys.ring = new_keyring(NOW)  # type: ignore[attr-defined]
-        elif change == "older format":
-            annotations = api.preflights()[0]["metadata"]["annotations"]
-            fields = annotations[SIGNATURE_ANNOTATION].split(":")
-            annotations[SIGNATURE_ANNOTATION] = ":".join(["v2", *fields[1:]])
+        elif change == "older format":  # as the epguard before this one signed it
+            made = api.preflights()[0]
+            made["metadata"]["annotations"][SIGNATURE_ANNOTATION] = sign(
+                ring.current, "ml", made, NOW, fmt="v2"
+            )
         else:
             for _ in range(MAX_KEYS):  # the key that signed it is no longer kept
                 ring = rotated(ring, NOW)

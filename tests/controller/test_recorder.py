@@ -457,7 +457,7 @@ class TestVerdicts:
         record(probed_pod("u1", UNUSABLE_MSG, 1, restart_count=3), memo)
         waiting = probed_pod("u1", UNUSABLE_MSG, 1, section="lastState", restart_count=3)
         record(waiting, memo)
-        running = probed_pod("u1", UNUSABLE_MSG, 1, section="lastState", restart_count=4)
+        running = probed_pod("u1", UNUSABLE_MSG, 1, section="running again", restart_count=4)
         record(running, replica(api, T2))  # another replica, after a failover
         assert api.spec()["count"] == 1 and api.verdict_writes == 1
 

@@ -69,6 +69,11 @@ def test_an_object_too_large_to_read_is_answered_by_mode_not_taken_for_no_pods()
     # An update of an object that was already that large is not blocked by it.
     relabelled = decide(request(obj, operation="UPDATE", old=obj), make_state())
     assert relabelled.allowed
+    # The object's own exemption holds, as for any denial.
+    skipped = {**obj, "metadata": {"name": "d", "namespace": "ml",
+                                   "annotations": {"epguard.io/skip": "load test"}}}  # fmt: skip
+    exempted = decide(request(skipped), make_state())
+    assert exempted.allowed and exempted.result == "exempted"
     # Within the budget, the same worker is read and refused by its image.
     small = decide(request(_disaggregated([{}, bad])), make_state())
     assert not small.allowed and "too large" not in small.message

@@ -65,6 +65,7 @@ def test_keeps_no_tag_for_a_digest_only_reference() -> None:
         "lmsysorg//sglang",
         "lmsysorg/sglang:-bad",
         "lmsysorg/sglang:" + "a" * 129,
+        "\u212aube.io/x:1",  # a Kelvin sign lower-cases to "k": still not a host name
         "a/" * 200 + "b",
         "-x/y",
         "x/y:tag:more",

@@ -707,7 +707,9 @@ def test_packages_in_a_user_site_that_follows_the_pods_user_are_no_image_fact(
     runtime = {"PATH": "/usr/bin:/bin", "HOME": "/"}  # a uid passwd does not name
     assert access.another_users_site(runtime, homes, "/") is None  # no user site holds anything
     site.mkdir(parents=True)
-    (site / "torch").mkdir()
+    (site / "requests").mkdir()  # packages the probe never imports: the same answer
+    assert access.another_users_site(runtime, homes, "/") is None
+    (site / "torch-2.13.0.dist-info").mkdir()
     assert access.another_users_site(runtime, homes, "/") == (str(site), str(app))
     # The image's own user, HOME from the runtime: still one user's packages.
     mine = {**runtime, "HOME": str(app)}
@@ -726,12 +728,16 @@ def test_a_refusal_met_looking_for_a_library_or_a_toolchain_is_no_image_fact(
     for any other uid (found by a review helper). In-process: the refusal is given."""
     from epguard.probe import cli, files
 
+    monkeypatch.setattr(cli, "_users_site", lambda environ: None)  # not this test's
     monkeypatch.setattr(files.LIVE, "denied", None)
     assert cli._refused_to_this_user(deep=False, libraries=True) is None
     monkeypatch.setattr(files.LIVE, "denied", "/opt/rdma/lib")
     said = cli._refused_to_this_user(deep=False, libraries=True)
     assert said is not None and "cannot read '/opt/rdma/lib'" in said
     assert "the image is not judged as this user" in said
+    assert cli._refused_to_this_user(deep=False, cause="jit-prerequisites") == said
+    # A mismatch the files show whole is no absence a refusal could hide.
+    assert cli._refused_to_this_user(deep=False, cause="abi-mismatch") is None
 
 
 def test_an_image_cause_read_through_one_users_site_is_this_pods(

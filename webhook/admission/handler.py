@@ -201,7 +201,7 @@ def forged_parts_outcome(
         )
     checked = check_signature(keys.ring, req.namespace or "", obj)
     stale = (
-        checked.ok
+        (checked.ok or checked.outdated)
         and req.operation == "CREATE"
         and checked.signed_at is not None
         and not fresh(checked.signed_at, now or _utcnow())
@@ -215,6 +215,10 @@ def forged_parts_outcome(
         )
     if checked.ok:
         return _exposure_warning(req, obj)
+    if checked.outdated:
+        # An old replica's /mutate during an upgrade: admitted, never evidence (the
+        # controller verifies every pod before it learns anything).
+        return _learns_nothing(req, obj, checked.reason)
     if unchanged:
         return None
     return _forged(req, obj, checked.reason)
@@ -237,9 +241,13 @@ def _exposure_warning(req: AdmissionRequest, obj: Mapping[str, Any]) -> Outcome 
     exposed = exposure(obj)
     if exposed is None:
         return None
+    return _learns_nothing(req, obj, exposed)
+
+
+def _learns_nothing(req: AdmissionRequest, obj: Mapping[str, Any], why: str) -> Outcome:
     warning = (
         f"epguard: the probe's result in pod {req.namespace}/{_name_of(obj)} will not be "
-        f"learned: {exposed}"
+        f"learned: {why}"
     )
     return Outcome(True, "warned", warnings=(warning,), rules=("probe-exposed",), note=warning)
 

@@ -79,7 +79,8 @@ def _split_domain(name: str) -> tuple[str, str]:
     # keeps each spelling as its own name, but pulls the same bytes from the same
     # registry, so a rule or a tag's verdict for one spelling holds for every other
     # (``NVCR.IO/nvidia/...:1.6.1`` escaped a rule for ``nvcr.io/nvidia/...:1.6.*``).
-    domain = domain.lower().removesuffix(":443")
+    if domain.isascii():  # else the grammar refuses it below, as the backstop's CEL does
+        domain = domain.lower().removesuffix(":443")
     if domain in HUB_NAMES:
         domain = DEFAULT_DOMAIN
     if domain == DEFAULT_DOMAIN and "/" not in remainder:
@@ -141,7 +142,7 @@ def normalize_pattern(pattern: str) -> str:
         return p
     first, sep, rest = p.partition("/")
     if sep and ("." in first or ":" in first or first == "localhost"):
-        domain = first.lower().removesuffix(":443")  # as _split_domain spells a host
+        domain = first.lower().removesuffix(":443") if first.isascii() else first
         if domain in HUB_NAMES:
             domain = DEFAULT_DOMAIN
         return f"{domain}/{rest}"

@@ -115,8 +115,9 @@ class ProbeOutcome:
         container and the time the kubelet says it ended. Not the restart count: during a
         crash loop the kubelet shows one termination under two counts (in ``state`` while
         it ends, in ``lastState`` while it waits with the count unchanged, and with the
-        count raised once the next run starts), so a key with it changed and the run was
-        recorded again (found by a review helper on 3c638ec)."""
+        count raised once the next run starts, when it is no longer read: _same_run), so
+        a key with it changed and the run was recorded again (found by a review helper
+        on 3c638ec)."""
         return f"{self.container}/{self.finished_at}"
 
 

@@ -395,6 +395,8 @@ def _too_many_places(request: AdmissionRequest, state: PolicyState, exc: TooMany
         f"from ({exc}); the pods it creates are judged as they are created"
     )
     finding = Finding("deny", message, "too-large", ("too-large",))
+    skip = annotations_of(request.object).get(SKIP_ANNOTATION)
+    exemption = skip if state.config.allow_skip else None
     if request.operation == "UPDATE" and request.oldObject is not None:
         try:
             state.config.kinds.pod_templates(
@@ -402,7 +404,7 @@ def _too_many_places(request: AdmissionRequest, state: PolicyState, exc: TooMany
             )
         except TooManyPlaces:
             finding = Finding("warn", message + " (already so before this update)")
-    return _conclude([finding], mode, None)
+    return _conclude([finding], mode, exemption if finding.severity == "deny" else None)
 
 
 def _conclude(findings: list[Finding], mode: Mode, exemption: str | None) -> Decision:

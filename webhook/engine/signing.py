@@ -51,11 +51,10 @@ PREFIX = "epguard-"
 SIGNATURE_ANNOTATION = "epguard.io/probe-signature"
 PROBE_VOLUME = "epguard-probe"
 FORMAT = "v3"
-# Formats of older epguards, which signed less (v2: not the probe's termination message):
-# never evidence now. The controller makes such a preflight again; /validate refuses a
-# CREATE signed so (a pod mutated by an old replica during an upgrade: its controller
-# creates it again).
-OLDER_FORMATS = frozenset({"v1", "v2"})
+# The format of the epguard before, which signed less (not the probe's termination
+# message): still checked, so that a pod an old webhook replica mutated during an upgrade
+# is admitted, but never evidence. The controller makes such a preflight again.
+OLDER_FORMAT = "v2"
 
 # The Secret's one data key: JSON {"keys": [{"id", "key" (base64), "created"}, ...]},
 # newest first. Two keys are kept after a rotation so pods signed just before it verify.
@@ -235,7 +234,7 @@ def is_epguard_name(name: object) -> bool:
     return isinstance(name, str) and name.startswith(PREFIX)
 
 
-def _project_container(c: Mapping[str, Any]) -> dict[str, Any]:
+def _project_container(c: Mapping[str, Any], fmt: str = FORMAT) -> dict[str, Any]:
     out: dict[str, Any] = {
         str(f): v
         for f, v in c.items()
@@ -247,10 +246,11 @@ def _project_container(c: Mapping[str, Any]) -> dict[str, Any]:
         for section in ("requests", "limits")
         if as_map(resources.get(section))
     }
-    if as_list(resources.get("claims")):  # a DRA claim gives the container a device
-        out["resources"]["claims"] = as_list(resources.get("claims"))
-    out["terminationMessagePath"] = c.get("terminationMessagePath") or _TERMINATION_PATH
-    out["terminationMessagePolicy"] = c.get("terminationMessagePolicy") or _TERMINATION_POLICY
+    if fmt != OLDER_FORMAT:
+        if as_list(resources.get("claims")):  # a DRA claim gives the container a device
+            out["resources"]["claims"] = as_list(resources.get("claims"))
+        out["terminationMessagePath"] = c.get("terminationMessagePath") or _TERMINATION_PATH
+        out["terminationMessagePolicy"] = c.get("terminationMessagePolicy") or _TERMINATION_POLICY
     out["volumeMounts"] = [
         {
             "name": m.get("name"),
@@ -352,14 +352,15 @@ def _payload(
     namespace: str,
     pod: Mapping[str, Any],
     signed_at: int,
+    fmt: str = FORMAT,
 ) -> bytes:
     parts = parts_of(pod)
     spec = as_map(pod.get("spec"))
     doc = {
-        "format": FORMAT,
+        "format": fmt,
         "namespace": namespace,
         "signedAt": signed_at,
-        "containers": [_project_container(c) for c in parts.containers],
+        "containers": [_project_container(c, fmt) for c in parts.containers],
         "volume": dict(parts.volume) if parts.volume is not None else None,
         "label": parts.label,
         "pod": {f: spec[f] for f in _POD_FIELDS if spec.get(f) not in (None, False, {}, "")},
@@ -367,12 +368,15 @@ def _payload(
     return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
-def sign(key: Key, namespace: str, pod: Mapping[str, Any], now: dt.datetime) -> str:
+def sign(
+    key: Key, namespace: str, pod: Mapping[str, Any], now: dt.datetime, fmt: str = FORMAT
+) -> str:
     """The annotation value for a pod as it will be stored (after /mutate's patch, with
-    its probed label): ``v3:<key id>:<unix seconds>:<hex HMAC>``."""
+    its probed label): ``v3:<key id>:<unix seconds>:<hex HMAC>``. (``fmt``: the older
+    format, as an old replica signs, for tests of an upgrade.)"""
     signed_at = int(now.timestamp())
-    mac = hmac.new(key.secret, _payload(namespace, pod, signed_at), hashlib.sha256)
-    return f"{FORMAT}:{key.id}:{signed_at}:{mac.hexdigest()}"
+    mac = hmac.new(key.secret, _payload(namespace, pod, signed_at, fmt), hashlib.sha256)
+    return f"{fmt}:{key.id}:{signed_at}:{mac.hexdigest()}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -381,7 +385,7 @@ class Verification:
     reason: str  # why not, in words a tenant and an admin can act on; "" when ok
     key_id: str = ""  # the key the signature names, held or not ("" without a signature)
     signed_at: int | None = None  # when /mutate signed it (unix seconds), once verified
-    outdated: bool = False  # signed by an older epguard (OLDER_FORMATS)
+    outdated: bool = False  # signed, by an older epguard (OLDER_FORMAT): no evidence
 
 
 def verify(ring: Keyring, namespace: str, pod: Mapping[str, Any]) -> Verification:
@@ -408,15 +412,8 @@ def check_signature(ring: Keyring, namespace: str, pod: Mapping[str, Any]) -> Ve
             False, f"its epguard-* init containers carry no {SIGNATURE_ANNOTATION} annotation"
         )
     fields = parts.signature.split(":")
-    if len(fields) == 4 and fields[0] in OLDER_FORMATS:
-        return Verification(
-            False,
-            f"its {SIGNATURE_ANNOTATION} was made by an older epguard (format {fields[0]}, "
-            "which signed less than this one checks)",
-            outdated=True,
-        )
     # ASCII digits only: str.isdigit() is true of "²", which int() refuses.
-    if (len(fields) != 4 or fields[0] != FORMAT or not fields[2].isascii()
+    if (len(fields) != 4 or fields[0] not in (FORMAT, OLDER_FORMAT) or not fields[2].isascii()
             or not fields[2].isdigit() or len(fields[2]) > 12):  # fmt: skip
         return Verification(False, f"its {SIGNATURE_ANNOTATION} annotation is malformed")
     key = ring.find(fields[1])
@@ -427,7 +424,8 @@ def check_signature(ring: Keyring, namespace: str, pod: Mapping[str, Any]) -> Ve
             fields[1],
         )
     signed_at = int(fields[2])
-    expected = hmac.new(key.secret, _payload(namespace, pod, signed_at), hashlib.sha256)
+    payload = _payload(namespace, pod, signed_at, fields[0])
+    expected = hmac.new(key.secret, payload, hashlib.sha256)
     if not hmac.compare_digest(expected.hexdigest().encode(), fields[3].encode()):
         return Verification(
             False,
@@ -435,6 +433,15 @@ def check_signature(ring: Keyring, namespace: str, pod: Mapping[str, Any]) -> Ve
             f"{PROBED_LABEL} label or the pod's process, host or security settings differ "
             "from what epguard signed",
             key.id,
+        )
+    if fields[0] == OLDER_FORMAT:
+        return Verification(
+            False,
+            f"it was signed by an older epguard (format {OLDER_FORMAT}, which did not sign "
+            "the probe's termination message)",
+            key.id,
+            signed_at,
+            outdated=True,
         )
     return Verification(True, "", key.id, signed_at)
 
