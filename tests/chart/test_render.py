@@ -29,6 +29,7 @@ Obj = dict[str, Any]
 
 WORKLOAD_RESOURCES = {
     ("", "pods"),
+    ("", "pods/ephemeralcontainers"),  # kubectl debug
     ("apps", "deployments"),
     ("apps", "statefulsets"),
     ("apps", "daemonsets"),
