@@ -123,6 +123,26 @@ def test_a_worker_whose_flag_admission_cannot_see_is_probed_not_gated(
     assert any("the epguard probe checks it when the pod starts" in w for w in said["warnings"])
 
 
+def test_a_worker_in_a_native_sidecar_is_probed_first_and_not_gated(
+    server: RunningServer,
+) -> None:
+    """An SGLang worker run as a native sidecar (an init container with restartPolicy
+    Always) got no probe (injection read spec.containers only): now the probe runs before
+    it. The gate and the preflight judge the containers' images only."""
+    sidecar = {**container(image=NEW, name="sglang"), "restartPolicy": "Always"}
+    plain = container(image="registry.example/proxy:1", name="proxy", args=["--port", "8"])
+    obj = pod([plain], init=[sidecar], annotations=INJECT)
+    response, stored = mutate(server, obj)
+    assert response["allowed"] is True
+    names = [c["name"] for c in stored["spec"]["initContainers"]]
+    assert names[-1] == "sglang" and PROBE_CONTAINER in names[:-1]
+    probe = next(c for c in stored["spec"]["initContainers"] if c["name"] == PROBE_CONTAINER)
+    assert probe["image"] == NEW and probe["command"][-1] == sidecar["args"][-1]
+    assert not is_gated(stored)
+    ring = server.runtime.state.keys.ring
+    assert ring is not None and verify(ring, "ml", stored).ok
+
+
 def test_a_namespace_label_overrides_the_default_both_ways(
     server: RunningServer, tmp_path: Path
 ) -> None:

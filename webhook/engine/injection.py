@@ -278,14 +278,22 @@ def plan(pod_spec: Any, settings: InjectionSettings, path: str = "/spec") -> Inj
     spec = as_map(pod_spec)
     kept = _kept(spec)
     budget = shell.Budget()
+    # The tenant's own init containers too: a worker may run as a native sidecar
+    # (restartPolicy: Always), and the probe, first of all, runs before it.
+    containers = [c for c in as_list(spec.get("containers")) if isinstance(c, Mapping)]
     reports = [
-        (c, analyse_container(c, budget))
-        for c in as_list(spec.get("containers"))
-        if isinstance(c, Mapping) and c.get("image")
+        (c, analyse_container(c, budget), main)
+        for main, group in ((True, containers), (False, kept.inits))
+        for c in group
+        if c.get("image")
     ]
-    workers = [c for c, report in reports if report.may_request_mooncake]
+    workers = [c for c, report, _ in reports if report.may_request_mooncake]
+    # The gate and the preflight (gatekeeper.worker_keys, preflight_pod) judge the
+    # containers' images only: a worker in an init container is probed, not gated.
     settled = tuple(
-        dict.fromkeys(str(c.get("image")) for c, report in reports if report.requests_mooncake)
+        dict.fromkeys(
+            str(c.get("image")) for c, report, main in reports if main and report.requests_mooncake
+        )
     )
     if not workers:
         patch = _removal(kept, path)
