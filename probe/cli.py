@@ -477,9 +477,15 @@ def _refused_to_this_user(deep, libraries=False, cause=None):
     user's HOME (_users_site)."""
     environ = sandbox.image_environment()
     access = _sibling("access")
-    where, _cut = access.refused(live_image(environ).path, environ, deep=deep)
+    where, cut = access.refused(live_image(environ).path, environ, deep=deep)
     if where is not None:
         return _not_judged("cannot read", where, "so a package may be hidden from it")
+    if cut and os.getuid() != 0:
+        # Past the walk's budget a refusal is unknown, not absent (root is refused
+        # nothing the permission bits decide).
+        return (f"the packages hold more than {access.MAX_ENTRIES} entries, more than "
+                f"epguard looks at for what this pod's user (uid {os.getuid()}) may read: "
+                "the image is not judged as this user")
     folder = access.refused_folder(environ.get("PATH", "").split(os.pathsep)[:256])
     if folder is not None:
         return _not_judged("cannot search", folder,

@@ -759,3 +759,22 @@ def test_an_image_cause_read_through_one_users_site_is_this_pods(
     (Path(access.user_site_of(str(app), environ)) / "torch").mkdir(parents=True)
     said = cli._refused_to_this_user(deep=False)
     assert said is not None and f"the user site of HOME {str(app)!r}" in said, said
+
+
+def test_a_package_walk_cut_by_its_budget_judges_nothing_for_another_user(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past 200,000 entries the access walk stops; a refusal past it was taken for none
+    (found by a review helper). In-process: the cut walk and the uid are given."""
+    import os
+
+    from epguard.probe import access, cli, files
+
+    monkeypatch.setattr(cli, "_users_site", lambda environ: None)
+    monkeypatch.setattr(files.LIVE, "denied", None)
+    monkeypatch.setattr(access, "refused", lambda path, environ, deep=True: (None, True))
+    monkeypatch.setattr(os, "getuid", lambda: 1000)
+    said = cli._refused_to_this_user(deep=True)
+    assert said is not None and "more than 200000 entries" in said and "uid 1000" in said
+    monkeypatch.setattr(access, "refused", lambda path, environ, deep=True: (None, False))
+    assert cli._refused_to_this_user(deep=True) is None
