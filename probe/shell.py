@@ -407,6 +407,10 @@ def _collect(words_, where, env, budget, depth, out):
     if depth >= MAX_DEPTH:
         raise OverBudget()
     raw = words_
+    if depth == 0 and sum(map(len, raw)) > budget.left:
+        # Over budget whatever unwrap would skip (the words below are charged either way,
+        # a script word when it is read): not walked word by word.
+        raise OverBudget()
     words_ = unwrap(words_)
     at = shell_script(words_)
     if depth == 0:
