@@ -695,6 +695,11 @@ class TestNotes:
         assert "allowSkip is true" in warnings
         assert text.index("WARNINGS") < text.index("See what epguard refused")
 
+    def test_an_object_selector_tenants_can_step_outside_is_warned_about(self) -> None:
+        assert "objectSelector" not in self.notes().split("\n\n", 1)[0]
+        text = self.notes("--set", "webhook.objectSelector.matchLabels.team=ml")
+        assert "webhook.objectSelector is set" in text.split("\n\n", 1)[0]
+
     def test_closing_the_exemption_door_removes_that_warning(self) -> None:
         text = self.notes("--set", "webhook.allowSkip=false")
         assert "allowSkip" not in text

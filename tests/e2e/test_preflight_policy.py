@@ -230,6 +230,13 @@ def test_the_controller_may_set_its_own_condition_only(cp: ControlPlane, gated: 
     assert refused(status([ours], phase="Running"), "its own epguard.io/Preflight condition")
     assert refused(status([ours], podIPs=[{"ip": "10.0.0.9"}]), "its own epguard.io/Preflight")
     assert refused(status([ours], message="hello"), "its own epguard.io/Preflight condition")
+    # The API server keeps labels, annotations and finalizers writable through
+    # pods/status: relabelled as a preflight, any pod was the controller's to delete
+    # (found by a review helper).
+    for meta in ({"labels": {"epguard.io/preflight-pod": "true"}},
+                 {"annotations": {"x": "y"}}, {"finalizers": ["example.com/hold"]}):  # fmt: skip
+        assert refused(patch_status({"metadata": meta, "status": {"conditions": [ours]}}),
+                       "its own epguard.io/Preflight condition"), meta  # fmt: skip
     got = json.loads(cp.kubectl("get", "pod", gated, "-n", TENANT, "-o", "json").stdout)
     types = [c["type"] for c in got["status"].get("conditions", [])]
     # The API server's own PodScheduled (reason SchedulingGated) and ours; not "Ready".
