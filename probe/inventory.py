@@ -239,10 +239,7 @@ def user_homes(environs, fs=None):
         undecided = "/etc/passwd could not be read whole"
     elif len(lines) > MAX_HOMES:
         undecided = f"more than {MAX_HOMES} users in /etc/passwd"
-    for line in lines[:MAX_HOMES]:
-        fields = line.split(":")
-        if len(fields) >= 7:
-            homes.append(fields[5])
+    homes += [home for _, home in _passwd_entries(lines[:MAX_HOMES])]
     for home in homes:
         if home and not posixpath.isabs(home):
             undecided = undecided or f"HOME {home!r} is relative"
@@ -258,11 +255,16 @@ def passwd_home(uid, fs=None):
     read whole)."""
     fs = fs or files.Live()
     text = fs.read_text("/etc/passwd", MAX_PASSWD_BYTES)
-    for line in (text or "").splitlines():
+    return next((home or None for u, home in _passwd_entries((text or "").splitlines())
+                 if u == str(uid)), None)
+
+
+def _passwd_entries(lines):
+    """(uid, HOME) of each well-formed /etc/passwd line."""
+    for line in lines:
         fields = line.split(":")
-        if len(fields) >= 7 and fields[2] == str(uid):
-            return fields[5] or None
-    return None
+        if len(fields) >= 7:
+            yield fields[2], fields[5]
 
 
 def jit_cache_roots(environs, fs=None):

@@ -65,6 +65,18 @@ class ImageRef:
         return self.name_tag + (f"@{self.digest}" if self.digest else "")
 
 
+def _host(domain: str) -> str:
+    """One registry, however its host is written: DNS names carry no case, 443 is the
+    port HTTPS takes anyway, and Docker Hub answers under three names. The runtime keeps
+    each spelling as its own name, but pulls the same bytes from the same registry, so a
+    rule or a tag's verdict for one spelling holds for every other
+    (``NVCR.IO/nvidia/...:1.6.1`` escaped a rule for ``nvcr.io/nvidia/...:1.6.*``). A
+    non-ASCII host is left for the grammar to refuse, as the backstop's CEL does."""
+    if domain.isascii():
+        domain = domain.lower().removesuffix(":443")
+    return DEFAULT_DOMAIN if domain in HUB_NAMES else domain
+
+
 def _split_domain(name: str) -> tuple[str, str]:
     # docker's rule: the first component is a registry host only if it looks like
     # one (has a dot or a port, is "localhost", or has upper case letters, which a
@@ -74,15 +86,7 @@ def _split_domain(name: str) -> tuple[str, str]:
         domain, remainder = first, rest
     else:
         domain, remainder = DEFAULT_DOMAIN, name
-    # One registry, however its host is written: DNS names carry no case, 443 is the
-    # port HTTPS takes anyway, and Docker Hub answers under three names. The runtime
-    # keeps each spelling as its own name, but pulls the same bytes from the same
-    # registry, so a rule or a tag's verdict for one spelling holds for every other
-    # (``NVCR.IO/nvidia/...:1.6.1`` escaped a rule for ``nvcr.io/nvidia/...:1.6.*``).
-    if domain.isascii():  # else the grammar refuses it below, as the backstop's CEL does
-        domain = domain.lower().removesuffix(":443")
-    if domain in HUB_NAMES:
-        domain = DEFAULT_DOMAIN
+    domain = _host(domain)
     if domain == DEFAULT_DOMAIN and "/" not in remainder:
         remainder = OFFICIAL_REPO_PREFIX + remainder
     return domain, remainder
@@ -142,10 +146,7 @@ def normalize_pattern(pattern: str) -> str:
         return p
     first, sep, rest = p.partition("/")
     if sep and ("." in first or ":" in first or first == "localhost"):
-        domain = first.lower().removesuffix(":443") if first.isascii() else first
-        if domain in HUB_NAMES:
-            domain = DEFAULT_DOMAIN
-        return f"{domain}/{rest}"
+        return f"{_host(first)}/{rest}"
     if not sep:
         return f"{DEFAULT_DOMAIN}/{OFFICIAL_REPO_PREFIX}{p}"
     return f"{DEFAULT_DOMAIN}/{p}"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from epguard.probe import shell
 from epguard.webhook.engine.argv import FLAG, NOTHING, analyse_container
@@ -335,11 +335,7 @@ def decide(
         return ALLOW_IGNORED
     if (request.subResource or "") not in JUDGED_SUBRESOURCES:
         return ALLOW_IGNORED
-    kinds = state.config.kinds
-    try:
-        templates = kinds.pod_templates(request.kind.group, request.kind.kind, request.object)
-    except TooManyPlaces as exc:
-        return _too_many_places(request, state, exc)
+    templates, unread = _pods_of(request, request.object, state.config.kinds)
     if templates is None:
         return ALLOW_IGNORED  # a kind epguard does not judge: never in the way
     now = now or dt.datetime.now(dt.UTC)
@@ -347,22 +343,14 @@ def decide(
     mode: Mode = ns.mode or state.config.default_mode
     obj_annotations = dict(annotations_of(request.object))
     judgement = _judge(templates, obj_annotations, state, now, ns.inject)
-    findings = judgement.findings
+    findings = unread + judgement.findings
 
     if request.operation == "UPDATE" and request.oldObject is not None:
         # Do not block an update (a scale-down, a finalizer removal, a label) of an
         # object whose problem was already there: only what the update introduces.
-        try:
-            old_templates = kinds.pod_templates(
-                request.kind.group, request.kind.kind, request.oldObject
-            )
-        except TooManyPlaces:
-            old_templates = []  # what the update introduces is judged: the new object
-        old_keys = {
-            f.key
-            for f in _judge(old_templates or [], {}, state, now, ns.inject).findings
-            if f.severity == "deny"
-        }
+        old_templates, old_unread = _pods_of(request, request.oldObject, state.config.kinds)
+        old_findings = _judge(old_templates or [], {}, state, now, ns.inject).findings
+        old_keys = {f.key for f in old_unread + old_findings if f.severity == "deny"}
         findings = [
             Finding(
                 "warn",
@@ -384,27 +372,22 @@ def decide(
     )
 
 
-def _too_many_places(request: AdmissionRequest, state: PolicyState, exc: TooManyPlaces) -> Decision:
-    """An object too large to read its pods from is never taken for one without any: a
-    denial by the namespace's mode (the pods it makes are judged one by one as they are
-    created). An UPDATE of an object that was already so large is not blocked."""
-    mode: Mode = state.namespaces.get(request.namespace).mode or state.config.default_mode
-    name = as_map(as_map(request.object).get("metadata")).get("name")
-    message = (
-        f"{request.kind.kind} {str(name)[:253]!r} is too large for epguard to read its pods "
-        f"from ({exc}); the pods it creates are judged as they are created"
-    )
-    finding = Finding("deny", message, "too-large", ("too-large",))
-    skip = annotations_of(request.object).get(SKIP_ANNOTATION)
-    exemption = skip if state.config.allow_skip else None
-    if request.operation == "UPDATE" and request.oldObject is not None:
-        try:
-            state.config.kinds.pod_templates(
-                request.kind.group, request.kind.kind, request.oldObject
-            )
-        except TooManyPlaces:
-            finding = Finding("warn", message + " (already so before this update)")
-    return _conclude([finding], mode, exemption if finding.severity == "deny" else None)
+def _pods_of(
+    request: AdmissionRequest, obj: Any, kinds: KindRegistry
+) -> tuple[list[PodTemplateView] | None, list[Finding]]:
+    """The pods ``obj`` describes (None: a kind epguard does not judge), and a denial when
+    it is too large to read them from: never taken for an object without pods (the pods
+    it makes are judged one by one as they are created). The denial goes through the
+    mode, the object's exemption and the UPDATE rule like any other."""
+    try:
+        return kinds.pod_templates(request.kind.group, request.kind.kind, obj), []
+    except TooManyPlaces as exc:
+        name = as_map(as_map(obj).get("metadata")).get("name")
+        message = (
+            f"{request.kind.kind} {str(name)[:253]!r} is too large for epguard to read its "
+            f"pods from ({exc}); the pods it creates are judged as they are created"
+        )
+        return [], [Finding("deny", message, "too-large", ("too-large",))]
 
 
 def _conclude(findings: list[Finding], mode: Mode, exemption: str | None) -> Decision:
