@@ -726,8 +726,12 @@ def test_a_refusal_met_looking_for_a_library_or_a_toolchain_is_no_image_fact(
     stat through files.LIVE, which keeps the first path this user was refused; nothing
     read it, so a root-only RUNPATH folder made "missing libibverbs.so.1", scope image,
     for any other uid (found by a review helper). In-process: the refusal is given."""
-    from epguard.probe import cli, files
+    from epguard.probe import cli, files, sandbox
 
+    # An image's plain environment, not this runner's (whose PATH may hold folders a
+    # non-root runner cannot search).
+    environ = {"PATH": "/usr/bin:/bin", "HOME": "/"}
+    monkeypatch.setattr(sandbox, "image_environment", lambda: environ)
     monkeypatch.setattr(cli, "_users_site", lambda environ: None)  # not this test's
     monkeypatch.setattr(files.LIVE, "denied", None)
     assert cli._refused_to_this_user(deep=False, libraries=True) is None
@@ -768,8 +772,10 @@ def test_a_package_walk_cut_by_its_budget_judges_nothing_for_another_user(
     (found by a review helper). In-process: the cut walk and the uid are given."""
     import os
 
-    from epguard.probe import access, cli, files
+    from epguard.probe import access, cli, files, sandbox
 
+    environ = {"PATH": "/usr/bin:/bin", "HOME": "/"}  # an image's, not this runner's
+    monkeypatch.setattr(sandbox, "image_environment", lambda: environ)
     monkeypatch.setattr(cli, "_users_site", lambda environ: None)
     monkeypatch.setattr(files.LIVE, "denied", None)
     monkeypatch.setattr(access, "refused", lambda path, environ, deep=True: (None, True))
