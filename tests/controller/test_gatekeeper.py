@@ -938,6 +938,46 @@ def test_a_waiting_pods_slim_copy_ungates_it_at_the_gates_place() -> None:
     assert api.pod("ml", "w")["spec"]["schedulingGates"] == [{"name": "kueue.x-k8s.io/admission"}]
 
 
+def test_a_waiting_pods_slim_copy_keeps_none_of_the_tenants_own_gates() -> None:
+    """65,000 gates of its own before epguard's (the API server sets no count) were kept
+    as a list that long in each waiting pod's slim copy, for the whole pass: ~0.5 MB a
+    1 MB pod, a controller OOM with a few hundred such pods. The gate still comes off at
+    its place."""
+    import tracemalloc
+
+    from epguard.webhook.controller.gatekeeper import _slim
+
+    own = [{"name": f"g{i}"} for i in range(50_000)]
+    pod = gated_pod("w")
+    pod["spec"]["schedulingGates"] = [*own, {"name": GATE}]
+    tracemalloc.start()
+    try:
+        slim = _slim(pod)
+        kept, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert kept < 16 * 1024
+    pf, api, _, _ = setup()
+    api.add(pod)
+    pf.run_once()
+    api.finish(api.preflights()[0], 0, CLEAR)
+    assert pf.run_once().ungated == ["Pod ml/w"]
+    assert api.pod("ml", "w")["spec"]["schedulingGates"] == own
+    assert slim["spec"]["schedulingGates"] == [{"name": GATE}]
+
+
+def test_an_image_reference_that_does_not_parse_is_no_key() -> None:
+    """The webhook gates no pod for such an image (preflight.unjudged); a key would keep
+    the pod's string, which the API server lets be 700 KB, for the whole pass."""
+    from epguard.webhook.controller.gatekeeper import worker_keys
+
+    pod = gated_pod("w")
+    good = pod["spec"]["containers"][0]
+    bad = {**good, "name": "w2", "image": "Bad/" + "x" * 700_000}
+    pod["spec"]["containers"].append(bad)
+    assert [k.image for k in worker_keys(pod)] == [good["image"]]
+
+
 def test_a_preflight_too_big_to_copy_is_decided_by_on_error() -> None:
     # Its creates run side by side, each holding its preflight: a worker's placement of
     # 1 MiB is not copied, and its pods are decided as when a preflight cannot run.

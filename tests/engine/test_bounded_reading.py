@@ -77,3 +77,30 @@ def test_an_object_too_large_to_read_is_answered_by_mode_not_taken_for_no_pods()
     # Within the budget, the same worker is read and refused by its image.
     small = decide(request(_disaggregated([{}, bad])), make_state())
     assert not small.allowed and "too large" not in small.message
+
+
+def test_the_judged_argv_cache_keeps_no_tenant_env_past_its_bounds() -> None:
+    """A script that names a huge env value (never expanded: it is single-quoted) beside a
+    worker, different in each pod: the controller judges every gated pod's containers each
+    pass, and the cache kept each value whole (1.3 MB a pod, up to 2,048 of them)."""
+    from epguard.probe import shell
+    from epguard.webhook.engine import argv
+
+    value = "x" * (shell.BUDGET + 1)
+    tracemalloc.start()
+    try:
+        for i in range(40):
+            analyse_container(
+                {
+                    "name": "side",
+                    "image": "busybox",
+                    "command": ["sh", "-c", "echo '$A'"],
+                    "env": [{"name": "A", "value": f"{i}{value}"}],
+                }
+            )
+        kept, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert kept < 4 * shell.BUDGET  # 40 kept values would be 40 x 32 KiB
+    assert all(argv.key_chars(*key) <= shell.BUDGET for key in argv._cache)
+    assert argv._cache_chars <= argv.CACHE_CHARS

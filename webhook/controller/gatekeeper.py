@@ -68,6 +68,8 @@ from epguard.webhook.controller.config import ControllerConfig
 from epguard.webhook.controller.leadership import STANDALONE, Leadership
 from epguard.webhook.controller.owners import KubeObjects, top_owner
 from epguard.webhook.engine.argv import analyse_container
+from epguard.webhook.engine.imageref import ImageRefError
+from epguard.webhook.engine.imageref import parse as parse_ref
 from epguard.webhook.engine.injection import InjectionSettings
 from epguard.webhook.engine.outcome import PROBED_LABEL
 from epguard.webhook.engine.preflight import (
@@ -442,21 +444,24 @@ def _identity(m: Mapping[str, Any]) -> Json:
     return {k: m[k] for k in _IDENTITY if k in m}
 
 
+UNGATE = "ungate"  # a slim pod's key for its ungate patch (no key of a real pod)
+
+
 def _slim(pod: Mapping[str, Any]) -> Json:
     """What a pass keeps of a pod it decides: its names, creation and deletion, its
-    controller owner, epguard's gate (at its place: the ungate patch tests it there) and
-    epguard's condition. Whatever else the pod holds (a tenant's 1 MiB env) is dropped."""
+    controller owner, the patch that removes epguard's gate (made now: it tests the gate
+    at its place, and a tenant may put 65,000 gates of its own before it -- kept as a
+    list of that length, they were half of a 1 MiB pod, for every gated pod of a pass)
+    and epguard's condition. Whatever else the pod holds (a tenant's 1 MiB env) is
+    dropped."""
     m = meta(pod)
-    gates = as_list(as_map(pod.get("spec")).get("schedulingGates"))
-    at = next(
-        (i for i, g in enumerate(gates) if isinstance(g, Mapping) and g.get("name") == GATE), None
-    )
     owner = [r for r in as_list(m.get("ownerReferences")) if as_map(r).get("controller")][:1]
     conditions = as_list(as_map(pod.get("status")).get("conditions"))
     return {
         "metadata": _identity(m) | {"ownerReferences": owner},
-        "spec": {"schedulingGates": [] if at is None else [None] * at + [gates[at]]},
+        "spec": {"schedulingGates": [{"name": GATE}] if is_gated(pod) else []},
         "status": {"conditions": [c for c in conditions if as_map(c).get("type") == CONDITION]},
+        UNGATE: ungate_patch(pod),
     }
 
 
@@ -514,7 +519,9 @@ def _ref(obj: Mapping[str, Any]) -> client.V1ObjectReference:
 def worker_keys(pod: Mapping[str, Any]) -> list[PreflightKey]:
     """The keys a gated pod waits on: one per image of a container that asks for
     mooncake, read as the webhook reads it (the pod as it is now: an UPDATE that changed
-    an image is judged on the new one)."""
+    an image is judged on the new one). A reference that does not parse is left out, as
+    the webhook's gate leaves it (preflight.unjudged): its pull fails anyway, and a key
+    would keep the pod's string (the API server allows 700 KB) for the whole pass."""
     namespace, _, _ = _name(pod)
     spec = as_map(pod.get("spec"))
     budget = shell.Budget()
@@ -523,11 +530,19 @@ def worker_keys(pod: Mapping[str, Any]) -> list[PreflightKey]:
         if (
             isinstance(c, Mapping)
             and isinstance(c.get("image"), str)
-            and c["image"]
+            and _parses(c["image"])
             and analyse_container(c, budget).requests_mooncake
         ):
             images.setdefault(c["image"], None)
     return [key_of(namespace, spec, image) for image in images]
+
+
+def _parses(image: str) -> bool:
+    try:
+        parse_ref(image)
+    except ImageRefError:
+        return False
+    return True
 
 
 class _ReadOnce:
@@ -1070,7 +1085,7 @@ class Preflights:
         an older pass found its preflight overdue), and never beside a condition write
         in flight (claimed as _condition claims)."""
         namespace, name, uid = _name(pod)
-        ops = ungate_patch(pod)
+        ops = pod[UNGATE] if UNGATE in pod else ungate_patch(pod)
         if not ops:
             return False
         with self._writing:

@@ -14,6 +14,7 @@ side ("requested", when it mentions the flag at all).
 from __future__ import annotations
 
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -143,8 +144,45 @@ def container_argv(container: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(expand(p, env, spend) for p in parts)
 
 
+# The cache of judged argvs, bounded by entries and by the characters its keys hold:
+# a key is the argv *and* the env values its scripts name, both a tenant's choice, so
+# an entry is kept only when the two together are within one reading budget, and the
+# whole cache within CACHE_CHARS (the reports' strings are parts of their keys). Before
+# the env counted, an `sh -c "echo '$A'"` beside a worker, with a 1.3 MB A different in
+# each pod, kept 1.3 MB an entry: 2,048 of them would be 2.6 GB, in the webhook and in
+# the controller, which judges every gated pod's containers each pass.
 CACHE_SIZE = 2048
-_cache: OrderedDict[tuple[tuple[str, ...], ShellEnv], ArgvReport] = OrderedDict()
+CACHE_CHARS = 4 * 1024 * 1024
+_Key = tuple[tuple[str, ...], ShellEnv]
+_cache: OrderedDict[_Key, tuple[ArgvReport, int]] = OrderedDict()
+_cache_chars = 0
+_cache_lock = threading.Lock()  # the webhook judges on a pool of threads
+
+
+def key_chars(argv: tuple[str, ...], shell_env: ShellEnv) -> int:
+    """What a cache key holds, in characters: every argv word and every env name and value."""
+    return sum(map(len, argv)) + sum(len(name) + len(value) for name, value in shell_env)
+
+
+def _cached(key: _Key) -> ArgvReport | None:
+    with _cache_lock:
+        hit = _cache.get(key)
+        if hit is None:
+            return None
+        _cache.move_to_end(key)
+        return hit[0]
+
+
+def _remember(key: _Key, report: ArgvReport, chars: int) -> None:
+    global _cache_chars
+    with _cache_lock:
+        if key in _cache:
+            return
+        _cache[key] = (report, chars)
+        _cache_chars += chars
+        while len(_cache) > CACHE_SIZE or _cache_chars > CACHE_CHARS:
+            _, (_, gone) = _cache.popitem(last=False)
+            _cache_chars -= gone
 
 
 def analyse(
@@ -155,18 +193,17 @@ def analyse(
     pod of many huge containers costs no more than one.
 
     Cached, because the pods of one workload repeat the same argv: only argvs of
-    reasonable size (a few huge ones cannot pin megabytes of keys in memory), and never
-    an over-budget answer (it says nothing about the argv, only about the review)."""
-    small = sum(len(a) for a in argv) <= shell.BUDGET
+    reasonable size, env values included (a few huge ones cannot pin megabytes of keys
+    in memory), and never an over-budget answer (it says nothing about the argv, only
+    about the review)."""
+    chars = key_chars(argv, shell_env)
+    small = chars <= shell.BUDGET
     key = (argv, shell_env)
-    if small and key in _cache:
-        _cache.move_to_end(key)
-        return _cache[key]
+    if small and (hit := _cached(key)) is not None:
+        return hit
     report = _analyse(argv, shell_env, budget or shell.Budget())
     if small and not report.over_budget:
-        _cache[key] = report
-        if len(_cache) > CACHE_SIZE:
-            _cache.popitem(last=False)
+        _remember(key, report, chars)
     return report
 
 
