@@ -56,3 +56,73 @@ def test_the_engines_preflight_has_none_of_what_the_policy_refuses() -> None:
     assert "nodeName" not in spec and spec["securityContext"]["seccompProfile"] == {
         "type": "RuntimeDefault"
     }
+
+
+# -- the preflight labels are epguard's ---------------------------------------------------
+
+LABELS_POLICY = "epguard-preflight-labels"
+CONTROLLER = "system:serviceaccount:epguard-system:epguard-controller"
+
+
+def _labels_refusal(
+    defaults: Rendered,
+    operation: str,
+    labels: dict[str, str],
+    old: dict[str, str] | None,
+    user: str = "alice",
+) -> str | None:
+    """None: not evaluated past the matchConditions or admitted; else the message."""
+    import celpy
+    from celpy.adapter import json_to_cel
+
+    from tests.chart.chartlib import CEL_FUNCTIONS
+
+    env = celpy.Environment()
+
+    def run(expression: str, activation: dict[str, Any]) -> Any:
+        return env.program(env.compile(expression), functions=CEL_FUNCTIONS).evaluate(activation)
+
+    spec = defaults.one("ValidatingAdmissionPolicy", LABELS_POLICY)["spec"]
+    activation: dict[str, Any] = {
+        "request": json_to_cel({"operation": operation, "userInfo": {"username": user},
+                                "namespace": "t", "name": "p"}),
+        "object": json_to_cel({"metadata": {"labels": labels}}),
+        "oldObject": json_to_cel(None if old is None else {"metadata": {"labels": old}}),
+    }  # fmt: skip
+    if not all(run(m["expression"], activation) for m in spec["matchConditions"]):
+        return None
+    activation["variables"] = celpy.celtypes.MapType(
+        {celpy.celtypes.StringType(v["name"]): run(v["expression"], activation)
+         for v in spec["variables"]}
+    )  # fmt: skip
+    for v in spec["validations"]:
+        if not run(v["expression"], activation):
+            return str(run(v["messageExpression"], activation))
+    return None
+
+
+def test_nobody_but_the_controller_sets_or_changes_the_preflight_labels(
+    defaults: Rendered,
+) -> None:
+    pod, key = "epguard.io/preflight-pod", "epguard.io/preflight-key"
+    refused = "only epguard's controller sets them"
+    assert refused in str(_labels_refusal(defaults, "CREATE", {pod: "true"}, None))
+    assert refused in str(_labels_refusal(defaults, "CREATE", {key: "abc"}, None))
+    assert refused in str(_labels_refusal(defaults, "UPDATE", {"a": "b", pod: "true"}, {"a": "b"}))
+    assert refused in str(_labels_refusal(defaults, "UPDATE", {pod: "true", key: "x"},
+                                          {pod: "true", key: "y"}))  # fmt: skip
+    assert refused in str(_labels_refusal(defaults, "UPDATE", {}, {pod: "true"}))
+    # What is left: the controller's own writes, a preflight's other labels (the kubelet's
+    # status writes keep them), and every pod without the labels.
+    assert _labels_refusal(defaults, "CREATE", {pod: "true", key: "x"}, None, CONTROLLER) is None
+    assert _labels_refusal(defaults, "UPDATE", {pod: "true", "a": "b"}, {pod: "true"}) is None
+    assert _labels_refusal(defaults, "CREATE", {"app": "sglang"}, None) is None
+    assert _labels_refusal(defaults, "UPDATE", {"app": "x"}, {"app": "y"}) is None
+
+
+def test_the_labels_policy_names_the_labels_the_engine_writes(defaults: Rendered) -> None:
+    from epguard.webhook.engine.preflight import KEY_LABEL, PREFLIGHT_LABEL
+
+    text = json.dumps(defaults.one("ValidatingAdmissionPolicy", LABELS_POLICY)["spec"])
+    assert f"'{PREFLIGHT_LABEL}'" in text and f"'{KEY_LABEL}'" in text
+    assert f"'{CONTROLLER}'" in text

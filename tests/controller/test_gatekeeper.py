@@ -2021,3 +2021,46 @@ def test_an_opened_pods_condition_write_sleeps_only_between_its_tries(
     assert pf.answer(["ml"]).ungated == ["Pod ml/w-0"]
     backoff = gatekeeper.OPENED_BACKOFF
     assert slept == [backoff * n for n in range(1, gatekeeper.OPENED_WRITES)]
+
+
+def test_a_tenants_signed_worker_labelled_as_a_preflight_is_not_epguards() -> None:
+    """An injected worker's probe is signed too; labelled (and named) as a preflight by its
+    tenant, it counted as epguard's own: every pass read it (running, up to 1.5 MiB), each
+    end of its probe started an answer run, and the pass could delete it. Only a pod built
+    as a preflight (a --files-only probe, which the signature binds) is one."""
+    from epguard.webhook.engine.injection import plan
+
+    pf, api, _, ring = setup()
+    assert ring is not None
+    spec = plan(gated_pod("w")["spec"], InjectionSettings("r.example/epguard:1")).spec
+    assert spec is not None
+    worker = gated_pod("w")
+    worker["spec"] = spec
+    key = "0" * 20
+    worker["metadata"]["name"] = f"epguard-preflight-{key}"
+    worker["metadata"]["labels"].update({PREFLIGHT_LABEL: "true", KEY_LABEL: key})
+    stored = {"metadata": {"labels": {PROBED_LABEL: "true"}}, "spec": spec}
+    worker["metadata"]["annotations"] = {
+        SIGNATURE_ANNOTATION: sign(ring.current, "ml", stored, NOW)
+    }
+    assert verify(ring, "ml", worker).ok  # genuinely signed: only its shape tells
+    api.add(worker)
+    api.finish(worker, 1, BAD)
+
+    async def noted(body: dict[str, Any]) -> bool:
+        answers = _answers(ring)
+        said = answers.note(kopf.Body(copy.deepcopy(body)), NOW)
+        assert answers.take() == (["ml"] if said else [])
+        return said
+
+    assert not asyncio.run(noted(worker))
+    done = pf.run_once()
+    assert done.deleted == [] and ("ml", worker["metadata"]["name"]) in api.pods
+    # And epguard's own preflight still is.
+    api.add(gated_pod("g"))
+    pf.run_once()
+    (preflight,) = [
+        p for p in api.preflights() if p["metadata"]["name"] != f"epguard-preflight-{key}"
+    ]
+    api.finish(preflight, 1, BAD)
+    assert asyncio.run(noted(preflight))

@@ -264,3 +264,32 @@ def test_the_controller_creates_no_preflight_in_kube_system(cp: ControlPlane) ->
 def test_other_users_are_not_held_by_the_policy(cp: ControlPlane, gated: str) -> None:
     r = cp.kubectl("label", "pod", gated, "-n", TENANT, "x=y")
     assert r.returncode == 0, output(r)
+
+
+def test_nobody_but_the_controller_puts_the_preflight_labels_on_a_pod(
+    cp: ControlPlane, gated: str
+) -> None:
+    """A tenant's running workers labelled as preflights were read by every pass and their
+    probes' ends started answer runs beside other namespaces' (found by a review helper)."""
+    labels_policy = "epguard-preflight-labels"
+    made = preflight()
+    made["metadata"]["name"] = "my-preflight"
+    r = cp.kubectl("create", "--dry-run=server", "-f", "-", input=json.dumps(made))
+    assert r.returncode != 0 and labels_policy in r.stderr, output(r)
+    assert "only epguard's controller sets them" in r.stderr
+    for label in ("epguard.io/preflight-pod=true", "epguard.io/preflight-key=abc"):
+        r = cp.kubectl("label", "pod", gated, "-n", TENANT, label)
+        assert r.returncode != 0 and labels_policy in r.stderr, (label, output(r))
+    # The controller's own preflight passes, and its labels stay as they are for others:
+    # any other label of it may change, those two may not.
+    pod = preflight()
+    r = as_controller(cp, "create", "-f", "-", input=json.dumps(pod))
+    assert r.returncode == 0, output(r)
+    name = pod["metadata"]["name"]
+    try:
+        r = cp.kubectl("label", "pod", name, "-n", TENANT, "team=a")
+        assert r.returncode == 0, output(r)
+        r = cp.kubectl("label", "pod", name, "-n", TENANT, "epguard.io/preflight-pod-")
+        assert r.returncode != 0 and labels_policy in r.stderr, output(r)
+    finally:
+        as_controller(cp, "delete", "pod", name, "-n", TENANT, "--wait=false")

@@ -88,6 +88,7 @@ from epguard.webhook.engine.preflight import (
     key_of,
     preflight_pod,
     preflight_result,
+    shaped_as_preflight,
     signed,
     ungate_patch,
 )
@@ -412,8 +413,10 @@ def _error(exc: BaseException) -> str:
 
 def _made_by_epguard(pod: Mapping[str, Any], ring: Keyring | None) -> bool:
     """A preflight pod whose signature verifies: epguard's own (a tenant can label a pod
-    of its own as a preflight, never sign it)."""
-    return ring is not None and verify(ring, _name(pod)[0], pod).ok
+    of its own as a preflight, never sign it), built as a preflight (a tenant's injected
+    worker is signed too, and its labels are the tenant's: the chart's policy
+    epguard-preflight-labels refuses them, and this holds without it)."""
+    return ring is not None and shaped_as_preflight(pod) and verify(ring, _name(pod)[0], pod).ok
 
 
 def _signer_not_held(pod: Mapping[str, Any], ring: Keyring) -> bool:

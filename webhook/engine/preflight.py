@@ -375,6 +375,24 @@ def disruption(pod: Mapping[str, Any]) -> str:
     return ""
 
 
+def shaped_as_preflight(pod: Mapping[str, Any]) -> bool:
+    """Whether ``pod`` is built as :func:`preflight_pod` builds one: named after its key
+    label, with a probe that judges files only (``--files-only`` among the probe's own
+    options, which the signature binds). An injected worker carries a signed probe too,
+    with ``--level``: a tenant that labelled its running workers as preflights made the
+    controller take them for its own (read in every pass, an answer run at each end)."""
+    m = as_map(pod.get("metadata"))
+    key = as_map(m.get("labels")).get(KEY_LABEL)
+    if not isinstance(key, str) or m.get("name") != NAME_PREFIX + key:
+        return False
+    for c in as_list(as_map(pod.get("spec")).get("initContainers")):
+        if isinstance(c, Mapping) and c.get("name") == PROBE_CONTAINER:
+            words = [str(w) for w in as_list(c.get("command"))]
+            own = words[: words.index("--")] if "--" in words else words
+            return "--files-only" in own
+    return False
+
+
 def preflight_result(
     pod: Mapping[str, Any], now: dt.datetime, timeout_seconds: int
 ) -> PreflightResult:
