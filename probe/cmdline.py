@@ -211,6 +211,10 @@ def server_args(words):
     """(launcher, the words SGLang's parser reads) for one simple command."""
     if not words:
         return None, []
+    if words[0].startswith("-") and words[0] != "-":
+        # `args` without `command`, or a shell array literal (`ARGS=(--tp 8 …)`): the
+        # image entrypoint's (or a later command's) arguments, every word of them.
+        return "entrypoint", list(words)
     prog = os.path.basename(words[0])
     if prog == "sglang" and len(words) > 1 and words[1] == "serve":
         return "sglang serve", words[2:]
@@ -344,22 +348,127 @@ def read(
     try:
         cmds = shell.commands(argv, env, budget)
     except shell.OverBudget:
-        r.over_budget = True
-        if flagged:  # only a line that mentions the flag is judged on the safe side
-            r.requested = True
-            r.where = "argv"
-            r.backend = WANTED
-        r.notes.append(f"the command line is larger than epguard reads ({shell.BUDGET} "
-                       "characters of scripts)" + ("; judged as requesting mooncake"
-                                                   if flagged else ""))
+        _over_budget(r, flagged)
         return r
     for cmd in cmds:
         _read_command(r, cmd, chosen, shortest, read_config, budget)
+    if r.backend is None and r.unresolved is None:
+        _unplaced(r, argv, env, shortest)
     guesses = budget.guesses[guessed:]
     if guesses and r.values and r.unresolved is None and not r.requested:
         # The answer rests on a default assumed for a variable this reading cannot see.
         r.unresolved = guesses[-1]
     return r
+
+
+_NAMED = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)")
+_LOOSE_SPLIT = re.compile(r"[\s()<>;|&`]+")
+_BRACES = re.compile(r"\{([^{}]*)\}")
+UNPLACED = "text no command places, read leniently"
+
+
+def _unplaced(r, argv, env, shortest):
+    """The safe side for the flag in text where no command read decided it: `eval "$CMD"`,
+    `set -- … mooncake; exec … "$@"`, a script fed to a shell on its stdin (`bash <<EOF`,
+    `echo … | sh`), brace expansion (`--elastic-ep-{backend,x}`). Each argv word, and
+    each env value the argv names (`$NAME`), that mentions the flag is split at blanks
+    and shell operators with its quotes removed, braces expanded one level, and read
+    leniently (`--` included): the last value given to a spelling of the flag is the
+    request. Linear; past the reading budget (env values the shell never expanded are
+    not charged to it) it is over budget, on the safe side."""
+    names = set()
+    for a in argv:
+        if "$" in a:
+            names.update(_NAMED.findall(a))
+    texts = [t for t in list(argv) + [v for k, v in env.items() if k in names]
+             if mentions_flag(t)]
+    if sum(len(t) for t in texts) > shell.BUDGET:
+        _over_budget(r, True)
+        return
+    value = None
+    for text in texts:
+        words = []
+        for w in _LOOSE_SPLIT.split(shell.unquoted(_uncommented(text))):
+            words.extend(_braced(w))
+        for i, w in enumerate(words):
+            if not (w.startswith("--") and _flag_spelling(w, shortest)):
+                continue
+            if "=" in w:
+                value = w.split("=", 1)[1]
+            elif i + 1 < len(words) and not words[i + 1].startswith("-"):
+                value = words[i + 1]
+    if value is None:
+        return
+    if "$" not in value and not _is_mooncake(value):
+        return
+    if value not in r.values:
+        r.values.append(value)
+    if "$" in value:
+        r.unresolved = value
+    else:
+        r.requested = True
+        r.backend, r.where, r.releases = value, UNPLACED, ("lenient",)
+
+
+def _uncommented(text):
+    """``text`` without its shell comments: a ``#`` that starts a word outside quotes, to
+    the end of its line. A quoted ``"#"`` stays (it comments nothing out: `set -- "#"
+    --elastic-ep-backend mooncake` passes the flag on). One pass."""
+    if "#" not in text:
+        return text
+    out = []
+    quote = None  # "'", '"', or "$'" (which, like '"', takes backslash escapes)
+    starts_word = True
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if quote is not None:
+            if c == "\\" and quote != "'" and i + 1 < n:
+                out.append(text[i:i + 2])
+                i += 2
+                continue
+            out.append(c)
+            if c == quote[-1]:
+                quote = None
+            i += 1
+            continue
+        if c == "#" and starts_word:
+            end = text.find("\n", i)
+            if end < 0:
+                break
+            i = end
+            continue
+        if c == "\\" and i + 1 < n:
+            out.append(text[i:i + 2])
+            i += 2
+            starts_word = False
+            continue
+        if c in ("'", '"'):
+            quote = "$'" if c == "'" and text[i - 1:i] == "$" else c
+        out.append(c)
+        starts_word = c in " \t\r\n;&|()<>"
+        i += 1
+    return "".join(out)
+
+
+def _braced(word):
+    """``word`` and, where it holds a ``{a,b}`` group, the words its first group makes."""
+    m = _BRACES.search(word) if "{" in word else None
+    if m is None or "," not in m.group(1):
+        return [word]
+    head, tail = word[:m.start()], word[m.end():]
+    return [word] + [head + alt + tail for alt in m.group(1).split(",")]
+
+
+def _over_budget(r, flagged):
+    r.over_budget = True
+    if flagged:  # only a line that mentions the flag is judged on the safe side
+        r.requested = True
+        r.where = "argv"
+        r.backend = WANTED
+    r.notes.append(f"the command line is larger than epguard reads ({shell.BUDGET} "
+                   "characters of scripts)" + ("; judged as requesting mooncake"
+                                               if flagged else ""))
 
 
 def _read_command(r, cmd, chosen, shortest, read_config, budget):

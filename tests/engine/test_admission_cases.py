@@ -185,6 +185,72 @@ CASES: list[Case] = [
     ),
     Case("denies_equals_form", review(args_pod(["--elastic-ep-backend=mooncake"])), False, [RULE]),
     Case("denies_argparse_prefix", review(args_pod(["--elastic-ep-b", "mooncake"])), False, [RULE]),
+    # No command: the args are the image entrypoint's (found by a review helper: the
+    # first word was taken for a program, and the flag went unread).
+    Case(
+        "denies_args_without_a_command",
+        review(
+            pod(
+                [
+                    {
+                        k: v
+                        for k, v in container(
+                            args=["--elastic-ep-backend", "mooncake", "--tp", "8"]
+                        ).items()
+                        if k != "command"
+                    }
+                ]
+            )
+        ),
+        False,
+        [RULE],
+    ),
+    # Text no command read places: read on the safe side.
+    Case(
+        "denies_eval_of_a_launch_line",
+        review(
+            pod(
+                [
+                    bash(
+                        'CMD="python3 -m sglang.launch_server --elastic-ep-backend mooncake"; '
+                        'eval "$CMD"'
+                    )
+                ]
+            )
+        ),
+        False,
+        [RULE],
+    ),
+    Case(
+        "denies_set_then_exec_with_its_arguments",
+        review(
+            pod(
+                [
+                    bash(
+                        "set -- --elastic-ep-backend mooncake; "
+                        'exec python3 -m sglang.launch_server "$@"'
+                    )
+                ]
+            )
+        ),
+        False,
+        [RULE],
+    ),
+    Case(
+        "denies_a_script_on_a_shells_stdin",
+        review(
+            pod(
+                [
+                    bash(
+                        "bash <<'EOF'\npython3 -m sglang.launch_server "
+                        "--elastic-ep-backend mooncake\nEOF"
+                    )
+                ]
+            )
+        ),
+        False,
+        [RULE],
+    ),
     Case(
         "denies_value_in_any_case_with_spaces",
         review(args_pod(["--elastic-ep-backend", " MoonCake "])),

@@ -15,6 +15,7 @@ import pytest
 
 from epguard.probe import cmdline, shell
 
+UNPLACED = cmdline.UNPLACED
 LAUNCH = ["python3", "-m", "sglang.launch_server", "--model-path", "m"]
 NEWEST = cmdline.tables()[-1].release
 OLDEST = cmdline.tables()[0].release
@@ -197,9 +198,12 @@ def test_script_words_are_made_as_the_shell_makes_them() -> None:
     )
     assert read(["/bin/bash", "-c", script]).requested
     assert not read(["bash", "-c", f"python3 -m sglang.launch_server --tp 2  # {FLAG}"]).requested
-    assert not read(["echo", FLAG]).requested  # one word with a space is not the flag
     # Words after the script are $0 $1 … of the script, not commands.
     assert not read(["sh", "-c", "run", "--elastic-ep-backend", "mooncake"]).requested
+    # One word with a space is not the flag to argparse; but where no command decides the
+    # flag, its text in one word is read on the safe side (a wrapper that splits
+    # "--extra-args '…'"): test_the_flag_no_command_places_is_read_on_the_safe_side.
+    assert read(["echo", FLAG]).where == UNPLACED
 
 
 # A shell joins a quoted piece to the text beside it: each of these is --elastic-ep-backend
@@ -463,3 +467,46 @@ def test_unwrap_skips_assignments_and_wrappers_in_any_mix() -> None:
     assert shell.unwrap(line) == LAUNCH
     assert shell.unwrap(["A=1", "nohup"]) == []
     assert shell.unwrap(LAUNCH) is LAUNCH
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        # No command: the image entrypoint's arguments (found by a review helper).
+        ["--elastic-ep-backend", "mooncake", "--tp", "8"],
+        ["--elastic-ep-backend=mooncake"],
+        # A bash array literal: its words are the entrypoint's arguments too.
+        ["bash", "-c", 'ARGS=(--tp 8); if true; then ARGS+=(--elastic-ep-backend mooncake); '
+                       'fi; exec python3 -m sglang.launch_server "${ARGS[@]}"'],
+        # Text no command read places: eval, set --, a script on a shell's stdin, braces.
+        ["sh", "-c", 'CMD="python3 -m sglang.launch_server --elastic-ep-backend mooncake"; '
+                     'eval "$CMD"'],
+        ["sh", "-c", "eval \"$CMD\""],
+        ["sh", "-c", 'set -- --elastic-ep-backend mooncake; exec python3 -m sglang.launch_server "$@"'],
+        ["sh", "-c", 'set -- "#" --elastic-ep-backend mooncake; exec python3 -m sglang.launch_server "$@"'],
+        ["bash", "-c", "bash <<'EOF'\npython3 -m sglang.launch_server --elastic-ep-backend mooncake\nEOF"],
+        ["sh", "-c", "echo 'python3 -m sglang.launch_server --elastic-ep-backend mooncake' | sh"],
+        ["sh", "-c", "python3 -m sglang.launch_server {--elastic-ep-backend,mooncake}"],
+    ],
+    ids=["args-only", "args-only-equals", "bash-array", "eval", "eval-env", "set", "set-hash",
+         "heredoc-stdin", "pipe-to-sh", "braces"],
+)  # fmt: skip
+def test_the_flag_no_command_places_is_read_on_the_safe_side(argv: list[str]) -> None:
+    env = {"CMD": "python3 -m sglang.launch_server --elastic-ep-backend mooncake"}
+    r = read(argv, env=env)
+    assert r.requested and r.backend is not None and r.backend.strip() == "mooncake"
+
+
+def test_the_safe_side_reading_keeps_what_a_command_decided_and_skips_comments() -> None:
+    # A launch line that says none is the answer, whatever a comment or an echo says.
+    none = "python3 -m sglang.launch_server --elastic-ep-backend none"
+    assert not read(["sh", "-c", f"{none}  # or {FLAG}"]).requested
+    assert not read(["sh", "-c", f"{none}\n# eval {FLAG}"]).requested
+    assert not read(["sh", "-c", "python3 -m sglang.launch_server --tp 2  # " + FLAG]).requested
+    # A value from the environment at launch stays unknown, not a request.
+    r = read(["sh", "-c", "eval python3 -m sglang.launch_server --elastic-ep-backend $B"])
+    assert not r.requested and r.unresolved == "$B"
+    # Past the reading budget, env text a script names (never expanded) is the safe side.
+    big = {"A": FLAG + " " + "x" * (shell.BUDGET + 1)}
+    r = read(["sh", "-c", "echo '$A'"], env=big)
+    assert r.requested and r.over_budget

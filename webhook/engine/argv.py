@@ -211,6 +211,7 @@ def _analyse(argv: tuple[str, ...], shell_env: ShellEnv, budget: shell.Budget) -
     reading = cmdline.read(argv, env=dict(shell_env), budget=budget)
     if (
         reading.launcher is None
+        and not reading.requested  # read on the safe side, no command placing it
         and reading.config_file is None
         and not reading.over_budget
         and reading.unresolved is None
