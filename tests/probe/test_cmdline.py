@@ -16,6 +16,7 @@ import pytest
 from epguard.probe import cmdline, shell
 
 UNPLACED = cmdline.UNPLACED
+SERVER = "python3 -m sglang.launch_server"
 LAUNCH = ["python3", "-m", "sglang.launch_server", "--model-path", "m"]
 NEWEST = cmdline.tables()[-1].release
 OLDEST = cmdline.tables()[0].release
@@ -482,9 +483,9 @@ def test_unwrap_skips_assignments_and_wrappers_in_any_mix() -> None:
         ["sh", "-c", 'CMD="python3 -m sglang.launch_server --elastic-ep-backend mooncake"; '
                      'eval "$CMD"'],
         ["sh", "-c", "eval \"$CMD\""],
-        ["sh", "-c", 'set -- --elastic-ep-backend mooncake; exec python3 -m sglang.launch_server "$@"'],
-        ["sh", "-c", 'set -- "#" --elastic-ep-backend mooncake; exec python3 -m sglang.launch_server "$@"'],
-        ["bash", "-c", "bash <<'EOF'\npython3 -m sglang.launch_server --elastic-ep-backend mooncake\nEOF"],
+        ["sh", "-c", f"set -- {FLAG}; exec {SERVER} \"$@\""],
+        ["sh", "-c", f"set -- \"#\" {FLAG}; exec {SERVER} \"$@\""],
+        ["bash", "-c", f"bash <<'EOF'\n{SERVER} {FLAG}\nEOF"],
         ["sh", "-c", "echo 'python3 -m sglang.launch_server --elastic-ep-backend mooncake' | sh"],
         ["sh", "-c", "python3 -m sglang.launch_server {--elastic-ep-backend,mooncake}"],
     ],
