@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -63,6 +64,21 @@ def test_expands_like_the_kubelet() -> None:
     assert expand("$(S)", env) == "$(S)"  # unknown stays as written
     assert expand("$$(B)", env) == "$(B)"  # escaped
     assert expand("$B $(", env) == "$B $("
+
+
+@pytest.mark.parametrize("name", [".EP", "-EP", "1EP", "EP:X", "EP BACKEND", "EP"])
+def test_expands_every_name_the_kubelet_does(name: str) -> None:
+    """The kubelet takes everything between "$(" and the next ")" as the name; env names
+    may start with "." or "-", and relaxed validation (on by default since 1.32) allows
+    any printable character but "=". A narrower pattern left the value unresolved: the
+    pod was admitted with a warning, past rules and verdicts (found by a review helper)."""
+    c = {
+        "command": ["python3", "-m", "sglang.launch_server"],
+        "args": ["--elastic-ep-backend", f"$({name})"],
+        "env": [{"name": name, "value": "mooncake"}],
+    }
+    report = analyse_container(c)
+    assert report.requests_mooncake and report.unresolved_value is None
 
 
 def test_builds_argv_from_command_and_args_leniently() -> None:

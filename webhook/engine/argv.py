@@ -28,7 +28,12 @@ WANTED = cmdline.WANTED
 # above any real worker, far below what would hurt the webhook.
 MAX_EXPANSION = shell.BUDGET
 
-_VAR_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
+# The kubelet's $(VAR) (k8s.io/kubernetes third_party/forked/golang/expansion): "$$" is
+# "$", and "$(" takes every character up to the next ")" as the name, whatever they are
+# (env names may start with "." or "-", and with RelaxedEnvironmentVariableValidation,
+# on by default since 1.32, hold any printable character but "="); a name the mapping
+# lacks is left as written.
+_VAR_REF = re.compile(r"\$\$|\$\(([^)]*)\)")
 # $NAME or ${NAME…} inside a shell script; the shell takes them from the environment.
 _SHELL_REF = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)|([A-Za-z_][A-Za-z0-9_]*))")
 
