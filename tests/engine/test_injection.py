@@ -67,14 +67,16 @@ def test_probe_runs_the_worker_image_with_the_worker_argv() -> None:
     assert probe["terminationMessagePolicy"] == "FallbackToLogsOnError"
 
 
-def test_probe_requests_the_worker_gpus_and_rdma_but_not_its_cpu_and_memory() -> None:
+def test_probe_requests_the_worker_gpus_and_rdma_and_cpu_but_not_its_memory() -> None:
+    # The worker's cpu (for a namespace's cpu quota) leaves the pod's effective cpu as it
+    # was: an init container counts as the most of them, beside the sum of the others.
     new = apply({"containers": [worker()]}, plan({"containers": [worker()]}, SETTINGS).patch)
     resources = new["initContainers"][1]["resources"]
     assert resources["limits"]["nvidia.com/gpu"] == "8"
     assert resources["limits"]["rdma/ib"] == "1"
     assert resources["requests"]["nvidia.com/gpu"] == "8"
     assert resources["limits"]["memory"] == "4Gi"
-    assert "cpu" not in resources["limits"]
+    assert resources["limits"]["cpu"] == "64" and resources["requests"]["cpu"] == "32"
 
 
 def test_probe_inherits_env_renamed_but_no_model_volume() -> None:
@@ -167,6 +169,41 @@ def test_pods_that_do_not_ask_for_mooncake_are_never_touched() -> None:
 def test_each_requesting_container_gets_its_own_named_probe() -> None:
     spec = {"containers": [worker(name="prefill"), worker(name="decode"), {"name": "side"}]}
     assert plan(spec, SETTINGS).probes == ("epguard-probe-prefill", "epguard-probe-decode")
+
+
+def test_workers_whose_long_names_share_a_prefix_get_distinct_valid_probe_names() -> None:
+    """Cut at 63 characters, both probes were named alike and the API server refused the
+    tenant's whole pod as a duplicate (found by a review helper)."""
+    import re
+
+    stem = "sglang-elastic-ep-decode-worker-mooncake-backend-rank-"
+    spec = {"containers": [worker(name=stem + "0"), worker(name=stem + "1")]}
+    names = plan(spec, SETTINGS).probes
+    assert len(names) == 2 and len(set(names)) == 2
+    assert all(len(n) <= 63 and re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", n) for n in names)
+    assert all(n.startswith("epguard-probe-sglang-elastic-ep") for n in names)
+
+
+def test_injected_containers_pass_a_cpu_quota_and_restricted_pod_security() -> None:
+    """A quota on limits.cpu refuses a pod any of whose containers sets none (LimitRange
+    defaults are filled in before webhooks run), and restricted PodSecurity refuses a
+    container without a seccomp profile where the pod sets it per container: the injected
+    containers made the tenant's valid pod invalid (found by a review helper)."""
+    w = worker()
+    w["resources"] = {"requests": {"cpu": "8"}, "limits": {"cpu": "16", "nvidia.com/gpu": 8}}
+    w["securityContext"] = {"seccompProfile": {"type": "RuntimeDefault"}}
+    spec = plan({"containers": [w]}, SETTINGS).spec
+    assert spec is not None
+    copy, probe = spec["initContainers"][:2]
+    assert copy["resources"]["limits"]["cpu"] == "100m"
+    assert probe["resources"]["limits"]["cpu"] == "16"
+    assert probe["resources"]["requests"]["cpu"] == "8"  # the worker's: same effective cpu
+    assert all(c["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+               for c in (copy, probe))  # fmt: skip
+    # A limit only: the API server makes it the request too.
+    w["resources"] = {"limits": {"cpu": "50m"}}
+    (_, probe) = plan({"containers": [w]}, SETTINGS).spec["initContainers"][:2]  # type: ignore[index]
+    assert probe["resources"]["requests"]["cpu"] == probe["resources"]["limits"]["cpu"] == "50m"
 
 
 def test_shell_wrapped_launch_line_is_injected() -> None:

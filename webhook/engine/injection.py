@@ -32,6 +32,7 @@ Nothing else (volume mounts in particular) is copied: the probe needs no model.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -98,7 +99,17 @@ def _extended(resources: Any) -> dict[str, dict[str, Any]]:
 
 
 def _probe_name(worker: str, many: bool) -> str:
-    return PROBE_CONTAINER if not many else f"{PROBE_CONTAINER}-{worker}"[:MAX_NAME].rstrip("-")
+    """``epguard-probe``, or with several workers ``epguard-probe-<worker>``; a name past
+    MAX_NAME ends in 8 hex of the worker's name instead of being cut, so two workers
+    whose names share their first 49 characters get two probes (cut, they got one name
+    twice, and the API server refused the whole pod as a duplicate)."""
+    if not many:
+        return PROBE_CONTAINER
+    name = f"{PROBE_CONTAINER}-{worker}"
+    if len(name) <= MAX_NAME:
+        return name
+    digest = hashlib.sha256(worker.encode()).hexdigest()[:8]
+    return f"{name[: MAX_NAME - len(digest) - 1].rstrip('-')}-{digest}"
 
 
 def _renamed_refs(text: str, names: frozenset[str]) -> str:
@@ -162,6 +173,18 @@ def _probe_container(
     resources = _extended(worker.get("resources"))
     resources.setdefault("requests", {}).update({"cpu": "100m", "memory": "512Mi"})
     resources.setdefault("limits", {}).setdefault("memory", "4Gi")
+    # A namespace's quota on limits.cpu refuses a pod any of whose containers sets none,
+    # init containers included, and LimitRange defaults are filled in before webhooks
+    # run: the worker's own cpu (its request, else its limit, which is then its request)
+    # leaves the pod's effective cpu as it was (an init container counts as the most of
+    # them, beside the sum of the others).
+    worker_resources = as_map(worker.get("resources"))
+    cpu_limit = as_map(worker_resources.get("limits")).get("cpu")
+    if cpu_limit is not None:
+        resources["limits"]["cpu"] = cpu_limit
+        resources["requests"]["cpu"] = as_map(worker_resources.get("requests")).get(
+            "cpu", cpu_limit
+        )
     container: dict[str, Any] = {
         "name": name,
         "image": worker.get("image"),
@@ -205,13 +228,17 @@ def _copy_container(settings: InjectionSettings) -> dict[str, Any]:
             settings.probe_source,
             f"{settings.mount_path}/probe",
         ],
+        # A cpu limit too: a namespace's quota on limits.cpu refuses a pod any of whose
+        # containers sets none.
         "resources": {
             "requests": {"cpu": "10m", "memory": "32Mi"},
-            "limits": {"memory": "64Mi"},
+            "limits": {"cpu": "100m", "memory": "64Mi"},
         },
         "volumeMounts": [{"name": VOLUME, "mountPath": settings.mount_path}],
         # Its own user, always: a worker pod often runs as root (pod-level runAsUser: 0),
-        # which runAsNonRoot alone would refuse to start.
+        # which runAsNonRoot alone would refuse to start. The runtime's default seccomp
+        # profile of its own: restricted PodSecurity refuses a container without one
+        # where the pod sets it per container, not for the pod.
         "securityContext": {
             "runAsUser": COPY_UID,
             "runAsGroup": COPY_UID,
@@ -219,6 +246,7 @@ def _copy_container(settings: InjectionSettings) -> dict[str, Any]:
             "allowPrivilegeEscalation": False,
             "readOnlyRootFilesystem": True,
             "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
         },
     }
 

@@ -172,12 +172,14 @@ _CONFINED = {
 _PLACEMENT = ("nodeSelector", "affinity", "tolerations", "priorityClassName", "runtimeClassName")
 
 
-def _with_cpu_limit(container: Mapping[str, Any], cpu: str) -> dict[str, Any]:
-    """``container`` with a cpu limit added to its resources (a namespace's cpu quota
-    refuses a pod whose containers set none)."""
+def _with_cpu(container: Mapping[str, Any], request: str, limit: str) -> dict[str, Any]:
+    """``container`` with its cpu request and limit set (a namespace's cpu quota refuses a
+    pod whose containers set no limit; the worker's own, copied into its probe, is for
+    serving, and a request above the limit is invalid)."""
     resources = as_map(container.get("resources"))
-    limits = {**as_map(resources.get("limits")), "cpu": cpu}
-    return {**container, "resources": {**resources, "limits": limits}}
+    requests = {**as_map(resources.get("requests")), "cpu": request}
+    limits = {**as_map(resources.get("limits")), "cpu": limit}
+    return {**container, "resources": {**resources, "requests": requests, "limits": limits}}
 
 
 def _without_extended(container: Mapping[str, Any]) -> dict[str, Any]:
@@ -248,7 +250,7 @@ def preflight_pod(
         probe.pop("imagePullPolicy", None)
     else:
         probe["imagePullPolicy"] = policy
-    probe, copy = _with_cpu_limit(probe, "1"), _with_cpu_limit(copy, "100m")
+    probe, copy = _with_cpu(probe, "100m", "1"), _with_cpu(copy, "10m", "100m")
     spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "activeDeadlineSeconds": settings.timeout_seconds,
