@@ -224,6 +224,10 @@ def test_opt_in_is_the_namespace_label_or_the_pod_annotation() -> None:
     assert opts_in({"epguard.io/inject": "enabled"}.get(INJECT_KEY))
     assert not settings_from_labels({"epguard.io/inject": "disabled"}).inject
     assert not opts_in({}.get(INJECT_KEY))
+    # Exactly as the chart's namespaceSelector and CEL compare it: "Enabled" sends
+    # nothing to /mutate, so /validate must not take the pod for probed (review helper).
+    for loose in ("Enabled", " enabled", "TRUE"):
+        assert not opts_in(loose) and not settings_from_labels({INJECT_KEY: loose}).inject
 
 
 def test_copy_container_runs_as_the_epguard_user_even_in_a_root_pod() -> None:

@@ -28,8 +28,12 @@ PREFLIGHT_KEY = "epguard.io/preflight"
 
 
 def opts_in(value: Any) -> bool:
-    """Whether a label or annotation value under ``INJECT_KEY`` turns injection on."""
-    return isinstance(value, str) and value.strip().lower() in INJECT_ON
+    """Whether a label or annotation value under ``INJECT_KEY`` turns injection on: exactly
+    as written in INJECT_ON, as the chart's namespaceSelector and CEL compare it (the API
+    server sends /mutate nothing else). Read loosely here (`Enabled`), /validate said "the
+    probe checks it when the pod starts" of a pod /mutate never saw, and kept back the
+    warning that it has no probe."""
+    return isinstance(value, str) and value in INJECT_ON
 
 
 def parse_mode(value: Any) -> Mode | None:
