@@ -166,3 +166,25 @@ def test_the_built_in_rules_have_no_glob_that_can_never_match() -> None:
     from epguard.webhook.engine.rules import default_rules_path, load_rules_file, rule_warnings
 
     assert rule_warnings(load_rules_file(default_rules_path())) == []
+
+
+@pytest.mark.parametrize(
+    ("glob", "matched", "missed"),
+    [
+        ("lmsysorg/sglang", ["lmsysorg/sglang", "docker.io/lmsysorg/sglang:latest"],
+         ["lmsysorg/sglang:v0.5.23"]),
+        ("nvcr.io/nvidia/sglang", ["nvcr.io/nvidia/sglang"], ["nvcr.io/nvidia/sglang:1"]),
+        ("docker.io/sglang:0.5*", ["sglang:0.5.22", "index.docker.io/library/sglang:0.5.1"],
+         ["sglang:0.6"]),
+        ("index.docker.io/sglang", ["sglang"], ["sglang:1"]),
+        ("lmsysorg/sglang:*", ["lmsysorg/sglang", "lmsysorg/sglang:v1"], ["lmsysorg/other:v1"]),
+    ],
+)  # fmt: skip
+def test_a_glob_is_normalized_as_an_image_reference_is(
+    glob: str, matched: list[str], missed: list[str]
+) -> None:
+    """Written as a pod's image is (no tag, or Docker Hub's one-word name under its
+    host), a glob matched nothing at all, silently (found by a review helper)."""
+    rs = load_rules_text(f"rules:\n  - {{id: a, image: '{glob}', reason: r, remedy: m}}", "t")
+    assert all(rs.match(parse(image)) for image in matched)
+    assert not any(rs.match(parse(image)) for image in missed)
