@@ -650,6 +650,28 @@ class TestTags:
         record(newer, replica(api, recorder=one))
         assert worker("w5") == {digest_only}
 
+    def test_one_namespaces_flood_of_tags_never_evicts_anothers_resolution(
+        self, api: InMemoryApi
+    ) -> None:
+        """The cluster-wide table of the newest pull per tag (10,000 entries) was evicted
+        oldest first: a namespace that resolved 10,000 tags pushed out another's, whose
+        workers then learned by digest only and were gated again (found by a review
+        helper). Past the cap, the namespace holding the most gives one up."""
+        from epguard.webhook.controller.recorder import MAX_RESOLVED_TAGS
+        from epguard.webhook.engine.outcome import Resolution
+
+        one = Recorder(api, clock=lambda: T1)
+        mine = parse(IMAGE).name_tag
+        one.note_resolved("ml", Resolution(mine, DIGEST, NOW))
+        for i in range(MAX_RESOLVED_TAGS + 50):
+            tag = f"r.example/flood:{i}"
+            one.note_resolved("flood", Resolution(tag, "sha256:" + "0" * 64, NOW))
+        assert one.newest[mine] == (DIGEST, NOW)
+        assert len(one.newest) == MAX_RESOLVED_TAGS
+        api.verdicts.clear()
+        record_worker(api, one, "w1")
+        assert set(api.verdicts) == {VERDICT}  # learned for the tag, not the digest alone
+
     def test_a_pull_dated_ahead_of_the_controllers_clock_counts_as_now(
         self, api: InMemoryApi
     ) -> None:

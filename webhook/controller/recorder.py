@@ -104,7 +104,7 @@ MAX_RESOLVED_PER_NAMESPACE = 256  # one namespace's pulls never evict another's
 SEEN_KEY = "epguard_recorder_seen"
 # The newest pull per tag in the whole cluster, beside each namespace's: a pull anywhere
 # that found other bytes cancels a namespace's older resolution (the tag moved).
-MAX_RESOLVED_TAGS = 10_000
+MAX_RESOLVED_TAGS = 10_000  # past it, the namespace holding the most gives one up
 
 
 class KeySource(Protocol):
@@ -251,6 +251,12 @@ class Recorder:
         # namespace -> name:tag -> (digest, when the resolving container started).
         self.resolved: dict[str, OrderedDict[str, tuple[str, dt.datetime]]] = {}
         self.newest: OrderedDict[str, tuple[str, dt.datetime]] = OrderedDict()  # any namespace
+        # Which namespace's pull each entry of ``newest`` is, and each namespace's entries
+        # oldest first: past MAX_RESOLVED_TAGS the namespace holding the most gives one up,
+        # so one namespace's flood of tags never evicts another's (which then learned by
+        # digest only: its next pods were gated again).
+        self._newest_by: dict[str, str] = {}
+        self._newest_of: dict[str, OrderedDict[str, None]] = {}
         self._resolved_lock = threading.Lock()
 
     def note_resolved(self, namespace: str, found: Resolution) -> None:
@@ -264,20 +270,40 @@ class Recorder:
         if now - at > RESOLVED_FOR:
             return
         with self._resolved_lock:
-            tables = [(self.newest, MAX_RESOLVED_TAGS)]
-            if not ahead:
-                tags = self.resolved.setdefault(namespace, OrderedDict())
-                while tags and now - next(iter(tags.values()))[1] > RESOLVED_FOR:
-                    tags.popitem(last=False)  # expired, oldest first
-                tables.append((tags, MAX_RESOLVED_PER_NAMESPACE))
-            for table, cap in tables:
-                held = table.get(found.tag)
-                if held is not None and held[1] >= at:
-                    continue
-                table[found.tag] = (found.digest, at)
-                table.move_to_end(found.tag)
-                while len(table) > cap:
-                    table.popitem(last=False)
+            held = self.newest.get(found.tag)
+            if held is None or held[1] < at:
+                self._newest_put(namespace, found.tag, (found.digest, at))
+            if ahead:
+                return
+            tags = self.resolved.setdefault(namespace, OrderedDict())
+            while tags and now - next(iter(tags.values()))[1] > RESOLVED_FOR:
+                tags.popitem(last=False)  # expired, oldest first
+            held = tags.get(found.tag)
+            if held is not None and held[1] >= at:
+                return
+            tags[found.tag] = (found.digest, at)
+            tags.move_to_end(found.tag)
+            while len(tags) > MAX_RESOLVED_PER_NAMESPACE:
+                tags.popitem(last=False)
+
+    def _newest_put(self, namespace: str, tag: str, value: tuple[str, dt.datetime]) -> None:
+        """``newest[tag] = value``, as ``namespace``'s pull (under _resolved_lock)."""
+        self._newest_drop(tag)
+        self.newest[tag] = value
+        self._newest_by[tag] = namespace
+        self._newest_of.setdefault(namespace, OrderedDict())[tag] = None
+        while len(self.newest) > MAX_RESOLVED_TAGS:
+            heaviest = max(self._newest_of.values(), key=len)
+            self._newest_drop(next(iter(heaviest)))
+
+    def _newest_drop(self, tag: str) -> None:
+        self.newest.pop(tag, None)
+        owner = self._newest_by.pop(tag, None)
+        if owner is not None:
+            owned = self._newest_of[owner]
+            owned.pop(tag, None)
+            if not owned:
+                del self._newest_of[owner]
 
     def answers_for(self, outcome: ProbeOutcome, namespace: str) -> str:
         """The reference ``outcome``'s verdict answers for: its tag when its own pull
