@@ -25,6 +25,7 @@ from epguard.webhook.controller import owners
 from epguard.webhook.controller.owners import Unreadable
 from epguard.webhook.controller.recorder import (
     COMPONENT,
+    CONFLICT_BACKOFF,
     RECOUNT_SECONDS,
     RESOLVED_FOR,
     WRITE_ATTEMPTS,
@@ -307,7 +308,11 @@ def replica(
     api: InMemoryApi, at: dt.datetime = T1, *, with_keys: bool = True, **memo: Any
 ) -> kopf.Memo:
     """One controller process: its recorder (clock fixed at ``at``), keys and ledger."""
-    state = kopf.Memo(recorder=Recorder(api, clock=lambda: at), signatures=SignatureLedger())
+    # No real sleep between write attempts: the waits asked for are kept on the recorder.
+    waits: list[float] = []
+    recorder = Recorder(api, clock=lambda: at, sleep=waits.append)
+    recorder.waits = waits  # type: ignore[attr-defined]
+    state = kopf.Memo(recorder=recorder, signatures=SignatureLedger())
     if with_keys:
         state["probe_keys"] = keys()
     state.update(memo)
@@ -819,9 +824,14 @@ class TestRaces:
         with pytest.raises(kopf.TemporaryError, match="too many write conflicts"):
             record(pod, memo)
         assert len(api.called("replace_verdict")) == WRITE_ATTEMPTS
+        # Read again at random times, longer each time (not in step with the other writer).
+        waits = memo["recorder"].waits
+        assert len(waits) == WRITE_ATTEMPTS - 1
+        assert all(0 <= w <= CONFLICT_BACKOFF * 2 ** (i + 1) for i, w in enumerate(waits))
         assert api.spec()["count"] == 1  # nothing counted
         assert not api.events_on("Pod", "pod-u1")  # nor told, until it is
-        # kopf retries the handler; the run was not marked done, so it is counted now.
+        # kopf drops an on.event handler's error; the run was not marked done, so the
+        # pod's next event counts it.
         api.before_next_write = None
         record(pod, memo)
         assert api.spec()["count"] == 2 and api.spec()["runs"] == [run_of("u0"), run_of("u1")]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import random
 import threading
 import time
 from collections import OrderedDict
@@ -84,6 +85,7 @@ from epguard.webhook.engine.workloads import as_list, as_map, as_mapping
 log = logging.getLogger("epguard.controller.recorder")
 
 WRITE_ATTEMPTS = 5
+CONFLICT_BACKOFF = 0.05  # seconds: up to 0.1, 0.2, 0.4, 0.8 before attempts 2 to 5
 # A namespace's count of the verdicts its probes taught is read again after this long
 # (an admin deleted some, or the other replica created some before a failover).
 RECOUNT_SECONDS = 300.0
@@ -239,11 +241,13 @@ class Recorder:
         clock: Callable[[], dt.datetime] = _now,
         per_namespace: int = 1000,
         monotonic: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.api = api
         self.clock = clock
         self.per_namespace = per_namespace
         self.monotonic = monotonic
+        self.sleep = sleep  # between write attempts (kopf runs this handler on a thread)
         # namespace -> (verdicts its probes taught, when that was counted); kopf runs
         # handlers on several threads, so a slot is reserved under the lock.
         self.taught: dict[str, tuple[int, float]] = {}
@@ -366,7 +370,14 @@ class Recorder:
         namespace = pod.partition("/")[0]
         image = image or self.answers_for(outcome, namespace)
         name = verdict_name(image, outcome.digest)
-        for _ in range(WRITE_ATTEMPTS):
+        for attempt in range(WRITE_ATTEMPTS):
+            if attempt:
+                # Lost a race: the writers of one verdict (runs of pods in any namespace on
+                # one image, handled on kopf's threads side by side) read again at random
+                # times, so they do not collide again in step. kopf drops an on.event
+                # handler's TemporaryError (no retry): the run waits for its pod's next
+                # event, which for a finished preflight may be its deletion.
+                self.sleep(random.uniform(0, CONFLICT_BACKOFF * 2**attempt))
             existing = self.api.read_verdict(name)
             previous = existing.get("spec") if existing else None
             if run in recorded_runs(previous):
