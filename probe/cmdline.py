@@ -352,8 +352,8 @@ def read(
         return r
     for cmd in cmds:
         _read_command(r, cmd, chosen, shortest, read_config, budget)
-    if r.backend is None and r.unresolved is None:
-        _unplaced(r, argv, env, shortest)
+    if not r.requested and r.unresolved is None:
+        _unplaced(r, argv, env, shortest, budget)
     guesses = budget.guesses[guessed:]
     if guesses and r.values and r.unresolved is None and not r.requested:
         # The answer rests on a default assumed for a variable this reading cannot see.
@@ -361,103 +361,84 @@ def read(
     return r
 
 
-_NAMED = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)")
-_LOOSE_SPLIT = re.compile(r"[\s()<>;|&`]+")
-_BRACES = re.compile(r"\{([^{}]*)\}")
+_NAMED = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
+_SEGMENTS = re.compile(r"[;&|\n()`]+")
+_BLANKS = re.compile(r"[\s<>]+")
+_BRACES = re.compile(r"(?<!\$)\{([^{}]*,[^{}]*)\}")
 UNPLACED = "text no command places, read leniently"
 
 
-def _unplaced(r, argv, env, shortest):
-    """The safe side for the flag in text where no command read decided it: `eval "$CMD"`,
-    `set -- … mooncake; exec … "$@"`, a script fed to a shell on its stdin (`bash <<EOF`,
-    `echo … | sh`), brace expansion (`--elastic-ep-{backend,x}`). Each argv word, and
-    each env value the argv names (`$NAME`), that mentions the flag is split at blanks
-    and shell operators with its quotes removed, braces expanded one level, and read
-    leniently (`--` included): the last value given to a spelling of the flag is the
-    request. Linear; past the reading budget (env values the shell never expanded are
-    not charged to it) it is over budget, on the safe side."""
-    names = set()
-    for a in argv:
-        if "$" in a:
-            names.update(_NAMED.findall(a))
-    texts = [t for t in list(argv) + [v for k, v in env.items() if k in names]
-             if mentions_flag(t)]
-    if sum(len(t) for t in texts) > shell.BUDGET:
+def _unplaced(r, argv, env, shortest, budget):
+    """The safe side for the flag where no command read requests it: `eval "$CMD"`, `set
+    -- … mooncake; exec … "$@"`, a script fed to a shell on its stdin (`bash <<EOF`,
+    `echo … | sh`), brace expansion (`{--elastic-ep-backend,mooncake}`), a decoy line
+    saying `none` before any of these, an entrypoint that reads its arguments from an env
+    value. Each argv word, with every `$NAME` the env holds put in (one level), and each
+    other env value that mentions the flag, is read with its quotes removed, in pieces
+    split at `;`, `&`, `|`, newlines, parentheses and backquotes (comments and
+    here-document bodies are read too), each piece's words split at blanks and `{a,b}`
+    groups expanded. A piece whose last value for a spelling of the flag is `mooncake` is
+    a request (UNPLACED: judged by rules and verdicts, never probed or gated, since what
+    runs it cannot be told). What the env and the expansions add is charged to the
+    reading budget; past it, over budget (the safe side)."""
+    named = set()
+    texts = []
+    try:
+        for a in argv:
+            texts.append(_NAMED.sub(lambda m: _put_in(m, env, named, budget), a) if "$" in a
+                         else a)
+        extra = [v for k, v in env.items() if k not in named and mentions_flag(v)]
+        budget.spend(sum(map(len, extra)))
+        texts += extra
+        if not any(mentions_flag(t) for t in texts):
+            return
+        for text in texts:
+            for piece in _SEGMENTS.split(shell.unquoted(text)):
+                if not mentions_flag(piece):
+                    continue
+                words = []
+                for w in _BLANKS.split(piece):
+                    if w:
+                        words.extend(x for x in _braced(w, budget) if x)
+                value = None
+                for i, w in enumerate(words):
+                    if w.startswith("--") and _flag_spelling(w, shortest):
+                        if "=" in w:
+                            value = w.split("=", 1)[1]
+                        elif i + 1 < len(words):
+                            value = words[i + 1]
+                if _is_mooncake(value):
+                    if value not in r.values:
+                        r.values.append(value)
+                    r.requested = True
+                    r.backend, r.where, r.releases = value, UNPLACED, ("lenient",)
+                    return
+    except shell.OverBudget:
         _over_budget(r, True)
-        return
-    value = None
-    for text in texts:
-        words = []
-        for w in _LOOSE_SPLIT.split(shell.unquoted(_uncommented(text))):
-            words.extend(_braced(w))
-        for i, w in enumerate(words):
-            if not (w.startswith("--") and _flag_spelling(w, shortest)):
-                continue
-            if "=" in w:
-                value = w.split("=", 1)[1]
-            elif i + 1 < len(words) and not words[i + 1].startswith("-"):
-                value = words[i + 1]
+
+
+def _put_in(m, env, named, budget):
+    """``$NAME`` replaced by the env's value (charged to ``budget``), else kept."""
+    name = m.group(1)
+    value = env.get(name)
     if value is None:
-        return
-    if "$" not in value and not _is_mooncake(value):
-        return
-    if value not in r.values:
-        r.values.append(value)
-    if "$" in value:
-        r.unresolved = value
-    else:
-        r.requested = True
-        r.backend, r.where, r.releases = value, UNPLACED, ("lenient",)
+        return m.group(0)
+    named.add(name)
+    budget.spend(len(value))
+    return value
 
 
-def _uncommented(text):
-    """``text`` without its shell comments: a ``#`` that starts a word outside quotes, to
-    the end of its line. A quoted ``"#"`` stays (it comments nothing out: `set -- "#"
-    --elastic-ep-backend mooncake` passes the flag on). One pass."""
-    if "#" not in text:
-        return text
-    out = []
-    quote = None  # "'", '"', or "$'" (which, like '"', takes backslash escapes)
-    starts_word = True
-    i, n = 0, len(text)
-    while i < n:
-        c = text[i]
-        if quote is not None:
-            if c == "\\" and quote != "'" and i + 1 < n:
-                out.append(text[i:i + 2])
-                i += 2
-                continue
-            out.append(c)
-            if c == quote[-1]:
-                quote = None
-            i += 1
-            continue
-        if c == "#" and starts_word:
-            end = text.find("\n", i)
-            if end < 0:
-                break
-            i = end
-            continue
-        if c == "\\" and i + 1 < n:
-            out.append(text[i:i + 2])
-            i += 2
-            starts_word = False
-            continue
-        if c in ("'", '"'):
-            quote = "$'" if c == "'" and text[i - 1:i] == "$" else c
-        out.append(c)
-        starts_word = c in " \t\r\n;&|()<>"
-        i += 1
-    return "".join(out)
-
-
-def _braced(word):
-    """``word`` and, where it holds a ``{a,b}`` group, the words its first group makes."""
+def _braced(word, budget):
+    """The words bash makes of ``word``'s first ``{a,b}`` group (``word`` itself when it has
+    none); what they add is charged to ``budget`` first (a group of 8,000 commas in a
+    16 KB word would make 61 MiB)."""
     m = _BRACES.search(word) if "{" in word else None
-    if m is None or "," not in m.group(1):
+    if m is None:
         return [word]
     head, tail = word[:m.start()], word[m.end():]
-    return [word] + [head + alt + tail for alt in m.group(1).split(",")]
+    alternatives = m.group(1).split(",")
+    budget.spend(len(alternatives) * (len(head) + len(tail)))
+    return [head + alt + tail for alt in alternatives]
 
 
 def _over_budget(r, flagged):

@@ -237,6 +237,22 @@ CASES: list[Case] = [
         [RULE],
     ),
     Case(
+        "warns_that_text_no_command_places_is_judged_by_rules_and_verdicts_only",
+        review(
+            pod(
+                [
+                    bash(
+                        "cat > /shared/run.sh <<'EOF'\npython3 -m sglang.launch_server "
+                        "--elastic-ep-backend mooncake\nEOF",
+                        image="busybox:1.36",
+                    )
+                ]
+            )
+        ),
+        True,
+        warnings=["where epguard cannot tell what runs it", "by rules and learned verdicts only"],
+    ),
+    Case(
         "denies_a_script_on_a_shells_stdin",
         review(
             pod(

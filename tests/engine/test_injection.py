@@ -268,3 +268,21 @@ def test_metadata_patch_removes_a_label_and_signature_the_tenant_wrote() -> None
     }
     pod = jsonpatch.apply_patch({"metadata": meta}, metadata_patch(meta, False, None))
     assert pod["metadata"] == {"labels": {"app": "x"}, "annotations": {}}
+
+
+def test_text_only_the_safe_side_reads_gets_no_probe_and_no_gate() -> None:
+    """A busybox helper that writes the launch script in a here-document mentions the flag
+    and mooncake; the safe-side reading (probe/cmdline.py UNPLACED) judges its image by
+    rules and verdicts, but a probe there would be `python3` in busybox: the tenant's pod
+    would never start (found by a review helper)."""
+    helper = {
+        "name": "write-script",
+        "image": "busybox:1.36",
+        "command": ["sh", "-c"],
+        "args": ["cat > /shared/run.sh <<'EOF'\n"
+                 "python3 -m sglang.launch_server --elastic-ep-backend mooncake\nEOF"],
+    }  # fmt: skip
+    alone = plan({"containers": [helper]}, SETTINGS)
+    assert alone.probes == () and alone.settled == ()
+    both = plan({"initContainers": [helper], "containers": [worker()]}, SETTINGS)
+    assert both.probes == ("epguard-probe",) and both.settled == (worker()["image"],)

@@ -171,20 +171,34 @@ def test_the_built_in_rules_have_no_glob_that_can_never_match() -> None:
 @pytest.mark.parametrize(
     ("glob", "matched", "missed"),
     [
-        ("lmsysorg/sglang", ["lmsysorg/sglang", "docker.io/lmsysorg/sglang:latest"],
-         ["lmsysorg/sglang:v0.5.23"]),
-        ("nvcr.io/nvidia/sglang", ["nvcr.io/nvidia/sglang"], ["nvcr.io/nvidia/sglang:1"]),
         ("docker.io/sglang:0.5*", ["sglang:0.5.22", "index.docker.io/library/sglang:0.5.1"],
          ["sglang:0.6"]),
-        ("index.docker.io/sglang", ["sglang"], ["sglang:1"]),
+        ("index.docker.io/sglang:*", ["sglang", "sglang:1"], ["lmsysorg/sglang:1"]),
+        ("docker.io/lmsys*", ["lmsysorg/sglang:v1"], ["sglang:1"]),  # a wildcard: as written
+        ("lmsysorg/sglang", ["lmsysorg/sglang@sha256:" + "0" * 64], ["lmsysorg/sglang"]),
         ("lmsysorg/sglang:*", ["lmsysorg/sglang", "lmsysorg/sglang:v1"], ["lmsysorg/other:v1"]),
     ],
 )  # fmt: skip
 def test_a_glob_is_normalized_as_an_image_reference_is(
     glob: str, matched: list[str], missed: list[str]
 ) -> None:
-    """Written as a pod's image is (no tag, or Docker Hub's one-word name under its
-    host), a glob matched nothing at all, silently (found by a review helper)."""
+    """Docker Hub's one-word names written under its host matched no pod at all, silently
+    (found by a review helper); a glob with a wildcard in its repository is left as
+    written."""
     rs = load_rules_text(f"rules:\n  - {{id: a, image: '{glob}', reason: r, remedy: m}}", "t")
     assert all(rs.match(parse(image)) for image in matched)
     assert not any(rs.match(parse(image)) for image in missed)
+
+
+def test_a_glob_without_a_tag_is_warned_about() -> None:
+    """It matches only digest-pinned references without a tag, never lmsysorg/sglang or
+    lmsysorg/sglang:v1: the admin hears it at load, not the day the image gets through."""
+    from epguard.webhook.engine.rules import rule_warnings
+
+    rs = load_rules_text(
+        "rules:\n  - {id: a, image: 'lmsysorg/sglang', reason: r, remedy: m}\n"
+        "  - {id: b, image: 'lmsysorg/sglang:*', reason: r, remedy: m}", "t"
+    )  # fmt: skip
+    (warning,) = rule_warnings(rs)
+    assert "rule 'a'" in warning and "names no tag" in warning
+    assert "'docker.io/lmsysorg/sglang:*'" in warning

@@ -198,7 +198,11 @@ def test_script_words_are_made_as_the_shell_makes_them() -> None:
         "  --node-rank $POD_INDEX --elastic-ep-\"backend\" 'moon'cake  # trailing\n"
     )
     assert read(["/bin/bash", "-c", script]).requested
-    assert not read(["bash", "-c", f"python3 -m sglang.launch_server --tp 2  # {FLAG}"]).requested
+    # A comment is not a command (the reader skips it); the safe side reads it, as it reads
+    # here-document bodies: test_the_safe_side_reading.
+    assert read(["bash", "-c", f"python3 -m sglang.launch_server --tp 2  # {FLAG}"]).where == (
+        UNPLACED
+    )
     # Words after the script are $0 $1 … of the script, not commands.
     assert not read(["sh", "-c", "run", "--elastic-ep-backend", "mooncake"]).requested
     # One word with a space is not the flag to argparse; but where no command decides the
@@ -498,16 +502,33 @@ def test_the_flag_no_command_places_is_read_on_the_safe_side(argv: list[str]) ->
     assert r.requested and r.backend is not None and r.backend.strip() == "mooncake"
 
 
-def test_the_safe_side_reading_keeps_what_a_command_decided_and_skips_comments() -> None:
-    # A launch line that says none is the answer, whatever a comment or an echo says.
-    none = "python3 -m sglang.launch_server --elastic-ep-backend none"
-    assert not read(["sh", "-c", f"{none}  # or {FLAG}"]).requested
-    assert not read(["sh", "-c", f"{none}\n# eval {FLAG}"]).requested
-    assert not read(["sh", "-c", "python3 -m sglang.launch_server --tp 2  # " + FLAG]).requested
-    # A value from the environment at launch stays unknown, not a request.
-    r = read(["sh", "-c", "eval python3 -m sglang.launch_server --elastic-ep-backend $B"])
-    assert not r.requested and r.unresolved == "$B"
-    # Past the reading budget, env text a script names (never expanded) is the safe side.
+def test_the_safe_side_reading() -> None:
+    """Found by a review helper on the first version: a decoy line saying none, a value in
+    braces, a flag and its value in two variables, an escaped $' before a quoted #."""
+    env = {"CMD": f"{SERVER} {FLAG}", "A": f"{SERVER} --elastic-ep-backend", "B": "mooncake"}
+    for script in (
+        ': --elastic-ep-backend none; eval "$CMD"',
+        f'echo --elastic-ep-backend none; eval "{SERVER} {FLAG}"',
+        f"{SERVER} --elastic-ep-backend {{mooncake,}}",
+        'eval "$A $B"',
+        f'eval "{SERVER} {FLAG}; echo --elastic-ep-backend none"',
+        f"bash <<'EOF'\necho \\$'a\\' b' #'; {SERVER} {FLAG}\nEOF",
+        f"cat > /shared/run.sh <<'EOF'\n{SERVER} {FLAG}\nEOF",
+    ):
+        r = read(["bash", "-c", script], env=env)
+        assert r.requested and r.where == UNPLACED, script
+    # Within one piece argparse's last value wins; words of an argv without a shell are
+    # each a piece; a value from the environment at launch is no request.
+    assert not read(["sh", "-c", f"{SERVER} {FLAG} --elastic-ep-backend none"]).requested
+    assert not read([*LAUNCH, "--elastic-ep-backend", "mooncake", "--elastic-ep-backend",
+                     "none"]).requested  # fmt: skip
+    assert not read(["sh", "-c", f"eval {SERVER} --elastic-ep-backend $X"]).requested
+    # An entrypoint's arguments in an env value nothing names.
+    assert read([], env={"SGLANG_ARGS": FLAG}).where == UNPLACED
+    # Bounded: env text and brace expansions are charged to the reading budget.
     big = {"A": FLAG + " " + "x" * (shell.BUDGET + 1)}
     r = read(["sh", "-c", "echo '$A'"], env=big)
+    assert r.requested and r.over_budget
+    braces = "echo a{" + "," * 8000 + "}" + "y" * 8000 + " --elastic-ep-backend"
+    r = read(["sh", "-c", braces])
     assert r.requested and r.over_budget

@@ -534,7 +534,7 @@ def worker_keys(pod: Mapping[str, Any]) -> list[PreflightKey]:
             isinstance(c, Mapping)
             and isinstance(c.get("image"), str)
             and _parses(c["image"])
-            and analyse_container(c, budget).requests_mooncake
+            and analyse_container(c, budget).worker
         ):
             images.setdefault(c["image"], None)
     return [key_of(namespace, spec, image) for image in images]

@@ -58,14 +58,24 @@ class ArgvReport:
     looks_like_sglang: bool = False
     # Too large to read exactly: judged as requesting mooncake (the safe side).
     over_budget: bool = False
+    # Requested only on the safe side (cmdline.UNPLACED): the flag and mooncake in text no
+    # command read places (eval, a script on a shell's stdin, a here-document, an env
+    # value). Judged by rules and verdicts; never probed or gated, since what runs it
+    # cannot be told (a busybox helper writing a script would get a probe it cannot run).
+    unplaced: bool = False
+
+    @property
+    def worker(self) -> bool:
+        """Requests mooncake on a line epguard reads: a worker to probe and to gate."""
+        return self.requests_mooncake and not self.unplaced
 
     @property
     def may_request_mooncake(self) -> bool:
-        """Requests mooncake, or may where admission cannot see (the flag's value from a
+        """A worker, or may be one where admission cannot see (the flag's value from a
         Secret, ConfigMap, field or shell variable; an SGLang line with ``--config``):
         the pod is probed, and the probe, which sees the values, decides when it starts."""
         return (
-            self.requests_mooncake
+            self.worker
             or self.unresolved_value is not None
             or (self.config_file is not None and self.looks_like_sglang)
         )
@@ -229,6 +239,7 @@ def _analyse(argv: tuple[str, ...], shell_env: ShellEnv, budget: shell.Budget) -
         config_file=reading.config_file,
         looks_like_sglang=reading.over_budget or any("sglang" in a for a in argv),
         over_budget=reading.over_budget,
+        unplaced=reading.requested and reading.where == cmdline.UNPLACED,
     )
 
 
@@ -240,10 +251,21 @@ def _script_refs(argv: tuple[str, ...]) -> frozenset[str]:
 
 
 def _shell_env(container: Mapping[str, Any], argv: tuple[str, ...]) -> ShellEnv:
-    """The literal env values that shell scripts in argv reference, if any (cheap when none)."""
-    names = _script_refs(argv)
+    """The literal env values that shell scripts in argv reference, and those that mention
+    the flag (an entrypoint may read its arguments from one: cmdline's safe side reads
+    them, as the probe, which has the whole env, does), if any (cheap when none)."""
+    names = set(_script_refs(argv))
     env = container.get("env")
-    if not names or not isinstance(env, list):
+    if not isinstance(env, list):
+        return ()
+    for item in env:
+        if type(item) is dict:
+            value = item.get("value")
+            if isinstance(value, str) and cmdline.mentions_flag(value):
+                name = item.get("name")
+                if isinstance(name, str):
+                    names.add(name)
+    if not names:
         return ()
     # Only literal values can be known; a script that references only valueFrom
     # variables (a pod index, a secret) costs no env expansion at all.

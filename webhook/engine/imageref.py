@@ -139,9 +139,8 @@ def normalize_pattern(pattern: str) -> str:
     """Apply the same domain rule to a rule's glob, so admins may write ``lmsysorg/sglang:v1*``.
 
     Globs cannot go through ``parse`` (``*`` is not in the grammar), so only the
-    domain defaulting (with ``library/`` for Docker Hub's one-word names) and the
-    ``latest`` of a pattern without a tag are applied; a pattern starting with a
-    wildcard is left alone.
+    domain defaulting (with ``library/`` for Docker Hub's one-word names, written with
+    or without its host) is applied; a pattern starting with a wildcard is left alone.
     """
     p = pattern.strip()
     if not p or p[0] in "*?[":
@@ -149,16 +148,10 @@ def normalize_pattern(pattern: str) -> str:
     first, sep, rest = p.partition("/")
     if sep and ("." in first or ":" in first or first == "localhost"):
         host = _host(first)
-        if host == DEFAULT_DOMAIN and "/" not in rest and rest[:1] not in ("*", "?", "["):
-            rest = OFFICIAL_REPO_PREFIX + rest  # docker.io/sglang:* is library/sglang
-        out = f"{host}/{rest}"
-    elif not sep:
-        out = f"{DEFAULT_DOMAIN}/{OFFICIAL_REPO_PREFIX}{p}"
-    else:
-        out = f"{DEFAULT_DOMAIN}/{p}"
-    # No tag and no wildcard in the last segment: the tag `latest`, as a pod's image
-    # without one is read (before, `lmsysorg/sglang` matched no pod at all).
-    last = out.rpartition("/")[2]
-    if not any(ch in last for ch in ":*?["):
-        out += ":latest"
-    return out
+        repository = rest.partition(":")[0]
+        if host == DEFAULT_DOMAIN and "/" not in rest and not any(c in repository for c in "*?["):
+            rest = OFFICIAL_REPO_PREFIX + rest  # docker.io/sglang:0.5* is library/sglang
+        return f"{host}/{rest}"
+    if not sep:
+        return f"{DEFAULT_DOMAIN}/{OFFICIAL_REPO_PREFIX}{p}"
+    return f"{DEFAULT_DOMAIN}/{p}"

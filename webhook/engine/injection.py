@@ -320,7 +320,7 @@ def plan(pod_spec: Any, settings: InjectionSettings, path: str = "/spec") -> Inj
     # containers' images only: a worker in an init container is probed, not gated.
     settled = tuple(
         dict.fromkeys(
-            str(c.get("image")) for c, report, main in reports if main and report.requests_mooncake
+            str(c.get("image")) for c, report, main in reports if main and report.worker
         )
     )
     if not workers:

@@ -253,7 +253,7 @@ def _template_findings(
         hit = state.verdicts.lookup(ref, now)
         if hit is not None and hit.trust != "usable":
             findings.append(_verdict_finding(subject, hit, key))
-        if probed_images and c.image not in probed_images:
+        if probed_images and c.image not in probed_images and report.worker:
             findings.append(
                 Finding(
                     "deny",
@@ -266,7 +266,18 @@ def _template_findings(
                     (*key, "stale-probe"),
                 )
             )
-        if not matched and hit is None and not probe_present:
+        if not matched and hit is None and report.unplaced:
+            findings.append(
+                Finding(
+                    "warn",
+                    f"{subject} mentions {FLAG} mooncake where epguard cannot tell what runs "
+                    "it (eval, a script on a shell's stdin, a here-document, an env value), "
+                    "so it judged the image by rules and learned verdicts only, and no probe "
+                    "checks it; write the flag on the container's command line to have it "
+                    "probed",
+                )
+            )
+        elif not matched and hit is None and not probe_present:
             findings.append(
                 Finding(
                     "warn",

@@ -223,7 +223,7 @@ def preflight_pod(
         for c in as_list(worker_spec.get("containers"))
         if isinstance(c, Mapping)
         and c.get("image") == key.image
-        and analyse_container(c, budget).requests_mooncake  # what the key was made for
+        and analyse_container(c, budget).worker  # what the key was made for
     ]
     injection = plan(
         {"containers": workers},

@@ -220,7 +220,19 @@ def rule_warnings(rules: RuleSet) -> list[str]:
             out.append(
                 f"{rules.source}: rule {r.id!r}: image glob {r.image!r} can never match: {why}"
             )
+        elif r.image is not None and r.digest is None and _tagless(r.image):
+            out.append(
+                f"{rules.source}: rule {r.id!r}: image glob {r.image!r} names no tag, so it "
+                "matches only images pinned by digest without a tag (a pod's image without "
+                f"a tag is {r.image}:latest); write {r.image + ':*'!r} for every tag"
+            )
     return out
+
+
+def _tagless(glob: str) -> bool:
+    """No tag and no wildcard in the glob's last segment (``lmsysorg/sglang``)."""
+    last = glob.rpartition("/")[2]
+    return not any(ch in last for ch in ":*?[")
 
 
 class RulesHolder:
