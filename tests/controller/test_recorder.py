@@ -668,10 +668,12 @@ class TestTags:
         one = Recorder(api, clock=lambda: T1)
         mine = parse(IMAGE).name_tag
         one.note_resolved("ml", Resolution(mine, DIGEST, NOW))
+        # Pulling the same public tag later does not make the entry the flood's to evict.
+        one.note_resolved("flood", Resolution(mine, DIGEST, NOW + dt.timedelta(seconds=1)))
         for i in range(MAX_RESOLVED_TAGS + 50):
             tag = f"r.example/flood:{i}"
             one.note_resolved("flood", Resolution(tag, "sha256:" + "0" * 64, NOW))
-        assert one.newest[mine] == (DIGEST, NOW)
+        assert one.newest[mine] == (DIGEST, NOW + dt.timedelta(seconds=1))
         assert len(one.newest) == MAX_RESOLVED_TAGS
         api.verdicts.clear()
         record_worker(api, one, "w1")

@@ -273,6 +273,21 @@ def test_the_preflight_probes_the_worker_that_asks_for_mooncake_on_its_line() ->
     assert preflight_pod("t", spec, key_of("t", spec, IMAGE), SETTINGS) is None
 
 
+def test_two_workers_on_one_image_make_a_preflight_built_as_one() -> None:
+    """Planned together, their probes were named epguard-probe-<worker>: the chart's policy
+    refused that preflight, and the controller did not take it for its own (found by a
+    review helper)."""
+    from epguard.webhook.engine.preflight import shaped_as_preflight
+
+    spec = worker_spec()
+    first = spec["containers"][0]
+    spec["containers"] = [first, {**first, "name": "second"}]
+    pod = preflight(spec)
+    names = [c["name"] for c in pod["spec"]["initContainers"]]
+    assert names == [COPY_CONTAINER, PROBE_CONTAINER]
+    assert shaped_as_preflight(pod)
+
+
 def test_a_signed_preflight_verifies_and_exposes_nothing() -> None:
     ring = new_keyring(dt.datetime.now(dt.UTC))
     pod = signed(preflight(), ring.keys[0], dt.datetime.now(dt.UTC))

@@ -291,7 +291,13 @@ class Recorder:
                 tags.popitem(last=False)
 
     def _newest_put(self, namespace: str, tag: str, value: tuple[str, dt.datetime]) -> None:
-        """``newest[tag] = value``, as ``namespace``'s pull (under _resolved_lock)."""
+        """``newest[tag] = value``, as ``namespace``'s pull (under _resolved_lock). A newer
+        pull of the same bytes keeps the entry with the namespace that made it: else one
+        could take another's entry by pulling its public tag, then evict it with its own."""
+        held = self.newest.get(tag)
+        if held is not None and held[0] == value[0]:
+            self.newest[tag] = value
+            return
         self._newest_drop(tag)
         self.newest[tag] = value
         self._newest_by[tag] = namespace

@@ -162,7 +162,7 @@ def container_argv(container: Mapping[str, Any]) -> tuple[str, ...]:
 # The cache of judged argvs, bounded by entries and by the characters its keys hold:
 # a key is the argv *and* the env values its scripts name, both a tenant's choice, so
 # an entry is kept only when the two together are within one reading budget, and the
-# whole cache within CACHE_CHARS (the reports' strings are parts of their keys). Before
+# whole cache, keys and reports' strings, within CACHE_CHARS. Before
 # the env counted, an `sh -c "echo '$A'"` beside a worker, with a 1.3 MB A different in
 # each pod, kept 1.3 MB an entry: 2,048 of them would be 2.6 GB, in the webhook and in
 # the controller, which judges every gated pod's containers each pass.
@@ -218,8 +218,18 @@ def analyse(
         return hit
     report = _analyse(argv, shell_env, budget or shell.Budget())
     if small and not report.over_budget:
-        _remember(key, report, chars)
+        _remember(key, report, chars + _report_chars(report))
     return report
+
+
+def _report_chars(report: ArgvReport) -> int:
+    """What a report holds beside its key, in characters (its values may be expansions,
+    new strings: "$A$A")."""
+    return (
+        sum(map(len, report.values))
+        + len(report.unresolved_value or "")
+        + len(report.config_file or "")
+    )
 
 
 def _analyse(argv: tuple[str, ...], shell_env: ShellEnv, budget: shell.Budget) -> ArgvReport:

@@ -225,14 +225,18 @@ def preflight_pod(
         and c.get("image") == key.image
         and analyse_container(c, budget).worker  # what the key was made for
     ]
+    # One worker container judges the image (the files are the same for every container
+    # on it): planned alone, its probe is named epguard-probe, as the chart's policy and
+    # shaped_as_preflight expect (two workers on one image made it epguard-probe-<name>,
+    # a preflight the policy refused).
     injection = plan(
-        {"containers": workers},
+        {"containers": workers[:1]},
         replace(settings.injection, files_only=True),
     )
     if not injection.probes or injection.volume is None:
         return None
     copy, *probes = injection.containers
-    probe = probes[0]  # one worker container judges the image; the argv decides the rest
+    (probe,) = probes
     if settings.gpus == "0":
         probe = _without_extended(probe)
     # Who it runs as, and nothing that widens what it can do: the worker's own privileges
