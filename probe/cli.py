@@ -402,10 +402,18 @@ def _request_doc(req_argv):
 
 def _run(opts, worker):
     req_argv = read_request(worker)
-    if not req_argv.requested and not opts.always:
+    # Read only on the safe side (the flag and mooncake in text no command places): the
+    # webhook judges such an image by rules and verdicts but never probes it, since what
+    # runs the text cannot be told; a probe stopping the pod on it could stop a pod that
+    # would have served (its launch line says none, an env value says mooncake).
+    unplaced = req_argv.requested and req_argv.where == cmdline.UNPLACED
+    if (not req_argv.requested or unplaced) and not opts.always:
         why = ("the worker argv does not request --elastic-ep-backend mooncake"
                if worker else "no worker argv given (expected: -- WORKER_ARGV...)")
-        if req_argv.backend is not None:
+        if unplaced:
+            why += (" on a line the probe reads (it names mooncake only in text no command"
+                    " places: " + cmdline.UNPLACED + ")")
+        elif req_argv.backend is not None:
             why += f" (it asks for {req_argv.backend.strip()!r})"
         text = message.render(message.NOTHING + why, [], "nothing to fix",
                               opts.max_message_bytes).splitlines()[0]

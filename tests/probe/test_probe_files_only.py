@@ -312,6 +312,20 @@ def test_a_worker_that_does_not_request_mooncake_is_nothing_to_check(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_a_flag_only_in_text_no_command_places_is_nothing_to_check(tmp_path):
+    # The webhook judges such an image by rules and verdicts but never probes it: the
+    # probe must not stop a pod whose launch line may never run it (here it says none
+    # and a here-document only writes a file).
+    root = make_root(tmp_path, PROVEN["cuda-mismatch"])
+    script = ("cat > /tmp/other.sh <<'EOF'\n"
+              "python3 -m sglang.launch_server --elastic-ep-backend mooncake\nEOF\n"
+              "exec python3 -m sglang.launch_server --elastic-ep-backend none")
+    r = probe(tmp_path, root, "--files-only", worker=["sh", "-c", script])
+    assert r.rc == 0 and r.report["verdict"] == "not-requested"
+    assert "text no command places" in r.lines[0]
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("change", [_clear, _unconfirmed, PROVEN["cuda-mismatch"]])
 def test_the_message_fits_max_message_bytes(tmp_path, change):
     root = make_root(tmp_path, change)
