@@ -247,3 +247,18 @@ def test_wrong_typed_names_found_in_review_do_not_crash() -> None:
     ):
         views = BUILTIN.pod_templates("workloads.x-k8s.io", "RoleBasedGroup", {"spec": spec})
         assert views is not None and all(not v.containers for v in views)
+
+
+def test_a_safe_side_reading_of_the_argv_alone_still_reads_the_env() -> None:
+    """The argv alone read as a request only on the safe side (a here-document names the
+    flag); the env makes the launch line a real one: it is a worker, probed and gated."""
+    c = {
+        "name": "w",
+        "image": "x",
+        "command": ["bash", "-c"],
+        "args": ["cat <<EOF >/x\n--elastic-ep-backend mooncake\nEOF\n"
+                 "python3 -m sglang.launch_server $FLAGS"],
+        "env": [{"name": "FLAGS", "value": "--elastic-ep-backend mooncake"}],
+    }  # fmt: skip
+    report = analyse_container(c)
+    assert report.worker and not report.unplaced

@@ -312,7 +312,7 @@ def analyse_container(
     try:
         argv = container_argv(container)
         report = analyse(argv, (), budget)
-        if report.requests_mooncake and report.unresolved_value is None:
+        if report.worker and report.unresolved_value is None:
             # Settled on the command line: skip scanning env (a worker may carry dozens
             # of variables). Only a later "$VAR" that resets the flag to another value
             # would be missed, and that errs towards judging the pod, never towards
