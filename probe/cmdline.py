@@ -352,19 +352,19 @@ def read(
         return r
     for cmd in cmds:
         _read_command(r, cmd, chosen, shortest, read_config, budget)
-    if not r.requested and r.unresolved is None:
-        _unplaced(r, argv, env, shortest, budget)
     guesses = budget.guesses[guessed:]
     if guesses and r.values and r.unresolved is None and not r.requested:
         # The answer rests on a default assumed for a variable this reading cannot see.
         r.unresolved = guesses[-1]
+    if not r.requested and r.unresolved is None:
+        _unplaced(r, argv, env, shortest, budget)
     return r
 
 
 _NAMED = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
 _SEGMENTS = re.compile(r"[;&|\n()`]+")
 _BLANKS = re.compile(r"[\s<>]+")
-_BRACES = re.compile(r"(?<!\$)\{([^{}]*,[^{}]*)\}")
+_BRACES = re.compile(r"(?<!\$)\{([^{},]*(?:,[^{},]*)+)\}")
 UNPLACED = "text no command places, read leniently"
 
 

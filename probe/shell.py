@@ -73,7 +73,7 @@ _POSITIONAL = re.compile(r"\$\{?([@*0-9])\}?$")
 # the variables a script sets for itself before it uses them.
 _SCRIPT_ASSIGNMENT = re.compile(
     r"(?:^|[;&|\n(]|\bexport|\blocal|\breadonly|\bdeclare)[ \t]*"
-    r"([A-Za-z_][A-Za-z0-9_]*)=(\"[^\"]*\"|'[^']*'|[^\s;&|()]*)"
+    r"([A-Za-z_][A-Za-z0-9_]*)(\+?)=(\"[^\"]*\"|'[^']*'|[^\s;&|()]*)"
 )
 _BRACED = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-=+?])(.*))?\}$", re.S)
 _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\[[^]]*\])?\+?=")
@@ -187,16 +187,62 @@ def unquoted(text):
     return text.translate(_QUOTE_CHARS)
 
 
-def script_env(script, env):
+def script_env(script, env, budget=None):
     """``env`` plus the plain values a script assigns to itself (``FLAGS="…"; run $FLAGS``),
-    last assignment winning: one linear pass, not an interpreter."""
+    last assignment winning: one pass, not an interpreter. An assignment that names its
+    own variable (`ARGS="$ARGS --host $IP"`, `ARGS+=" --tp 8"`) builds on the value
+    before it, when that is known: the common way to build a launch line step by step
+    (kept as written, the flag set in the first step was lost). What that adds is charged
+    to ``budget``; past it, OverBudget (the safe side)."""
     local = dict(env)
     for m in _SCRIPT_ASSIGNMENT.finditer(script):
-        value = m.group(2)
-        if value[:1] in ("'", '"'):
+        name, append, value = m.group(1), m.group(2), m.group(3)
+        quote = value[:1] if value[:1] in ("'", '"') else ""
+        if quote:
             value = value[1:-1]
-        local[m.group(1)] = value
+        before = local.get(name)
+        limit = len(m.group(3)) + (budget.left if budget is not None else BUDGET)
+        if before is not None and quote != "'" and "$" in value:
+            value = _put_own(value, name, before, limit)
+        if append:
+            value = (before if before is not None else "$" + name) + value
+        if len(value) > len(m.group(3)):
+            if len(value) > limit:
+                raise OverBudget()
+            if budget is not None:
+                budget.spend(len(value) - len(m.group(3)))
+        local[name] = value
     return local
+
+
+def _put_own(value, name, before, limit):
+    """``value`` with each ``$NAME`` and ``${NAME}`` (not ``$NAME_MORE``) replaced by
+    ``before``; OverBudget as soon as it would pass ``limit`` characters (a line that
+    doubles itself at each step). One pass."""
+    out = []
+    size = 0
+    i, n, k = 0, len(value), len(name)
+    while True:
+        j = value.find("$", i)
+        if j < 0:
+            out.append(value[i:])
+            return "".join(out)
+        out.append(value[i:j])
+        size += j - i
+        end = j + 1 + k
+        if value.startswith("{" + name + "}", j + 1):
+            end += 2
+        elif not (value.startswith(name, j + 1)
+                  and (end >= n or not (value[end].isalnum() or value[end] == "_"))):
+            out.append("$")
+            size += 1
+            i = j + 1
+            continue
+        out.append(before)
+        size += len(before)
+        if size > limit:
+            raise OverBudget()
+        i = end
 
 
 def words(script, env, budget, positional=()):
@@ -438,7 +484,7 @@ def _collect(words_, where, env, budget, depth, out):
     script = words_[at]
     if len(script) > budget.left:
         raise OverBudget()  # before any pass over it
-    local = script_env(script, env)
+    local = script_env(script, env, budget)
     positional = tuple(words_[at + 1:])  # $0 $1 … of the script
     for cmd in _split_commands(words(script, local, budget, positional)):
         _collect(cmd, "sh -c script", local, budget, depth + 1, out)

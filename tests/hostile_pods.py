@@ -112,3 +112,27 @@ def wrapper_prefix_pod(words: int = 245_000) -> dict[str, Any]:
             ]
         },
     }
+
+
+def unclosed_groups_pod(size: int = 30_000) -> dict[str, Any]:
+    """Two containers of groups that never close, each ``size`` characters: ``$(`` with no
+    ``)`` (the kubelet's expansion; a pattern scanned to the end from each took 2.9 s at
+    40 KB) and a brace group ``{,,,…`` (a backtracking pattern took 5.7 s at 30,000
+    commas), then a worker asking for mooncake."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "unclosed", "namespace": "ml"},
+        "spec": {
+            "containers": [
+                {"name": "refs", "image": IMAGE,
+                 "command": ["sh", "-c", "echo " + "$(" * (size // 2)],
+                 "env": [{"name": "X", "value": "1"}]},
+                {"name": "braces", "image": IMAGE,
+                 "command": ["bash", "-c", "echo --elastic-ep-backend {" + "," * size]},
+                {"name": "worker", "image": IMAGE,
+                 "command": ["python3", "-m", "sglang.launch_server"],
+                 "args": ["--elastic-ep-backend", "mooncake"]},
+            ]
+        },
+    }  # fmt: skip

@@ -532,3 +532,38 @@ def test_the_safe_side_reading() -> None:
     braces = "echo a{" + "," * 8000 + "}" + "y" * 8000 + " --elastic-ep-backend"
     r = read(["sh", "-c", braces])
     assert r.requested and r.over_budget
+
+
+@pytest.mark.parametrize(
+    "script",
+    [
+        'ARGS="--model-path m --elastic-ep-backend mooncake"\n'
+        'if [ -n "$HOSTIP" ]; then\n  ARGS="$ARGS --host $HOSTIP"\nfi\n'
+        f"exec {SERVER} $ARGS",
+        f'ARGS="--model-path m"\nARGS+=" {FLAG}"\nexec {SERVER} $ARGS',
+        f'ARGS="--model-path m"\nARGS="${{ARGS}} {FLAG}"\nARGS="${{ARGS}} --tp 8"\n'
+        f"exec {SERVER} $ARGS",
+        f'export ARGS="{FLAG}"\nexport ARGS="$ARGS --tp 8"\n{SERVER} $ARGS',
+    ],
+    ids=["if-append", "plus-equals", "braced-twice", "export-chain"],
+)
+def test_a_launch_line_built_step_by_step_is_read(script: str) -> None:
+    """`ARGS="$ARGS …"` builds on the value before it (found by a review helper: kept as
+    written, the flag of the first step was lost, and the worker went unprobed)."""
+    r = read(["bash", "-c", script], env={"HOSTIP": "10.0.0.1"})
+    assert r.requested and r.where == "sh -c script"
+
+
+def test_a_line_that_doubles_itself_is_over_budget_not_built() -> None:
+    script = "A=x\n" + 'A="$A$A"\n' * 40 + f"{SERVER} $A {FLAG}"
+    r = read(["bash", "-c", script])
+    assert r.requested and r.over_budget
+
+
+def test_a_guessed_default_stays_unresolved_whatever_the_safe_side_reads() -> None:
+    """A comment naming mooncake turned the unresolved ${EP:-none} (probed in the pod)
+    into a safe-side request (never probed): found by a review helper."""
+    script = f"# decode pods: EP=mooncake ({FLAG})\n{SERVER} --elastic-ep-backend ${{EP:-none}}"
+    r = read(["bash", "-c", script])
+    assert not r.requested and r.unresolved == "${EP:-none}"
+

@@ -32,8 +32,7 @@ MAX_EXPANSION = shell.BUDGET
 # "$", and "$(" takes every character up to the next ")" as the name, whatever they are
 # (env names may start with "." or "-", and with RelaxedEnvironmentVariableValidation,
 # on by default since 1.32, hold any printable character but "="); a name the mapping
-# lacks is left as written.
-_VAR_REF = re.compile(r"\$\$|\$\(([^)]*)\)")
+# lacks is left as written (expand).
 # $NAME or ${NAME…} inside a shell script; the shell takes them from the environment.
 _SHELL_REF = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)|([A-Za-z_][A-Za-z0-9_]*))")
 
@@ -127,22 +126,43 @@ def env_mapping(env: Any, spend: _Spend | None = None) -> dict[str, str]:
 
 def expand(text: str, mapping: Mapping[str, str], spend: _Spend | None = None) -> str:
     """Kubelet ``$(VAR)`` expansion: defined names are replaced, undefined ones kept, and
-    ``$$`` is an escaped ``$``. The result's size is checked before it is built."""
+    ``$$`` is an escaped ``$``; a ``$(`` with no ``)`` after it is kept as written. The
+    result's size is checked before it is built. One pass: each ``)`` is looked for once
+    (a regular expression scanned to the end from every unclosed ``$(``: 2.9 s for 40 KB
+    of them, found by a review helper)."""
     if "$" not in text:
         return text
     spend = spend or _Spend()
     parts: list[str] = []
-    pos = 0
-    for m in _VAR_REF.finditer(text):
-        parts.append(text[pos : m.start()])
-        if m.group(0) == "$$":
+    pos = i = 0
+    n = len(text)
+    close = -1  # the first ")" at or after the last search (-2: there is none)
+    while True:
+        j = text.find("$", i)
+        if j < 0 or j + 1 >= n:
+            break
+        after = text[j + 1]
+        if after == "$":
+            parts.append(text[pos:j])
             parts.append("$")
-        else:
-            value = mapping.get(m.group(1))
-            parts.append(m.group(0) if value is None else value)
-            if value is not None:
-                spend.take(len(value))
-        pos = m.end()
+            pos = i = j + 2
+            continue
+        if after != "(" or close == -2:
+            i = j + 1
+            continue
+        if close < j + 2:
+            close = text.find(")", j + 2)
+            if close < 0:
+                close = -2
+                i = j + 1
+                continue
+        value = mapping.get(text[j + 2 : close])
+        if value is not None:
+            spend.take(len(value))
+            parts.append(text[pos:j])
+            parts.append(value)
+            pos = close + 1
+        i = close + 1
     parts.append(text[pos:])
     return "".join(parts)
 

@@ -223,7 +223,7 @@ def _template_findings(
                     f"variable), so epguard could not judge it here{then}",
                 )
             )
-        hidden = report.config_file is not None and not report.requests_mooncake
+        hidden = report.config_file is not None and not report.worker
         if hidden and report.looks_like_sglang:
             findings.append(
                 Finding(
@@ -266,7 +266,7 @@ def _template_findings(
                     (*key, "stale-probe"),
                 )
             )
-        if not matched and hit is None and report.unplaced:
+        if not matched and hit is None and report.unplaced and not probe_present:
             findings.append(
                 Finding(
                     "warn",
