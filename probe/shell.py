@@ -458,6 +458,18 @@ def _collect(words_, where, env, budget, depth, out):
         # a script word when it is read): not walked word by word.
         raise OverBudget()
     words_ = unwrap(words_)
+    if len(words_) > 1 and words_[0] == "eval":
+        # eval joins its words and runs them as a script: read them as one (a second
+        # round of expansion, as the shell makes it), not as the arguments of a program.
+        if depth == 0:
+            budget.spend(len(words_[0]))
+        script = " ".join(words_[1:])
+        if len(script) > budget.left:
+            raise OverBudget()
+        local = script_env(script, env, budget)
+        for cmd in _split_commands(words(script, local, budget)):
+            _collect(cmd, "sh -c script", local, budget, depth + 1, out)
+        return
     at = shell_script(words_)
     if depth == 0:
         # The argv counts too, the wrappers unwrap skipped included (a script word is

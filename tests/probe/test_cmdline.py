@@ -507,16 +507,22 @@ def test_the_safe_side_reading() -> None:
     braces, a flag and its value in two variables, an escaped $' before a quoted #."""
     env = {"CMD": f"{SERVER} {FLAG}", "A": f"{SERVER} --elastic-ep-backend", "B": "mooncake"}
     for script in (
-        ': --elastic-ep-backend none; eval "$CMD"',
-        f'echo --elastic-ep-backend none; eval "{SERVER} {FLAG}"',
         f"{SERVER} --elastic-ep-backend {{mooncake,}}",
-        'eval "$A $B"',
-        f'eval "{SERVER} {FLAG}; echo --elastic-ep-backend none"',
         f"bash <<'EOF'\necho \\$'a\\' b' #'; {SERVER} {FLAG}\nEOF",
         f"cat > /shared/run.sh <<'EOF'\n{SERVER} {FLAG}\nEOF",
     ):
         r = read(["bash", "-c", script], env=env)
         assert r.requested and r.where == UNPLACED, script
+    # eval runs its words as a script: read as one, a launch line it runs is a worker's.
+    for script in (
+        ': --elastic-ep-backend none; eval "$CMD"',
+        f'echo --elastic-ep-backend none; eval "{SERVER} {FLAG}"',
+        'eval "$A $B"',
+        f'eval "{SERVER} {FLAG}; echo --elastic-ep-backend none"',
+        f"eval {SERVER} '\"$CMD_ARGS\"' {FLAG}",
+    ):
+        r = read(["bash", "-c", script], env=env)
+        assert r.requested and r.where == "sh -c script" and r.launcher, script
     # Within one piece argparse's last value wins; words of an argv without a shell are
     # each a piece; a value from the environment at launch is no request.
     assert not read(["sh", "-c", f"{SERVER} {FLAG} --elastic-ep-backend none"]).requested
