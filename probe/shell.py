@@ -75,6 +75,7 @@ _SCRIPT_ASSIGNMENT = re.compile(
     r"(?:^|[;&|\n(]|\bexport|\blocal|\breadonly|\bdeclare)[ \t]*"
     r"([A-Za-z_][A-Za-z0-9_]*)(\+?)=(\"[^\"]*\"|'[^']*'|[^\s;&|()]*)"
 )
+_ASSIGNED_REF = re.compile(r"\\?\$(?:\{[^{}]*\}|[A-Za-z_][A-Za-z0-9_]*)")
 _BRACED = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-=+?])(.*))?\}$", re.S)
 _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\[[^]]*\])?\+?=")
 
@@ -202,8 +203,8 @@ def script_env(script, env, budget=None):
             value = value[1:-1]
         before = local.get(name)
         limit = len(m.group(3)) + (budget.left if budget is not None else BUDGET)
-        if before is not None and quote != "'" and "$" in value:
-            value = _put_own(value, name, before, limit)
+        if quote != "'" and "$" in value:
+            value = _assigned(value, local, budget, limit)
         if append:
             value = (before if before is not None else "$" + name) + value
         if len(value) > len(m.group(3)):
@@ -215,34 +216,28 @@ def script_env(script, env, budget=None):
     return local
 
 
-def _put_own(value, name, before, limit):
-    """``value`` with each ``$NAME`` and ``${NAME}`` (not ``$NAME_MORE``) replaced by
-    ``before``; OverBudget as soon as it would pass ``limit`` characters (a line that
-    doubles itself at each step). One pass."""
+def _assigned(value, local, budget, limit):
+    """``value`` as the shell stores it: each ``$NAME`` / ``${NAME…}`` the script or the
+    environment knows put in now (a later assignment to NAME does not change it), the
+    others and an escaped ``\\$`` kept as written; OverBudget as soon as it would pass
+    ``limit`` characters (a line that doubles itself at each step). One pass."""
     out = []
-    size = 0
-    i, n, k = 0, len(value), len(name)
-    while True:
-        j = value.find("$", i)
-        if j < 0:
-            out.append(value[i:])
-            return "".join(out)
-        out.append(value[i:j])
-        size += j - i
-        end = j + 1 + k
-        if value.startswith("{" + name + "}", j + 1):
-            end += 2
-        elif not (value.startswith(name, j + 1)
-                  and (end >= n or not (value[end].isalnum() or value[end] == "_"))):
-            out.append("$")
-            size += 1
-            i = j + 1
+    size = pos = 0
+    for m in _ASSIGNED_REF.finditer(value):
+        ref = m.group(0)
+        if ref.startswith("\\"):
             continue
-        out.append(before)
-        size += len(before)
+        got = _expand(ref, local, budget if budget is not None else Budget())
+        if got is None:
+            continue
+        out.append(value[pos:m.start()])
+        out.append(got)
+        size += m.start() - pos + len(got)
         if size > limit:
             raise OverBudget()
-        i = end
+        pos = m.end()
+    out.append(value[pos:])
+    return "".join(out)
 
 
 def words(script, env, budget, positional=()):
@@ -461,8 +456,8 @@ def _collect(words_, where, env, budget, depth, out):
     if len(words_) > 1 and words_[0] == "eval":
         # eval joins its words and runs them as a script: read them as one (a second
         # round of expansion, as the shell makes it), not as the arguments of a program.
-        if depth == 0:
-            budget.spend(len(words_[0]))
+        if depth == 0:  # the words before it too (wrappers unwrap skipped)
+            budget.spend(sum(map(len, raw[: len(raw) - len(words_) + 1])))
         script = " ".join(words_[1:])
         if len(script) > budget.left:
             raise OverBudget()

@@ -573,3 +573,30 @@ def test_a_guessed_default_stays_unresolved_whatever_the_safe_side_reads() -> No
     r = read(["bash", "-c", script])
     assert not r.requested and r.unresolved == "${EP:-none}"
 
+
+@pytest.mark.parametrize(
+    ("script", "requested"),
+    [
+        # A value is stored when assigned: a later assignment does not change it.
+        (f'B=mooncake; CMD="{SERVER} --elastic-ep-backend $B"; B=none; eval "$CMD"', True),
+        (f'B=none; CMD="{SERVER} --elastic-ep-backend $B"; B=mooncake; eval "$CMD"', False),
+        (f'EP=mooncake; ARGS="--tp 8"; ARGS="$ARGS --elastic-ep-backend $EP"; {SERVER} $ARGS',
+         True),
+        (f'BACKEND="${{BACKEND:-mooncake}}"; {SERVER} --elastic-ep-backend $BACKEND', True),
+        (f"B=mooncake; C='$B'; {SERVER} --elastic-ep-backend $C", False),  # single quotes
+    ],
+    ids=["eval-later-none", "eval-later-mooncake", "other-name-in-step", "default", "quoted"],
+)  # fmt: skip
+def test_an_assignment_stores_its_value_as_the_shell_does(script: str, requested: bool) -> None:
+    """Found by a review helper: values were stored as written and expanded at their use,
+    so a later assignment changed what an earlier one held."""
+    r = read(["bash", "-c", script])
+    assert r.requested is requested, (r.values, r.unresolved)
+    # (C='$B' holds the text $B, read as a value not known here: no request.)
+    assert r.unresolved is None or "C='$B'" in script
+
+
+def test_the_words_before_eval_are_charged_to_the_budget() -> None:
+    budget = shell.Budget()
+    shell.commands(["env", "A=" + "x" * 30000, "eval", "true"], {}, budget)
+    assert budget.left < shell.BUDGET - 30000
