@@ -398,6 +398,8 @@ def _unplaced(r, argv, env, shortest, budget):
                     continue
                 words = []
                 for w in _BLANKS.split(piece):
+                    if w[:1].isalpha() and "=" in w:
+                        w = w.split("=", 1)[1]  # an assignment's value: A=--flag
                     if w:
                         words.extend(x for x in _braced(w, budget) if x)
                 value = None

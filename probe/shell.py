@@ -73,8 +73,10 @@ _POSITIONAL = re.compile(r"\$\{?([@*0-9])\}?$")
 # the variables a script sets for itself before it uses them.
 _SCRIPT_ASSIGNMENT = re.compile(
     r"(?:^|[;&|\n(]|\bexport|\blocal|\breadonly|\bdeclare)[ \t]*"
-    r"([A-Za-z_][A-Za-z0-9_]*)(\+?)=(\"[^\"]*\"|'[^']*'|[^\s;&|()]*)"
+    r"([A-Za-z_][A-Za-z0-9_]*)(\+?)=((?:\"[^\"]*\"|'[^']*'|[^\s;&|()\"'])*)"
 )
+# The pieces of an assigned value: double-quoted, single-quoted, or bare.
+_VALUE_PIECE = re.compile(r"\"([^\"]*)\"|'([^']*)'|([^\"']+)")
 _ASSIGNED_REF = re.compile(r"\\?\$(?:\{[^{}]*\}|[A-Za-z_][A-Za-z0-9_]*)")
 _BRACED = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-=+?])(.*))?\}$", re.S)
 _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\[[^]]*\])?\+?=")
@@ -197,21 +199,27 @@ def script_env(script, env, budget=None):
     to ``budget``; past it, OverBudget (the safe side)."""
     local = dict(env)
     for m in _SCRIPT_ASSIGNMENT.finditer(script):
-        name, append, value = m.group(1), m.group(2), m.group(3)
-        quote = value[:1] if value[:1] in ("'", '"') else ""
-        if quote:
-            value = value[1:-1]
+        name, append, raw = m.group(1), m.group(2), m.group(3)
         before = local.get(name)
-        limit = len(m.group(3)) + (budget.left if budget is not None else BUDGET)
-        if quote != "'" and "$" in value:
-            value = _assigned(value, local, budget, limit)
+        limit = len(raw) + (budget.left if budget is not None else BUDGET)
+        # Piece by piece (`ARGS=$ARGS" mooncake"` is one value): quotes removed, names
+        # put in outside single quotes.
+        pieces = []
+        for piece in _VALUE_PIECE.finditer(raw):
+            double, single, bare = piece.groups()
+            if single is not None:
+                pieces.append(single)
+            else:
+                text = double if double is not None else bare
+                pieces.append(_assigned(text, local, budget, limit) if "$" in text else text)
+        value = "".join(pieces)
         if append:
             value = (before if before is not None else "$" + name) + value
-        if len(value) > len(m.group(3)):
+        if len(value) > len(raw):
             if len(value) > limit:
                 raise OverBudget()
             if budget is not None:
-                budget.spend(len(value) - len(m.group(3)))
+                budget.spend(len(value) - len(raw))
         local[name] = value
     return local
 

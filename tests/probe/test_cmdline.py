@@ -550,8 +550,9 @@ def test_the_safe_side_reading() -> None:
         f'ARGS="--model-path m"\nARGS="${{ARGS}} {FLAG}"\nARGS="${{ARGS}} --tp 8"\n'
         f"exec {SERVER} $ARGS",
         f'export ARGS="{FLAG}"\nexport ARGS="$ARGS --tp 8"\n{SERVER} $ARGS',
+        f'ARGS="--elastic-ep-backend"; ARGS=$ARGS" mooncake"; {SERVER} $ARGS',
     ],
-    ids=["if-append", "plus-equals", "braced-twice", "export-chain"],
+    ids=["if-append", "plus-equals", "braced-twice", "export-chain", "mixed-quotes"],
 )
 def test_a_launch_line_built_step_by_step_is_read(script: str) -> None:
     """`ARGS="$ARGS …"` builds on the value before it (found by a review helper: kept as
