@@ -252,6 +252,26 @@ CASES: list[Case] = [
         True,
         warnings=["where epguard cannot tell what runs it", "by rules and learned verdicts only"],
     ),
+    # A --config line beside an env value naming the flag: the config warning stays (the
+    # probe reads the file), and no "no probe checks it" beside it (review helper).
+    Case(
+        "warns_of_the_config_file_beside_a_safe_side_reading",
+        review(
+            pod(
+                [
+                    container(
+                        image="registry.example/sglang:1",
+                        args=["--config", "/etc/sglang/c.yaml"],
+                        env=[
+                            {"name": "SGLANG_EXTRA_ARGS", "value": "--elastic-ep-backend mooncake"}
+                        ],
+                    )
+                ]
+            )
+        ),
+        True,
+        warnings=["reads --config /etc/sglang/c.yaml"],
+    ),
     Case(
         "denies_a_script_on_a_shells_stdin",
         review(
