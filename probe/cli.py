@@ -406,11 +406,10 @@ def _run(opts, worker):
     # webhook judges such an image by rules and verdicts but never probes it, since what
     # runs the text cannot be told; a probe stopping the pod on it could stop a pod that
     # would have served (its launch line says none, an env value says mooncake).
-    unplaced = req_argv.requested and req_argv.where == cmdline.UNPLACED
-    if (not req_argv.requested or unplaced) and not opts.always:
+    if (not req_argv.requested or req_argv.unplaced) and not opts.always:
         why = ("the worker argv does not request --elastic-ep-backend mooncake"
                if worker else "no worker argv given (expected: -- WORKER_ARGV...)")
-        if unplaced:
+        if req_argv.unplaced:
             why += (" on a line the probe reads (it names mooncake only in text no command"
                     " places: " + cmdline.UNPLACED + ")")
         elif req_argv.backend is not None:

@@ -156,6 +156,12 @@ class Reading:
     attn_dp_size: Optional[int] = None
     notes: List[str] = field(default_factory=list)
 
+    @property
+    def unplaced(self):
+        """Requested only on the safe side (_unplaced): judged by rules and verdicts, never
+        probed or gated, since what runs the text cannot be told."""
+        return self.requested and self.where == UNPLACED
+
     def describe(self):
         out = "{} {} ({})".format(BACKEND, (self.backend or "").strip(), self.where)
         if self.over_budget:
@@ -394,21 +400,7 @@ def _unplaced(r, argv, env, shortest, budget):
             return
         for text in texts:
             for piece in _SEGMENTS.split(shell.unquoted(text)):
-                if not mentions_flag(piece):
-                    continue
-                words = []
-                for w in _BLANKS.split(piece):
-                    if w[:1].isalpha() and "=" in w:
-                        w = w.split("=", 1)[1]  # an assignment's value: A=--flag
-                    if w:
-                        words.extend(x for x in _braced(w, budget) if x)
-                value = None
-                for i, w in enumerate(words):
-                    if w.startswith("--") and _flag_spelling(w, shortest):
-                        if "=" in w:
-                            value = w.split("=", 1)[1]
-                        elif i + 1 < len(words):
-                            value = words[i + 1]
+                value = _last_value(piece, shortest, budget) if mentions_flag(piece) else None
                 if _is_mooncake(value):
                     if value not in r.values:
                         r.values.append(value)
@@ -417,6 +409,26 @@ def _unplaced(r, argv, env, shortest, budget):
                     return
     except shell.OverBudget:
         _over_budget(r, True)
+
+
+def _last_value(piece, shortest, budget):
+    """The last value one piece of text gives a spelling of the flag, read leniently: its
+    words split at blanks, an assignment's value taken as a word (`A=--flag`), `{a,b}`
+    groups expanded; None when it gives none."""
+    words = []
+    for w in _BLANKS.split(piece):
+        if w[:1].isalpha() and "=" in w:
+            w = w.split("=", 1)[1]
+        if w:
+            words.extend(x for x in _braced(w, budget) if x)
+    value = None
+    for i, w in enumerate(words):
+        if w.startswith("--") and _flag_spelling(w, shortest):
+            if "=" in w:
+                value = w.split("=", 1)[1]
+            elif i + 1 < len(words):
+                value = words[i + 1]
+    return value
 
 
 def _put_in(m, env, named, budget):

@@ -190,7 +190,7 @@ def unquoted(text):
     return text.translate(_QUOTE_CHARS)
 
 
-def script_env(script, env, budget=None):
+def script_env(script, env, budget):
     """``env`` plus the plain values a script assigns to itself (``FLAGS="…"; run $FLAGS``),
     last assignment winning: one pass, not an interpreter. An assignment that names its
     own variable (`ARGS="$ARGS --host $IP"`, `ARGS+=" --tp 8"`) builds on the value
@@ -201,7 +201,7 @@ def script_env(script, env, budget=None):
     for m in _SCRIPT_ASSIGNMENT.finditer(script):
         name, append, raw = m.group(1), m.group(2), m.group(3)
         before = local.get(name)
-        limit = len(raw) + (budget.left if budget is not None else BUDGET)
+        limit = len(raw) + budget.left
         # Piece by piece (`ARGS=$ARGS" mooncake"` is one value): quotes removed, names
         # put in outside single quotes.
         pieces = []
@@ -218,8 +218,7 @@ def script_env(script, env, budget=None):
         if len(value) > len(raw):
             if len(value) > limit:
                 raise OverBudget()
-            if budget is not None:
-                budget.spend(len(value) - len(raw))
+            budget.spend(len(value) - len(raw))
         local[name] = value
     return local
 
@@ -235,7 +234,7 @@ def _assigned(value, local, budget, limit):
         ref = m.group(0)
         if ref.startswith("\\"):
             continue
-        got = _expand(ref, local, budget if budget is not None else Budget())
+        got = _expand(ref, local, budget)
         if got is None:
             continue
         out.append(value[pos:m.start()])

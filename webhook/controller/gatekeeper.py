@@ -1088,7 +1088,7 @@ class Preflights:
         an older pass found its preflight overdue), and never beside a condition write
         in flight (claimed as _condition claims)."""
         namespace, name, uid = _name(pod)
-        ops = pod[UNGATE] if UNGATE in pod else ungate_patch(pod)
+        ops = pod[UNGATE]  # a slim copy's (_slim): every pod a pass decides is one
         if not ops:
             return False
         with self._writing:

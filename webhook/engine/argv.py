@@ -269,7 +269,7 @@ def _analyse(argv: tuple[str, ...], shell_env: ShellEnv, budget: shell.Budget) -
         config_file=reading.config_file,
         looks_like_sglang=reading.over_budget or any("sglang" in a for a in argv),
         over_budget=reading.over_budget,
-        unplaced=reading.requested and reading.where == cmdline.UNPLACED,
+        unplaced=reading.unplaced,
     )
 
 
