@@ -377,3 +377,36 @@ class TestNotes:
         text = self.notes("--set", "injection.enabled=false")
         assert "Probe injection is off" in text
         assert "epguard.io/inject=enabled" not in text
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        (),
+        ("--set", "backstop.enabled=false"),
+        ("--set", "fullnameOverride=guard", "--set", "backstop.enabled=false"),
+        ("--set", "fullnameOverride=guard", "--kube-version", "1.33.0"),
+        ("--set", "injection.keyRotationDays=7", "--set", "backstop.enabled=false"),
+    ],
+    ids=["defaults", "backstop-off", "renamed-backstop-off", "renamed-1.33", "rotation-7"],
+)
+def test_the_controller_makes_the_probe_key_the_webhook_reads_whatever_the_backstop(
+    args: tuple[str, ...],
+) -> None:
+    # The controller creates and rotates the signing key; the webhook reads it by name.
+    # These two settings once rendered only with the backstop on: a release not named
+    # "epguard" with the backstop off (off by default on Kubernetes 1.30-1.33) left the
+    # webhook with no key at all (unsigned probes, no preflight gate, no learning).
+    r = render(*args)
+    name = "guard" if "fullnameOverride=guard" in args else "epguard"
+
+    def env(component: str) -> dict[str, Any]:
+        d = r.one("Deployment", f"{name}-{component}")
+        (c,) = [c for c in d["spec"]["template"]["spec"]["containers"] if c["name"] == component]
+        return env_of(c)
+
+    controller, webhook = env("controller"), env("webhook")
+    assert controller["EPGUARD_PROBE_KEY_SECRET"] == webhook["EPGUARD_PROBE_KEY_SECRET"]
+    assert webhook["EPGUARD_PROBE_KEY_SECRET"] == f"{name}-probe-key"
+    days = "7" if "injection.keyRotationDays=7" in args else "30"
+    assert controller["EPGUARD_PROBE_KEY_ROTATION_DAYS"] == days
