@@ -113,3 +113,34 @@ def _cel_replace(s: Any, old: Any, new: Any) -> Any:
 # (every occurrence). The chart's matchConditions no longer call it (they use only
 # standard CEL); an expression that does still evaluates as on the API server.
 CEL_FUNCTIONS: dict[str, Any] = {"replace": _cel_replace}
+
+
+def vap_refusal(spec: Obj, request: Obj, obj: Obj | None, old: Obj | None = None) -> str | None:
+    """What a ValidatingAdmissionPolicy's ``spec`` says of one request, evaluated as the
+    API server does (cel-python): None when a matchCondition leaves the request out or
+    every validation holds, else the first failing validation's message."""
+    import celpy
+    from celpy.adapter import json_to_cel
+
+    env = celpy.Environment()
+
+    def run(expression: str, activation: dict[str, Any]) -> Any:
+        return env.program(env.compile(expression), functions=CEL_FUNCTIONS).evaluate(activation)
+
+    activation: dict[str, Any] = {
+        "request": json_to_cel(request),
+        "object": json_to_cel(obj),
+        "oldObject": json_to_cel(old),
+    }
+    if not all(run(m["expression"], activation) for m in spec.get("matchConditions", [])):
+        return None
+    activation["variables"] = celpy.celtypes.MapType(
+        {
+            celpy.celtypes.StringType(v["name"]): run(v["expression"], activation)
+            for v in spec.get("variables", [])
+        }
+    )
+    for v in spec["validations"]:
+        if not run(v["expression"], activation):
+            return str(run(v["messageExpression"], activation))
+    return None

@@ -10,7 +10,7 @@ from typing import Any
 
 from epguard.webhook.engine.injection import InjectionSettings
 from epguard.webhook.engine.preflight import PreflightSettings, key_of, preflight_pod
-from tests.chart.chartlib import Rendered
+from tests.chart.chartlib import Rendered, vap_refusal
 
 
 def _policy_text(r: Rendered) -> str:
@@ -72,33 +72,15 @@ def _labels_refusal(
     user: str = "alice",
 ) -> str | None:
     """None: not evaluated past the matchConditions or admitted; else the message."""
-    import celpy
-    from celpy.adapter import json_to_cel
-
-    from tests.chart.chartlib import CEL_FUNCTIONS
-
-    env = celpy.Environment()
-
-    def run(expression: str, activation: dict[str, Any]) -> Any:
-        return env.program(env.compile(expression), functions=CEL_FUNCTIONS).evaluate(activation)
-
     spec = defaults.one("ValidatingAdmissionPolicy", LABELS_POLICY)["spec"]
-    activation: dict[str, Any] = {
-        "request": json_to_cel({"operation": operation, "userInfo": {"username": user},
-                                "namespace": "t", "name": "p"}),
-        "object": json_to_cel({"metadata": {"labels": labels}}),
-        "oldObject": json_to_cel(None if old is None else {"metadata": {"labels": old}}),
-    }  # fmt: skip
-    if not all(run(m["expression"], activation) for m in spec["matchConditions"]):
-        return None
-    activation["variables"] = celpy.celtypes.MapType(
-        {celpy.celtypes.StringType(v["name"]): run(v["expression"], activation)
-         for v in spec["variables"]}
-    )  # fmt: skip
-    for v in spec["validations"]:
-        if not run(v["expression"], activation):
-            return str(run(v["messageExpression"], activation))
-    return None
+    request = {"operation": operation, "userInfo": {"username": user}, "namespace": "t",
+               "name": "p"}  # fmt: skip
+    return vap_refusal(
+        spec,
+        request,
+        {"metadata": {"labels": labels}},
+        None if old is None else {"metadata": {"labels": old}},
+    )
 
 
 def test_nobody_but_the_controller_sets_or_changes_the_preflight_labels(

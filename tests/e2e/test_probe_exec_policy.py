@@ -30,6 +30,9 @@ pytestmark = pytest.mark.e2e
 
 POLICY = "epguard-probe-exec"
 PARTS = "epguard-probe-parts"
+STATUS = "epguard-probe-status"
+NODE_NAME = "gpu-1"
+DIGEST = "docker.io/lmsysorg/sglang@sha256:" + "a" * 64
 TENANT = "team-a"
 TENANT_USER = "alice"
 ADMITTED = "does not have a host assigned"
@@ -60,6 +63,13 @@ def cp() -> Iterator[ControlPlane]:
                    "--resource=pods,pods/exec,pods/attach", check=True)  # fmt: skip
         cp.kubectl("create", "rolebinding", "alice-exec", "--role=exec",
                    f"--user={TENANT_USER}", "-n", TENANT, check=True)  # fmt: skip
+        # A namespace owner's role that grants pods/status (not the built-in edit or admin),
+        # and what a kubelet may write (the bare control plane runs no node authorizer).
+        cp.kubectl("create", "role", "status", "--verb=get,patch,update", "-n", TENANT,
+                   "--resource=pods/status", check=True)  # fmt: skip
+        for who in (TENANT_USER, f"system:node:{NODE_NAME}", "system:node:gpu-2"):
+            cp.kubectl("create", "rolebinding", f"status-{who.replace(':', '-')}",
+                       "--role=status", f"--user={who}", "-n", TENANT, check=True)  # fmt: skip
         rendered = run_helm(
             "template", RELEASE, str(CHART), "--namespace", NAMESPACE,
             "--set", "injection.image=registry.example/epguard:1",
@@ -168,3 +178,78 @@ def test_the_probed_label_of_a_pod_with_epguard_containers_cannot_change(
     r = cp.kubectl(f"--as={TENANT_USER}", "label", "-n", TENANT, "pod", "labelled", "team=a")
     assert r.returncode == 0, output(r)
     cp.kubectl("delete", "pod", "-n", TENANT, "labelled", "--wait=false", check=True)
+
+
+def _on_node(name: str) -> dict[str, Any]:
+    pod = _pod(name)
+    pod["spec"]["nodeName"] = NODE_NAME  # no such node: the pod is never started
+    return pod
+
+
+def _patch_status(
+    cp: ControlPlane, pod: str, status: dict[str, Any], user: str
+) -> subprocess.CompletedProcess[str]:
+    return cp.kubectl(f"--as={user}", "patch", "pod", pod, "-n", TENANT, "--subresource=status",
+                      "--type=merge", "-p", json.dumps({"status": status}))  # fmt: skip
+
+
+def _probe_status(code: int, image_id: str) -> dict[str, Any]:
+    return {"initContainerStatuses": [
+        {"name": "epguard-copy-probe", "image": "registry.example/epguard:1", "imageID": "",
+         "ready": False, "restartCount": 0, "state": {"terminated": {"exitCode": 0}}},
+        {"name": "epguard-probe", "image": "registry.example/sglang:1", "imageID": image_id,
+         "ready": False, "restartCount": 0,
+         "state": {"terminated": {"exitCode": code, "message": "epguard: unusable in this image"}}},
+    ]}  # fmt: skip
+
+
+def test_only_the_pods_node_may_say_how_its_epguard_containers_ran(cp: ControlPlane) -> None:
+    """Found by a review helper: the controller learns a verdict for every namespace from
+    a signed pod's epguard-probe status (its exit, message and imageID), which anyone
+    granted pods/status could write: a popular image's digest refused everywhere."""
+    r = cp.kubectl("create", "-f", "-", input=json.dumps(_on_node("reported")))
+    assert r.returncode == 0, output(r)
+    try:
+        forged = _probe_status(1, DIGEST)
+        eventually(lambda: STATUS in output(_patch_status(cp, "reported", forged, TENANT_USER)),
+                   within=30, what=f"the {STATUS} policy to be in force")  # fmt: skip
+        r = _patch_status(cp, "reported", forged, TENANT_USER)
+        assert r.returncode != 0
+        said = output(r)
+        assert f"of pod {TENANT}/reported by {TENANT_USER}" in said, said
+        assert "only the node the pod runs on reports how they ran" in said, said
+        # Another node is no better; the pod's own node writes it.
+        r = _patch_status(cp, "reported", forged, "system:node:gpu-2")
+        assert r.returncode != 0 and STATUS in output(r), output(r)
+        r = _patch_status(cp, "reported", forged, f"system:node:{NODE_NAME}")
+        assert r.returncode == 0, output(r)
+        got = json.loads(cp.kubectl("get", "pod", "reported", "-n", TENANT, "-o", "json",
+                                    check=True).stdout)  # fmt: skip
+        assert got["status"]["initContainerStatuses"][1]["imageID"] == DIGEST
+        # Nor may the tenant change or take away what the node said.
+        r = _patch_status(cp, "reported", _probe_status(0, DIGEST), TENANT_USER)
+        assert r.returncode != 0 and STATUS in output(r), output(r)
+        # The rest of the status is the tenant's as before (a readiness gate's condition).
+        cond = {"conditions": [{"type": "example.com/ready", "status": "True"}]}
+        r = _patch_status(cp, "reported", cond, TENANT_USER)
+        assert r.returncode == 0, output(r)
+    finally:
+        cp.kubectl("delete", "pod", "-n", TENANT, "reported", "--wait=false")
+
+
+def test_the_probed_label_cannot_change_through_pods_status(cp: ControlPlane) -> None:
+    """pods/status keeps labels writable: the route around the epguard-probe-parts label
+    rule on pods (review helper)."""
+    labelled = _pod("status-labelled")
+    labelled["metadata"]["labels"] = {"epguard.io/probed": "true"}
+    r = cp.kubectl("create", "-f", "-", input=json.dumps(labelled))
+    assert r.returncode == 0, output(r)
+    try:
+        remove = '[{"op":"remove","path":"/metadata/labels/epguard.io~1probed"}]'
+        r = cp.kubectl(f"--as={TENANT_USER}", "patch", "pod", "status-labelled", "-n", TENANT,
+                       "--subresource=status", "--type=json", "-p", remove)  # fmt: skip
+        assert r.returncode != 0
+        said = output(r)
+        assert PARTS in said and "epguard refuses a change to the label epguard.io/probed" in said
+    finally:
+        cp.kubectl("delete", "pod", "-n", TENANT, "status-labelled", "--wait=false")
