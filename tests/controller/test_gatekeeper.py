@@ -2064,3 +2064,25 @@ def test_a_tenants_signed_worker_labelled_as_a_preflight_is_not_epguards() -> No
     ]
     api.finish(preflight, 1, BAD)
     assert asyncio.run(noted(preflight))
+
+
+def test_a_pod_of_many_images_is_judged_on_its_first_few() -> None:
+    """Found by a review helper: a pod of 1,500 containers on 1,500 images, each asking
+    for mooncake, was 1,500 keys in every pass's tables; about a hundred such pods took
+    the controller past its memory limit, and each restart listed them again."""
+    from epguard.webhook.controller.gatekeeper import MAX_IMAGES, worker_keys
+
+    pod = gated_pod("many")
+    worker = pod["spec"]["containers"][0]
+    pod["spec"]["containers"] = [
+        {**worker, "name": f"w{i}", "image": f"r.example/sglang:{i}"} for i in range(1500)
+    ]
+    keys = worker_keys(pod)
+    assert [k.image for k in keys] == [f"r.example/sglang:{i}" for i in range(MAX_IMAGES)]
+    pf, api, _, _ = setup()
+    api.add(pod)
+    done = pf.run_once()
+    assert len(done.created) == MAX_IMAGES
+    for preflight in api.preflights():
+        api.finish(preflight, 0, CLEAR)
+    assert pf.run_once().ungated == ["Pod ml/many"]

@@ -77,6 +77,7 @@ from epguard.webhook.engine.preflight import (
     GATE,
     KEY_LABEL,
     MAX_MESSAGE,
+    MAX_IMAGES,
     NAME_PREFIX,
     PREFLIGHT_LABEL,
     PreflightKey,
@@ -524,12 +525,15 @@ def worker_keys(pod: Mapping[str, Any]) -> list[PreflightKey]:
     mooncake, read as the webhook reads it (the pod as it is now: an UPDATE that changed
     an image is judged on the new one). A reference that does not parse is left out, as
     the webhook's gate leaves it (preflight.unjudged): its pull fails anyway, and a key
-    would keep the pod's string (the API server allows 700 KB) for the whole pass."""
+    would keep the pod's string (the API server allows 700 KB) for the whole pass. At
+    most MAX_IMAGES, the first ones."""
     namespace, _, _ = _name(pod)
     spec = as_map(pod.get("spec"))
     budget = shell.Budget()
     images: dict[str, None] = {}
     for c in as_list(spec.get("containers")):
+        if len(images) >= MAX_IMAGES:
+            break
         if (
             isinstance(c, Mapping)
             and isinstance(c.get("image"), str)

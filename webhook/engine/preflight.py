@@ -54,6 +54,13 @@ DONE_CONTAINER = "preflight-done"
 NAME_PREFIX = "epguard-preflight-"
 # Kubernetes names of pods are DNS subdomains; a label value is at most 63 characters.
 KEY_HEX = 20
+# The images of one pod that its preflights judge (the first ones, in container order). A
+# worker pod runs one SGLang image, or a few; the cap keeps what the controller holds for
+# one pod bounded: a pod of 1,500 containers on 1,500 images asking for mooncake was
+# 1,500 keys in every pass's tables (a few hundred KB a pod: about a hundred such pods
+# took the controller past its memory limit, and each restart listed them again). The
+# images past it are judged by the init probe on the node, as for an ungated pod.
+MAX_IMAGES = 8
 
 
 def unjudged(images: Iterable[str], verdicts: VerdictLookup, now: dt.datetime) -> tuple[str, ...]:
