@@ -203,14 +203,21 @@ def another_users_site(environ, homes, runtime_home):
 
 def _holds_the_packages(folder):
     """Does ``folder`` hold one of PACKAGES (a module folder or a dist-info of one)?
-    Looks at MAX_SITE_ENTRIES entries at most (past them: it may, so it does)."""
+    Looks at MAX_SITE_ENTRIES entries at most (past them: it may, so it does). Only a
+    folder that is not there holds nothing: one this user may not list (another user's
+    0700 home, read by a uid without it, or by root without CAP_DAC_OVERRIDE as in a
+    preflight) may hold them, and so may one whose name the system refuses (a NUL in a
+    passwd HOME); either read as "holds nothing" made "torch is not installed" an image
+    fact chosen by the pod's runAsUser (found by a review helper)."""
     try:
         with os.scandir(folder) as entries:
             for seen, entry in enumerate(entries):
                 if seen >= MAX_SITE_ENTRIES or entry.name.lower().startswith(PACKAGES):
                     return True
-    except OSError:
-        pass
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except (OSError, ValueError):
+        return True
     return False
 
 

@@ -15,6 +15,7 @@ in the tests marked ``realpkg`` at the end.
 from __future__ import annotations
 
 import glob
+import os
 import re
 import shutil
 import subprocess
@@ -798,3 +799,37 @@ def test_a_package_walk_cut_by_its_budget_judges_nothing_for_another_user(
     assert said is not None and "more than 200000 entries" in said and "uid 1000" in said
     monkeypatch.setattr(access, "refused", lambda path, environ, deep=True: (None, False))
     assert cli._refused_to_this_user(deep=True) is None
+
+
+def test_a_user_site_this_user_may_not_list_may_hold_the_packages(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review helper: an image's packages in ``/home/app/.local`` (0700, as
+    ``useradd -m`` makes it), read by a pod with another runAsUser (or by a preflight's
+    root without CAP_DAC_OVERRIDE), was "holds nothing": "torch is not installed", scope
+    image, for every tenant. The refusal is a stand-in (this test's root is refused
+    nothing): os.scandir raises as the kernel does for such a user. A HOME with a NUL
+    (from the image's /etc/passwd) is real: it crashed the probe, exit 0."""
+    from epguard.probe import access
+
+    monkeypatch.setattr(access, "_venv_isolated", lambda: False)
+    app = tmp_path / "home" / "app"
+    site = access.user_site_of(str(app), {})
+    runtime = {"PATH": "/usr/bin:/bin", "HOME": "/"}
+    homes = ["/", str(app)]
+    assert access.another_users_site(runtime, homes, "/") is None  # not there: holds nothing
+    real = os.scandir
+
+    def refused(path: Any) -> Any:
+        if str(path) == site:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+
+    monkeypatch.setattr(access.os, "scandir", refused)
+    assert access.another_users_site(runtime, homes, "/") == (site, str(app))
+    monkeypatch.setattr(access.os, "scandir", real)
+    evil = "/x\0y"
+    assert access.another_users_site(runtime, ["/", evil], "/") == (
+        access.user_site_of(evil, {}),
+        evil,
+    )
