@@ -452,6 +452,12 @@ def _run(opts, worker):
                "readable in the image), then the probe can judge the image")
         if refused is None and v.classification == "jit-prerequisites":
             refused, fix = _adapter_elsewhere()
+        other = _other_interpreter(req_argv)
+        if other is not None:
+            refused, fix = other, (
+                f"launch SGLang with the python3 the image's PATH finds ({sys.executable}),"
+                f" or put {os.path.dirname(req_argv.program or '')} first on PATH, so that "
+                "the probe checks the interpreter the worker runs")
         if refused is not None:
             # What the image seems to lack may only be hidden from this pod's user.
             v.scope = message.ENVIRONMENT
@@ -461,6 +467,35 @@ def _run(opts, worker):
             v.fix = fix
     return _verdict(opts, req_argv, o, v, evidence, from_files, usable_here, dropped,
                     pod_vars)
+
+
+def _venv_of(path):
+    """The virtual environment ``path`` (an interpreter, as named) belongs to, or None: its
+    packages are the venv's, though its real file is the system's python."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+    return root if os.path.isfile(os.path.join(root, "pyvenv.cfg")) else None
+
+
+def _other_interpreter(req_argv):
+    """In words, when the worker's launch line names by path an interpreter other than
+    the one this probe runs in (``/opt/venv/bin/python -m sglang.launch_server`` while
+    the image's PATH finds /usr/bin/python3): what this one lacks says nothing about
+    what that one imports (found by a review helper: "torch is not installed", scope
+    image, for an image whose venv has it). None when it is this one, or not named by a
+    path (then PATH finds it, and the probe runs the python3 PATH finds)."""
+    program = req_argv.program
+    if not program or "/" not in program:
+        return None
+    if not os.path.basename(program).startswith("python") or not os.path.exists(program):
+        return None
+    here = sys.executable
+    same = os.path.abspath(program) == os.path.abspath(here) or (
+        os.path.realpath(program) == os.path.realpath(here)
+        and _venv_of(program) == _venv_of(here))
+    if same:
+        return None
+    return (f"the worker runs {program}, not {here} that the probe runs in, so what the "
+            "probe finds missing may be there for it: the image is not judged by that")
 
 
 # Causes that say something is absent from the image (a package, a module, a name, a
@@ -614,7 +649,8 @@ def _files_only(opts, req_argv):
     pod_vars = sandbox.pod_variables()
     if found is None:
         return _files_clear(opts, req_argv, facts, note, pod_vars)
-    refused = _refused_to_this_user(deep=False, cause=found.verdict.classification)
+    refused = _other_interpreter(req_argv) or _refused_to_this_user(
+        deep=False, cause=found.verdict.classification)
     if refused is not None:
         return _files_clear(opts, req_argv, facts, refused + ": the files decide nothing",
                             pod_vars)

@@ -155,6 +155,9 @@ class Reading:
     dp_attention: bool = False
     attn_dp_size: Optional[int] = None
     notes: List[str] = field(default_factory=list)
+    # The program of the command that requested it, as written (``python3``,
+    # ``/opt/venv/bin/python``): the interpreter whose packages the worker imports.
+    program: Optional[str] = None
 
     @property
     def unplaced(self):
@@ -539,6 +542,7 @@ def _read_command(r, cmd, chosen, shortest, read_config, budget):
     r.backend, r.where, r.launcher = decided, where, launcher
     if releases:
         r.requested = True
+        r.program = cmd.words[0] if cmd.words else None
         r.releases = tuple(sorted(set(r.releases) | set(releases), key=_version_key))
 
 

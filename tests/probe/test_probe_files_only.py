@@ -318,9 +318,11 @@ def test_a_flag_only_in_text_no_command_places_is_nothing_to_check(tmp_path):
     # probe must not stop a pod whose launch line may never run it (here it says none
     # and a here-document only writes a file).
     root = make_root(tmp_path, PROVEN["cuda-mismatch"])
-    script = ("cat > /tmp/other.sh <<'EOF'\n"
-              "python3 -m sglang.launch_server --elastic-ep-backend mooncake\nEOF\n"
-              "exec python3 -m sglang.launch_server --elastic-ep-backend none")
+    script = (
+        "cat > /tmp/other.sh <<'EOF'\n"
+        "python3 -m sglang.launch_server --elastic-ep-backend mooncake\nEOF\n"
+        "exec python3 -m sglang.launch_server --elastic-ep-backend none"
+    )
     r = probe(tmp_path, root, "--files-only", worker=["sh", "-c", script])
     assert r.rc == 0 and r.report["verdict"] == "not-requested"
     assert "text no command places" in r.lines[0]
@@ -833,3 +835,45 @@ def test_a_user_site_this_user_may_not_list_may_hold_the_packages(
         access.user_site_of(evil, {}),
         evil,
     )
+
+
+def test_a_launch_line_naming_another_interpreter_proves_nothing_about_the_image(
+    tmp_path: Path,
+) -> None:
+    """Found by a review helper: the worker runs ``/opt/venv/bin/python -m
+    sglang.launch_server`` (its venv holds torch) while the image's PATH finds a python3
+    without it; the probe, in that python3, said "torch is not installed", scope image: a
+    verdict for every tenant on an image that works. Here the system python3 (without
+    torch, checked first) and a real venv of it (a different sys.path, the same file)."""
+    python = shutil.which("python3", path="/usr/bin:/bin")
+    if python is None:
+        pytest.skip("needs a system python3")
+    has_torch = subprocess.run([python, "-c", "import torch"], capture_output=True)
+    if has_torch.returncode == 0:
+        pytest.skip("the system python3 has torch: nothing is missing from it")
+    venv = tmp_path / "venv"
+    subprocess.run([python, "-m", "venv", "--without-pip", str(venv)], check=True)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+
+    def files_only(program: str, mode: str = "--files-only") -> tuple[int, str]:
+        log = tmp_path / "log"
+        r = subprocess.run(
+            [python, "-I", str(PROBE_DIR), mode, "--termination-log", str(log),
+             "--", program, "-m", "sglang.launch_server", "--elastic-ep-backend", "mooncake"],
+            env=env, capture_output=True, text=True, timeout=100, cwd=str(tmp_path),
+        )  # fmt: skip
+        return r.returncode, log.read_text()
+
+    code, text = files_only("python3")  # the interpreter the probe runs in: a fact
+    assert code == 1 and text.startswith(UNUSABLE) and "torch is not installed" in text, text
+    code, text = files_only(python)  # the same one, named by its path
+    assert code == 1 and text.startswith(UNUSABLE), text
+    code, text = files_only(str(venv / "bin" / "python"))
+    assert code == 0 and text.startswith(FILES_CLEAR), text
+    # (Paths from the environment are named by their variable.)
+    assert "the worker runs $HOME/venv/bin/python, not $PATH/python3" in text, text
+    # The init container (the import in a child of the probe's interpreter): this pod's.
+    code, text = files_only(str(venv / "bin" / "python"), "--timeout=60")
+    assert code == 1 and text.startswith(UNUSABLE_HERE), text
+    assert "scope: environment (the worker runs $HOME/venv/bin/python" in text, text
+    assert "scope: image" not in text
