@@ -192,7 +192,7 @@ def live_image(environ=None, driver_mounted=False):
         site_dirs = [i for i, p in enumerate(path) if p.rstrip("/").endswith(_SITE_DIRS)]
         path.insert(site_dirs[0] if site_dirs else len(path), user)
     return static.Image(files.LIVE, path, importlib.machinery.EXTENSION_SUFFIXES,
-                        environ, driver_mounted=driver_mounted)
+                        environ, driver_mounted=driver_mounted, workdir=os.getcwd())
 
 
 def check(opts, req_argv, environ=None, executable=None):

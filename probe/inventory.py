@@ -94,14 +94,26 @@ def _torch_key(version):
 
 def package_dirs(name, path, fs):
     """Where ``import name`` would find the package on ``path``: the first entry with a
-    regular package wins; namespace portions count only when there is none."""
+    regular package wins; namespace portions count only when there is none. A regular
+    package whose ``__init__`` calls ``pkgutil.extend_path`` (mooncake's does) also
+    takes the ``name`` folders of every later entry, as that call does: a module in one
+    of them is found (read from the first folder alone, "has no mooncake.pg", scope
+    image, was said of an image that works: found by a review helper)."""
     portions = []
-    for entry in path:
+    for i, entry in enumerate(path):
         d = posixpath.join(entry or ".", name)
         if not fs.isdir(d):
             continue
-        if fs.isfile(posixpath.join(d, "__init__.py")):
-            return [d]
+        init = posixpath.join(d, "__init__.py")
+        if fs.isfile(init):
+            try:
+                text = fs.read_text(init)
+            except (OSError, ValueError):
+                text = None
+            if text is None or "extend_path" not in text:
+                return [d]
+            later = (posixpath.join(e or ".", name) for e in path[i + 1:])
+            return [d] + [x for x in later if x != d and fs.isdir(x)]
         portions.append(d)
     return portions
 

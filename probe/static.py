@@ -78,11 +78,13 @@ class Image:
     """Where an interpreter in some root would look: its files, ``sys.path``, the
     suffixes of its compiled modules and the environment the worker starts with."""
 
-    def __init__(self, fs, path, suffixes, environ, driver_mounted):
+    def __init__(self, fs, path, suffixes, environ, driver_mounted, workdir=None):
         self.fs = fs
         self.path = list(path)
         self.suffixes = list(suffixes)
         self.environ = dict(environ)
+        # The worker's working directory: ``python -m`` puts it first on sys.path.
+        self.workdir = workdir
         # An image read by `epguard scan`: libcuda.so.1 comes from the node, so its
         # absence in the files is no finding (it is one of the GPU_ONLY checks).
         self.driver_mounted = driver_mounted
@@ -324,6 +326,52 @@ def _has_compiled(fs, d, depth, budget=None):
     return False
 
 
+# Packages whose absence the files may prove; what finds them elsewhere is checked first.
+_OWN = ("torch", "mooncake", "sglang")
+# Bytes of an editable install's .pth read for its import line (setuptools writes one).
+MAX_HOOK_BYTES = 4096
+
+
+def _import_hook(fs, entry, names):
+    """An editable install's ``__editable__.*.pth`` in ``entry`` that runs an import (a
+    setuptools finder: the package is found by a hook, not on sys.path), in words; None
+    when there is none. A package found that way looks absent to this reading (found by
+    a review helper: "has no mooncake.pg", scope image, for an editable mooncake)."""
+    for name in names:
+        if not (name.startswith("__editable__") and name.endswith(".pth")):
+            continue
+        try:
+            text = fs.read_text(posixpath.join(entry or ".", name), limit=MAX_HOOK_BYTES)
+        except (OSError, ValueError):
+            text = None
+        if text is None:  # not a regular file of a few KB, as setuptools writes it
+            return f"{name[:200]!r} in {entry[:200]!r} cannot be read as an editable install"
+        if any(line.startswith(("import ", "import\t")) for line in text.splitlines()):
+            return (f"{name[:200]!r} in {entry[:200]!r} installs an import hook (an editable "
+                    "install) this reading does not follow")
+    return None
+
+
+def _unfollowed(image, path):
+    """Where the worker's python finds packages that this reading of ``path`` does not
+    see, in words; None when there is nothing such. The image's PYTHONHOME (the probe runs
+    with -I, which ignores it; the worker does not), and a working directory holding one
+    of _OWN as a regular package or module (``python -m`` imports from it first; a folder
+    without ``__init__.py``, such as the SGLang checkout in /sgl-workspace, is a namespace
+    portion, which a regular package anywhere on sys.path wins over): found by a review
+    helper, each made "torch is not installed", scope image, of an image that works."""
+    if image.environ.get("PYTHONHOME"):
+        return "the image sets PYTHONHOME, whose packages this reading does not follow"
+    workdir = image.workdir
+    if workdir and workdir not in path:
+        for name in _OWN:
+            at = posixpath.join(workdir, name)
+            if image.fs.isfile(posixpath.join(at, "__init__.py")) or image.fs.isfile(at + ".py"):
+                return (f"the working directory {workdir[:200]!r} holds {name}, which "
+                        "python -m imports before sys.path")
+    return None
+
+
 def read(image, request, requirement=None):
     """Every image cause the files show for ``request`` (a cmdline.Request)."""
     facts = Facts()
@@ -342,13 +390,21 @@ def read(image, request, requirement=None):
         # A directory this user may not list hides what it holds: nothing it lacks is
         # proven (a pod's runAsUser must not make an image look as if torch were absent).
         try:
-            fs.listdir(entry or ".")
+            names = fs.listdir(entry or ".")
         except PermissionError:
             facts.notes.append(f"the sys.path entry {entry[:200]!r} cannot be listed as this "
                                "user: the files decide nothing, the import does")
             return facts
         except OSError:
             continue
+        hook = _import_hook(fs, entry, names)
+        if hook is not None:
+            facts.notes.append(hook + ": the files decide nothing, the import does")
+            return facts
+    unfollowed = _unfollowed(image, path)
+    if unfollowed is not None:
+        facts.notes.append(unfollowed + ": the files decide nothing, the import does")
+        return facts
     o = diagnosis.Outcome()
     o.request = request
     o.fs = fs

@@ -877,3 +877,65 @@ def test_a_launch_line_naming_another_interpreter_proves_nothing_about_the_image
     assert code == 1 and text.startswith(UNUSABLE_HERE), text
     assert "scope: environment (the worker runs $HOME/venv/bin/python" in text, text
     assert "scope: image" not in text
+
+
+# --- where the worker's python finds packages this reading does not see ------------------
+# Each made "torch is not installed" (or "has no mooncake.pg"), scope image, of an image
+# that works: found by a review helper. Control: the same root without the twist proves
+# the cause (test_a_cause_the_files_prove_is_the_init_containers_without_the_gpu_nodes_driver).
+
+
+def _decides_nothing(r: Result, why: str) -> None:
+    assert r.rc == 0 and r.lines[0].startswith(FILES_CLEAR), r.message + r.stderr
+    assert why in r.message and "the files decide nothing" in r.message, r.message
+
+
+@pytest.mark.timeout(120)
+def test_an_image_pythonhome_is_not_read_past(tmp_path: Path) -> None:
+    root = make_root(tmp_path, _no_torch)
+    # (The probe itself runs here without -I: a PYTHONHOME it can start with.)
+    r = probe(tmp_path, root, "--files-only", PYTHONHOME=sys.base_prefix)
+    _decides_nothing(r, "the image sets PYTHONHOME")
+
+
+@pytest.mark.timeout(120)
+def test_a_working_directory_holding_the_package_is_not_read_past(tmp_path: Path) -> None:
+    root = make_root(tmp_path, _no_torch)
+    (tmp_path / "torch").mkdir()  # the probe's working directory, as the worker's
+    # A folder without __init__.py (a checkout, as /sgl-workspace/sglang) is a namespace
+    # portion: the cause stands.
+    r = probe(tmp_path, root, "--files-only")
+    assert r.rc == 1 and "torch is not installed" in r.lines[0], r.message
+    (tmp_path / "torch" / "__init__.py").write_text("")
+    r = probe(tmp_path, root, "--files-only")
+    _decides_nothing(r, "holds torch, which python -m imports before sys.path")
+
+
+@pytest.mark.timeout(120)
+def test_an_editable_install_hook_is_not_read_past(tmp_path: Path) -> None:
+    root = make_root(tmp_path, _no_torch)
+    (root / "__editable__.torch-2.13.0.pth").write_text(
+        "import __editable___torch_2_13_0_finder; __editable___torch_2_13_0_finder.install()\n"
+    )
+    r = probe(tmp_path, root, "--files-only")
+    _decides_nothing(r, "installs an import hook (an editable install)")
+    # A path-style editable install (a folder line) is on sys.path: read as any other.
+    (root / "__editable__.torch-2.13.0.pth").write_text(str(tmp_path / "src") + "\n")
+    r = probe(tmp_path, root, "--files-only")
+    assert r.rc == 1 and "torch is not installed" in r.lines[0], r.message
+
+
+@pytest.mark.timeout(120)
+def test_a_package_extended_over_several_folders_is_read_in_all_of_them(tmp_path: Path) -> None:
+    root = make_root(tmp_path, _clear)
+    more = tmp_path / "more" / "mooncake"
+    more.mkdir(parents=True)
+    _ext(root).rename(more / _ext(root).name)  # the extension in the second folder only
+    env = {"PYTHONPATH": f"{root}:{more.parent}"}
+    r = probe(tmp_path, root, "--files-only", **env)
+    assert r.rc == 1, r.message  # without extend_path, the second folder is not mooncake's
+    (root / "mooncake" / "__init__.py").write_text(
+        "from pkgutil import extend_path\n__path__ = extend_path(__path__, __name__)\n"
+    )
+    r = probe(tmp_path, root, "--files-only", **env)
+    assert r.rc == 0 and r.lines[0].startswith(FILES_CLEAR), r.message

@@ -281,8 +281,10 @@ def _judge(image: str, source: Source, tree: Tree, kinds: list[str],
     else:
         searched, left_out = search_env(env, tree)
         notes += left_out
+        workdir = _section(source.config).get("WorkingDir")
         img = static.Image(tree, site, suffixes(version, source.config), searched,
-                           driver_mounted=True)
+                           driver_mounted=True,
+                           workdir=workdir if isinstance(workdir, str) and workdir else None)
         facts = static.read(img, request)
         tree.budget.check()
         notes += facts.notes
