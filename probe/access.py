@@ -30,6 +30,11 @@ Standard library only; Python 3.8 syntax (the probe runs in images we do not bui
 import os
 import sys
 
+try:
+    from . import elf
+except ImportError:  # run as `python3 probe`: the directory itself is on sys.path
+    import elf
+
 # Top-level names whose folders (and dist-infos) are walked: what the probe imports
 # (mooncake, torch, sglang), what torch loads its CUDA libraries from (nvidia), and the
 # torch companions its import reads (torchgen, functorch).
@@ -127,15 +132,20 @@ def _walk_tree(top, walk):
 
 
 def _pth_targets(entry, name):
-    """The folders a ``.pth`` file names (``site.addpackage``'s reading of it)."""
-    path = os.path.join(entry, name)
+    """The folders a ``.pth`` file names (``site.addpackage``'s reading of it), from its
+    first MAX_PTH_BYTES. Read only as a regular file, never blocking (a FIFO named ``zz.pth`` held
+    the probe past its deadline: found by a review helper); the caller charges each
+    folder to its walk's budget."""
+    f = elf.open_regular(os.path.join(entry, name))
+    if f is None:
+        return []
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_PTH_BYTES + 1)
+        with f:
+            data = f.read(MAX_PTH_BYTES)
     except OSError:
         return []
     out = []
-    for line in data[:MAX_PTH_BYTES].decode("utf-8", "replace").splitlines():
+    for line in data.decode("utf-8", "replace").splitlines():
         line = line.strip()
         if not line or line.startswith("#") or line.startswith(("import ", "import\t")):
             continue
@@ -277,6 +287,8 @@ def refused(path, environ, budget=MAX_ENTRIES, deep=True):
                 if not os.access(full, os.R_OK):
                     return full, False
                 for target in _pth_targets(entry, name):
+                    if not walk.spend():
+                        break
                     if _stat_refused(target) or (os.path.isdir(target) and _dir_refused(target)):
                         return target, False
                     if os.path.isdir(target) and target not in seen:

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -41,8 +42,9 @@ def site() -> Iterator[Path]:
         "mooncake/__pycache__/pg.cpython-311.pyc",
     ):
         (root / f).write_text("x")  # fmt: skip
-    shutil.copy(PROBE_DIR / "access.py", base / "access.py")
-    for p in (base / "access.py", root, *root.rglob("*")):
+    for module in ("access.py", "elf.py"):
+        shutil.copy(PROBE_DIR / module, base / module)
+    for p in (base / "access.py", base / "elf.py", root, *root.rglob("*")):
         p.chmod(0o755 if p.is_dir() else 0o644)
     yield root
     shutil.rmtree(base, ignore_errors=True)
@@ -166,3 +168,24 @@ def test_a_library_folder_the_user_cannot_search_is_reported(site: Path) -> None
     assert refused("/usr/lib", str(libs)) == str(libs)
     (libs / "inner").mkdir()
     assert refused(str(libs / "inner")) == str(libs / "inner")  # not even stat-able
+
+
+def test_a_pth_that_is_a_fifo_or_names_a_million_folders_is_read_in_bounds(
+    tmp_path: Path,
+) -> None:
+    """Found by a review helper: a FIFO named ``zz.pth`` (site never reads a PYTHONPATH
+    folder's .pth, so the worker starts) held the probe until its outer deadline, 16
+    times --timeout; 40 .pth files of 512k lines each took 133 s of stat calls."""
+    site = tmp_path / "site"
+    site.mkdir()
+    os.mkfifo(site / "zz.pth")
+    (site / "many.pth").write_text("".join(f"d{i}\n" for i in range(300_000)))
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import access; "
+        "print(access.refused([sys.argv[2]], {}, budget=50_000))"
+    )
+    r = subprocess.run([sys.executable, "-I", "-c", code, str(PROBE_DIR), str(site)],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    # Root is refused nothing; the folders named were charged to the walk, which was cut.
+    assert r.stdout.strip() == "(None, True)", r.stdout
