@@ -402,8 +402,16 @@ def _unplaced(r, argv, env, shortest, budget):
         if not any(mentions_flag(t) for t in texts):
             return
         for text in texts:
-            for piece in _SEGMENTS.split(shell.unquoted(text)):
-                value = _last_value(piece, shortest, budget) if mentions_flag(piece) else None
+            pieces = [_last_value(_BLANKS.split(piece), shortest, budget)
+                      for piece in _SEGMENTS.split(shell.unquoted(text))
+                      if mentions_flag(piece)]
+            # And each line with its quotes kept, its words as a shell makes them: a
+            # quoted 'x --elastic-ep-backend none' after the real flag is one word, not
+            # the last value (with the quotes removed it was: found by a review helper).
+            pieces += [_last_value([w for w in shell.words(line, {}, budget)
+                                    if isinstance(w, str)], shortest, budget)
+                       for line in text.splitlines() if mentions_flag(line)]
+            for value in pieces:
                 if _is_mooncake(value):
                     if value not in r.values:
                         r.values.append(value)
@@ -415,11 +423,11 @@ def _unplaced(r, argv, env, shortest, budget):
 
 
 def _last_value(piece, shortest, budget):
-    """The last value one piece of text gives a spelling of the flag, read leniently: its
-    words split at blanks, an assignment's value taken as a word (`A=--flag`), `{a,b}`
-    groups expanded; None when it gives none."""
+    """The last value one piece of text (its words) gives a spelling of the flag, read
+    leniently: an assignment's value taken as a word (`A=--flag`), `{a,b}` groups
+    expanded; None when it gives none."""
     words = []
-    for w in _BLANKS.split(piece):
+    for w in piece:
         if w[:1].isalpha() and "=" in w:
             w = w.split("=", 1)[1]
         if w:
@@ -446,16 +454,23 @@ def _put_in(m, env, named, budget):
 
 
 def _braced(word, budget):
-    """The words bash makes of ``word``'s first ``{a,b}`` group (``word`` itself when it has
-    none); what they add is charged to ``budget`` first (a group of 8,000 commas in a
-    16 KB word would make 61 MiB)."""
-    m = _BRACES.search(word) if "{" in word else None
-    if m is None:
-        return [word]
-    head, tail = word[:m.start()], word[m.end():]
-    alternatives = m.group(1).split(",")
-    budget.spend(len(alternatives) * (len(head) + len(tail)))
-    return [head + alt + tail for alt in alternatives]
+    """The words bash makes of ``word``'s ``{a,b}`` groups, every one of them, innermost
+    and leftmost first (``mooncake{,}{,}`` is four words; only the first group was made:
+    found by a review helper); ``[word]`` when it has none. What they add is charged to
+    ``budget`` first (a group of 8,000 commas in a 16 KB word would make 61 MiB; groups
+    side by side multiply)."""
+    done, todo = [], [word]
+    while todo:
+        w = todo.pop()
+        m = _BRACES.search(w) if "{" in w else None
+        if m is None:
+            done.append(w)
+            continue
+        head, tail = w[:m.start()], w[m.end():]
+        alternatives = m.group(1).split(",")
+        budget.spend(len(alternatives) * (len(head) + len(tail)) + sum(map(len, alternatives)))
+        todo.extend(head + alt + tail for alt in reversed(alternatives))
+    return done
 
 
 def _over_budget(r, flagged):
@@ -472,6 +487,11 @@ def _over_budget(r, flagged):
 def _read_command(r, cmd, chosen, shortest, read_config, budget):
     launcher, args = server_args(cmd.words)
     in_argv = any(w.startswith("--") and _flag_spelling(w, shortest) for w in args)
+    if not in_argv and r.unresolved is None and not r.requested:
+        # `--elastic-ep-$(S) mooncake`: a spelling of the flag only once S is known.
+        hidden = next((w for w in args if _hidden_spelling(w)), None)
+        if hidden is not None:
+            r.unresolved = hidden
     where = cmd.where
     if CONFIG in args:
         # SGLang merges the file only for this exact token (prepare_server_args).
@@ -510,6 +530,9 @@ def _read_command(r, cmd, chosen, shortest, read_config, budget):
         # mooncake, so no parser need run (a line saying "none" costs no argparse at all).
         if values and not r.requested:
             r.backend, r.where, r.launcher = values[-1], where, launcher
+            later = _set_again(args, shortest)
+            if later is not None and r.unresolved is None:
+                r.unresolved = f"{values[-1]} (then {later})"
         return
     releases = []
     decided = None
@@ -547,7 +570,9 @@ def _read_command(r, cmd, chosen, shortest, read_config, budget):
 
 
 def _values(r, args, shortest):
-    """Every word that could become the flag's value in ``args`` (also noted on ``r``)."""
+    """Every word that could become the flag's value in ``args`` (also noted on ``r``). A
+    value still holding an expansion (``$NAME``, ``$(…)``, a backquote) is unresolved:
+    known only at launch. (A brace group, ``mooncake{,}``, is the safe side's.)"""
     found = []
     for i, w in enumerate(args):
         if not (w.startswith("--") and _flag_spelling(w, shortest)):
@@ -555,10 +580,63 @@ def _values(r, args, shortest):
         value = w.split("=", 1)[1] if "=" in w else (args[i + 1] if i + 1 < len(args) else None)
         if value is not None:
             found.append(value)
-            if "$" in value:
+            if _unknown(value):
                 r.unresolved = value
     r.values.extend(found)
     return found
+
+
+def _unknown(word):
+    """Does ``word`` still hold an expansion the reader could not make (kept as written)?"""
+    return "$" in word or "`" in word
+
+
+def _hidden_spelling(word):
+    """``--elastic-ep-$(S)``, ``--el${X}``: a word whose text before its first expansion
+    is the start of the flag (``--`` at least), which the expansion may complete."""
+    if not word.startswith("--") or not _unknown(word):
+        return False
+    head = re.split(r"[$`]", word, maxsplit=1)[0].split("=", 1)[0]
+    return BACKEND.startswith(head)
+
+
+_VALUE_FREE = None
+
+
+def _value_free():
+    """Option names that take no value in any release (``--enable-eplb``): the word after
+    one stands on its own."""
+    global _VALUE_FREE
+    if _VALUE_FREE is None:
+        free = set()
+        for t in tables():
+            free.update(n for nargs, names in t.options if nargs == 0 for n in names)
+        _VALUE_FREE = frozenset(free)
+    return _VALUE_FREE
+
+
+def _set_again(args, shortest):
+    """After the flag's last spelling and its value, the first word that is an expansion
+    the reader could not make and stands as a word of its own (not the value of the
+    option before it): at launch it may give the flag again, and argparse takes the last
+    (``--elastic-ep-backend none $EXTRA`` with ``EXTRA`` from an envFrom: found by a
+    review helper). None when there is none."""
+    last = None
+    for i, w in enumerate(args):
+        if w.startswith("--") and _flag_spelling(w, shortest):
+            last = i if "=" in w else i + 1
+    if last is None:
+        return None
+    free = _value_free()
+    for i in range(last + 1, len(args)):
+        w = args[i]
+        if not _unknown(w):
+            continue
+        before = args[i - 1]
+        takes_value = before.startswith("-") and "=" not in before and before not in free
+        if not takes_value or i - 1 == last:
+            return w
+    return None
 
 
 def _dp(r, table, ns):

@@ -21,6 +21,7 @@ and judges on the safe side instead of reading on.
 Standard library only, Python >= 3.8 (the probe runs in images we do not build).
 """
 
+import bisect
 import os
 import re
 from dataclasses import dataclass
@@ -79,6 +80,19 @@ _SCRIPT_ASSIGNMENT = re.compile(
 _VALUE_PIECE = re.compile(r"\"([^\"]*)\"|'([^']*)'|([^\"']+)")
 _ASSIGNED_REF = re.compile(r"\\?\$(?:\{[^{}]*\}|[A-Za-z_][A-Za-z0-9_]*)")
 _BRACED = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-=+?])(.*))?\}$", re.S)
+_REF_NAME = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)")
+# Every word that looks like an assignment (at a word's start, after any blank or
+# operator, `then`/`do`/`{` included), and the commands that set a variable without one:
+# what the model of a script's assignments (_SCRIPT_ASSIGNMENT, in order) may not follow.
+_ANY_ASSIGNMENT = re.compile(
+    r"(?:^|(?<=[\s;&|(){}!`]))([A-Za-z_][A-Za-z0-9_]*)(\[[^\]\n]*\])?(\+?)=")
+_WRITER = re.compile(
+    r"(?:^|(?<=[\s;&|(){}!`]))(?:printf[ \t]+(?:-\S+[ \t]+)*?-v[ \t]*|"
+    r"(?:read|mapfile|readarray|unset)(?:[ \t]+-\S+)*[ \t]+|getopts[ \t]+\S+[ \t]+|"
+    r"(?:for|select)[ \t]+)((?:[A-Za-z_][A-Za-z0-9_]*[ \t]*)+)")
+_DEFAULT_ASSIGN = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*):?=")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_CONTROL = re.compile(r"(?:^|(?<=[\s;&|(]))(?:if|case|while|until|for|select)\s|&&|\|\|")
 _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\[[^]]*\])?\+?=")
 
 
@@ -191,15 +205,24 @@ def unquoted(text):
 
 
 def script_env(script, env, budget):
-    """``env`` plus the plain values a script assigns to itself (``FLAGS="…"; run $FLAGS``),
-    last assignment winning: one pass, not an interpreter. An assignment that names its
-    own variable (`ARGS="$ARGS --host $IP"`, `ARGS+=" --tp 8"`) builds on the value
-    before it, when that is known: the common way to build a launch line step by step
-    (kept as written, the flag set in the first step was lost). What that adds is charged
-    to ``budget``; past it, OverBudget (the safe side)."""
-    local = dict(env)
+    """(``env`` plus the plain values a script assigns to itself, ``FLAGS="…"; run
+    $FLAGS``, the last assignment's; each name's assignments in order, as ``(positions,
+    values)``): one pass, not an interpreter. A use of a name assigned more than once
+    takes the value of the last assignment before it (env_at); one before any, the
+    last's (a function defined before the variable it uses is set). An assignment that
+    names its own variable (`ARGS="$ARGS --host $IP"`, `ARGS+=" --tp 8"`) builds on the
+    value before it, when that is known: the common way to build a launch line step by
+    step (kept as written, the flag set in the first step was lost). A name the script
+    also sets in a way this model does not follow (_uncertain) is left out, so that
+    ``$NAME`` stays as written: unknown here. What the values add is charged to
+    ``budget``; past it, OverBudget (the safe side)."""
+    uncertain = _uncertain(script)
+    local = {k: v for k, v in env.items() if k not in uncertain}
+    steps = {}
     for m in _SCRIPT_ASSIGNMENT.finditer(script):
         name, append, raw = m.group(1), m.group(2), m.group(3)
+        if name in uncertain:
+            continue
         before = local.get(name)
         limit = len(raw) + budget.left
         # Piece by piece (`ARGS=$ARGS" mooncake"` is one value): quotes removed, names
@@ -220,7 +243,70 @@ def script_env(script, env, budget):
                 raise OverBudget()
             budget.spend(len(value) - len(raw))
         local[name] = value
-    return local
+        at, values = steps.setdefault(name, ([], []))
+        at.append(m.end())
+        values.append(value)
+    return local, {k: v for k, v in steps.items() if len(v[1]) > 1}
+
+
+def _uncertain(script):
+    """Names whose value at a use this model cannot tell, in one pass each: set in a way
+    _SCRIPT_ASSIGNMENT does not follow in order (after `then`, `do`, `else`, `{` or on a
+    command's words: `if …; then EP=mooncake; fi` after `EP=none`; an array element;
+    `declare -x EP=…`), unless it only adds to the value before it (`then ARGS="$ARGS
+    --host $IP"`, the side on which more of the line is seen); or by a command
+    (`printf -v`, `read`, `mapfile`, `unset`, `getopts`, `for`, `select`) or
+    `${EP:=mooncake}`. A name set to two values, each not from itself, in a script with
+    branches or loops (`if`, `case`, `while`, `until`, `for`, `select`, `&&`, `||`). And
+    every name a script assigns once it sets IFS (words split where this reading does
+    not). Found by a review helper: each read as the value set
+    before it (`none`), and a worker asking for mooncake went unjudged and unwarned."""
+    modelled = set()
+    replaced = {}  # name -> the values it is set to, not from itself
+    for m in _SCRIPT_ASSIGNMENT.finditer(script):
+        modelled.add(m.start(1))
+        name, raw = m.group(1), m.group(3)
+        if not m.group(2) and "$" + name not in raw and "${" + name not in raw:
+            replaced.setdefault(name, set()).add(raw)
+    out = set()
+    if _CONTROL.search(script):
+        # Set to two values in a script with branches or loops: which one a use sees
+        # depends on the way taken (`if …; then EP=mooncake; else EP=none; fi`).
+        out.update(name for name, values in replaced.items() if len(values) > 1)
+    assigned = set()
+    for m in _ANY_ASSIGNMENT.finditer(script):
+        name = m.group(1)
+        assigned.add(name)
+        if m.start(1) in modelled and not m.group(2):
+            continue
+        rest = script[m.end():m.end() + len(name) + 3]
+        if not m.group(2) and (m.group(3) or rest.startswith(('"$' + name, "$" + name,
+                                                             "${" + name, '"${' + name))):
+            continue  # adds to the value before it
+        out.add(name)
+    for m in _WRITER.finditer(script):
+        out.update(_NAME.findall(m.group(1)))
+    out.update(_DEFAULT_ASSIGN.findall(script))
+    if "IFS" in out or "IFS" in assigned:
+        out |= assigned
+    return out
+
+
+def env_at(env, steps, ref, pos):
+    """The mapping to expand ``ref`` (``$NAME``, ``${NAME…}``) with at ``pos`` of a
+    script: for a name assigned more than once (``steps``, from script_env), the value
+    of its last assignment before ``pos``, or, before any, its last (`B=mooncake; run $B
+    &; B=none; run $B` runs mooncake first: the last value alone read none for both);
+    ``env`` itself for any other name."""
+    if not steps:
+        return env
+    m = _REF_NAME.match(ref)
+    seq = steps.get(m.group(1)) if m is not None else None
+    if seq is None:
+        return env
+    at, values = seq
+    i = bisect.bisect_left(at, pos)
+    return {m.group(1): values[i - 1] if i else values[-1]}
 
 
 def _assigned(value, local, budget, limit):
@@ -247,10 +333,11 @@ def _assigned(value, local, budget, limit):
     return "".join(out)
 
 
-def words(script, env, budget, positional=()):
+def words(script, env, budget, positional=(), steps=None):
     """The words and operators of ``script``: a list of str, with operators as the
     one-element tuples ``(";",)``, ``("&&",)``, … so that a quoted ";" stays a word.
-    ``positional`` is ``$0 $1 …`` (the words after ``sh -c SCRIPT``)."""
+    ``positional`` is ``$0 $1 …`` (the words after ``sh -c SCRIPT``); ``steps`` the
+    script's names assigned more than once (script_env), expanded where they are used."""
     budget.spend(len(script))
     heredocs = []  # (delimiter, strip leading tabs) waiting for the end of the line
     out = []
@@ -330,7 +417,7 @@ def words(script, env, budget, positional=()):
                 _splice(positional[1:])  # "$@": each argument its own word
                 continue
             if "$" in body:
-                body = _DQ_DOLLAR.sub(lambda d: _sub(d.group(), env, budget, positional), body)
+                body = _in_quotes(body, env, steps, m.start(), budget, positional)
             cur.append(body)
             started = True
         elif kind == "cmdsub":
@@ -340,7 +427,7 @@ def words(script, env, budget, positional=()):
             cur.append(text[1])
             started = True
         elif kind == "dollar" or kind == "pos":
-            value = _expand(text, env, budget, positional)
+            value = _expand(text, env_at(env, steps, text, m.start()), budget, positional)
             if value is None:
                 cur.append(text)  # unknown here: kept as written, so it is visible
                 started = True
@@ -356,6 +443,12 @@ def words(script, env, budget, positional=()):
             started = True
     flush()
     return out
+
+
+def _in_quotes(body, env, steps, at, budget, positional):
+    """A double-quoted ``body`` at ``at`` of its script, its names put in (env_at)."""
+    return _DQ_DOLLAR.sub(
+        lambda d: _sub(d.group(), env_at(env, steps, d.group(), at), budget, positional), body)
 
 
 def _skip_heredocs(script, pos, heredocs):
@@ -468,8 +561,8 @@ def _collect(words_, where, env, budget, depth, out):
         script = " ".join(words_[1:])
         if len(script) > budget.left:
             raise OverBudget()
-        local = script_env(script, env, budget)
-        for cmd in _split_commands(words(script, local, budget)):
+        local, steps = script_env(script, env, budget)
+        for cmd in _split_commands(words(script, local, budget, steps=steps)):
             _collect(cmd, "sh -c script", local, budget, depth + 1, out)
         return
     at = shell_script(words_)
@@ -498,9 +591,9 @@ def _collect(words_, where, env, budget, depth, out):
     script = words_[at]
     if len(script) > budget.left:
         raise OverBudget()  # before any pass over it
-    local = script_env(script, env, budget)
+    local, steps = script_env(script, env, budget)
     positional = tuple(words_[at + 1:])  # $0 $1 … of the script
-    for cmd in _split_commands(words(script, local, budget, positional)):
+    for cmd in _split_commands(words(script, local, budget, positional, steps)):
         _collect(cmd, "sh -c script", local, budget, depth + 1, out)
 
 

@@ -601,3 +601,81 @@ def test_the_words_before_eval_are_charged_to_the_budget() -> None:
     budget = shell.Budget()
     shell.commands(["env", "A=" + "x" * 30000, "eval", "true"], {}, budget)
     assert budget.left < shell.BUDGET - 30000
+
+
+# --- fifth review (helper): lines a shell and SGLang run with mooncake, read as none -------
+
+
+@pytest.mark.parametrize(
+    ("argv", "where", "unresolved"),
+    [
+        # A value used, then set again: each use sees the assignment before it.
+        (["sh", "-c", f"B=mooncake\n{SERVER} --elastic-ep-backend $B &\nB=none\n"
+                      f"{SERVER} --port 31000 --elastic-ep-backend $B"], "sh -c script", None),
+        (["sh", "-c", f"B=mooncake; exec {SERVER} --elastic-ep-backend $B; B=none"],
+         "sh -c script", None),
+        # Set in a way the reading does not follow: unknown here, so unresolved (warned,
+        # and probed where the pod is, which reads the same line).
+        (["sh", "-c", f"B=none; {{ B=mooncake; }}; exec {SERVER} --elastic-ep-backend $B"],
+         "sh -c script", "$B"),
+        (["sh", "-c", f"B=none; if true; then B=mooncake; fi; exec {SERVER} "
+                      "--elastic-ep-backend $B"], "sh -c script", "$B"),
+        (["sh", "-c", "if [ \"$ROLE\" = decode ]; then\n  EP=mooncake\nelse\n  EP=none\nfi\n"
+                      f"exec {SERVER} --elastic-ep-backend $EP"], "sh -c script", "$EP"),
+        (["bash", "-c", f"B=none; printf -v B mooncake; exec {SERVER} --elastic-ep-backend $B"],
+         "sh -c script", "$B"),
+        (["bash", "-c", f"B=none; read B <<< mooncake; exec {SERVER} --elastic-ep-backend $B"],
+         "sh -c script", "$B"),
+        (["bash", "-c", f"B=none; eval B=mooncake; exec {SERVER} --elastic-ep-backend $B"],
+         "sh -c script", "$B"),
+        (["bash", "-c", f"B=none; typeset -x B=mooncake; exec {SERVER} --elastic-ep-backend $B"],
+         "sh -c script", "$B"),
+        (["sh", "-c", f"B=; : ${{B:=mooncake}}; exec {SERVER} --elastic-ep-backend $B"],
+         "sh -c script", "$B"),
+        # An expansion after the flag's value may give the flag again (argparse takes the
+        # last); a backquote is an expansion; a spelling completed by an expansion.
+        ([*LAUNCH, "--elastic-ep-backend=none", "$(EXTRA)"], "argv", "none (then $(EXTRA))"),
+        (["sh", "-c", f"{SERVER} --elastic-ep-backend none $EXTRA_ARGS"], "sh -c script",
+         "none (then $EXTRA_ARGS)"),
+        (["bash", "-c", f"{SERVER} --elastic-ep-backend `echo mooncake`"], "sh -c script",
+         "`echo mooncake`"),
+        ([*LAUNCH, "--elastic-ep-$(S)", "mooncake"], None, "--elastic-ep-$(S)"),
+        # Every brace group is made; a quoted decoy after the flag is one word.
+        (["bash", "-c", f"{SERVER} --elastic-ep-backend=mooncake{{,}}{{,}}"], UNPLACED, None),
+        (["bash", "-c", f"bash <<'EOF'\nexec {SERVER} {FLAG} --served-model-name "
+                        "'x --elastic-ep-backend none'\nEOF"], UNPLACED, None),
+    ],
+    ids=["reassigned-after-background", "reassigned-after-exec", "group", "if-one-line",
+         "if-else", "printf-v", "read", "eval-assignment", "typeset", "default-assign",
+         "kubelet-extra", "shell-extra", "backquote", "hidden-spelling", "brace-groups",
+         "quoted-decoy"],
+)  # fmt: skip
+def test_a_line_read_as_none_that_runs_mooncake_is_a_request_or_unresolved(
+    argv: list[str], where: str | None, unresolved: str | None
+) -> None:
+    r = read(argv)
+    assert r.unresolved == unresolved, (r.values, r.where)
+    assert r.requested is (unresolved is None), (r.values, r.unresolved)
+    assert r.where == where
+
+
+def test_what_the_fifth_review_left_alone_still_reads_as_before() -> None:
+    """The forms around those fixes that a real shell runs as the reading says."""
+    # A launch line built step by step, one step in a branch: the flag of the first
+    # step stays (the side on which more of the line is seen).
+    script = (f'ARGS="--elastic-ep-backend mooncake"; if [ -n "$IP" ]; then '
+              f'ARGS="$ARGS --host $IP"; fi; exec {SERVER} $ARGS')  # fmt: skip
+    assert read(["bash", "-c", script]).requested
+    # Set twice in a straight line: the last before the use.
+    assert read(["sh", "-c", f"EP=none; EP=mooncake; exec {SERVER} --elastic-ep-backend $EP"]
+                ).requested  # fmt: skip
+    # An expansion that is another option's value, or before the flag, changes nothing.
+    for args in (["--elastic-ep-backend", "none", "--host", "$(POD_IP)"],
+                 ["$(EXTRA)", "--elastic-ep-backend", "none"]):  # fmt: skip
+        r = read([*LAUNCH, *args])
+        assert not r.requested and r.unresolved is None, args
+    # After a flag that takes no value, an expansion stands as a word of its own.
+    r = read([*LAUNCH, "--elastic-ep-backend", "none", "--enable-eplb", "$(EXTRA)"])
+    assert r.unresolved == "none (then $(EXTRA))"
+    # Argparse's last value within one line, quotes or not.
+    assert not read(["sh", "-c", f"{SERVER} {FLAG} --elastic-ep-backend none"]).requested
