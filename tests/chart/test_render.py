@@ -710,6 +710,24 @@ class TestNotes:
         narrowed = self.notes("--set", "networkPolicy.apiServerCIDRs={10.0.0.0/16}")
         assert "apiServerCIDRs" not in narrowed
 
+    def test_an_architecture_left_open_or_doubled_is_a_warning(self) -> None:
+        """Review helper: a tenant's pending pod for another architecture (an autoscaler
+        adds the node) made the controller delete every verdict probes taught; values.yaml
+        said so, the notes did not."""
+        warnings = self.notes().split("\n\n", 1)[0]
+        assert "controller.architectures is empty" in warnings
+        one = self.notes("--set", "controller.architectures={amd64}")
+        assert "controller.architectures" not in one
+        two = self.notes("--set", "controller.architectures={amd64,arm64}")
+        assert "controller.architectures names 2 architectures" in two.split("\n\n", 1)[0]
+
+    def test_an_image_by_tag_alone_is_a_warning_until_pinned(self) -> None:
+        warnings = self.notes().split("\n\n", 1)[0]
+        assert "image.digest is empty" in warnings
+        assert "ghcr.io/epguard/epguard:" in warnings
+        pinned = self.notes("--set", "image.digest=sha256:" + "a" * 64)
+        assert "image.digest" not in pinned
+
     def test_notes_say_how_to_see_refusals(self) -> None:
         text = self.notes()
         assert "kubectl get imageverdicts" in text

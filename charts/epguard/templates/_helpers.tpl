@@ -133,8 +133,9 @@ characters between them) matches it. So a flag a shell joins from quoted pieces
 `sh -c`, which probe/shell.py reads as the flag) is sent too. `=`-joined flags,
 prefixes, `sh -c` scripts and `$(VAR)` references to literal env values all hold --el
 somewhere CEL reads. What CEL cannot read -- a flag assembled from variables at run time
-(`--ela$REST`), `$'\x2d…'` escapes, a `valueFrom` variable, a --config file -- is left to
-the injected probe.
+(`--ela$REST`), `$'\x2d…'` escapes, a `valueFrom` variable, a --config file -- never
+reaches epguard: /mutate is sent by the same condition, so no probe is injected either
+(docs/cmdline.md, "What admission cannot see").
 
 Cost: every call is linear in the string (RE2), and the quote test keeps the regular
 expression off strings without quotes, so no string costs more of the API server's CEL
