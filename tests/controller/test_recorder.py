@@ -1217,6 +1217,43 @@ class TestNamespaceShareUnderThreads:
         assert memo["recorder"].taught["ml"][0] == 5
 
 
+def test_one_namespaces_recount_does_not_hold_up_anothers_verdict(api: InMemoryApi) -> None:
+    """Review helper: the count of a namespace's verdicts (a paged list, up to 1,000 of
+    them) ran under the lock every namespace's first verdict takes; here that list waits
+    until the other namespace's verdict is written, which it could not be before."""
+    import threading
+
+    counting, release = threading.Event(), threading.Event()
+    count = api.count_taught
+
+    def slow_count(namespace: str, up_to: int) -> int:
+        if namespace == "ml":
+            counting.set()
+            release.wait(30)
+        return count(namespace, up_to)
+
+    api.count_taught = slow_count  # type: ignore[method-assign]
+    memo = TestNamespaceShare().share(api, 5, [0.0])
+    slow = threading.Thread(target=record, args=(TestNamespaceShare.pod(0, UNUSABLE_MSG, 1), memo))
+    other = threading.Thread(
+        target=record, args=(TestNamespaceShare.pod(1, UNUSABLE_MSG, 1, "team-b"), memo)
+    )
+    slow.start()
+    try:
+        assert counting.wait(10)
+        other.start()
+        other.join(10)
+        assert not other.is_alive(), "team-b's verdict waited for ml's count"
+        assert named(1) in api.verdicts and named(0) not in api.verdicts
+    finally:
+        release.set()
+        slow.join()
+        if other.is_alive() or other.ident is not None:
+            other.join()
+    assert named(0) in api.verdicts
+    assert memo["recorder"].taught["ml"][0] == 1
+
+
 def test_kopf_lists_only_probed_pods_and_in_small_pages() -> None:
     # kopf's default lists every watched object in one request: 100 workers of 1.5 MiB
     # would be parsed at once at each start.

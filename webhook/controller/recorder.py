@@ -342,12 +342,20 @@ class Recorder:
 
     def _reserve(self, namespace: str) -> None:
         """Count one more verdict taught by ``namespace``; OverBudget when it has taught
-        its share already."""
+        its share already. The count is read from the API server outside the lock (a
+        paged list of up to ``per_namespace`` verdicts held every other namespace's first
+        verdict while it ran: found by a review helper)."""
+        now = self.monotonic()
         with self._taught_lock:
-            now = self.monotonic()
             held = self.taught.get(namespace)
-            if held is None or now - held[1] > RECOUNT_SECONDS:
-                held = (self.api.count_taught(namespace, self.per_namespace), now)
+            stale = held is None or now - held[1] > RECOUNT_SECONDS
+        counted = (self.api.count_taught(namespace, self.per_namespace), now) if stale else None
+        with self._taught_lock:
+            held = self.taught.get(namespace)
+            if counted is not None and (held is None or held[1] < counted[1]):
+                held = counted  # unless a fresher count another thread read is held
+            if held is None:  # not reached: a namespace with nothing held counts first
+                held = (0, now)
             if held[0] >= self.per_namespace:
                 self.taught[namespace] = held
                 raise OverBudget(namespace, held[0])
