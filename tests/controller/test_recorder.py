@@ -284,7 +284,8 @@ def probed_pod(
             c["imagePullPolicy"] = pull_policy
     if node is not None:
         pod["spec"]["nodeName"] = node
-    image_id = f"registry.example/sglang@{digest}" if digest else ""
+    # The runtime reports the digest under the repository the pod asked for.
+    image_id = f"{parse(image).name}@{digest}" if digest else ""
     pod["status"] = pod_with_probe_status(
         message,
         exit_code,

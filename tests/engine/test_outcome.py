@@ -14,6 +14,7 @@ from epguard.webhook.engine.outcome import (
     MAX_RUNS,
     ProbeOutcome,
     classify,
+    digest_for,
     digest_of,
     outcomes_of,
     parse_versions,
@@ -164,6 +165,30 @@ def test_digest_is_taken_from_every_image_id_spelling() -> None:
     assert digest_of(f"docker-pullable://lmsysorg/sglang@{digest}") == digest
     assert digest_of("") is None
     assert digest_of(None) is None
+
+
+def test_a_digest_reported_under_another_repository_is_no_digest_of_the_image(
+    real_probe_failure: tuple[int, str],
+) -> None:
+    """Review helper: containerd reports the alphabetically first repo digest of the image,
+    every name its config carries on that node merged: a tenant's re-manifested copy of a
+    public image (the same config) under aaa.example made other tenants' probes report
+    its digest. Such a run teaches nothing ("no image digest"), nor resolves the tag."""
+    digest = "sha256:" + "0f" * 32
+    image = "lmsysorg/sglang:v1"
+    assert digest_for(image, f"docker.io/lmsysorg/sglang@{digest}") == digest
+    assert digest_for(image, f"docker-pullable://lmsysorg/sglang@{digest}") == digest
+    assert digest_for(image, f"index.docker.io/lmsysorg/sglang@{digest}") == digest
+    assert digest_for(image, digest) == digest  # no repository named
+    assert digest_for(image, f"aaa.attacker.example/p@{digest}") is None
+    assert digest_for(image, f"docker.io/lmsysorg/other@{digest}") is None
+    code, message = real_probe_failure
+    other = f"aaa.attacker.example/p@{digest}"
+    [outcome] = outcomes_of(pod_with_probe_status(message, code, image_id=other))
+    assert outcome.digest is None and not outcome.about_the_image
+    pod = pod_with_probe_status(FILES_CLEAR + "x", 0, image=image, pull_policy="Always",
+                                image_id=other)  # fmt: skip
+    assert resolved_tags(pod) == []
 
 
 def test_verdict_name_is_by_digest_and_shared_by_spellings_of_one_tag() -> None:

@@ -170,6 +170,27 @@ def digest_of(image_id: Any) -> str | None:
     return found[-1] if found else None
 
 
+def digest_for(image: Any, image_id: Any) -> str | None:
+    """The digest ``image_id`` reports for a container that asked for ``image``; None when
+    it names another repository. containerd reports the first of the image's repo
+    digests in alphabetical order, every name its config carries on that node merged, so
+    a tenant that pulled a re-manifested copy of a public image (the same config) as
+    ``aaa.example/p@sha256:…`` made other tenants' probes of that image report its
+    digest: their verdicts keyed to bytes nobody else names, and the tag's newest pull
+    taken over (found by a review helper). A bare ``sha256:…`` names no repository."""
+    digest = digest_of(image_id)
+    if digest is None or not isinstance(image_id, str) or "@" not in image_id:
+        return digest
+    repository = image_id.split("://", 1)[-1].rsplit("@", 1)[0]
+    if not repository:
+        return digest
+    try:
+        same = parse(repository).name == parse(str(image)).name
+    except ImageRefError:
+        return None
+    return digest if same else None
+
+
 def parse_versions(message: str) -> Versions:
     for line in message.splitlines():
         if not line.startswith("versions:"):
@@ -310,7 +331,8 @@ def resolved_tags(pod: Mapping[str, Any], probe_image: str | None = None) -> lis
     for status in as_list(as_map(pod.get("status")).get("initContainerStatuses")):
         if not isinstance(status, Mapping) or status.get("name") not in always:
             continue
-        image, digest = always[status.get("name")], digest_of(status.get("imageID"))
+        image = always[status.get("name")]
+        digest = digest_for(image, status.get("imageID"))
         started = _started(status)
         try:
             ref = parse(image) if isinstance(image, str) else None
@@ -352,7 +374,7 @@ def _outcome(status: Mapping[str, Any], spec_images: Mapping[Any, Any]) -> Probe
     return ProbeOutcome(
         container=name,
         image=image,
-        digest=digest_of(status.get("imageID")),
+        digest=digest_for(image, status.get("imageID")),
         verdict=verdict,
         scope=scope,
         reason=_cause(first_line(message))[:MAX_REASON],
