@@ -939,3 +939,21 @@ def test_a_package_extended_over_several_folders_is_read_in_all_of_them(tmp_path
     )
     r = probe(tmp_path, root, "--files-only", **env)
     assert r.rc == 0 and r.lines[0].startswith(FILES_CLEAR), r.message
+
+
+@pytest.mark.timeout(120)
+def test_a_module_of_too_many_identifiers_proves_no_missing_name(tmp_path: Path) -> None:
+    """Review helper: 64 MiB of distinct 4-letter identifiers took 2.2 GB as a set, and a
+    MemoryError (a smaller node) turned the proven cause into none. Past
+    files.MAX_IDENTIFIERS (a real pg_* has ~1,500) the names it defines are unknown."""
+    from epguard.probe import files
+
+    limit = files.MAX_IDENTIFIERS
+    names = b"".join(b"\0n%d" % i for i in range(limit)) + b"\0"
+    assert len(files.identifier_strings(names) or ()) == limit
+    assert files.identifier_strings(names + b"xy\0") is None
+    root = make_root(tmp_path, _missing_names)
+    assert probe(tmp_path, root, "--files-only").rc == 1  # the name is proven missing
+    _ext(root).write_bytes(hostile_roots.elf_bytes(["libc.so.6"]) + names + b"xy\0")
+    r = probe(tmp_path, root, "--files-only")
+    assert r.rc == 0 and r.lines[0].startswith(FILES_CLEAR), r.message

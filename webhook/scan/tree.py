@@ -374,8 +374,12 @@ class Tree:
             if node.size <= WHOLE_ELF_BYTES:
                 raw = data.read(WHOLE_ELF_BYTES)
                 node.dynamic = elf.read_dynamic_file(_Bytes(raw), path)
-                if kept.strings:
-                    names = frozenset(files.identifier_strings(raw))
+                found = files.identifier_strings(raw) if kept.strings else None
+                if found is None and kept.strings:
+                    self.note(f"{path}: more than {files.MAX_IDENTIFIERS} identifiers: "
+                              "the names it defines are not read")
+                elif found is not None:
+                    names = frozenset(found)
                     if self._budget(sum(len(n) + 90 for n in names), path):
                         node.strings = names
             else:
