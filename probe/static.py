@@ -72,6 +72,9 @@ MAX_PATH_ENTRIES = 1024
 MAX_LOADER_TARGETS = 64
 # Entries looked at under MOONCAKE_PG_JIT_DIR for a prebuilt adapter.
 MAX_JIT_DIR_ENTRIES = 4096
+# Libraries torch's folders (torch/lib, the nvidia-* wheels) provide: a CUDA torch has
+# ~150; past this, what the importing process has mapped is unknown.
+MAX_PROVIDED = 20000
 
 
 class Image:
@@ -121,9 +124,13 @@ def torch_facts(image):
 
 def torch_provided(image, cuda_major):
     """Libraries a process has mapped once ``import torch`` is done: torch/lib and the
-    nvidia-* wheels it preloads. ld.so matches later DT_NEEDED names against them. A
-    libcudart of another CUDA major is not torch's, so it never counts."""
-    out = []
+    nvidia-* wheels it preloads, one path per name (ld.so matches later DT_NEEDED names
+    against their basenames). A libcudart of another CUDA major is not torch's, so it
+    never counts. Each folder is read once, however many ``sys.path`` entries lead to
+    it; None past MAX_PROVIDED names (then what is mapped is unknown): 100,000 files in
+    torch/lib behind 50 linked entries took 603 MB as paths (found by a review helper)."""
+    out = {}
+    seen = set()
     fs = image.fs
     for entry in image.path:
         dirs = [posixpath.join(entry, "torch", "lib")]
@@ -134,6 +141,10 @@ def torch_provided(image, cuda_major):
             subs = []
         dirs += [posixpath.join(nvidia, s, "lib") for s in subs[:64]]
         for d in dirs:
+            real = fs.realpath(d)
+            if real in seen:
+                continue
+            seen.add(real)
             try:
                 names = fs.listdir(d)
             except OSError:
@@ -142,11 +153,14 @@ def torch_provided(image, cuda_major):
                 m = _CUDART_RE.match(n)
                 if m and cuda_major is not None and int(m.group(1)) != cuda_major:
                     continue
-                if ".so" in n:
-                    out.append(posixpath.join(d, n))
+                if ".so" in n and n not in out:
+                    out[n] = posixpath.join(d, n)
+                    if len(out) > MAX_PROVIDED:
+                        return None
+    paths = list(out.values())
     if image.driver_mounted:
-        out += ["/run/nvidia-driver/" + n for n in sorted(DRIVER_LIBS)]
-    return out
+        paths += ["/run/nvidia-driver/" + n for n in sorted(DRIVER_LIBS)]
+    return paths
 
 
 class Loader:
@@ -431,6 +445,10 @@ def read(image, request, requirement=None):
     tag = inventory.torch_tag(version)
     major = inventory.cuda_major(cuda)
     mapped = torch_provided(image, major)
+    if mapped is None:
+        facts.notes.append(f"torch's library folders hold more than {MAX_PROVIDED} "
+                           "libraries: the files decide nothing, the import does")
+        return facts
     per_module = []
     events = {m: _module_events(image, o, m, tag, major, mapped) for m in o.requirement.modules}
     alternates = {}

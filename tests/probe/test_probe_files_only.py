@@ -957,3 +957,28 @@ def test_a_module_of_too_many_identifiers_proves_no_missing_name(tmp_path: Path)
     _ext(root).write_bytes(hostile_roots.elf_bytes(["libc.so.6"]) + names + b"xy\0")
     r = probe(tmp_path, root, "--files-only")
     assert r.rc == 0 and r.lines[0].startswith(FILES_CLEAR), r.message
+
+
+@pytest.mark.timeout(120)
+def test_torch_library_folders_are_read_once_and_in_bounds(tmp_path: Path) -> None:
+    """Review helper: torch/lib with 100,000 files behind 50 linked sys.path entries took
+    603 MB as paths (about 12 GB at the 1,024-entry limit). Each folder is now read once;
+    past static.MAX_PROVIDED libraries, what torch maps is unknown: no cause proven."""
+    from epguard.probe import static
+
+    root = make_root(tmp_path, _missing_names)
+    links = []
+    for i in range(50):
+        link = tmp_path / f"link{i}"
+        link.symlink_to(root)
+        links.append(str(link))
+    env = {"PYTHONPATH": ":".join([str(root), *links])}
+    r = probe(tmp_path, root, "--files-only", **env)
+    assert r.rc == 1 and r.report["classification"] == "missing-names", r.message
+    lib = root / "torch" / "lib"
+    lib.mkdir()
+    for i in range(static.MAX_PROVIDED + 1):
+        (lib / f"lib{i}.so").touch()
+    r = probe(tmp_path, root, "--files-only", **env)
+    assert r.rc == 0 and r.lines[0].startswith(FILES_CLEAR), r.message
+    assert f"more than {static.MAX_PROVIDED} libraries" in r.message
