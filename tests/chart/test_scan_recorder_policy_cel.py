@@ -152,3 +152,20 @@ def test_another_recorders_verdict_can_be_neither_changed_nor_deleted() -> None:
     assert mine in refused("UPDATE", taken, theirs)
     assert mine in refused("DELETE", None, theirs)
     assert refusals("DELETE", None, theirs, user=OTHER) == []
+
+
+@pytest.mark.parametrize("label", ["epguard.io/taught-by", "epguard.io/architecture"])
+def test_a_recorder_cannot_label_a_verdict_as_a_namespaces_or_an_architectures(
+    label: str,
+) -> None:
+    """Review helper: scan verdicts labelled epguard.io/taught-by=<victim> counted against
+    that namespace's share (controller.verdictsPerNamespace), so its probes taught
+    nothing new; the architecture label steers the controller's sweep."""
+    labelled = verdict()
+    labelled["metadata"]["labels"] = {label: "team-b"}
+    said = refusals("CREATE", labelled, None)
+    assert any("carry neither epguard.io/taught-by nor epguard.io/architecture" in m
+               for m in said), said  # fmt: skip
+    plain = verdict()
+    plain["metadata"]["labels"] = {"app.kubernetes.io/managed-by": "epguard-scan"}
+    assert refusals("CREATE", plain, None) == []

@@ -185,6 +185,19 @@ def test_a_recorder_cannot_create_a_verdict_dated_in_the_future(recorders: Recor
     assert r.returncode == 0, output(r)
 
 
+def test_a_recorder_cannot_label_its_verdict_as_a_namespaces_or_an_architectures(
+    recorders: Recorders,
+) -> None:
+    """Review helper: scan verdicts labelled epguard.io/taught-by=<victim> counted against
+    that namespace's share, so its probes taught nothing new."""
+    now = dt.datetime.now(dt.UTC)
+    for label in ("epguard.io/taught-by", "epguard.io/architecture"):
+        labelled = _verdict(_digest(), recorders.user(FIRST), now)
+        labelled["metadata"]["labels"][label] = "team-b"
+        r = _create(recorders, FIRST, labelled)
+        assert _refused(r, "carry neither epguard.io/taught-by nor"), output(r)
+
+
 def test_a_recorder_cannot_move_its_verdict_into_the_future(
     control_plane: ControlPlane, recorders: Recorders
 ) -> None:
