@@ -191,7 +191,7 @@ def user_site_of(home, environ):
     return user_site(dict(environ, HOME=home))
 
 
-def another_users_site(environ, homes, runtime_home):
+def another_users_site(environ, homes, runtime_home, unknown_holds=False):
     """A user site-packages that holds one of PACKAGES, as (folder, its HOME), when which
     one the child adds depends on the pod's user; None when it does not.
 
@@ -206,19 +206,22 @@ def another_users_site(environ, homes, runtime_home):
         return None
     for home in homes:
         site = user_site_of(home, environ)
-        if site is not None and _holds_the_packages(site):
+        if site is not None and _holds_the_packages(site, unknown_holds):
             return site, home
     return None
 
 
-def _holds_the_packages(folder):
+def _holds_the_packages(folder, unknown_holds=False):
     """Does ``folder`` hold one of PACKAGES (a module folder or a dist-info of one)?
-    Looks at MAX_SITE_ENTRIES entries at most (past them: it may, so it does). Only a
-    folder that is not there holds nothing: one this user may not list (another user's
-    0700 home, read by a uid without it, or by root without CAP_DAC_OVERRIDE as in a
-    preflight) may hold them, and so may one whose name the system refuses (a NUL in a
-    passwd HOME); either read as "holds nothing" made "torch is not installed" an image
-    fact chosen by the pod's runAsUser (found by a review helper)."""
+    Looks at MAX_SITE_ENTRIES entries at most (past them: it may, so it does). A folder
+    that is not there holds nothing. One this user may not list (another user's 0700
+    home, read by a uid without it, or by root without CAP_DAC_OVERRIDE as in a
+    preflight), or whose name the system refuses (a NUL in a passwd HOME), is
+    ``unknown_holds``: True before an absence is called the image's (read as "holds
+    nothing", it made "torch is not installed" an image fact chosen by the pod's
+    runAsUser: found by a review helper), False for a pass (this process imported
+    nothing from a folder it cannot list; True there made every non-root pod's pass
+    "usable in this pod", since /root is 0700: found by the next review)."""
     try:
         with os.scandir(folder) as entries:
             for seen, entry in enumerate(entries):
@@ -227,7 +230,7 @@ def _holds_the_packages(folder):
     except (FileNotFoundError, NotADirectoryError):
         return False
     except (OSError, ValueError):
-        return True
+        return unknown_holds
     return False
 
 

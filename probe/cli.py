@@ -543,14 +543,16 @@ def _refused_to_this_user(deep, libraries=False, cause=None):
         # mismatch the files show whole: that is no absence.)
         return _not_judged("cannot read", files.LIVE.denied,
                            "so what the image seems to lack may be hidden from it")
-    return _users_site(environ)
+    return _users_site(environ, unknown_holds=cause in _ABSENCE)
 
 
-def _users_site(environ):
+def _users_site(environ, unknown_holds=False):
     """Why the packages found depend on the pod's user (its HOME's user site), in words;
-    None when they do not (probe/access.py another_users_site)."""
+    None when they do not (probe/access.py another_users_site; ``unknown_holds``: a
+    site this user may not list may hold them, before an absence is the image's)."""
     homes, _ = _sibling("inventory").user_homes([environ])
-    found = _sibling("access").another_users_site(environ, homes, _runtime_home())
+    found = _sibling("access").another_users_site(environ, homes, _runtime_home(),
+                                                  unknown_holds)
     if found is None:
         return None
     site, home = found

@@ -749,7 +749,7 @@ def test_a_refusal_met_looking_for_a_library_or_a_toolchain_is_no_image_fact(
     # non-root runner cannot search).
     environ = {"PATH": "/usr/bin:/bin", "HOME": "/"}
     monkeypatch.setattr(sandbox, "image_environment", lambda: environ)
-    monkeypatch.setattr(cli, "_users_site", lambda environ: None)  # not this test's
+    monkeypatch.setattr(cli, "_users_site", lambda environ, unknown_holds=False: None)  # not this test's
     monkeypatch.setattr(files.LIVE, "denied", None)
     assert cli._refused_to_this_user(deep=False, libraries=True) is None
     monkeypatch.setattr(files.LIVE, "denied", "/opt/rdma/lib")
@@ -793,7 +793,7 @@ def test_a_package_walk_cut_by_its_budget_judges_nothing_for_another_user(
 
     environ = {"PATH": "/usr/bin:/bin", "HOME": "/"}  # an image's, not this runner's
     monkeypatch.setattr(sandbox, "image_environment", lambda: environ)
-    monkeypatch.setattr(cli, "_users_site", lambda environ: None)
+    monkeypatch.setattr(cli, "_users_site", lambda environ, unknown_holds=False: None)
     monkeypatch.setattr(files.LIVE, "denied", None)
     monkeypatch.setattr(access, "refused", lambda path, environ, deep=True: (None, True))
     monkeypatch.setattr(os, "getuid", lambda: 1000)
@@ -828,13 +828,19 @@ def test_a_user_site_this_user_may_not_list_may_hold_the_packages(
         return real(path)
 
     monkeypatch.setattr(access.os, "scandir", refused)
-    assert access.another_users_site(runtime, homes, "/") == (site, str(app))
+    # Before an absence is called the image's: it may hold them.
+    assert access.another_users_site(runtime, homes, "/", unknown_holds=True) == (site, str(app))
+    # For a pass: this process imported nothing from a folder it cannot list (/root is
+    # 0700: as "may hold" every non-root pod's pass was "usable in this pod", found by
+    # the next review).
+    assert access.another_users_site(runtime, homes, "/") is None
     monkeypatch.setattr(access.os, "scandir", real)
     evil = "/x\0y"
-    assert access.another_users_site(runtime, ["/", evil], "/") == (
+    assert access.another_users_site(runtime, ["/", evil], "/", unknown_holds=True) == (
         access.user_site_of(evil, {}),
         evil,
     )
+    assert access.another_users_site(runtime, ["/", evil], "/") is None
 
 
 def test_a_launch_line_naming_another_interpreter_proves_nothing_about_the_image(
