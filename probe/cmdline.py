@@ -374,6 +374,7 @@ _NAMED = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
 _SEGMENTS = re.compile(r"[;&|\n()`]+")
 _BLANKS = re.compile(r"[\s<>]+")
 _BRACES = re.compile(r"(?<!\$)\{([^{},]*(?:,[^{},]*)+)\}")
+_QUOTED = re.compile(r"['\"\\]")
 UNPLACED = "text no command places, read leniently"
 
 
@@ -408,9 +409,13 @@ def _unplaced(r, argv, env, shortest, budget):
             # And each line with its quotes kept, its words as a shell makes them: a
             # quoted 'x --elastic-ep-backend none' after the real flag is one word, not
             # the last value (with the quotes removed it was: found by a review helper).
-            pieces += [_last_value([w for w in shell.words(line, {}, budget)
-                                    if isinstance(w, str)], shortest, budget)
-                       for line in text.splitlines() if mentions_flag(line)]
+            # (Only lines with quotes or backslashes read differently; the text was
+            # charged once already, so this reading has a budget of its own, as large.)
+            again = shell.Budget(budget.left)
+            pieces += [_last_value([w for w in shell.words(line, {}, again)
+                                    if isinstance(w, str)], shortest, again)
+                       for line in text.splitlines()
+                       if _QUOTED.search(line) and mentions_flag(line)]
             for value in pieces:
                 if _is_mooncake(value):
                     if value not in r.values:
@@ -632,6 +637,9 @@ def _set_again(args, shortest):
         w = args[i]
         if not _unknown(w):
             continue
+        head = re.split(r"[$`]", w, maxsplit=1)[0]
+        if w.startswith("-") and "=" in head and not _hidden_spelling(w):
+            continue  # `--host=$POD_IP`: that option's value
         before = args[i - 1]
         takes_value = before.startswith("-") and "=" not in before and before not in free
         if not takes_value or i - 1 == last:

@@ -81,18 +81,30 @@ _VALUE_PIECE = re.compile(r"\"([^\"]*)\"|'([^']*)'|([^\"']+)")
 _ASSIGNED_REF = re.compile(r"\\?\$(?:\{[^{}]*\}|[A-Za-z_][A-Za-z0-9_]*)")
 _BRACED = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-=+?])(.*))?\}$", re.S)
 _REF_NAME = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)")
-# Every word that looks like an assignment (at a word's start, after any blank or
-# operator, `then`/`do`/`{` included), and the commands that set a variable without one:
-# what the model of a script's assignments (_SCRIPT_ASSIGNMENT, in order) may not follow.
+# Where a command starts (and the words that may come before its assignments): an
+# assignment or a variable-setting command is read only there, not in an argument or a
+# comment (`echo B=none`, `# ARGS=…` made names unknown: found by a review helper).
+_COMMAND_START = (
+    r"(?:^|[;&|(){}\n])[ \t]*"
+    r"(?:(?:then|do|else|elif|!|time|eval|env|command|builtin|typeset|declare|local|export"
+    r"|readonly)(?:[ \t]+-[A-Za-z]+)*[ \t]+)*")
+# Every assignment at a command's start, array elements too: what the in-order model
+# (_SCRIPT_ASSIGNMENT) may not follow (_contested).
 _ANY_ASSIGNMENT = re.compile(
-    r"(?:^|(?<=[\s;&|(){}!`]))([A-Za-z_][A-Za-z0-9_]*)(\[[^\]\n]*\])?(\+?)=")
+    _COMMAND_START + r"([A-Za-z_][A-Za-z0-9_]*)(\[[^\]\s]*\])?(\+?)=")
+_RAW_VALUE = re.compile(r"(?:\"[^\"]*\"|'[^']*'|[^\s;&|()\"'])*")
+# The commands that set a variable without an assignment.
 _WRITER = re.compile(
-    r"(?:^|(?<=[\s;&|(){}!`]))(?:printf[ \t]+(?:-\S+[ \t]+)*?-v[ \t]*|"
+    _COMMAND_START + r"(?:printf[ \t]+(?:-\S+[ \t]+)*?-v[ \t]*|"
     r"(?:read|mapfile|readarray|unset)(?:[ \t]+-\S+)*[ \t]+|getopts[ \t]+\S+[ \t]+|"
     r"(?:for|select)[ \t]+)((?:[A-Za-z_][A-Za-z0-9_]*[ \t]*)+)")
-_DEFAULT_ASSIGN = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*):?=")
+_DEFAULT_ASSIGN = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*):?=([^{}]*)\}")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _CONTROL = re.compile(r"(?:^|(?<=[\s;&|(]))(?:if|case|while|until|for|select)\s|&&|\|\|")
+# IFS set on its own (not as one command's prefix: `IFS=, read -ra H`).
+_IFS = re.compile(r"(?:^|[;&|(){}\n])[ \t]*(?:export[ \t]+)?IFS=[^\s;&|]*[ \t]*(?:[;&|\n]|$)")
+# A comment: `#` at the start of a word, to the end of its line.
+_COMMENT = re.compile(r"(?:^|(?<=[ \t;&|(){}\n]))#[^\n]*")
 _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\[[^]]*\])?\+?=")
 
 
@@ -212,84 +224,117 @@ def script_env(script, env, budget):
     last's (a function defined before the variable it uses is set). An assignment that
     names its own variable (`ARGS="$ARGS --host $IP"`, `ARGS+=" --tp 8"`) builds on the
     value before it, when that is known: the common way to build a launch line step by
-    step (kept as written, the flag set in the first step was lost). A name the script
-    also sets in a way this model does not follow (_uncertain) is left out, so that
-    ``$NAME`` stays as written: unknown here. What the values add is charged to
-    ``budget``; past it, OverBudget (the safe side)."""
-    uncertain = _uncertain(script)
-    local = {k: v for k, v in env.items() if k not in uncertain}
+    step (kept as written, the flag set in the first step was lost). A name whose value
+    at a use this pass cannot order (_contested) is either left out, so that ``$NAME``
+    stays as written (unknown here), or read everywhere as the one of its values that
+    asks for mooncake. What the values add is charged to ``budget``; past it,
+    OverBudget (the safe side)."""
+    unknown, chosen = _contested(script, env)
+    local = {k: v for k, v in env.items() if k not in unknown and k not in chosen}
     steps = {}
     for m in _SCRIPT_ASSIGNMENT.finditer(script):
         name, append, raw = m.group(1), m.group(2), m.group(3)
-        if name in uncertain:
+        if name in unknown or name in chosen:
             continue
         before = local.get(name)
-        limit = len(raw) + budget.left
-        # Piece by piece (`ARGS=$ARGS" mooncake"` is one value): quotes removed, names
-        # put in outside single quotes.
-        pieces = []
-        for piece in _VALUE_PIECE.finditer(raw):
-            double, single, bare = piece.groups()
-            if single is not None:
-                pieces.append(single)
-            else:
-                text = double if double is not None else bare
-                pieces.append(_assigned(text, local, budget, limit) if "$" in text else text)
-        value = "".join(pieces)
+        value = _value_of(raw, local, budget)
         if append:
             value = (before if before is not None else "$" + name) + value
-        if len(value) > len(raw):
-            if len(value) > limit:
-                raise OverBudget()
-            budget.spend(len(value) - len(raw))
+            budget.spend(len(before or ""))
         local[name] = value
         at, values = steps.setdefault(name, ([], []))
         at.append(m.end())
         values.append(value)
+    for name, raw in chosen.items():
+        local[name] = _value_of(raw, local, budget)
     return local, {k: v for k, v in steps.items() if len(v[1]) > 1}
 
 
-def _uncertain(script):
-    """Names whose value at a use this model cannot tell, in one pass each: set in a way
-    _SCRIPT_ASSIGNMENT does not follow in order (after `then`, `do`, `else`, `{` or on a
-    command's words: `if …; then EP=mooncake; fi` after `EP=none`; an array element;
-    `declare -x EP=…`), unless it only adds to the value before it (`then ARGS="$ARGS
-    --host $IP"`, the side on which more of the line is seen); or by a command
-    (`printf -v`, `read`, `mapfile`, `unset`, `getopts`, `for`, `select`) or
-    `${EP:=mooncake}`. A name set to two values, each not from itself, in a script with
-    branches or loops (`if`, `case`, `while`, `until`, `for`, `select`, `&&`, `||`). And
-    every name a script assigns once it sets IFS (words split where this reading does
-    not). Found by a review helper: each read as the value set
-    before it (`none`), and a worker asking for mooncake went unjudged and unwarned."""
-    modelled = set()
-    replaced = {}  # name -> the values it is set to, not from itself
-    for m in _SCRIPT_ASSIGNMENT.finditer(script):
-        modelled.add(m.start(1))
-        name, raw = m.group(1), m.group(3)
-        if not m.group(2) and "$" + name not in raw and "${" + name not in raw:
-            replaced.setdefault(name, set()).add(raw)
-    out = set()
-    if _CONTROL.search(script):
-        # Set to two values in a script with branches or loops: which one a use sees
-        # depends on the way taken (`if …; then EP=mooncake; else EP=none; fi`).
-        out.update(name for name, values in replaced.items() if len(values) > 1)
+def _value_of(raw, local, budget):
+    """The value an assignment's ``raw`` text stores, as the shell stores it: piece by
+    piece (`ARGS=$ARGS" mooncake"` is one value), quotes removed, names put in outside
+    single quotes (_assigned). What it adds is charged to ``budget``; past it,
+    OverBudget."""
+    limit = len(raw) + budget.left
+    pieces = []
+    for piece in _VALUE_PIECE.finditer(raw):
+        double, single, bare = piece.groups()
+        if single is not None:
+            pieces.append(single)
+        else:
+            text = double if double is not None else bare
+            pieces.append(_assigned(text, local, budget, limit) if "$" in text else text)
+    value = "".join(pieces)
+    if len(value) > len(raw):
+        if len(value) > limit:
+            raise OverBudget()
+        budget.spend(len(value) - len(raw))
+    return value
+
+
+def _contested(script, env):
+    """(names unknown here, {name: the raw value to read it as everywhere}) for the names
+    whose value at a use one pass cannot order. Found by review helpers: each was read
+    as the value set before it (`none`), and a worker asking for mooncake went unjudged
+    and unwarned.
+
+    A name is contested when it is set at the start of a command the in-order model
+    (_SCRIPT_ASSIGNMENT) does not follow (after `then`, `do`, `else`, `{`, `&&`, `||`,
+    `typeset -x`, `eval` …), unless that only adds to the value before it (`then
+    ARGS="$ARGS --host $IP"`, read as taken, the side on which more of the line is
+    seen); when it is set to two values in a script with branches or loops; and by
+    `${EP:=word}` where the environment does not hold EP. Of a contested name's values,
+    one that asks for mooncake (names the flag, or is the word mooncake) is read
+    everywhere (the side on which more is seen, as for an unknown variable's default);
+    values that are all plain text without it are read in order (whichever runs, no
+    request); otherwise it is unknown. Unknown outright: a name set by a command
+    (`printf -v`, `read`, `mapfile`, `unset`, `getopts`, `for`, `select`) or as an
+    array element, and every name a script assigns once it sets IFS on its own (words
+    split where this reading does not). Comments are not read."""
+    text = _COMMENT.sub(lambda m: " " * len(m.group()), script)
+    modelled = {m.start(1) for m in _SCRIPT_ASSIGNMENT.finditer(text)}
+    values = {}  # name -> the raw values it is set to, not from itself
+    contested = set()
+    unknown = set()
     assigned = set()
-    for m in _ANY_ASSIGNMENT.finditer(script):
-        name = m.group(1)
+    for m in _ANY_ASSIGNMENT.finditer(text):
+        name, element, append = m.group(1), m.group(2), m.group(3)
         assigned.add(name)
-        if m.start(1) in modelled and not m.group(2):
+        if element:
+            unknown.add(name)
             continue
-        rest = script[m.end():m.end() + len(name) + 3]
-        if not m.group(2) and (m.group(3) or rest.startswith(('"$' + name, "$" + name,
-                                                             "${" + name, '"${' + name))):
+        raw = _RAW_VALUE.match(text, m.end()).group()
+        if append or "$" + name in raw or "${" + name in raw:
             continue  # adds to the value before it
-        out.add(name)
-    for m in _WRITER.finditer(script):
-        out.update(_NAME.findall(m.group(1)))
-    out.update(_DEFAULT_ASSIGN.findall(script))
-    if "IFS" in out or "IFS" in assigned:
-        out |= assigned
-    return out
+        values.setdefault(name, []).append(raw)
+        if m.start(1) not in modelled:
+            contested.add(name)
+    if _CONTROL.search(text):
+        contested.update(n for n, vs in values.items() if len(set(vs)) > 1)
+    for m in _DEFAULT_ASSIGN.finditer(text):
+        if not env.get(m.group(1)):
+            contested.add(m.group(1))
+            values.setdefault(m.group(1), []).append(m.group(2))
+    for m in _WRITER.finditer(text):
+        unknown.update(_NAME.findall(m.group(1)))
+    if _IFS.search(text):
+        unknown |= assigned
+    chosen = {}
+    for name in contested - unknown:
+        raws = values.get(name, [])
+        plain = [_unquote(v) for v in raws]
+        asks = [v for v, p in zip(raws, plain) if p.strip() == "mooncake" or "--el" in p]
+        if asks:
+            chosen[name] = asks[0]
+        elif any("$" in p or "`" in p for p in plain):
+            unknown.add(name)
+    return unknown, chosen
+
+
+def _unquote(raw):
+    """An assignment's raw text with its quotes removed (nothing put in)."""
+    return "".join(next(x for x in piece.groups() if x is not None)
+                   for piece in _VALUE_PIECE.finditer(raw))
 
 
 def env_at(env, steps, ref, pos):
@@ -592,7 +637,8 @@ def _collect(words_, where, env, budget, depth, out):
     if len(script) > budget.left:
         raise OverBudget()  # before any pass over it
     local, steps = script_env(script, env, budget)
-    positional = tuple(words_[at + 1:])  # $0 $1 … of the script
+    # $0 $1 … of the script; with no words after it, $0 is the shell and "$@" is empty.
+    positional = tuple(words_[at + 1:]) or (os.path.basename(words_[0]),)
     for cmd in _split_commands(words(script, local, budget, positional, steps)):
         _collect(cmd, "sh -c script", local, budget, depth + 1, out)
 

@@ -136,3 +136,26 @@ def unclosed_groups_pod(size: int = 30_000) -> dict[str, Any]:
             ]
         },
     }  # fmt: skip
+
+
+def assignment_like_pod(size: int = 30_000) -> dict[str, Any]:
+    """A script of ``size`` characters of what the reader's assignment patterns look at
+    (`a[ ` with no `]`, `B=x&&`, `export -x -y`), after a launch line whose value is a
+    variable: an element pattern that scanned to the end of the line from each `a[`
+    took 863 ms (found by a review helper)."""
+    third = size // 3
+    script = ("python3 -m sglang.launch_server --elastic-ep-backend $B\n" + "a[ " * (third // 3)
+              + "\n" + "B=x&&" * (third // 5) + "\n" + "export -x -y " * (third // 13))
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "assignment-like", "namespace": "ml"},
+        "spec": {
+            "containers": [
+                {"name": "script", "image": IMAGE, "command": ["bash", "-c", script]},
+                {"name": "worker", "image": IMAGE,
+                 "command": ["python3", "-m", "sglang.launch_server"],
+                 "args": ["--elastic-ep-backend", "mooncake"]},
+            ]
+        },
+    }  # fmt: skip

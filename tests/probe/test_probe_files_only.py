@@ -749,7 +749,8 @@ def test_a_refusal_met_looking_for_a_library_or_a_toolchain_is_no_image_fact(
     # non-root runner cannot search).
     environ = {"PATH": "/usr/bin:/bin", "HOME": "/"}
     monkeypatch.setattr(sandbox, "image_environment", lambda: environ)
-    monkeypatch.setattr(cli, "_users_site", lambda environ, unknown_holds=False: None)  # not this test's
+    # (Not this test's.)
+    monkeypatch.setattr(cli, "_users_site", lambda environ, unknown_holds=False: None)
     monkeypatch.setattr(files.LIVE, "denied", None)
     assert cli._refused_to_this_user(deep=False, libraries=True) is None
     monkeypatch.setattr(files.LIVE, "denied", "/opt/rdma/lib")
