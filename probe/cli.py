@@ -11,6 +11,7 @@ import importlib
 import importlib.machinery
 import json
 import os
+import shutil
 import stat
 import sys
 import traceback
@@ -477,18 +478,30 @@ def _venv_of(path):
 
 
 def _other_interpreter(req_argv):
-    """In words, when the worker's launch line names by path an interpreter other than
-    the one this probe runs in (``/opt/venv/bin/python -m sglang.launch_server`` while
-    the image's PATH finds /usr/bin/python3): what this one lacks says nothing about
-    what that one imports (found by a review helper: "torch is not installed", scope
-    image, for an image whose venv has it). None when it is this one, or not named by a
-    path (then PATH finds it, and the probe runs the python3 PATH finds)."""
+    """In words, when the worker's launch line runs an interpreter other than the one this
+    probe runs in (``/opt/venv/bin/python -m sglang.launch_server``, or ``python3.11``
+    found on the worker's PATH, while the image's PATH finds /usr/bin/python3): what this
+    one lacks says nothing about what that one imports (found by a review helper:
+    "torch is not installed", scope image, for an image whose venv has it). None when it
+    is this one, or is not found."""
     program = req_argv.program
-    if not program or "/" not in program:
-        return None
-    if not os.path.basename(program).startswith("python") or not os.path.exists(program):
+    if not program or not os.path.basename(program).startswith("python"):
         return None
     here = sys.executable
+    if "/" not in program:
+        # `python3.11 -m …`, `python -m …`: against the python3 the same PATH finds, which
+        # the child imports with (interpreter_for; review helper).
+        if program == "python3":
+            return None
+        path = sandbox.worker_environment().get("PATH", "")
+        if len(path) > 64 * 1024:
+            return None
+        found, here = shutil.which(program, path=path), shutil.which("python3", path=path)
+        if found is None or here is None:
+            return None
+        program = found
+    if not os.path.exists(program):
+        return None
     same = os.path.abspath(program) == os.path.abspath(here) or (
         os.path.realpath(program) == os.path.realpath(here)
         and _venv_of(program) == _venv_of(here))

@@ -112,8 +112,10 @@ def package_dirs(name, path, fs):
                 text = None
             if text is None or "extend_path" not in text:
                 return [d]
+            # extend_path adds every other folder of that name on sys.path, in order:
+            # the namespace portions before it too.
             later = (posixpath.join(e or ".", name) for e in path[i + 1:])
-            return [d] + [x for x in later if x != d and fs.isdir(x)]
+            return [d] + portions + [x for x in later if x != d and fs.isdir(x)]
         portions.append(d)
     return portions
 

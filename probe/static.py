@@ -347,20 +347,27 @@ MAX_HOOK_BYTES = 4096
 
 
 def _import_hook(fs, entry, names):
-    """An editable install's ``__editable__.*.pth`` in ``entry`` that runs an import (a
-    setuptools finder: the package is found by a hook, not on sys.path), in words; None
-    when there is none. A package found that way looks absent to this reading (found by
-    a review helper: "has no mooncake.pg", scope image, for an editable mooncake)."""
+    """A ``.pth`` in ``entry`` that runs an import and names torch, mooncake or SGLang (an
+    editable install's finder: setuptools' ``__editable__.*.pth``, hatchling's, scikit-
+    build-core's, meson-python's; the package is found by a hook, not on sys.path), in
+    words; None when there is none. A package found that way looks absent to this
+    reading (found by a review helper: "has no mooncake.pg", scope image, for an
+    editable mooncake). A hook for another package (setuptools' own
+    distutils-precedence.pth) changes nothing here."""
     for name in names:
-        if not (name.startswith("__editable__") and name.endswith(".pth")):
+        if not name.endswith(".pth"):
             continue
         try:
             text = fs.read_text(posixpath.join(entry or ".", name), limit=MAX_HOOK_BYTES)
         except (OSError, ValueError):
             text = None
-        if text is None:  # not a regular file of a few KB, as setuptools writes it
-            return f"{name[:200]!r} in {entry[:200]!r} cannot be read as an editable install"
-        if any(line.startswith(("import ", "import\t")) for line in text.splitlines()):
+        if text is None:
+            if any(own in name.lower() for own in _OWN):
+                return (f"{name[:200]!r} in {entry[:200]!r}: this user cannot read it as a "
+                        ".pth file")
+            continue
+        hooks = [ln for ln in text.splitlines() if ln.startswith(("import ", "import\t"))]
+        if hooks and any(own in (name + "\n".join(hooks)).lower() for own in _OWN):
             return (f"{name[:200]!r} in {entry[:200]!r} installs an import hook (an editable "
                     "install) this reading does not follow")
     return None

@@ -81,3 +81,25 @@ def test_the_rest_of_a_pods_status_stays_writable(defaults: Rendered) -> None:
     plain = copy.deepcopy(old)
     plain["spec"]["initContainers"] = []
     assert _refusal(defaults, "alice", _forged(old) | {"spec": plain["spec"]}, plain) is None
+
+
+def test_a_listed_status_writer_reports_as_a_node_does() -> None:
+    """Review helper: a virtual kubelet writes pod status under a ServiceAccount, and the
+    policy refused its first write (the pod never Running). injection.statusWriters
+    lists such agents; the NOTES warn that they can write a verdict."""
+    from tests.chart.chartlib import notes, render
+
+    writers = '{"users":["system:serviceaccount:liqo:vk"],"groups":["virtual-nodes"]}'
+    r = render("--set-json", f"injection.statusWriters={writers}")
+    old = _pod(node="liqo-remote")
+    assert _refusal(r, "system:serviceaccount:liqo:vk", _forged(old), old) is None
+    spec = r.one("ValidatingAdmissionPolicy", POLICY)["spec"]
+    request = {"operation": "UPDATE", "namespace": "t", "name": "p", "subResource": "status",
+               "userInfo": {"username": "agent", "groups": ["virtual-nodes"]}}  # fmt: skip
+    from tests.chart.chartlib import vap_refusal
+
+    assert vap_refusal(spec, request, _forged(old), old) is None
+    assert "only the node" in str(_refusal(r, "alice", _forged(old), old))
+    warned = notes("--set-json", f"injection.statusWriters={writers}").split("\n\n", 1)[0]
+    assert "injection.statusWriters lists system:serviceaccount:liqo:vk, virtual-nodes" in warned
+    assert "injection.statusWriters" not in notes()

@@ -1255,6 +1255,31 @@ def test_one_namespaces_recount_does_not_hold_up_anothers_verdict(api: InMemoryA
     assert memo["recorder"].taught["ml"][0] == 1
 
 
+def test_threads_that_count_at_once_never_pass_the_share(api: InMemoryApi) -> None:
+    """Review helper: two threads that both found the count stale both counted, and the
+    later count replaced a reservation the first had made meanwhile: one verdict over
+    the share per thread. One count per namespace at a time; the others use it."""
+    import threading
+    import time as time_mod
+
+    count = api.count_taught
+
+    def slow_count(namespace: str, up_to: int) -> int:
+        time_mod.sleep(0.02)  # the API server's paged list
+        return count(namespace, up_to)
+
+    api.count_taught = slow_count  # type: ignore[method-assign]
+    memo = TestNamespaceShare().share(api, 3, [0.0])
+    pods = [TestNamespaceShare.pod(i, UNUSABLE_MSG, 1) for i in range(12)]
+    threads = [threading.Thread(target=record, args=(p, memo)) for p in pods]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(api.verdicts) == 3
+    assert api.called("count_taught") == ["ml"]
+
+
 def test_kopf_lists_only_probed_pods_and_in_small_pages() -> None:
     # kopf's default lists every watched object in one request: 100 workers of 1.5 MiB
     # would be parsed at once at each start.

@@ -182,6 +182,9 @@ def test_a_digest_reported_under_another_repository_is_no_digest_of_the_image(
     assert digest_for(image, digest) == digest  # no repository named
     assert digest_for(image, f"aaa.attacker.example/p@{digest}") is None
     assert digest_for(image, f"docker.io/lmsysorg/other@{digest}") is None
+    # A pinned digest is what ran, whatever name the runtime reports it under.
+    pinned = "sha256:" + "1e" * 32
+    assert digest_for(f"lmsysorg/sglang:v1@{pinned}", f"aaa.attacker.example/p@{digest}") == pinned
     code, message = real_probe_failure
     other = f"aaa.attacker.example/p@{digest}"
     [outcome] = outcomes_of(pod_with_probe_status(message, code, image_id=other))

@@ -879,6 +879,14 @@ def test_a_launch_line_naming_another_interpreter_proves_nothing_about_the_image
     assert code == 0 and text.startswith(FILES_CLEAR), text
     # (Paths from the environment are named by their variable.)
     assert "the worker runs $HOME/venv/bin/python, not $PATH/python3" in text, text
+    # A name without a path is found on the worker's PATH, against the python3 found
+    # there (review helper): a venv's `python-sgl` beside the system's python3.
+    (venv / "bin" / "python-sgl").symlink_to("python")
+    env["PATH"] = f"/usr/bin:/bin:{venv}/bin"
+    code, text = files_only("python-sgl")
+    assert code == 0 and text.startswith(FILES_CLEAR), text
+    assert "python-sgl, not" in text, text
+    env["PATH"] = "/usr/bin:/bin"
     # The init container (the import in a child of the probe's interpreter): this pod's.
     code, text = files_only(str(venv / "bin" / "python"), "--timeout=60")
     assert code == 1 and text.startswith(UNUSABLE_HERE), text
@@ -921,6 +929,17 @@ def test_a_working_directory_holding_the_package_is_not_read_past(tmp_path: Path
 @pytest.mark.timeout(120)
 def test_an_editable_install_hook_is_not_read_past(tmp_path: Path) -> None:
     root = make_root(tmp_path, _no_torch)
+    # setuptools' own hook, in most site-packages, names none of them: the cause stands.
+    (root / "distutils-precedence.pth").write_text(
+        "import os; var = 'SETUPTOOLS_USE_DISTUTILS'; enabled = os.environ.get(var, 'local')"
+        " == 'local'; enabled and __import__('_distutils_hack').add_shim();\n"
+    )
+    r = probe(tmp_path, root, "--files-only")
+    assert r.rc == 1 and "torch is not installed" in r.lines[0], r.message
+    (root / "_mooncake_editable.pth").write_text("import _mooncake_editable_loader\n")
+    r = probe(tmp_path, root, "--files-only")  # scikit-build-core's, for mooncake
+    _decides_nothing(r, "installs an import hook (an editable install)")
+    (root / "_mooncake_editable.pth").unlink()
     (root / "__editable__.torch-2.13.0.pth").write_text(
         "import __editable___torch_2_13_0_finder; __editable___torch_2_13_0_finder.install()\n"
     )
@@ -945,6 +964,10 @@ def test_a_package_extended_over_several_folders_is_read_in_all_of_them(tmp_path
         "from pkgutil import extend_path\n__path__ = extend_path(__path__, __name__)\n"
     )
     r = probe(tmp_path, root, "--files-only", **env)
+    assert r.rc == 0 and r.lines[0].startswith(FILES_CLEAR), r.message
+    # A folder of that name before the regular package (a namespace portion) is one of
+    # them too, as extend_path makes it (review helper).
+    r = probe(tmp_path, root, "--files-only", PYTHONPATH=f"{more.parent}:{root}")
     assert r.rc == 0 and r.lines[0].startswith(FILES_CLEAR), r.message
 
 

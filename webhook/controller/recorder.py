@@ -252,6 +252,8 @@ class Recorder:
         # handlers on several threads, so a slot is reserved under the lock.
         self.taught: dict[str, tuple[int, float]] = {}
         self._taught_lock = threading.Lock()
+        # One count at a time per namespace, and none under _taught_lock (_reserve).
+        self._counting: dict[str, threading.Lock] = {}
         # namespace -> name:tag -> (digest, when the resolving container started).
         self.resolved: dict[str, OrderedDict[str, tuple[str, dt.datetime]]] = {}
         self.newest: OrderedDict[str, tuple[str, dt.datetime]] = OrderedDict()  # any namespace
@@ -342,24 +344,28 @@ class Recorder:
 
     def _reserve(self, namespace: str) -> None:
         """Count one more verdict taught by ``namespace``; OverBudget when it has taught
-        its share already. The count is read from the API server outside the lock (a
-        paged list of up to ``per_namespace`` verdicts held every other namespace's first
-        verdict while it ran: found by a review helper)."""
-        now = self.monotonic()
+        its share already. The count is read from the API server (when none is held, or
+        it is older than RECOUNT_SECONDS) under a lock of that namespace's own, never
+        under the lock every namespace's first verdict takes (a paged list of up to
+        ``per_namespace`` verdicts held them all while it ran), and once: a thread that
+        waited for another's count uses it (two counts replacing each other lost a
+        reservation made in between). Found by review helpers."""
         with self._taught_lock:
-            held = self.taught.get(namespace)
-            stale = held is None or now - held[1] > RECOUNT_SECONDS
-        counted = (self.api.count_taught(namespace, self.per_namespace), now) if stale else None
+            counting = self._counting.setdefault(namespace, threading.Lock())
+        with counting:
+            now = self.monotonic()
+            with self._taught_lock:
+                held = self.taught.get(namespace)
+                stale = held is None or now - held[1] > RECOUNT_SECONDS
+            if stale:
+                counted = self.api.count_taught(namespace, self.per_namespace)
+                with self._taught_lock:
+                    self.taught[namespace] = (counted, now)
         with self._taught_lock:
-            held = self.taught.get(namespace)
-            if counted is not None and (held is None or held[1] < counted[1]):
-                held = counted  # unless a fresher count another thread read is held
-            if held is None:  # not reached: a namespace with nothing held counts first
-                held = (0, now)
-            if held[0] >= self.per_namespace:
-                self.taught[namespace] = held
-                raise OverBudget(namespace, held[0])
-            self.taught[namespace] = (held[0] + 1, held[1])
+            count, at = self.taught[namespace]
+            if count >= self.per_namespace:
+                raise OverBudget(namespace, count)
+            self.taught[namespace] = (count + 1, at)
 
     def _release(self, namespace: str) -> None:
         """A reserved verdict that was not created after all."""

@@ -177,7 +177,8 @@ def digest_for(image: Any, image_id: Any) -> str | None:
     a tenant that pulled a re-manifested copy of a public image (the same config) as
     ``aaa.example/p@sha256:…`` made other tenants' probes of that image report its
     digest: their verdicts keyed to bytes nobody else names, and the tag's newest pull
-    taken over (found by a review helper). A bare ``sha256:…`` names no repository."""
+    taken over (found by a review helper). A bare ``sha256:…`` names no repository. A
+    pod that pins a digest ran those bytes (the runtime checks them): that digest."""
     digest = digest_of(image_id)
     if digest is None or not isinstance(image_id, str) or "@" not in image_id:
         return digest
@@ -185,9 +186,12 @@ def digest_for(image: Any, image_id: Any) -> str | None:
     if not repository:
         return digest
     try:
-        same = parse(repository).name == parse(str(image)).name
+        asked = parse(str(image))
+        same = parse(repository).name == asked.name
     except ImageRefError:
         return None
+    if asked.digest:
+        return asked.digest
     return digest if same else None
 
 
