@@ -402,6 +402,9 @@ def _unplaced(r, argv, env, shortest, budget):
         texts += extra
         if not any(mentions_flag(t) for t in texts):
             return
+        # The second reading below (quotes kept) has a budget of its own, one for all
+        # texts, as large as what is left: the text was charged once already.
+        again = shell.Budget(budget.left)
         for text in texts:
             pieces = [_last_value(_BLANKS.split(piece), shortest, budget)
                       for piece in _SEGMENTS.split(shell.unquoted(text))
@@ -409,9 +412,7 @@ def _unplaced(r, argv, env, shortest, budget):
             # And each line with its quotes kept, its words as a shell makes them: a
             # quoted 'x --elastic-ep-backend none' after the real flag is one word, not
             # the last value (with the quotes removed it was: found by a review helper).
-            # (Only lines with quotes or backslashes read differently; the text was
-            # charged once already, so this reading has a budget of its own, as large.)
-            again = shell.Budget(budget.left)
+            # (Only lines with quotes or backslashes read differently.)
             pieces += [_last_value([w for w in shell.words(line, {}, again)
                                     if isinstance(w, str)], shortest, again)
                        for line in text.splitlines()

@@ -91,20 +91,26 @@ _COMMAND_START = (
 # Every assignment at a command's start, array elements too: what the in-order model
 # (_SCRIPT_ASSIGNMENT) may not follow (_contested).
 _ANY_ASSIGNMENT = re.compile(
-    _COMMAND_START + r"([A-Za-z_][A-Za-z0-9_]*)(\[[^\]\s]*\])?(\+?)=")
+    _COMMAND_START + r"([A-Za-z_][A-Za-z0-9_]*)(\[[^\]\s;&|(){}]*\])?(\+?)=")
 _RAW_VALUE = re.compile(r"(?:\"[^\"]*\"|'[^']*'|[^\s;&|()\"'])*")
 # The commands that set a variable without an assignment.
 _WRITER = re.compile(
-    _COMMAND_START + r"(?:printf[ \t]+(?:-\S+[ \t]+)*?-v[ \t]*|"
-    r"(?:read|mapfile|readarray|unset)(?:[ \t]+-\S+)*[ \t]+|getopts[ \t]+\S+[ \t]+|"
+    _COMMAND_START + r"(?:printf[ \t]+(?:-[^\s;&|(){}]+[ \t]+)*?-v[ \t]*|"
+    r"(?:read|mapfile|readarray|unset)(?:[ \t]+-[^\s;&|(){}]+)*[ \t]+|"
+    r"getopts[ \t]+[^\s;&|(){}]+[ \t]+|"
     r"(?:for|select)[ \t]+)((?:[A-Za-z_][A-Za-z0-9_]*[ \t]*)+)")
 _DEFAULT_ASSIGN = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*):?=([^{}]*)\}")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_KNOWN_REF = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
+# What a contested name reads as when its values name the flag but none asks for
+# mooncake and one is unknown here: the flag, then the name itself (kept as written).
+FLAG_UNKNOWN = "--elastic-ep-backend "
 _CONTROL = re.compile(r"(?:^|(?<=[\s;&|(]))(?:if|case|while|until|for|select)\s|&&|\|\|")
 # IFS set on its own (not as one command's prefix: `IFS=, read -ra H`).
-_IFS = re.compile(r"(?:^|[;&|(){}\n])[ \t]*(?:export[ \t]+)?IFS=[^\s;&|]*[ \t]*(?:[;&|\n]|$)")
+_IFS = re.compile(r"(?:^|[;&|(){}\n])[ \t]*(?:export[ \t]+)?IFS="
+                  r"(?:\"[^\"]*\"|'[^']*'|[^\s;&|\"'])*[ \t]*(?:[;&|\n]|$)")
 # A comment: `#` at the start of a word, to the end of its line.
-_COMMENT = re.compile(r"(?:^|(?<=[ \t;&|(){}\n]))#[^\n]*")
+_COMMENT = re.compile(r"(?:^|(?<=[ \t;&|(){}\n]))(?<!\$\{)#[^\n]*")
 _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\[[^]]*\])?\+?=")
 
 
@@ -231,6 +237,8 @@ def script_env(script, env, budget):
     OverBudget (the safe side)."""
     unknown, chosen = _contested(script, env)
     local = {k: v for k, v in env.items() if k not in unknown and k not in chosen}
+    for name, raw in chosen.items():  # seen by the assignments in order too
+        local[name] = _value_of(raw, local, budget)
     steps = {}
     for m in _SCRIPT_ASSIGNMENT.finditer(script):
         name, append, raw = m.group(1), m.group(2), m.group(3)
@@ -297,15 +305,19 @@ def _contested(script, env):
     contested = set()
     unknown = set()
     assigned = set()
+    end = 0
     for m in _ANY_ASSIGNMENT.finditer(text):
+        if m.start(1) < end:
+            continue  # inside the value of the one before (`{V={V=…`): no assignment
         name, element, append = m.group(1), m.group(2), m.group(3)
         assigned.add(name)
         if element:
             unknown.add(name)
             continue
         raw = _RAW_VALUE.match(text, m.end()).group()
-        if append or "$" + name in raw or "${" + name in raw:
-            continue  # adds to the value before it
+        end = m.end() + len(raw)
+        if append or re.search(r"\$\{?" + name + r"(?![A-Za-z0-9_])", raw):
+            continue  # adds to the value before it (`$EP_DECODE` is not `$EP`)
         values.setdefault(name, []).append(raw)
         if m.start(1) not in modelled:
             contested.add(name)
@@ -320,15 +332,36 @@ def _contested(script, env):
     if _IFS.search(text):
         unknown |= assigned
     chosen = {}
-    for name in contested - unknown:
+    for name in sorted(contested - unknown):  # one answer, whatever the hash seed
         raws = values.get(name, [])
-        plain = [_unquote(v) for v in raws]
-        asks = [v for v, p in zip(raws, plain) if p.strip() == "mooncake" or "--el" in p]
+        plain = [_KNOWN_REF.sub(lambda r: env.get(r.group(1), r.group(0)), _unquote(v))
+                 for v in raws]
+        names = [_names_flag(p) for p in plain]
+        asks = [v for v, p, n in zip(raws, plain, names)
+                if p.strip() == "mooncake" or (n and "mooncake" in p)]
+        bare = [v for v, p, n in zip(raws, plain, names) if not n and "$" not in p]
         if asks:
             chosen[name] = asks[0]
+        elif any(names) and bare:
+            # One value names the flag with another backend, one names nothing: the
+            # latter leaves the line's own flag standing (`EXTRA=""` beside `EXTRA=
+            # "--elastic-ep-backend none"` after `… mooncake $EXTRA`).
+            chosen[name] = bare[0]
+        elif any(names):
+            # Every value names the flag, none with mooncake, one unknown here: the flag
+            # with a value known only at launch (unresolved: warned, probed).
+            chosen[name] = "'" + FLAG_UNKNOWN + "'$" + name
         elif any("$" in p or "`" in p for p in plain):
-            unknown.add(name)
+            unknown.add(name)  # a value unknown here
+        elif raws:
+            chosen[name] = raws[-1]  # plain text naming neither: whichever, no request
     return unknown, chosen
+
+
+def _names_flag(text):
+    """Does a word of ``text`` spell the flag (``--el…``, a prefix of it, ``=`` or not)?"""
+    return any(w.startswith("--el") and FLAG_UNKNOWN.strip().startswith(w.split("=", 1)[0])
+               for w in text.split())
 
 
 def _unquote(raw):

@@ -103,3 +103,19 @@ def test_a_listed_status_writer_reports_as_a_node_does() -> None:
     warned = notes("--set-json", f"injection.statusWriters={writers}").split("\n\n", 1)[0]
     assert "injection.statusWriters lists system:serviceaccount:liqo:vk, virtual-nodes" in warned
     assert "injection.statusWriters" not in notes()
+
+
+def test_a_status_writers_list_set_to_null_renders_valid_cel() -> None:
+    """Review helper: `--set injection.statusWriters.users=null` dropped the key, and
+    `in null` is no valid CEL: under failurePolicy Fail every status write of a pod with
+    epguard's containers would have failed."""
+    from tests.chart.chartlib import notes, render
+
+    r = render("--set", "injection.statusWriters.users=null",
+               "--set", "injection.statusWriters.groups=null")  # fmt: skip
+    old = _pod()
+    assert "only the node" in str(_refusal(r, "alice", _forged(old), old))
+    assert _refusal(r, NODE, _forged(old), old) is None
+    assert "injection.statusWriters" not in notes(
+        "--set", "injection.statusWriters.users=null"
+    )

@@ -704,18 +704,44 @@ def test_what_the_fifth_review_left_alone_still_reads_as_before() -> None:
         # ${EP:=word} assigns nothing where the environment holds EP.
         (f': "${{EP:=none}}"\nexec {SERVER} --elastic-ep-backend "$EP"', {"EP": "mooncake"},
          True),
+        # (The next review:) `${#` is no comment; a chosen value is seen by the
+        # assignments in order; `$EP_DECODE` is not `$EP`; a quoted IFS on its own.
+        ('EP=none\nif [ ${#HOSTS[@]} -gt 1 ]; then EP=mooncake; fi\n'
+         f'exec {SERVER} --elastic-ep-backend $EP', {}, True),
+        (f'B=none\n[ "$ROLE" = decode ] && B=mooncake\nARGS="--elastic-ep-backend $B"\n'
+         f'exec {SERVER} $ARGS', {}, True),
+        (f'EP=none\nif [ "$ROLE" = decode ]; then EP=$EP_DECODE; fi\n'
+         f'exec {SERVER} --elastic-ep-backend $EP', {"EP_DECODE": "mooncake"}, True),
+        (f'IFS=", "\nB=mooncake\n{SERVER} --elastic-ep-backend $B', {}, False),
     ],
     ids=["comment", "echo", "comment-args", "ifs-prefix", "per-role", "unrelated-or",
-         "default-held"],
+         "default-held", "length-not-comment", "chosen-in-order", "name-prefix",
+         "ifs-quoted"],
 )  # fmt: skip
 def test_what_the_review_of_the_fifth_found_reads_as_the_shell_runs_it(
     script: str, env: dict[str, str], requested: bool
 ) -> None:
-    """Found by a review helper of the change above: each read as unknown (a warning
-    only, a denied image admitted) where the earlier reader had it right."""
+    """Found by review helpers of the change above: each read as unknown (a warning
+    only, a denied image admitted) where the earlier reader had it right, or read as
+    `none` without a word. (IFS set on its own makes every assigned name unknown.)"""
     r = read(["bash", "-c", script], env=env)
-    assert r.requested is requested and r.unresolved is None, (r.values, r.unresolved)
+    assert r.requested is requested, (r.values, r.unresolved)
+    assert r.unresolved == (None if requested else "$B"), r.unresolved
     assert r.where == "sh -c script"
+
+
+def test_a_contested_value_naming_the_flag_without_mooncake_is_unknown() -> None:
+    """Review helper: `EXTRA="--elastic-ep-backend none"` in a branch was chosen (it
+    named the flag), so a line asking for mooncake read as none; with a value from an
+    envFrom beside it, silently."""
+    script = ('EXTRA=""\nif [ -n "$X" ]; then EXTRA="--elastic-ep-backend none"; fi\n'
+              f"exec {SERVER} --elastic-ep-backend mooncake $EXTRA")  # fmt: skip
+    r = read(["bash", "-c", script])
+    assert r.requested and r.where == "sh -c script", (r.where, r.values)
+    script = ('case "$R" in d) A="--elastic-ep-backend $BACKEND";; *) '
+              'A="--elastic-ep-backend none";; esac\n' + f"exec {SERVER} $A")  # fmt: skip
+    r = read(["bash", "-c", script])
+    assert not r.requested and r.unresolved is not None
 
 
 @pytest.mark.parametrize(
@@ -726,8 +752,12 @@ def test_what_the_review_of_the_fifth_found_reads_as_the_shell_runs_it(
         ["sh", "-c", 'EXTRA=""\nif [ -n "$X" ]; then\n  EXTRA="--enable-eplb"\nfi\n'
                      f"exec {SERVER} --elastic-ep-backend none $EXTRA"],
         ["sh", "-c", f'exec {SERVER} --elastic-ep-backend none "$@"'],
+        ["sh", "-c", 'if [ x ]; then E="--elastic-ep-initial-size 4"; else '
+                     f'E="--elastic-ep-initial-size 8"; fi\nexec {SERVER} '
+                     "--elastic-ep-backend none $E"],
     ],
-    ids=["kubelet-option-value", "shell-option-values", "optional-extras", "no-arguments"],
+    ids=["kubelet-option-value", "shell-option-values", "optional-extras", "no-arguments",
+         "branch-of-another-option"],
 )  # fmt: skip
 def test_ordinary_lines_saying_none_get_no_warning(argv: list[str]) -> None:
     r = read(argv)
