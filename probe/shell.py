@@ -55,7 +55,7 @@ _TOKEN = re.compile(r"""
   | (?P<esc>\\.)
   | (?P<cmdsub>\$\((?:[^()]|\([^()]*\))*\)|`[^`]*`)
   | (?P<pos>\$(?:[@*0-9]|\{[@*0-9]\}))
-  | (?P<dollar>\$(?:\{[^}]*\}|[A-Za-z_][A-Za-z0-9_]*))
+  | (?P<dollar>\$(?:\{[^}]{0,512}\}|[A-Za-z_][A-Za-z0-9_]*))
   | (?P<lit>[^ \t\r\n;&|()'"\\<>$]+|\$)
 """, re.X | re.S)
 # Inside $'…' (bash, zsh, ksh, busybox ash; POSIX since 2024): C-like escapes.
@@ -68,7 +68,9 @@ _ANSI_SIMPLE = {"a": "\a", "b": "\b", "e": "\x1b", "E": "\x1b", "f": "\f", "n": 
 _ANSI_QUOTED = re.compile(r"\$'((?:[^'\\]|\\.)*)'?", re.S)
 _QUOTE_CHARS = str.maketrans("", "", "'\"\\")
 _DQ_ESCAPE = re.compile(r"\\([\\\"$`])|\\\r?\n")
-_DQ_DOLLAR = re.compile(r"\$(?:\{[^}]*\}|[A-Za-z_][A-Za-z0-9_]*|[@*0-9]|\{[@*0-9]\})")
+# (A `${…}` of at most 512 characters: one with no `}` after it was scanned to the end
+# of the text from each `${`, 113 ms for 30 KB of `${a:=`; found by a review helper.)
+_DQ_DOLLAR = re.compile(r"\$(?:\{[^}]{0,512}\}|[A-Za-z_][A-Za-z0-9_]*|[@*0-9]|\{[@*0-9]\})")
 _POSITIONAL = re.compile(r"\$\{?([@*0-9])\}?$")
 # NAME=value at the start of a command (or after `export`/`local`/`readonly`), to learn
 # the variables a script sets for itself before it uses them.

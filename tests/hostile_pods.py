@@ -140,14 +140,16 @@ def unclosed_groups_pod(size: int = 30_000) -> dict[str, Any]:
 
 def assignment_like_pod(size: int = 30_000) -> dict[str, Any]:
     """A script of ``size`` characters of what the reader's assignment patterns look at
-    (`a[ ` and `;a[` with no `]`, `B=x&&`, `export -x -y`, `{V=`), after a launch line
-    whose value is a variable: an element pattern that scanned to the end of the line
-    from each `a[` took 863 ms, and each `{V=` read a value to the end of the text (6.1 s
-    and 150 MB at 30 KB) (found by review helpers)."""
-    part = size // 5
+    (`a[ ` and `;a[` with no `]`, `B=x&&`, `export -x -y`, `{V=`, `${a:=` with no `}`),
+    after a launch line whose value is a variable: an element pattern that scanned to the
+    end of the line from each `a[` took 863 ms, each `{V=` read a value to the end of the
+    text (6.1 s and 150 MB at 30 KB), and each `${` was scanned to the end for its `}`
+    (113 ms) (found by review helpers)."""
+    part = size // 6
     script = ("python3 -m sglang.launch_server --elastic-ep-backend $B\n" + "a[ " * (part // 3)
               + "\n" + "B=x&&" * (part // 5) + "\n" + "export -x -y " * (part // 13)
-              + "\n" + "{V=" * (part // 3) + "\n" + ";a[" * (part // 3))
+              + "\n" + "{V=" * (part // 3) + "\n" + ";a[" * (part // 3)
+              + "\n" + "${a:=" * (part // 5))
     return {
         "apiVersion": "v1",
         "kind": "Pod",
