@@ -334,10 +334,10 @@ def _contested(script, env):
     if _IFS.search(text):
         unknown |= assigned
     chosen = {}
+    left = [BUDGET]  # what the environment's values may add to them all, in characters
     for name in sorted(contested - unknown):  # one answer, whatever the hash seed
         raws = values.get(name, [])
-        plain = [_KNOWN_REF.sub(lambda r: env.get(r.group(1), r.group(0)), _unquote(v))
-                 for v in raws]
+        plain = [_plain(v, env, left) for v in raws]
         names = [_names_flag(p) for p in plain]
         asks = [v for v, p, n in zip(raws, plain, names)
                 if p.strip() == "mooncake" or (n and "mooncake" in p)]
@@ -364,6 +364,26 @@ def _names_flag(text):
     """Does a word of ``text`` spell the flag (``--el…``, a prefix of it, ``=`` or not)?"""
     return any(w.startswith("--el") and FLAG_UNKNOWN.strip().startswith(w.split("=", 1)[0])
                for w in text.split())
+
+
+def _plain(raw, env, left):
+    """An assignment's raw text, quotes removed and the environment's values put in while
+    ``left[0]`` characters last (a 1 MB value named a thousand times is not built); past
+    that the names stay as written (the value is then unknown here)."""
+    text = _unquote(raw)
+    if "$" not in text:
+        return text
+    out, pos = [], 0
+    for m in _KNOWN_REF.finditer(text):
+        value = env.get(m.group(1))
+        if value is None or len(value) > left[0]:
+            continue
+        left[0] -= len(value)
+        out.append(text[pos:m.start()])
+        out.append(value)
+        pos = m.end()
+    out.append(text[pos:])
+    return "".join(out)
 
 
 def _unquote(raw):

@@ -772,3 +772,20 @@ def test_the_safe_sides_second_reading_does_not_spend_the_reviews_budget() -> No
     for i in range(8):
         r = cmdline.read(["sh", "-c", line + f"--port {i}"], budget=budget)
         assert not r.requested and not r.over_budget, i
+
+
+def test_values_put_in_to_choose_a_contested_name_are_bounded() -> None:
+    """Found reading the change over: a 1 MB environment value named in each of a
+    contested name's values was put in every time (50 values of `$A$A$A$A` made 200 MB;
+    2,000 made 8 GB, in the webhook every tenant shares). What they add is charged."""
+    import tracemalloc
+
+    script = ("if [ x ]; then\n" + 'B="$A$A$A$A"\n' * 50
+              + f"fi\nB=none\n{SERVER} --elastic-ep-backend $B")  # fmt: skip
+    tracemalloc.start()
+    try:
+        read(["bash", "-c", script], env={"A": "x" * 1_000_000})
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 * 2**20, f"{peak / 2**20:.0f} MiB"
