@@ -35,7 +35,7 @@ try:
 except ImportError:  # run as `python3 probe`: this directory is on sys.path
     import shell
 
-BACKEND = "--elastic-ep-backend"
+BACKEND = shell.FLAG
 WANTED = "mooncake"
 CONFIG = "--config"
 TABLE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_options.json")
@@ -602,8 +602,12 @@ def _hidden_spelling(word):
     is the start of the flag (``--`` at least), which the expansion may complete."""
     if not word.startswith("--") or not _unknown(word):
         return False
-    head = re.split(r"[$`]", word, maxsplit=1)[0].split("=", 1)[0]
-    return BACKEND.startswith(head)
+    return BACKEND.startswith(_before_expansion(word).split("=", 1)[0])
+
+
+def _before_expansion(word):
+    """``word``'s text before its first ``$`` or backquote."""
+    return re.split(r"[$`]", word, maxsplit=1)[0]
 
 
 _VALUE_FREE = None
@@ -638,8 +642,7 @@ def _set_again(args, shortest):
         w = args[i]
         if not _unknown(w):
             continue
-        head = re.split(r"[$`]", w, maxsplit=1)[0]
-        if w.startswith("-") and "=" in head and not _hidden_spelling(w):
+        if w.startswith("-") and "=" in _before_expansion(w) and not _hidden_spelling(w):
             continue  # `--host=$POD_IP`: that option's value
         before = args[i - 1]
         takes_value = before.startswith("-") and "=" not in before and before not in free

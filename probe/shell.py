@@ -104,9 +104,11 @@ _WRITER = re.compile(
 _DEFAULT_ASSIGN = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*):?=([^{}]*)\}")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _KNOWN_REF = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
-# What a contested name reads as when its values name the flag but none asks for
-# mooncake and one is unknown here: the flag, then the name itself (kept as written).
-FLAG_UNKNOWN = "--elastic-ep-backend "
+# The flag (cmdline.BACKEND is this), and what a contested name reads as when its values
+# name the flag but none asks for mooncake and one is unknown here: the flag, then the
+# name itself (kept as written).
+FLAG = "--elastic-ep-backend"
+FLAG_UNKNOWN = FLAG + " "
 _CONTROL = re.compile(r"(?:^|(?<=[\s;&|(]))(?:if|case|while|until|for|select)\s|&&|\|\|")
 # IFS set on its own (not as one command's prefix: `IFS=, read -ra H`).
 _IFS = re.compile(r"(?:^|[;&|(){}\n])[ \t]*(?:export[ \t]+)?IFS="
@@ -362,7 +364,7 @@ def _contested(script, env):
 
 def _names_flag(text):
     """Does a word of ``text`` spell the flag (``--el…``, a prefix of it, ``=`` or not)?"""
-    return any(w.startswith("--el") and FLAG_UNKNOWN.strip().startswith(w.split("=", 1)[0])
+    return any(w.startswith("--el") and FLAG.startswith(w.split("=", 1)[0])
                for w in text.split())
 
 

@@ -18,6 +18,25 @@ SCRIPT_BYTES = 64 * 1024
 IMAGE = "docker.io/lmsysorg/sglang:v0.5.16-cu129"
 
 
+def _pod(name: str, containers: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": "ml"},
+        "spec": {"containers": containers},
+    }
+
+
+def _worker(*before: str) -> dict[str, Any]:
+    """A worker asking for mooncake, ``before`` its launcher."""
+    return {
+        "name": "worker",
+        "image": IMAGE,
+        "command": [*before, "python3", "-m", "sglang.launch_server"],
+        "args": ["--elastic-ep-backend", "mooncake"],
+    }
+
+
 def _nested_script(i: int, size: int = SCRIPT_BYTES) -> str:
     launch = f"python3 -m sglang.launch_server --port {8000 + i} --elastic-ep-backend mooncake"
     filler = " ".join(f"echo step-{i}-{n};" for n in range(60))
@@ -36,12 +55,7 @@ def nested_script_pod(size: int = SCRIPT_BYTES) -> dict[str, Any]:
         {"name": f"w{i}", "image": IMAGE, "command": ["sh", "-c", _nested_script(i, size)]}
         for i in range(CONTAINERS)
     ]
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": "nested", "namespace": "ml"},
-        "spec": {"containers": containers},
-    }
+    return _pod("nested", containers)
 
 
 def doubling_env_pod(steps: int = 40) -> dict[str, Any]:
@@ -54,12 +68,7 @@ def doubling_env_pod(steps: int = 40) -> dict[str, Any]:
         "args": [f"$(V{steps - 1})"],
         "env": env,
     }
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": "doubling", "namespace": "ml"},
-        "spec": {"containers": [container]},
-    }
+    return _pod("doubling", [container])
 
 
 def many_words_pod(words: int = 1000) -> dict[str, Any]:
@@ -82,12 +91,7 @@ def many_words_pod(words: int = 1000) -> dict[str, Any]:
                 "args": args,
             }
         )
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": "words", "namespace": "ml"},
-        "spec": {"containers": containers},
-    }
+    return _pod("words", containers)
 
 
 def wrapper_prefix_pod(words: int = 245_000) -> dict[str, Any]:
@@ -95,23 +99,8 @@ def wrapper_prefix_pod(words: int = 245_000) -> dict[str, Any]:
     stops at the first answer stays cheap), then one whose command is ``words`` words of
     ``A=1`` in front of a launcher asking for mooncake -- a copy of the line per skipped
     word made reading it quadratic."""
-    prefix = ["A=1"] * words
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": "prefix", "namespace": "ml"},
-        "spec": {
-            "containers": [
-                {"name": "plain", "image": IMAGE, "args": ["--elastic-ep-backend", "none"]},
-                {
-                    "name": "worker",
-                    "image": IMAGE,
-                    "command": [*prefix, "python3", "-m", "sglang.launch_server"],
-                    "args": ["--elastic-ep-backend", "mooncake"],
-                },
-            ]
-        },
-    }
+    plain = {"name": "plain", "image": IMAGE, "args": ["--elastic-ep-backend", "none"]}
+    return _pod("prefix", [plain, _worker(*["A=1"] * words)])
 
 
 def unclosed_groups_pod(size: int = 30_000) -> dict[str, Any]:
@@ -119,23 +108,13 @@ def unclosed_groups_pod(size: int = 30_000) -> dict[str, Any]:
     ``)`` (the kubelet's expansion; a pattern scanned to the end from each took 2.9 s at
     40 KB) and a brace group ``{,,,…`` (a backtracking pattern took 5.7 s at 30,000
     commas), then a worker asking for mooncake."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": "unclosed", "namespace": "ml"},
-        "spec": {
-            "containers": [
-                {"name": "refs", "image": IMAGE,
-                 "command": ["sh", "-c", "echo " + "$(" * (size // 2)],
-                 "env": [{"name": "X", "value": "1"}]},
-                {"name": "braces", "image": IMAGE,
-                 "command": ["bash", "-c", "echo --elastic-ep-backend {" + "," * size]},
-                {"name": "worker", "image": IMAGE,
-                 "command": ["python3", "-m", "sglang.launch_server"],
-                 "args": ["--elastic-ep-backend", "mooncake"]},
-            ]
-        },
-    }  # fmt: skip
+    return _pod("unclosed", [
+        {"name": "refs", "image": IMAGE, "command": ["sh", "-c", "echo " + "$(" * (size // 2)],
+         "env": [{"name": "X", "value": "1"}]},
+        {"name": "braces", "image": IMAGE,
+         "command": ["bash", "-c", "echo --elastic-ep-backend {" + "," * size]},
+        _worker(),
+    ])  # fmt: skip
 
 
 def assignment_like_pod(size: int = 30_000) -> dict[str, Any]:
@@ -146,20 +125,19 @@ def assignment_like_pod(size: int = 30_000) -> dict[str, Any]:
     text (6.1 s and 150 MB at 30 KB), and each `${` was scanned to the end for its `}`
     (113 ms) (found by review helpers)."""
     part = size // 6
-    script = ("python3 -m sglang.launch_server --elastic-ep-backend $B\n" + "a[ " * (part // 3)
-              + "\n" + "B=x&&" * (part // 5) + "\n" + "export -x -y " * (part // 13)
-              + "\n" + "{V=" * (part // 3) + "\n" + ";a[" * (part // 3)
-              + "\n" + "${a:=" * (part // 5))
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": "assignment-like", "namespace": "ml"},
-        "spec": {
-            "containers": [
-                {"name": "script", "image": IMAGE, "command": ["bash", "-c", script]},
-                {"name": "worker", "image": IMAGE,
-                 "command": ["python3", "-m", "sglang.launch_server"],
-                 "args": ["--elastic-ep-backend", "mooncake"]},
-            ]
-        },
-    }  # fmt: skip
+    script = (
+        "python3 -m sglang.launch_server --elastic-ep-backend $B\n"
+        + "a[ " * (part // 3)
+        + "\n"
+        + "B=x&&" * (part // 5)
+        + "\n"
+        + "export -x -y " * (part // 13)
+        + "\n"
+        + "{V=" * (part // 3)
+        + "\n"
+        + ";a[" * (part // 3)
+        + "\n"
+        + "${a:=" * (part // 5)
+    )
+    script_container = {"name": "script", "image": IMAGE, "command": ["bash", "-c", script]}
+    return _pod("assignment-like", [script_container, _worker()])

@@ -1194,10 +1194,20 @@ class TestNamespaceShare:
         assert list(api.verdicts) == [named(4)]
 
 
+def record_at_once(pods: list[dict[str, Any]], memo: dict[str, Any]) -> None:
+    """Record ``pods`` on a thread each, as kopf runs handlers side by side."""
+    import threading
+
+    threads = [threading.Thread(target=record, args=(p, memo)) for p in pods]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 class TestNamespaceShareUnderThreads:
     def test_probes_recorded_at_once_never_pass_the_share(self, api: InMemoryApi) -> None:
         # kopf runs handlers on several threads: each create takes its slot first.
-        import threading
         import time as time_mod
 
         create = api.create_verdict
@@ -1208,12 +1218,7 @@ class TestNamespaceShareUnderThreads:
 
         api.create_verdict = slow_create  # type: ignore[method-assign]
         memo = TestNamespaceShare().share(api, 5, [0.0])
-        pods = [TestNamespaceShare.pod(i, UNUSABLE_MSG, 1) for i in range(20)]
-        threads = [threading.Thread(target=record, args=(p, memo)) for p in pods]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        record_at_once([TestNamespaceShare.pod(i, UNUSABLE_MSG, 1) for i in range(20)], memo)
         assert len(api.verdicts) == 5
         assert memo["recorder"].taught["ml"][0] == 5
 
@@ -1259,7 +1264,6 @@ def test_threads_that_count_at_once_never_pass_the_share(api: InMemoryApi) -> No
     """Review helper: two threads that both found the count stale both counted, and the
     later count replaced a reservation the first had made meanwhile: one verdict over
     the share per thread. One count per namespace at a time; the others use it."""
-    import threading
     import time as time_mod
 
     count = api.count_taught
@@ -1270,12 +1274,7 @@ def test_threads_that_count_at_once_never_pass_the_share(api: InMemoryApi) -> No
 
     api.count_taught = slow_count  # type: ignore[method-assign]
     memo = TestNamespaceShare().share(api, 3, [0.0])
-    pods = [TestNamespaceShare.pod(i, UNUSABLE_MSG, 1) for i in range(12)]
-    threads = [threading.Thread(target=record, args=(p, memo)) for p in pods]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    record_at_once([TestNamespaceShare.pod(i, UNUSABLE_MSG, 1) for i in range(12)], memo)
     assert len(api.verdicts) == 3
     assert api.called("count_taught") == ["ml"]
 
