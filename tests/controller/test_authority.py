@@ -17,6 +17,15 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from epguard.webhook.controller import authority as certs
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+
+
+# A real handshake checks the certificate against the real clock, so what is handshaken
+# is issued now (a fixed T0 would expire under the test a year after it).
+def now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+MISMATCH = "[Hh]ostname mismatch|IP address mismatch"
 NAMES = certs.dns_names_for("epguard-webhook", "epguard-system")
 POLICY = certs.TLSPolicy(dns_names=NAMES)
 
@@ -85,12 +94,12 @@ class TestIssuance:
         assert not leaf.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
 
     def test_a_tls_client_trusting_only_ca_crt_accepts_the_service_name(self) -> None:
-        d = certs.reconcile(None, POLICY, T0).data
+        d = certs.reconcile(None, POLICY, now()).data
         handshake(d, d[certs.CA_CRT], "epguard-webhook.epguard-system.svc")
 
     def test_a_tls_client_rejects_a_name_the_cert_was_not_issued_for(self) -> None:
-        d = certs.reconcile(None, POLICY, T0).data
-        with pytest.raises(ssl.SSLCertVerificationError):
+        d = certs.reconcile(None, POLICY, now()).data
+        with pytest.raises(ssl.SSLCertVerificationError, match=MISMATCH):
             handshake(d, d[certs.CA_CRT], "other.epguard-system.svc")
 
     def test_certificates_are_backdated_for_api_servers_with_slow_clocks(self) -> None:
@@ -269,12 +278,12 @@ class TestExtraSubjectAlternativeNames:
 
     @pytest.mark.parametrize("address", ["127.0.0.1", "::1"])
     def test_a_tls_client_dialling_the_address_accepts_the_cert(self, address: str) -> None:
-        d = certs.reconcile(None, LOCAL_POLICY, T0).data
+        d = certs.reconcile(None, LOCAL_POLICY, now()).data
         handshake(d, d[certs.CA_CRT], address)
 
     def test_without_the_extra_address_a_client_dialling_it_refuses_the_cert(self) -> None:
-        d = certs.reconcile(None, POLICY, T0).data
-        with pytest.raises(ssl.SSLCertVerificationError):
+        d = certs.reconcile(None, POLICY, now()).data
+        with pytest.raises(ssl.SSLCertVerificationError, match=MISMATCH):
             handshake(d, d[certs.CA_CRT], "127.0.0.1")
 
     def test_adding_an_address_reissues_only_the_serving_cert_and_then_settles(self) -> None:
