@@ -70,7 +70,9 @@ class Metrics:
             "epguard_connections_cut",
             "Connections closed by epguard's own limits: a request head over the limit "
             "(head_size, answered 431), a head not complete in time (head_deadline), a "
-            "body not complete in time (body_deadline).",
+            "body not complete in time (body_deadline), bytes that begin no request "
+            "(idle), too many pipelined requests (pipeline), a body's framing over the "
+            "limit (body_framing) or in too many small pieces (body_chunks).",
             ["reason"],
             registry=r,
         )

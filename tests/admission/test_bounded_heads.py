@@ -5,6 +5,7 @@ other connections are answered meanwhile."""
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import ssl
 import threading
@@ -48,6 +49,25 @@ def read_all(sock: ssl.SSLSocket, within: float) -> bytes:
         if not chunk:
             return out
         out += chunk
+
+
+def read_responses(sock: ssl.SSLSocket, n: int) -> bytes:
+    """``n`` whole responses (head and Content-Length body), or fail within 5 s."""
+    sock.settimeout(5)
+    got = b""
+    while True:
+        rest, whole = got, 0
+        while b"\r\n\r\n" in rest:
+            head, rest = rest.split(b"\r\n\r\n", 1)
+            length = int(head.lower().split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0])
+            if len(rest) < length:
+                break
+            rest, whole = rest[length:], whole + 1
+        if whole >= n:
+            return got
+        chunk = sock.recv(65536)
+        assert chunk, got
+        got += chunk
 
 
 def cut_count(server: RunningServer, reason: str) -> float:
@@ -131,3 +151,115 @@ def test_the_limits_are_settings(tmp_path: Path) -> None:
         with small.client() as client:
             r = client.post("/validate", json=review(pod()), headers={"x-pad": "a" * 4000})
         assert r.status_code == 431
+
+
+def test_pipelined_requests_past_the_limit_cut_the_connection(bounded: RunningServer) -> None:
+    # One read of 200 pipelined requests once queued them all (10,484 from 256 KiB).
+    before = cut_count(bounded, "pipeline")
+    sock = tls_socket(bounded)
+    sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n" * 200)
+    answer = read_all(sock, within=HEAD_SECONDS * 5)
+    assert answer.count(b"HTTP/1.1 ") <= 6, answer.count(b"HTTP/1.1 ")
+    assert cut_count(bounded, "pipeline") == before + 1
+
+
+def test_a_few_pipelined_requests_are_all_answered(bounded: RunningServer) -> None:
+    sock = tls_socket(bounded)
+    sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n" * 3)
+    assert read_responses(sock, 3).count(b"HTTP/1.1 200") == 3
+    sock.close()
+
+
+def test_a_second_head_in_the_same_read_is_bounded_in_size(bounded: RunningServer) -> None:
+    # The first request's answer once left the second head unbounded: 200 KiB went in
+    # against a 1 KiB limit.
+    before = cut_count(bounded, "head_size")
+    sock = tls_socket(bounded)
+    sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\nGET /healthz HTTP/1.1\r\nx-a: ")
+    try:
+        for _ in range(64):
+            sock.sendall(b"a" * 4000)
+    except (BrokenPipeError, ConnectionResetError, ssl.SSLError):
+        pass
+    answer = read_all(sock, within=5)
+    assert b"431" in answer, answer[:200]
+    assert cut_count(bounded, "head_size") == before + 1
+
+
+def test_a_second_head_in_the_same_read_is_bounded_in_time(bounded: RunningServer) -> None:
+    before = cut_count(bounded, "head_deadline")
+    sock = tls_socket(bounded)
+    sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\nGET /healthz HTTP/1.1\r\nx-a: b")
+    answer = read_all(sock, within=HEAD_SECONDS * 5)  # closed, or the read times out
+    assert answer.count(b"HTTP/1.1 200") == 1, answer[:200]
+    assert cut_count(bounded, "head_deadline") == before + 1
+
+
+def test_blank_lines_after_a_request_do_not_hold_the_connection_open(
+    bounded: RunningServer,
+) -> None:
+    # They cancel uvicorn's keep-alive timer and begin no request: such a socket once
+    # stayed open for good.
+    before = cut_count(bounded, "idle")
+    sock = tls_socket(bounded)
+    sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+    assert read_responses(sock, 1).startswith(b"HTTP/1.1 200")
+    sock.sendall(b"\r\n")
+    assert read_all(sock, within=HEAD_SECONDS * 5) == b""
+    assert cut_count(bounded, "idle") == before + 1
+
+
+def chunked_head(path: str = "/validate") -> bytes:
+    return (
+        f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        "transfer-encoding: chunked\r\n\r\n"
+    ).encode()
+
+
+def test_a_trailer_is_bounded_like_a_head(bounded: RunningServer) -> None:
+    # 16 MiB of trailer once went in against the head limit.
+    before = cut_count(bounded, "body_framing")
+    sock = tls_socket(bounded)
+    sock.sendall(chunked_head() + b"2\r\n{}\r\n0\r\nx-t: ")
+    try:
+        for _ in range(64):
+            sock.sendall(b"a" * 4000)
+    except (BrokenPipeError, ConnectionResetError, ssl.SSLError):
+        pass
+    assert read_all(sock, within=5) == b""
+    assert cut_count(bounded, "body_framing") == before + 1
+
+
+def test_a_body_in_one_byte_chunks_is_cut(bounded: RunningServer) -> None:
+    before = cut_count(bounded, "body_chunks")
+    sock = tls_socket(bounded)
+    sock.sendall(chunked_head() + b"1\r\n \r\n" * 4000)
+    assert read_all(sock, within=5) == b""
+    assert cut_count(bounded, "body_chunks") == before + 1
+
+
+def test_a_review_in_ordinary_chunks_is_judged(bounded: RunningServer) -> None:
+    body = json.dumps(review(pod())).encode()
+    pieces = [body[i : i + 1024] for i in range(0, len(body), 1024)]
+    with bounded.client() as client:
+        r = client.post(
+            "/validate",
+            content=iter(pieces),
+            headers={"content-type": "application/json"},
+        )
+    assert r.status_code == 200 and r.json()["response"]["allowed"] is False
+
+
+def test_a_content_length_of_thousands_of_digits_is_refused_not_a_500(
+    bounded: RunningServer,
+) -> None:
+    # int() refuses more than 4,300 digits: such a length was a 500 with a traceback.
+    sock = tls_socket(bounded)
+    length = b"0" * 5000 + b"1"
+    sock.sendall(
+        b"POST /validate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: " + length + b"\r\n\r\n{"
+    )
+    answer = read_responses(sock, 1)  # the length is 1, and "{" is no review
+    assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
+    assert b"not valid JSON" in answer

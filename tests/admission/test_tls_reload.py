@@ -97,3 +97,49 @@ def test_startup_fails_loudly_on_a_bad_pair(tmp_path: Path) -> None:
         ReloadingTLS(str(cert), str(key))
     write_pair(a, cert, key)
     assert ReloadingTLS(str(cert), str(key)).generation == 0
+
+
+def test_a_reload_that_failed_once_is_tried_again_for_the_same_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A passing error (out of file descriptors under a connection flood) must not mark
+    # the new files as seen: the old certificate would be served until it expired. The
+    # one failure is made by replacing build_context for one call (a stand-in: running a
+    # real process out of descriptors at the right moment is not reliable in a test).
+    from epguard.webhook.admission import tls
+
+    old, new = issue(make_ca()), issue(make_ca())
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    write_pair(old, cert, key)
+    results: list[bool] = []
+    reloading = tls.ReloadingTLS(str(cert), str(key), on_reload=results.append)
+    write_pair(new, cert, key)
+    real = tls.build_context
+    calls = []
+
+    def fails_once(*args: str | None) -> object:
+        calls.append(args)
+        if len(calls) == 1:
+            raise tls.TLSReloadError("cannot load certificate: [Errno 24] Too many open files")
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tls, "build_context", fails_once)
+    assert reloading.check() is False
+    assert reloading.check() is True  # the same files, loaded on the next tick
+    assert reloading.generation == 1 and results == [False, True]
+    assert reloading.check() is False and len(calls) == 2  # nothing new: not loaded again
+
+
+def test_a_bad_pair_is_reported_once_while_it_is_retried(tmp_path: Path) -> None:
+    from epguard.webhook.admission.tls import ReloadingTLS
+
+    a, b = issue(make_ca()), issue(make_ca())
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    write_pair(a, cert, key)
+    results: list[bool] = []
+    reloading = ReloadingTLS(str(cert), str(key), on_reload=results.append)
+    cert.write_bytes(b.cert_pem)  # b's certificate with a's key: never loads
+    assert [reloading.check() for _ in range(3)] == [False, False, False]
+    assert results == [False]
+    key.write_bytes(b.key_pem)  # the pair completes
+    assert reloading.check() is True and results == [False, True]

@@ -17,8 +17,28 @@ protocol cuts both:
   (30 sockets sending a byte a second once stayed open for good): the whole body, not
   the gap between two reads, so a trickle cannot keep it alive.
 
+* what the head state is comes from the parser's own callbacks only (a request begun,
+  its head complete, its message complete), never from a response: a second head sent
+  in the same read as the first once escaped both the size limit and the deadline
+  while the first was answered;
+* a connection with nothing in progress that sends bytes which begin no request (blank
+  lines between requests cancel uvicorn's keep-alive timer) is cut ``head_seconds``
+  later, like an unfinished head (such a socket once stayed open for good);
+* at most ``max_pipelined`` requests may wait behind the one being answered: the API
+  server never pipelines, and 256 KiB of ``GET /metrics`` in one read once queued
+  10,484 requests (26 MiB) from a single connection;
+* a body's framing (chunk sizes, extensions, trailers: the bytes of a message that
+  are not its body) is at most ``max_head_bytes`` plus 64 bytes a chunk (16 MiB of
+  trailer once went past the head limit, copied quadratically by the parser), and a
+  body of more than ``chunk_grace`` pieces must average ``min_chunk_bytes`` a piece
+  (one-byte chunks cost the event loop 48 ms a MiB, 40x 64 KiB ones).
+
 The body's size is bounded by the app (transport.py). Each cut is counted through
-``on_cut`` with its reason ("head_size", "head_deadline" or "body_deadline").
+``on_cut`` with its reason ("head_size", "head_deadline", "body_deadline", "idle",
+"pipeline", "body_framing" or "body_chunks").
+
+Not bounded here: the TLS handshake, which asyncio gives 60 s (uvicorn has no setting
+for it) before ``connection_made``, so the head deadline counts from the handshake's end.
 """
 
 from __future__ import annotations
@@ -45,10 +65,17 @@ class HeadLimits:
     # review it can send, takes well under a second inside a cluster), and gives up on
     # the whole call after timeoutSeconds (5 s by default, at most 30 s) anyway.
     body_seconds: float = 10.0
+    # 4: the API server sends one request at a time on a connection (Go's net/http does
+    # not pipeline); a client that does may queue a few.
+    max_pipelined: int = 4
+    # A body in more than 1,024 pieces (chunks, or reads of a Content-Length body) must
+    # average 256 bytes a piece: the API server's TLS records are 1-16 KiB.
+    chunk_grace: int = 1024
+    min_chunk_bytes: int = 256
 
 
-class HeadTooLarge(Exception):
-    """Raised inside a parser callback: the head is over the limit."""
+class Cut(Exception):
+    """Raised inside a parser callback to stop parsing: the connection is cut."""
 
 
 _431 = (
@@ -71,10 +98,14 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self.limits = limits
         self.on_cut = on_cut
-        self._in_head = True
+        self._in_head = True  # a head is being read (from the connection's start)
+        self._in_body = False  # between a head's end and its message's end
         self._head_bytes = 0  # bytes fed since this head began (an unfinished head)
         self._parsed = 0  # the head's URL and header bytes the parser handed over
-        self._too_large = False
+        self._framing = 0  # bytes of this message after its head that were not body
+        self._pieces = 0  # on_body calls of this message
+        self._body_bytes = 0
+        self._cut_reason: str | None = None  # set before a Cut is raised
         self._head_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
         self._client_cert = False  # the peer presented a certificate the client CA signed
@@ -88,11 +119,32 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self._head_timer.cancel()
             self._head_timer = None
 
+    def _idle(self) -> bool:
+        """Nothing in progress: no request being read, answered or waiting."""
+        cycle = self.cycle
+        return (
+            not self._in_head
+            and not self._in_body
+            and (cycle is None or cycle.response_complete)
+            and not self.pipeline
+        )
+
     def _head_deadline(self) -> None:
         self._head_timer = None
-        if self._in_head and not self.transport.is_closing():
-            self.on_cut("head_deadline")
-            self.transport.close()
+        if self.transport.is_closing():
+            return
+        if self._in_head:
+            self._cut("head_deadline")
+        elif self._idle():
+            self._cut("idle")
+
+    def _cut(self, reason: str) -> None:
+        if self.transport.is_closing():
+            return
+        self.on_cut(reason)
+        if reason == "head_size":
+            self.transport.write(_431)
+        self.transport.close()
 
     def _disarm_body(self) -> None:
         if self._body_timer is not None:
@@ -120,20 +172,40 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._in_head:
             self._head_bytes += len(data)
+        elif self._in_body:
+            self._framing += len(data)  # on_body takes the body's part back out
         super().data_received(data)
+        if self.transport.is_closing():
+            return
+        limits = self.limits
         # Checked after the parser ran: a chunk that ends the head and carries body
         # bytes leaves the head state, and only a head still open past the limit is cut.
-        if self._in_head and self._head_bytes > self.limits.max_head_bytes:
-            self._cut_for_size()
+        if self._in_head and self._head_bytes > limits.max_head_bytes:
+            self._cut("head_size")
+        elif self._in_body:
+            if self._framing > limits.max_head_bytes + 64 * self._pieces:
+                self._cut("body_framing")
+            elif (
+                self._pieces > limits.chunk_grace
+                and self._body_bytes < self._pieces * limits.min_chunk_bytes
+            ):
+                self._cut("body_chunks")
+        elif self._head_timer is None and self.timeout_keep_alive_task is None and self._idle():
+            # Bytes that began no request (blank lines) cancelled the keep-alive timer.
+            self._arm()
+
+    def _stop(self, reason: str) -> None:
+        # Raising inside a parser callback stops the parser mid-read; uvicorn then answers
+        # 400 through send_400_response, which cuts the connection instead.
+        self._cut_reason = reason
+        raise Cut(reason)
 
     def _count(self, n: int) -> None:
         # A head that arrives whole in one read never stays "in head" after a feed; its
-        # parsed size is checked here. Raising inside a parser callback makes uvicorn
-        # answer 400 through send_400_response, which answers 431 instead.
+        # parsed size is checked here (trailers are counted too: the same callback).
         self._parsed += n
         if self._parsed > self.limits.max_head_bytes:
-            self._too_large = True
-            raise HeadTooLarge
+            self._stop("head_size")
 
     def on_url(self, url: bytes) -> None:
         self._count(len(url))
@@ -144,43 +216,41 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         super().on_header(name, value)
 
     def send_400_response(self, msg: str) -> None:
-        if not self._too_large:
+        if self._cut_reason is None:
             super().send_400_response(msg)
             return
-        self._cut_for_size()
-
-    def _cut_for_size(self) -> None:
-        if self.transport.is_closing():
-            return
-        self.on_cut("head_size")
-        self.transport.write(_431)
-        self.transport.close()
+        self._cut(self._cut_reason)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._parsed = 0
-        if not self._in_head:  # the next request on a keep-alive connection
+        if not self._in_head or self._head_timer is None:
+            # The next request on a keep-alive connection (or after blank lines): its
+            # head deadline counts from its first byte.
             self._in_head = True
             self._head_bytes = 0
-            self._arm()
-        elif self._head_timer is None:
             self._arm()
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        self._in_body = True
         self._head_bytes = 0
+        self._framing = self._pieces = self._body_bytes = 0
         self._disarm()
         self._disarm_body()
         self._body_timer = self.loop.call_later(self.limits.body_seconds, self._body_deadline)
         self.scope[CLIENT_CERT] = self._client_cert  # type: ignore[literal-required]
         super().on_headers_complete()
+        if len(self.pipeline) > self.limits.max_pipelined:
+            self._stop("pipeline")
+
+    def on_body(self, body: bytes) -> None:
+        self._pieces += 1
+        self._body_bytes += len(body)
+        self._framing -= len(body)
+        super().on_body(body)
 
     def on_message_complete(self) -> None:
+        self._in_body = False
         self._disarm_body()
         super().on_message_complete()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        # Between requests the keep-alive timeout (uvicorn's) applies, not ours; the
-        # next request's first byte arms ours again (on_message_begin).
-        self._in_head = False

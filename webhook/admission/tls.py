@@ -76,6 +76,7 @@ class ReloadingTLS:
         self.client_ca = client_ca
         self._on_reload = on_reload
         self._seen = _fingerprint(cert_path, key_path, client_ca)
+        self._failed: bytes | None = None  # the content whose load failed last
         # Startup must fail loudly on a bad pair: there is no older one to keep.
         self.server_context = build_context(cert_path, key_path, client_ca)
         self.current = self.server_context
@@ -98,14 +99,19 @@ class ReloadingTLS:
         try:
             fresh = build_context(self.cert_path, self.key_path, self.client_ca)
         except TLSReloadError as exc:
-            # Possibly mid-rotation (cert written, key not yet): try again next tick,
-            # but say so only once per content.
-            log.warning("TLS reload failed, still serving the previous certificate: %s", exc)
-            self._seen = fp
-            if self._on_reload:
-                self._on_reload(False)
+            # Possibly mid-rotation (cert written, key not yet), or a passing error
+            # (out of file descriptors): tried again every tick until it loads, but said
+            # only once per content. (Marking the content seen once kept a new
+            # certificate from ever loading after one passing error, until the old one
+            # expired and every handshake failed.)
+            if fp != self._failed:
+                self._failed = fp
+                log.warning("TLS reload failed, still serving the previous certificate: %s", exc)
+                if self._on_reload:
+                    self._on_reload(False)
             return False
         self._seen = fp
+        self._failed = None
         self.current = fresh
         self.generation += 1
         log.info(
