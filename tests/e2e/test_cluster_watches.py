@@ -220,3 +220,43 @@ def test_the_backstops_wake_up_follows_verdict_changes_without_listing_them(
             kubectl("delete", "imageverdict", f"before-{i}", "--ignore-not-found")
         api.close()
     assert len(took) == 2 and max(took) < 10, took
+
+
+def test_after_an_api_server_restart_the_watches_list_again_and_stay_live(
+    control_plane: Any, watched: RunningServer
+) -> None:
+    """A restarted API server starts its watch cache at the current resourceVersion, so
+    every watch resuming from an older one gets a 410 inside an HTTP 200 stream. The
+    webhook once read that event through the client's watch.Watch(deserialize=False),
+    which raised KeyError on it: it resumed from the same version for good and stayed
+    stale (and ready). Now it lists again and applies what changed."""
+    from kubernetes import client, config
+
+    from epguard.webhook.cluster.kube import status_of
+    from epguard.webhook.cluster.watch import list_watch_source
+
+    api = config.new_client_from_config(str(control_plane.kubeconfig))
+    source = list_watch_source(client.CoreV1Api(api).list_namespace)
+    _, old = source.list()
+    control_plane.kubectl("create", "namespace", "moved-on", check=True)
+    control_plane.restart_apiserver()
+    with pytest.raises(client.ApiException) as gone:
+        next(iter(source.watch(old)))
+    assert status_of(gone.value) == 410 and "too old resource version" in str(gone.value)
+    api.close()
+
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    iv = {
+        "apiVersion": "epguard.io/v1alpha1",
+        "kind": "ImageVerdict",
+        "metadata": {"name": "iv-after-restart"},
+        "spec": {"image": IMAGE, "digest": "", "verdict": "Unusable",
+                 "reason": "ImportError: libcudart.so.12: after the restart",
+                 "lastSeen": now, "pod": "ml/worker-9", "count": 1},
+    }  # fmt: skip
+    control_plane.kubectl("apply", "-f", "-", input=json.dumps(iv), check=True)
+    try:
+        eventually(lambda: answer(watched)["allowed"] is False, within=90)
+        assert "after the restart" in answer(watched)["status"]["message"]
+    finally:
+        control_plane.kubectl("delete", "imageverdict", "iv-after-restart", "--ignore-not-found")

@@ -2,8 +2,8 @@
 ConfigMap, the probe-signing key Secret, Namespace labels, and learned ImageVerdicts.
 
 Each watch lists once and *replaces* the state, then watches from the list's
-resourceVersion on the official client's ``watch.Watch``, in a thread feeding the
-event loop. A dropped watch resumes from the last resourceVersion seen, so a
+resourceVersion (a watch request of the official client, its lines read here), in a
+thread feeding the event loop. A dropped watch resumes from the last resourceVersion seen, so a
 reconnect replays nothing; only ``410 Gone`` (the version fell out of etcd's
 window) lists and replaces again, so deletions missed meanwhile are not kept. Errors
 back off (1 s doubling to 30 s, with jitter). The ``*Sync`` classes hold the parsing
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import random
 import threading
@@ -25,7 +26,7 @@ from http import HTTPStatus
 from typing import Any, Protocol, TypeVar
 
 from kubernetes import client
-from kubernetes import watch as kwatch
+from kubernetes.watch.watch import iter_resp_lines
 
 from epguard.webhook.cluster.kube import (
     REQUEST_TIMEOUT,
@@ -418,25 +419,52 @@ async def run_watch(
 WATCH_SECONDS = 300
 
 
+def watch_error(status: Mapping[str, Any]) -> client.ApiException:
+    """The API error an in-stream ERROR event stands for (its object is a Status): a
+    watch from a resourceVersion the server no longer holds gets ``code: 410`` this way,
+    with HTTP 200, after every API server restart."""
+    code = status.get("code")
+    reason = f"{status.get('reason', 'Error')}: {status.get('message', '')}"
+    return client.ApiException(status=code if isinstance(code, int) else 500, reason=reason)
+
+
 def _watching(
     fn: Callable[..., Any], args: tuple[Any, ...], selectors: Any
 ) -> Callable[[str], Iterator[tuple[str, Mapping[str, Any]]]]:
+    # The lines are read here, not through the client's watch.Watch: with
+    # deserialize=False it reads an ERROR event's "raw_object", which only deserialising
+    # sets, so an in-stream 410 raised KeyError, the watch resumed from the same
+    # expired version again and again, and every watch stayed stale after an API
+    # server restart while the webhook stayed ready.
     def watching(rv: str) -> Iterator[tuple[str, Mapping[str, Any]]]:
-        w = kwatch.Watch()
-        for event in w.stream(
-            fn,
+        resp = fn(
             *args,
+            watch=True,
             resource_version=rv,
             allow_watch_bookmarks=True,
             timeout_seconds=WATCH_SECONDS,
             # The socket read outlives the server's timeout: a silent half-open
             # connection ends here instead of hanging forever.
             _request_timeout=(REQUEST_TIMEOUT[0], WATCH_SECONDS + 60),
-            deserialize=False,
+            _preload_content=False,
             **selectors,
-        ):
-            if isinstance(event, Mapping) and isinstance(event.get("object"), Mapping):
-                yield str(event.get("type")), event["object"]
+        )
+        try:
+            for line in iter_resp_lines(resp):
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue  # not an event; the next line is read
+                obj = event.get("object") if isinstance(event, Mapping) else None
+                if not isinstance(obj, Mapping):
+                    continue
+                kind = str(event.get("type"))
+                if kind == "ERROR":
+                    raise watch_error(obj)
+                yield kind, obj
+        finally:
+            resp.close()
+            resp.release_conn()
 
     return watching
 
