@@ -300,7 +300,7 @@ def test_a_key_secret_never_answered_does_not_keep_the_replica_unready(
     from epguard.webhook.admission import server as server_mod
     from epguard.webhook.cluster.watch import Source
 
-    monkeypatch.setattr(server_mod, "KEY_WAIT_SECONDS", 1.0)
+    monkeypatch.setattr(server_mod, "LIST_WAIT_SECONDS", 1.0)
     never = threading.Event()
 
     def listing() -> tuple[list[Mapping[str, Any]], str]:

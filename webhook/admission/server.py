@@ -58,9 +58,10 @@ from epguard.webhook.settings import Settings
 
 log = logging.getLogger("epguard.server")
 COMPONENT = "epguard-webhook"  # the source of the Events the webhook posts
-# How long a replica waits, unready, for the probe-signing Secret's watch to answer
-# (milliseconds when it can read the Secret) before it serves without a key.
-KEY_WAIT_SECONDS = 30.0
+# How long a replica waits, unready, for its watches' first listings (the probe-signing
+# Secret, namespaces, verdicts, rules: milliseconds to a few seconds when it can read
+# them) before it serves without what is missing.
+LIST_WAIT_SECONDS = 30.0
 
 
 def _file_digest(path: str) -> bytes | None:
@@ -145,7 +146,8 @@ class Runtime:
         }
         self._sources = sources
         self.watching = False
-        self.watching_key = False
+        self.watched: set[str] = set()  # the sources watched
+        self.listed: set[str] = set()  # those whose first listing has replaced the state
         self.started_at = time.monotonic()
         self.ready = False
         self.app: FastAPI = create_app(
@@ -172,15 +174,17 @@ class Runtime:
         )
 
     def is_ready(self) -> bool:
-        """Started, and, where the probe-signing Secret is watched, its watch has answered
-        once or KEY_WAIT_SECONDS have passed: before that this replica injects unsigned
-        and gates nothing. Not forever: a Secret it can never read (403) must not leave
-        every replica unready, which under failurePolicy Ignore admits everything."""
+        """Started, and every watch has listed once, or LIST_WAIT_SECONDS have passed.
+        Before that this replica would admit pods on images with Unusable verdicts, give
+        namespaces the default mode, and inject unsigned probes that gate nothing (a
+        rollout's new replicas once took reviews before their verdicts were listed).
+        Not forever: an object it can never read (403) must not leave every replica
+        unready, which under failurePolicy Ignore admits everything."""
         if not self.ready:
             return False
-        if not self.watching_key or self.state.keys.synced:
+        if self.listed >= self.watched:
             return True
-        return time.monotonic() - self.started_at > KEY_WAIT_SECONDS
+        return time.monotonic() - self.started_at > LIST_WAIT_SECONDS
 
     def status(self) -> dict[str, Any]:
         return {
@@ -297,10 +301,15 @@ class Runtime:
         sources = self._watch_sources()
         if sources:
             self.watching = True
-            self.watching_key = "secret" in sources
             self.started_at = time.monotonic()
+            self.watched = set(sources)
             for name, source in sources.items():
-                tasks.append(asyncio.create_task(run_watch(self.syncs[name], source, self.metrics)))
+                listed = functools.partial(self.listed.add, name)
+                tasks.append(
+                    asyncio.create_task(
+                        run_watch(self.syncs[name], source, self.metrics, listed=listed)
+                    )
+                )
         rules = self.state.rules.current
         log.info(
             "epguard webhook ready: %d rule(s) from %s, mode %s, exemptions %s",

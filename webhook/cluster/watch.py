@@ -230,14 +230,17 @@ class NamespaceSync:
 
 class VerdictSync:
     resource = "imageverdict"
-    off_loop = False
+    # Off the loop: a listing of many thousand verdicts is parsed for seconds, and the
+    # loop answers reviews meanwhile (the store takes its lock only to swap them in).
+    off_loop = True
 
     def __init__(self, store: VerdictStore, metrics: Metrics) -> None:
         self.store = store
         self.metrics = metrics
 
     def replace(self, objects: Iterable[Mapping[str, Any]]) -> None:
-        self.store.replace(v for o in objects if (v := verdict_from_object(o)) is not None)
+        parsed = [v for o in objects if (v := verdict_from_object(o)) is not None]
+        self.store.replace(parsed)
         self._count()
 
     def event(self, kind: str, obj: Mapping[str, Any]) -> None:
@@ -364,11 +367,16 @@ async def _apply(sync: Sync, fn: Callable[..., None], *args: Any) -> None:
 
 
 async def run_watch(
-    sync: Sync, source: Source, metrics: Metrics, max_backoff: float = 30.0
+    sync: Sync,
+    source: Source,
+    metrics: Metrics,
+    max_backoff: float = 30.0,
+    listed: Callable[[], None] = lambda: None,
 ) -> None:
     """List once, then watch from the list's resourceVersion; after a dropped watch,
     resume from the last resourceVersion seen (no replay of every object); list again
-    only on 410 Gone. Errors back off (1 s doubling to ``max_backoff``, with jitter)."""
+    only on 410 Gone. Errors back off (1 s doubling to ``max_backoff``, with jitter).
+    ``listed`` is called after each listing has replaced the state."""
     delay = 1.0
     rv: str | None = None
     while True:
@@ -377,6 +385,7 @@ async def run_watch(
                 listing = [x async for x in _threaded(lambda: [source.list()], sync.resource)]
                 objects, rv = listing[0]
                 await _apply(sync, sync.replace, objects)
+                listed()
                 metrics.watch_up.labels(sync.resource).set(1)
                 log.info("watching %s (%d listed at %s)", sync.resource, len(objects), rv)
             started, events = time.monotonic(), 0
