@@ -87,6 +87,17 @@ def test_a_judged_image_is_not_gated(server: RunningServer) -> None:
     assert PROBE_CONTAINER in [c["name"] for c in stored["spec"]["initContainers"]]
 
 
+def test_a_pod_bound_to_a_node_is_probed_not_gated(server: RunningServer) -> None:
+    # The API server refuses a pod with spec.nodeName and a scheduling gate ("nodeName:
+    # Forbidden: cannot be set until all schedulingGates have been cleared", checked on
+    # kube-apiserver v1.35.4): gated, such a worker could not be created at all.
+    obj = worker()
+    obj["spec"]["nodeName"] = "gpu-node-1"
+    response, stored = mutate(server, obj)
+    assert response["allowed"] is True and not is_gated(stored)
+    assert PROBE_CONTAINER in [c["name"] for c in stored["spec"]["initContainers"]]
+
+
 def test_a_pod_that_does_not_ask_for_mooncake_is_not_gated(server: RunningServer) -> None:
     plain = container(image=NEW, args=["--model-path", "/m"])
     _, stored = mutate(server, pod([plain], annotations=INJECT))

@@ -348,7 +348,11 @@ def injection_for(
     # Without a key the controller cannot sign a preflight either: no gate then.
     gate: list[dict[str, Any]] = []
     gated = signature is not None and _preflight_mode(state, req.namespace, settings) == "gate"
-    if gated and unjudged(injection.settled, state.verdicts, now):
+    # A pod already bound to a node (spec.nodeName) is never scheduled, and the API
+    # server refuses one that also has a scheduling gate: gating it made it impossible
+    # to create. Its injected probe still stops it before the worker starts.
+    bound = bool(as_map(obj.get("spec")).get("nodeName"))
+    if gated and not bound and unjudged(injection.settled, state.verdicts, now):
         gate = gate_patch(as_map(obj.get("spec")))
     # The label only with a signature: it puts the pod on the controller's lists, and
     # /validate refuses it on a pod epguard did not sign. Nor epguard's gate: a pod a
