@@ -114,10 +114,10 @@ class MemoryApi:
         found = self.pods.get((namespace, name))
         return copy.deepcopy(found) if found is not None else None
 
-    def create_pod(self, namespace: str, body: dict[str, Any]) -> None:
+    def create_pod(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
         if (namespace, body["metadata"]["name"]) in self.pods:
             raise Conflict("AlreadyExists")
-        self.add(body)
+        return copy.deepcopy(self.add(body))
 
     def delete_pod(self, namespace: str, name: str, uid: str) -> None:
         pod = self.pods.get((namespace, name))
@@ -410,6 +410,43 @@ def test_a_preflight_the_api_server_refuses_cannot_judge() -> None:
     assert "could not be created" in event[4] and "epguard-preflight" in event[4]
 
 
+@pytest.mark.parametrize("on_error", ["open", "hold"])
+def test_a_preflight_an_admission_step_changed_is_deleted_and_cannot_judge(
+    on_error: str,
+) -> None:
+    # A LimitRange's default ephemeral-storage is added to every container that has none
+    # (tests/e2e/test_preflight_policy.py shows it on a real API server), so the stored
+    # preflight no longer verifies. It was taken for a tenant's pod under the
+    # preflight's name: its pods opened unjudged, or held for good, the pod never removed.
+    pf, api, clock, _ = setup(on_error=on_error)
+    api.add(gated_pod("w-0"))
+    creates = []
+
+    def defaulted(namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        creates.append(body["metadata"]["name"])
+        body = copy.deepcopy(body)
+        for c in [*body["spec"]["initContainers"], *body["spec"]["containers"]]:
+            for part in ("requests", "limits"):
+                c.setdefault("resources", {}).setdefault(part, {})["ephemeral-storage"] = "1Gi"
+        return MemoryApi.create_pod(api, namespace, body)
+
+    api.create_pod = defaulted  # type: ignore[method-assign]
+    done = pf.run_once()
+    assert api.preflights() == [] and len(done.deleted) == 1
+    cond = next(c for c in api.pod("ml", "w-0")["status"]["conditions"] if c["type"] == CONDITION)
+    assert "changed by an admission step" in cond["message"]
+    if on_error == "open":
+        assert done.ungated == ["Pod ml/w-0"]
+        event = next(e for e in api.events if e[2] == "PreflightFailedGateOpened")
+        assert "LimitRange" in event[4]
+    else:
+        assert done.held == ["Pod ml/w-0"] and is_gated(api.pod("ml", "w-0"))
+        assert pf.run_once().created == [] and len(creates) == 1  # not made every pass
+        clock.now += dt.timedelta(seconds=301)
+        pf.run_once()
+        assert len(creates) == 2  # tried again after a deadline
+
+
 def test_an_ungate_that_lost_a_race_changes_nothing() -> None:
     pf, api, _, _ = setup()
     api.add(gated_pod("w-0"))
@@ -490,10 +527,10 @@ def test_one_namespaces_api_trouble_does_not_stop_the_others() -> None:
     api.add(gated_pod("w", namespace="team-b", image="r.example/sglang:b"))
     real = api.create_pod
 
-    def flaky(namespace: str, body: dict[str, Any]) -> None:
+    def flaky(namespace: str, body: dict[str, Any]) -> dict[str, Any]:
         if namespace == "aaa":
             raise RuntimeError("500 Internal Server Error from an image-policy webhook")
-        real(namespace, body)
+        return real(namespace, body)
 
     api.create_pod = flaky  # type: ignore[method-assign]
     done = pf.run_once()
@@ -619,11 +656,11 @@ def test_a_preflight_is_signed_when_it_is_created_not_when_the_pass_began() -> N
     real = api.create_pod
     signed_at: list[tuple[int | None, dt.datetime]] = []
 
-    def slow(namespace: str, body: dict[str, Any]) -> None:
+    def slow(namespace: str, body: dict[str, Any]) -> dict[str, Any]:
         assert ring is not None
         signed_at.append((verify(ring, namespace, body).signed_at, clock.now))
         clock.now += dt.timedelta(seconds=100)  # a slow API server
-        real(namespace, body)
+        return real(namespace, body)
 
     api.create_pod = slow  # type: ignore[method-assign]
     pf.run_once()
@@ -772,9 +809,9 @@ def test_pods_whose_preflight_answered_are_decided_before_new_preflights_are_cre
     order: list[str] = []
     create, write = api.create_pod, api.set_condition
 
-    def created(namespace: str, body: dict[str, Any]) -> None:
+    def created(namespace: str, body: dict[str, Any]) -> dict[str, Any]:
         order.append("create")
-        create(namespace, body)
+        return create(namespace, body)
 
     def written(namespace: str, name: str, uid: str, condition: dict[str, Any]) -> None:
         order.append(f"{name} {condition['reason']}")
@@ -812,9 +849,11 @@ class StreamingApi(MemoryApi):
             self.pad(p)
         return p
 
-    def create_pod(self, namespace: str, body: dict[str, Any]) -> None:
-        # The API server keeps what is created, not the pass: only its name is stored here.
+    def create_pod(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        # The API server keeps what is created, not the pass: only its name is stored here
+        # (and what it answers is what was sent).
         super().create_pod(namespace, {"metadata": dict(body["metadata"])})
+        return body
 
 
 def _one_string(p: dict[str, Any]) -> None:
@@ -893,9 +932,9 @@ def test_a_pass_starts_creates_for_a_bounded_time_spread_over_the_namespaces(
     pf.monotonic = lambda: elapsed[0]
     create = api.create_pod
 
-    def slow_create(namespace: str, body: dict[str, Any]) -> None:
+    def slow_create(namespace: str, body: dict[str, Any]) -> dict[str, Any]:
         elapsed[0] += CREATE_SECONDS / 4
-        create(namespace, body)
+        return create(namespace, body)
 
     api.create_pod = slow_create  # type: ignore[method-assign]
     namespaces = [f"team-{n}" for n in range(6)]
@@ -1504,10 +1543,10 @@ def test_refused_creates_do_not_take_the_other_images_places() -> None:
     api.add(gated_pod("z-ok", image="r.example/fine:1"))
     real = api.create_pod
 
-    def create(namespace: str, body: dict[str, Any]) -> None:
+    def create(namespace: str, body: dict[str, Any]) -> dict[str, Any]:
         if "refused" in json.dumps(body):
             raise Refused("denied by the namespace's policy")
-        real(namespace, body)
+        return real(namespace, body)
 
     api.create_pod = create  # type: ignore[method-assign]
     pf.run_once()  # 16 refused, z-ok deferred

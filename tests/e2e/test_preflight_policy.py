@@ -293,3 +293,52 @@ def test_nobody_but_the_controller_puts_the_preflight_labels_on_a_pod(
         assert r.returncode != 0 and labels_policy in r.stderr, output(r)
     finally:
         as_controller(cp, "delete", "pod", name, "-n", TENANT, "--wait=false")
+
+
+def test_a_limitrange_default_changes_what_epguard_signed_and_the_create_shows_it(
+    cp: ControlPlane,
+) -> None:
+    """What the controller's create returns is the pod as stored, after the built-in
+    LimitRanger: a default ephemeral-storage on each container without one. That
+    changes a signed preflight, which the controller now finds at once (it was taken for
+    a tenant's pod under the preflight's name). Created as the controller's account
+    (impersonated), through the controller's own KubePreflightApi."""
+    import datetime as dt
+
+    from kubernetes import client, config
+
+    from epguard.webhook.controller.gatekeeper import KubePreflightApi, _made_by_epguard
+    from epguard.webhook.engine.preflight import signed
+    from epguard.webhook.engine.signing import new_keyring
+
+    namespace = "team-limits"
+    cp.kubectl("create", "namespace", namespace, check=True)
+    cp.kubectl("create", "serviceaccount", "sglang", "-n", namespace, check=True)
+    limits = {"apiVersion": "v1", "kind": "LimitRange",
+              "metadata": {"name": "storage", "namespace": namespace},
+              "spec": {"limits": [{"type": "Container",
+                                   "default": {"ephemeral-storage": "2Gi"},
+                                   "defaultRequest": {"ephemeral-storage": "1Gi"}}]}}  # fmt: skip
+    cp.kubectl("apply", "-f", "-", input=json.dumps(limits), check=True)
+    ring = new_keyring(dt.datetime.now(dt.UTC))
+    as_it = config.new_client_from_config(str(cp.kubeconfig))
+    as_it.set_default_header("Impersonate-User", CONTROLLER)
+    api = KubePreflightApi(as_it)
+    try:
+        for ns, stays_signed in ((TENANT, True), (namespace, False)):
+            key = key_of(ns, worker_spec(), WORKER_IMAGE)
+            body = preflight_pod(ns, worker_spec(), key,
+                                 PreflightSettings(InjectionSettings(EPGUARD_IMAGE)))  # fmt: skip
+            assert body is not None
+            stored = api.create_pod(ns, signed(body, ring.current, dt.datetime.now(dt.UTC)))
+            containers = stored["spec"]["initContainers"]
+            assert stored["metadata"]["uid"] and len(containers) == 2
+            defaulted = all(
+                "ephemeral-storage" in c["resources"].get("requests", {}) for c in containers
+            )
+            assert defaulted is not stays_signed
+            assert _made_by_epguard(stored, ring) is stays_signed
+            api.delete_pod(ns, key.pod_name, stored["metadata"]["uid"])
+    finally:
+        api.api.close()
+        assert isinstance(api.api, client.ApiClient)

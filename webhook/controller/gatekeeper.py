@@ -60,6 +60,7 @@ from epguard.webhook.cluster.kube import (
     get_object,
     list_items,
     meta,
+    raw,
     resource_path,
     status_causes,
 )
@@ -184,9 +185,10 @@ class PreflightApi(Protocol):
     def read_pod(self, namespace: str, name: str) -> Json | None:
         """The pod as it is now; None when it is gone."""
 
-    def create_pod(self, namespace: str, body: Json) -> None:
-        """Create; Conflict when a pod of that name exists, Terminating when the
-        namespace is being deleted, Refused when the API server refuses it."""
+    def create_pod(self, namespace: str, body: Json) -> Json:
+        """Create, and return the pod as the API server stored it (after every admission
+        step); Conflict when a pod of that name exists, Terminating when the namespace
+        is being deleted, Refused when the API server refuses it."""
 
     def delete_pod(self, namespace: str, name: str, uid: str) -> None:
         """Delete that pod (that uid only); gone already is fine."""
@@ -243,11 +245,15 @@ class KubePreflightApi(KubeObjects):
                 return None
             raise
 
-    def create_pod(self, namespace: str, body: Json) -> None:
+    def create_pod(self, namespace: str, body: Json) -> Json:
         try:
             # The client sends a dict body as it is (no model round trip).
             pod = cast(client.V1Pod, body)
-            self.core.create_namespaced_pod(namespace, pod, _request_timeout=REQUEST_TIMEOUT)
+            return raw(
+                self.core.create_namespaced_pod(
+                    namespace, pod, _request_timeout=REQUEST_TIMEOUT, _preload_content=False
+                )
+            )
         except ApiException as exc:
             if exc.status == 409:
                 raise Conflict(str(exc.reason)) from exc
@@ -592,6 +598,9 @@ class Preflights:
         self.clock = clock
         self.monotonic = monotonic  # CREATE_SECONDS
         self._failed: set[PreflightKey] = set()  # keys whose create started nothing last pass
+        # Keys whose preflight an admission step changed (when, what was said): not made
+        # again for a deadline, so a held pod does not make and delete one every pass.
+        self._changed: dict[PreflightKey, tuple[dt.datetime, str]] = {}
         self._whole = threading.BoundedSemaphore(WHOLE_PODS)
         self._unreadable: set[tuple[str, str]] = set()  # said once each (bounded)
         # The condition this process last wrote on each gated pod: a pass and an answer
@@ -897,6 +906,7 @@ class Preflights:
                 self._stands[_name(pod)[2]] = now
         listed = {_name(p)[2] for p in seen.preflights.values()}
         self._stands = {uid: t for uid, t in self._stands.items() if uid in listed}
+        self._changed = {k: c for k, c in self._changed.items() if k in first}
         self._last_pass = self.clock()  # when it ended: a slow pass is still a pass
         gated = {_name(pod)[2] for pod, _ in waiting}
         with self._writing:
@@ -975,10 +985,30 @@ class Preflights:
     def _create(
         self, key: PreflightKey, body: dict[str, Any], ring: Keyring, done: Pass
     ) -> PreflightResult:
+        changed = self._changed.get(key)
+        if changed is not None and self.clock() - changed[0] < dt.timedelta(
+            seconds=self.config.settings.timeout_seconds
+        ):
+            return PreflightResult("failed", changed[1])
         try:
             # Signed now, not at the start of the pass: /validate refuses a stale signature.
-            self.api.create_pod(key.namespace, signed(body, ring.current, self.clock()))
+            stored = self.api.create_pod(key.namespace, signed(body, ring.current, self.clock()))
             done.created.append(describe("Pod", key.namespace, key.pod_name))
+            if not _made_by_epguard(stored, ring):
+                # An admission step changed what epguard signed (a LimitRange's default
+                # ephemeral-storage, another mutating webhook): its answer could never be
+                # told from a tenant's pod under the preflight's name, which once opened
+                # (or held for good) every pod waiting on it. Said now, and deleted.
+                why = verify(ring, key.namespace, stored).reason or "it is not a preflight"
+                self._delete(key.namespace, key.pod_name, _name(stored)[2], done)
+                said = (
+                    "the preflight pod was changed by an admission step after epguard "
+                    f"signed it ({why}): a LimitRange default or another mutating webhook "
+                    "on pods of this namespace; exempt epguard's preflight pods (label "
+                    f"{PREFLIGHT_LABEL}=true) from it"
+                )
+                self._changed[key] = (self.clock(), said)
+                return PreflightResult("failed", said)
             return STARTED
         except Conflict:
             pass  # another pass (the other replica) created it: its result comes next pass
