@@ -72,6 +72,7 @@ from epguard.webhook.engine.argv import analyse_container
 from epguard.webhook.engine.imageref import ImageRefError
 from epguard.webhook.engine.imageref import parse as parse_ref
 from epguard.webhook.engine.injection import InjectionSettings
+from epguard.webhook.engine.namespaces import PREFLIGHT_KEY
 from epguard.webhook.engine.outcome import PROBED_LABEL
 from epguard.webhook.engine.preflight import (
     CONDITION,
@@ -1003,9 +1004,10 @@ class Preflights:
                 self._delete(key.namespace, key.pod_name, _name(stored)[2], done)
                 said = (
                     "the preflight pod was changed by an admission step after epguard "
-                    f"signed it ({why}): a LimitRange default or another mutating webhook "
-                    "on pods of this namespace; exempt epguard's preflight pods (label "
-                    f"{PREFLIGHT_LABEL}=true) from it"
+                    f"signed it ({why}), such as a LimitRange default in this namespace or "
+                    "a mutating webhook on pods, so its answer cannot be trusted: exclude "
+                    f"pods labelled {PREFLIGHT_LABEL}=true from that webhook, or turn the "
+                    f"preflight off for this namespace (label {PREFLIGHT_KEY}=off)"
                 )
                 self._changed[key] = (self.clock(), said)
                 return PreflightResult("failed", said)
