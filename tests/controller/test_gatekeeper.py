@@ -447,6 +447,25 @@ def test_a_preflight_an_admission_step_changed_is_deleted_and_cannot_judge(
         assert len(creates) == 2  # tried again after a deadline
 
 
+def test_a_preflight_removed_before_it_answers_is_not_remade_past_the_deadline() -> None:
+    # Deleted between passes (a drain, a reaper, an admin), it was made again each pass
+    # with a deadline of its own: 80 preflights in 40 minutes, the pod gated throughout.
+    pf, api, clock, _ = setup(on_error="open")
+    api.add(gated_pod("w-0"))
+    made = 0
+    for _ in range(80):  # 40 minutes of passes 30 s apart
+        made += len(pf.run_once().created)
+        if not is_gated(api.pod("ml", "w-0")):
+            break
+        for p in api.preflights():
+            del api.pods[(p["metadata"]["namespace"], p["metadata"]["name"])]
+        clock.now += dt.timedelta(seconds=30)
+    assert not is_gated(api.pod("ml", "w-0"))  # onError=open, at the deadline
+    assert made <= (300 + 60) // 30 + 1, made
+    event = next(e for e in api.events if e[2] == "PreflightFailedGateOpened")
+    assert "removed before it answered" in event[4]
+
+
 def test_an_ungate_that_lost_a_race_changes_nothing() -> None:
     pf, api, _, _ = setup()
     api.add(gated_pod("w-0"))

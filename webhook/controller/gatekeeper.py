@@ -784,6 +784,17 @@ class Preflights:
         def create(item: tuple[PreflightKey, Json]) -> tuple[PreflightKey, PreflightResult]:
             key, pod = item
             assert ring is not None  # _known asked for a preflight: it held a key
+            waited = now - self._unanswered_since.get(key, now)
+            if waited > limit:
+                # Waiting past the deadline with no preflight now: the last one vanished
+                # unanswered (deleted, or removed with its node between two passes).
+                # Made again each time with a deadline of its own, it once kept its pods
+                # gated for good under onError=open.
+                return key, PreflightResult(
+                    "failed",
+                    f"no preflight answered within {int(limit.total_seconds())} s of epguard "
+                    "first waiting on one: the last one was removed before it answered",
+                )
             # One key's trouble (an API error, a namespace's own admission policy) must
             # not stop the pass for every other namespace.
             try:
