@@ -888,6 +888,17 @@ def _many_entries(p: dict[str, Any]) -> None:
     spec["tolerations"] = [{"key": f"k{i}", "operator": "Exists"} for i in range(5_000)]
 
 
+def _long_owner(p: dict[str, Any]) -> None:
+    # The API server checks no length in an ownerReference: a 1.4 MB owner name was kept
+    # by the pass for every waiting pod.
+    p["metadata"]["ownerReferences"][0]["name"] = "x" * 1_400_000
+
+
+def _many_pull_secrets(p: dict[str, Any]) -> None:
+    # Nor a count of imagePullSecrets: each name was kept by each key of each pod.
+    p["spec"]["imagePullSecrets"] = [{"name": f"s-{i:05}-{'x' * 20}"} for i in range(50_000)]
+
+
 def _peak(run: Callable[[], Any]) -> tuple[Any, int]:
     import tracemalloc
 
@@ -900,7 +911,11 @@ def _peak(run: Callable[[], Any]) -> tuple[Any, int]:
     return out, peak
 
 
-@pytest.mark.parametrize("pad", [_one_string, _many_entries], ids=["one-string", "many-entries"])
+@pytest.mark.parametrize(
+    "pad",
+    [_one_string, _many_entries, _long_owner, _many_pull_secrets],
+    ids=["one-string", "many-entries", "long-owner", "many-pull-secrets"],
+)
 @pytest.mark.parametrize("images", [1, 16], ids=["one-image", "sixteen-images"])
 def test_a_pass_holds_a_bounded_number_of_huge_pods_however_many_wait(
     pad: Callable[[dict[str, Any]], None], images: int
@@ -913,13 +928,18 @@ def test_a_pass_holds_a_bounded_number_of_huge_pods_however_many_wait(
     one, size = _peak(lambda: api.read_pod("ml", "big-00"))
     assert one is not None
     done, peak = _peak(pf.run_once)
-    assert done.pods == 24 and len(done.created) == images
+    # 50,000 pull secrets make a preflight over MAX_PREFLIGHT_BYTES: none is made, and
+    # onError=open opens the pods at once.
+    made = 0 if pad is _many_pull_secrets else images
+    assert done.pods == 24 and len(done.created) == made
+    assert len(done.ungated) == (24 if made == 0 else 0)
     # Held whole, 24 such pods would be 24 x size (16 of them, the first of each image,
     # before this bound); a pass holds the one being read, and
     # WHOLE_PODS at a time to make preflights from (each with the preflight made).
     assert peak < 8 * size, f"peak {peak / 1e6:.1f} MB, one pod {size / 1e6:.1f} MB"
     waiting = api.pod("ml", "big-23")
-    assert waiting["status"]["conditions"][0]["reason"] == "PreflightRunning"
+    reason = "PreflightFailedGateOpened" if made == 0 else "PreflightRunning"
+    assert waiting["status"]["conditions"][0]["reason"] == reason
 
 
 def test_one_namespace_starts_at_most_a_bounded_number_of_preflights_a_pass() -> None:

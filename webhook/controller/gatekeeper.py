@@ -466,7 +466,7 @@ def _slim(pod: Mapping[str, Any]) -> Json:
     and epguard's condition. Whatever else the pod holds (a tenant's 1 MiB env) is
     dropped."""
     m = meta(pod)
-    owner = [r for r in as_list(m.get("ownerReferences")) if as_map(r).get("controller")][:1]
+    owner = _controller_owner(m)
     conditions = as_list(as_map(pod.get("status")).get("conditions"))
     return {
         "metadata": _identity(m) | {"ownerReferences": owner},
@@ -474,6 +474,31 @@ def _slim(pod: Mapping[str, Any]) -> Json:
         "status": {"conditions": [c for c in conditions if as_map(c).get("type") == CONDITION]},
         UNGATE: ungate_patch(pod),
     }
+
+
+# An owner's apiVersion, kind, name and uid are each far shorter than this (a name is a
+# DNS subdomain, at most 253 characters); the API server checks no length in an
+# ownerReference, and a 1.4 MB name was kept whole for every waiting pod of a pass.
+_OWNER_FIELD = 320
+
+
+def _controller_owner(m: Mapping[str, Any]) -> list[Json]:
+    """An object's controller ownerReference, as a list of at most one, with only the
+    parts a pass uses (whose Event it posts); none when one is longer than any real
+    owner's."""
+    ref = next((r for r in as_list(m.get("ownerReferences")) if as_map(r).get("controller")), None)
+    r = as_map(ref)
+    kept = {k: r.get(k) for k in ("apiVersion", "kind", "name", "uid")}
+    if not all(isinstance(v, str) and 0 < len(v) <= _OWNER_FIELD for v in kept.values()):
+        return []
+    return [{**kept, "controller": True}]
+
+
+def _as_parent(obj: Mapping[str, Any]) -> Json:
+    """What a pass keeps of an owner it read (for the whole pass: each is read once):
+    its controller ownerReference, the one thing the owner walk reads. A Deployment's
+    1.4 MB template was kept whole, for each owner of a pass."""
+    return {"metadata": {"ownerReferences": _controller_owner(meta(obj))}}
 
 
 def _slim_preflight(pod: Mapping[str, Any]) -> Json:
@@ -854,7 +879,7 @@ class Preflights:
         # Each key and each pod is a few API calls of its own: the pass makes them on
         # PASS_WORKERS threads (one after another, 200 waiting pods took ~30 s to decide
         # on the 2-core node), and reads each owner once (a ReplicaSet's replicas share it).
-        read = _ReadOnce(self.api.read_object)
+        read = _ReadOnce(lambda path: _as_parent(self.api.read_object(path)))
         results: dict[PreflightKey, PreflightResult] = {}
         missing: list[tuple[PreflightKey, Json]] = []
         for key, pod in first.items():

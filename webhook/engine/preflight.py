@@ -84,19 +84,17 @@ def unjudged(images: Iterable[str], verdicts: VerdictLookup, now: dt.datetime) -
 
 @dataclass(frozen=True, slots=True)
 class PreflightKey:
-    """What decides whether, where and how an image is pulled: one preflight per key."""
+    """What decides whether, where and how an image is pulled: one preflight per key.
+
+    The pull secrets are known by ``hash`` alone (it is made from their names): a key
+    kept each name, and a tenant's 50,000 names of ``imagePullSecrets`` (the API server
+    checks no count) were 4 MB in every pass for every pod waiting on it. The preflight
+    takes the names from the pod it is made from (:func:`preflight_pod`)."""
 
     namespace: str
     image: str
-    pull_secrets: tuple[str, ...]
     service_account: str
-
-    @property
-    def hash(self) -> str:
-        text = json.dumps(
-            [self.namespace, self.image, list(self.pull_secrets), self.service_account]
-        )
-        return hashlib.sha256(text.encode()).hexdigest()[:KEY_HEX]
+    hash: str  # names the preflight (pod_name) and tells keys apart
 
     @property
     def pod_name(self) -> str:
@@ -114,12 +112,11 @@ def pull_secrets(spec: Mapping[str, Any]) -> tuple[str, ...]:
 
 def key_of(namespace: str, spec: Mapping[str, Any], image: str) -> PreflightKey:
     account = spec.get("serviceAccountName")
-    return PreflightKey(
-        namespace=namespace,
-        image=image,
-        pull_secrets=pull_secrets(spec),
-        service_account=account if isinstance(account, str) and account else "default",
-    )
+    account = account if isinstance(account, str) and account else "default"
+    # A JSON list, not a joined string: ("a", "b,c") and ("a,b", "c") differ.
+    text = json.dumps([namespace, image, list(pull_secrets(spec)), account])
+    digest = hashlib.sha256(text.encode()).hexdigest()[:KEY_HEX]
+    return PreflightKey(namespace=namespace, image=image, service_account=account, hash=digest)
 
 
 def is_gated(pod: Mapping[str, Any]) -> bool:
@@ -273,8 +270,9 @@ def preflight_pod(
         "containers": [_done_container(settings.injection)],
         "volumes": [injection.volume],
     }
-    if key.pull_secrets:
-        spec["imagePullSecrets"] = [{"name": n} for n in key.pull_secrets]
+    secrets = pull_secrets(worker_spec)  # the key's: key_of made its hash from them
+    if secrets:
+        spec["imagePullSecrets"] = [{"name": n} for n in secrets]
     for field in _PLACEMENT:
         if worker_spec.get(field):
             spec[field] = worker_spec[field]
