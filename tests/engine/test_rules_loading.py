@@ -202,3 +202,32 @@ def test_a_glob_without_a_tag_is_warned_about() -> None:
     (warning,) = rule_warnings(rs)
     assert "rule 'a'" in warning and "names no tag" in warning
     assert "'docker.io/lmsysorg/sglang:*'" in warning
+
+
+def test_a_rules_text_of_too_many_nodes_is_refused_before_it_is_built() -> None:
+    # 600 KB of "[a,a,a,...]" took 23 s and 188 MB to load: a rules review anyone can
+    # post would take the webhook past its 256 Mi. Counted on the parser's events first.
+    import tracemalloc
+
+    from epguard.webhook.engine.rules import MAX_YAML_EVENTS
+
+    bomb = "rules: [" + ",".join(["a"] * 300_000) + "]"
+    tracemalloc.start()
+    try:
+        with pytest.raises(RulesError, match=f"more than {MAX_YAML_EVENTS:,} YAML nodes"):
+            load_rules_text(bomb, "live")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 16_000_000, peak
+
+
+def test_a_large_real_rules_file_still_loads() -> None:
+    rule = (
+        "  - id: rule-{i}\n    image: \"registry.example.com/ml/sglang-{i}:*\"\n"
+        "    reason: \"libcudart.so.12: cannot open shared object file\"\n"
+        "    remedy: \"rebuild on torch 2.9 with mooncake-transfer-engine 0.3.7\"\n"
+    )
+    text = "rules:\n" + "".join(rule.format(i=i) for i in range(5_000))
+    assert len(text) > 800_000  # near the 1 MiB a ConfigMap holds
+    assert len(load_rules_text(text, "live").rules) == 5_000

@@ -17,8 +17,8 @@ admission. The limits, as controller-runtime's admission server would keep them:
   elastic-EP pod takes well under a millisecond; a thread hop would cost more). Larger
   ones go to a lane: a small thread pool with a bounded number of places (running plus
   waiting). Rules-ConfigMap edits have a lane of their own (``RULES_LANE``: one thread,
-  one waiting), whatever their size, because parsing a 1 MiB rules file takes ~1.3 s
-  and ~50 MiB: a flood of them once filled the one shared pool and every large pod
+  one waiting), whatever their size, because parsing a 1 MiB rules file takes up to ~0.4 s
+  and ~20 MiB: a flood of them once filled the one shared pool and every large pod
   review behind them was a 500. Pod and workload reviews have ``PODS_LANE`` (two
   threads: with two cores more would only share the GIL; four waiting). A review that
   finds its lane full is not queued behind work it cannot overtake: it is answered by
@@ -85,8 +85,9 @@ class LaneSpec:
 # waiting, as many as the two threads can judge within the deadline at the worst
 # measured cost of a large pod (~0.3 s under contention).
 PODS_LANE = LaneSpec("pods", threads=2, waiting=4)
-# Rules-ConfigMap edits: one thread (a 1 MiB rules file takes ~1.3 s and ~50 MiB to
-# parse), one waiting; an admin's edit is rare, a stream of them is not an admin.
+# Rules-ConfigMap edits: one thread (a 1 MiB rules file takes up to ~0.4 s and ~20 MiB
+# to parse: engine/rules.py), one waiting; an admin's edit is rare, a stream of them is
+# not an admin.
 RULES_LANE = LaneSpec("rules", threads=1, waiting=1)
 
 
