@@ -142,3 +142,53 @@ def test_list_pages_stops_listing_when_its_caller_stops() -> None:
         assert page[0]["metadata"]["name"] == "p-0"
         break
     assert len(call.calls) == 1
+
+
+def verdict_object(i: int) -> dict[str, Any]:
+    """An ImageVerdict as a probe records it: a whole report, its runs, managedFields."""
+    fields = {f"f:{k}": {} for k in ("image", "digest", "verdict", "reason", "report", "runs")}
+    return {
+        "apiVersion": "epguard.io/v1alpha1",
+        "kind": "ImageVerdict",
+        "metadata": {
+            "name": f"iv-{i}",
+            "resourceVersion": str(100 + i),
+            "managedFields": [{"manager": "epguard-controller", "operation": "Update",
+                               "time": "2026-12-05T10:00:00Z",
+                               "fieldsV1": {"f:spec": fields}}],
+        },
+        "spec": {
+            "image": f"registry.example/ml/sglang:v{i}",
+            "digest": "sha256:" + f"{i:064x}",
+            "verdict": "Unusable",
+            "reason": f"epguard: torch has no mooncake ({i})\nscope: image\nfix: rebuild",
+            "report": "x" * 4000,
+            "runs": [{"pod": f"ml/w-{j}", "at": "2026-12-05T10:00:00Z"} for j in range(20)],
+            "lastSeen": "2026-12-05T10:00:00Z",
+            "pod": "ml/w-0",
+            "fix": "rebuild the image\nsecond line",
+            "count": 20,
+        },
+    }  # fmt: skip
+
+
+def test_a_verdict_listing_keeps_only_what_the_verdict_is_made_of() -> None:
+    # Kept whole, 10,000 verdicts with a report were ~160 MB in the webhook (256 Mi).
+    from epguard.webhook.cluster.kube import list_all
+    from epguard.webhook.engine.verdicts import slim_verdict_object, verdict_from_object
+
+    whole = [verdict_object(i) for i in range(2_000)]
+    for obj in whole[:3]:
+        assert verdict_from_object(slim_verdict_object(obj)) == verdict_from_object(obj)
+    call = pager([whole[n : n + 500] for n in range(0, 2_000, 500)])
+    del whole
+    tracemalloc.start()
+    try:
+        items, version = list_all(call, slim=slim_verdict_object)
+        kept, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(items) == 2_000 and version == "7"
+    assert "report" not in items[0]["spec"] and "runs" not in items[0]["spec"]
+    # ~1 KB a verdict kept, against ~16 KB whole.
+    assert kept < 2_000 * 2_000, kept

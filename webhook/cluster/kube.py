@@ -211,14 +211,20 @@ def snapshot_version(fn: Callable[..., Any], *args: Any, **selectors: Any) -> st
 
 
 def list_all(
-    fn: Callable[..., Any], *args: Any, max_items: int | None = None, **selectors: Any
+    fn: Callable[..., Any],
+    *args: Any,
+    max_items: int | None = None,
+    slim: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None,
+    **selectors: Any,
 ) -> tuple[list[Mapping[str, Any]], str]:
-    """Every object a list call returns, and the snapshot's resourceVersion. Stops after
-    the page that reaches ``max_items``."""
+    """Every object a list call returns (each cut down by ``slim`` as its page is read,
+    so only one page is ever held whole), and the snapshot's resourceVersion. Stops
+    after the page that reaches ``max_items``."""
     items: list[Mapping[str, Any]] = []
     snapshot = ""
     for page, version in list_pages(fn, *args, **selectors):
-        items.extend(page)
+        items.extend(page if slim is None else map(slim, page))
+        del page
         snapshot = version
         if max_items is not None and len(items) >= max_items:
             break

@@ -49,6 +49,7 @@ from epguard.webhook.engine.verdicts import (
     PLURAL,
     VERSION,
     VerdictStore,
+    slim_verdict_object,
     verdict_from_object,
 )
 from epguard.webhook.metrics import Metrics
@@ -478,11 +479,17 @@ def _watching(
     return watching
 
 
-def list_watch_source(fn: Callable[..., Any], *args: Any, **selectors: Any) -> Source:
-    """Every object of a list call, then its events."""
+def list_watch_source(
+    fn: Callable[..., Any],
+    *args: Any,
+    slim: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None,
+    **selectors: Any,
+) -> Source:
+    """Every object of a list call (each cut down by ``slim`` as its page is read), then
+    its events."""
 
     def listing() -> tuple[list[Mapping[str, Any]], str]:
-        return list_all(fn, *args, **selectors)
+        return list_all(fn, *args, slim=slim, **selectors)
 
     return Source(listing, _watching(fn, args, selectors))
 
@@ -514,6 +521,6 @@ def kube_sources(
         ),
         "namespace": list_watch_source(core.list_namespace),
         "imageverdict": list_watch_source(
-            custom.list_cluster_custom_object, GROUP, VERSION, PLURAL
+            custom.list_cluster_custom_object, GROUP, VERSION, PLURAL, slim=slim_verdict_object
         ),
     }
