@@ -410,7 +410,14 @@ def _run(opts, worker):
     if (not req_argv.requested or req_argv.unplaced) and not opts.always:
         why = ("the worker argv does not request --elastic-ep-backend mooncake"
                if worker else "no worker argv given (expected: -- WORKER_ARGV...)")
-        if req_argv.unplaced:
+        if req_argv.unresolved is not None and not req_argv.requested:
+            # Not "does not request": the value is made by the shell as it runs, which
+            # neither admission nor the probe computes.
+            why = ("the value of " + cmdline.BACKEND + " cannot be read before the worker "
+                   "runs (" + req_argv.unresolved[:200] + "): the image was not checked; "
+                   "spell the value literally, or pass it in an environment variable, to "
+                   "have it checked")
+        elif req_argv.unplaced:
             why += (" on a line the probe reads (it names mooncake only in text no command"
                     " places: " + cmdline.UNPLACED + ")")
         elif req_argv.backend is not None:

@@ -134,6 +134,18 @@ def test_a_worker_whose_flag_admission_cannot_see_is_probed_not_gated(
     assert any("the epguard probe checks it when the pod starts" in w for w in said["warnings"])
 
 
+def test_a_value_the_shell_computes_is_said_to_be_read_by_neither(server: RunningServer) -> None:
+    # The probe cannot compute ${V,,} either (it says "the image was not checked"); the
+    # warning promised it would check it.
+    script = "V=MOONCAKE; exec python3 -m sglang.launch_server --elastic-ep-backend ${V,,}"
+    obj = pod([container(image=NEW, command=["bash", "-c", script], args=[])], annotations=INJECT)
+    _, stored = mutate(server, obj)
+    with server.client() as client:
+        said = client.post("/validate", json=review(stored)).json()["response"]
+    warning = next(w for w in said["warnings"] if "${V,,}" in w)
+    assert "the shell computes as it runs is read by neither" in warning
+
+
 def test_a_worker_in_a_native_sidecar_is_probed_first_and_not_gated(
     server: RunningServer,
 ) -> None:

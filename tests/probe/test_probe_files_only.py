@@ -1012,3 +1012,17 @@ def test_torch_library_folders_are_read_once_and_in_bounds(tmp_path: Path) -> No
     r = probe(tmp_path, root, "--files-only", **env)
     assert r.rc == 0 and r.lines[0].startswith(FILES_CLEAR), r.message
     assert f"more than {static.MAX_PROVIDED} libraries" in r.message
+
+
+@pytest.mark.timeout(60)
+def test_a_value_the_shell_makes_as_it_runs_is_said_to_be_unchecked(tmp_path):
+    # ${V,,} is computed by bash at launch; the reader computes no case conversion. The
+    # probe said "does not request mooncake" although the webhook told the tenant the
+    # probe would check it: now it says the image was not checked, and why.
+    root = make_root(tmp_path, PROVEN["cuda-mismatch"])
+    script = "V=MOONCAKE; exec python3 -m sglang.launch_server --elastic-ep-backend ${V,,}"
+    r = probe(tmp_path, root, "--files-only", worker=["bash", "-c", script])
+    assert r.rc == 0 and r.report["verdict"] == "not-requested"
+    assert "cannot be read before the worker runs (${V,,})" in r.lines[0]
+    assert "the image was not checked" in r.lines[0]
+    assert "does not request" not in r.lines[0]

@@ -398,7 +398,7 @@ async def read_body(scope: Scope, receive: Receive, limit: int, budget: Budget) 
             raise BadReview(400, "bad_length", "Content-Length is not a number")
         # int() refuses more than 4,300 digits (a 500 once): a length that long, leading
         # zeros aside, is over any limit.
-        digits = length.lstrip(b"0")
+        digits = length.lstrip(b"0") or b"0"
         declared = int(digits) if len(digits) <= 18 else limit + 1
         if declared > limit:
             over = "too_large"

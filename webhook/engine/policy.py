@@ -215,12 +215,20 @@ def _template_findings(
             else "; add the epguard probe (enable injection) to have it checked when the pod starts"
         )
         if report.unresolved_value is not None:
+            # The probe reads it again with the pod's variables; what the shell computes
+            # as it runs (${V,,}, $(printf ...)) it cannot read either, and says so.
+            computed = (
+                "; a value the shell computes as it runs is read by neither, so spell it "
+                "literally to have it checked"
+                if probe_present
+                else ""
+            )
             findings.append(
                 Finding(
                     "warn",
                     f"{subject} passes {FLAG} {report.unresolved_value}, whose value cannot be "
                     "resolved at admission (it comes from a Secret, ConfigMap, field or shell "
-                    f"variable), so epguard could not judge it here{then}",
+                    f"variable), so epguard could not judge it here{then}{computed}",
                 )
             )
         hidden = report.config_file is not None and not report.worker
