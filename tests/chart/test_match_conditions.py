@@ -41,6 +41,11 @@ def template(spec: Obj) -> Obj:
     return {"metadata": {"labels": {"app": "x"}}, "spec": spec}
 
 
+def rbg(*roles: Obj, version: str = "v1alpha1", **spec: Any) -> Obj:
+    return {"apiVersion": f"workloads.x-k8s.io/{version}", "kind": "RoleBasedGroup",
+            "metadata": {"name": "g"}, "spec": {"roles": list(roles), **spec}}  # fmt: skip
+
+
 def pod(spec: Obj) -> Obj:
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, "spec": spec}
 
@@ -207,6 +212,81 @@ CASES: list[tuple[str, str, Obj, bool]] = [
     ("leaderworkersets", "worker only, with flag", lws(None, pod_spec(c(FLAG_ARGS))), True),
     ("leaderworkersets", "worker only, no flag", lws(None, pod_spec(c(PLAIN_ARGS))), False),
     ("leaderworkersets", "no templates", lws(None, None), False),
+    # RoleBasedGroup: where sgl-project/rbg puts a launch line besides roles[].template
+    # (v1alpha1 leaderWorkerSet patches, templateRef + templatePatch, components;
+    # v1alpha2 customComponentsPattern), each once missed by the engine and the CEL.
+    (
+        "rolebasedgroups",
+        "v1alpha1 patchLeaderTemplate",
+        rbg(
+            {
+                "name": "p",
+                "template": template(pod_spec(c(PLAIN_ARGS))),
+                "leaderWorkerSet": {
+                    "size": 2,
+                    "patchLeaderTemplate": {"spec": {"containers": [c(FLAG_ARGS)]}},
+                },
+            }
+        ),
+        True,
+    ),
+    (
+        "rolebasedgroups",
+        "v1alpha1 templateRef and templatePatch",
+        rbg(
+            {
+                "name": "p",
+                "templateRef": {"name": "base"},
+                "templatePatch": {"spec": {"containers": [c(FLAG_ARGS)]}},
+            },
+            roleTemplates=[{"name": "base", "template": template(pod_spec(c(PLAIN_ARGS)))}],
+        ),
+        True,
+    ),
+    (
+        "rolebasedgroups",
+        "v1alpha1 components",
+        rbg(
+            {
+                "name": "p",
+                "components": [{"name": "e", "template": template(pod_spec(c(FLAG_ARGS)))}],
+            }
+        ),
+        True,
+    ),
+    (
+        "rolebasedgroups-v1alpha2",
+        "v1alpha2 customComponentsPattern",
+        rbg(
+            {
+                "name": "p",
+                "customComponentsPattern": {
+                    "components": [
+                        {"name": "e", "size": 1, "template": template(pod_spec(c(FLAG_ARGS)))}
+                    ]
+                },
+            },
+            version="v1alpha2",
+        ),
+        True,
+    ),
+    (
+        "rolebasedgroups",
+        "every placement, no flag",
+        rbg(
+            {
+                "name": "p",
+                "template": template(pod_spec(c(PLAIN_ARGS))),
+                "leaderWorkerSet": {
+                    "patchLeaderTemplate": {"spec": {"containers": [c(PLAIN_ARGS)]}}
+                },
+                "customComponentsPattern": {
+                    "components": [{"name": "e", "template": template(pod_spec(c(PLAIN_ARGS)))}]
+                },
+            }
+        ),
+        False,
+    ),
     (
         "dynamographdeployments",
         "v1alpha1 mainContainer args",
@@ -294,6 +374,7 @@ def test_there_is_one_expression_per_shape() -> None:
         "leaderworkersets",
         "dynamographdeployments",
         "rolebasedgroups",
+        "rolebasedgroups-v1alpha2",
         "disaggregatedsets",
         "servingruntimes",
         "clusterservingruntimes",
@@ -408,18 +489,21 @@ def test_kubectl_debug_with_the_flag_is_sent_through_pods_ephemeralcontainers() 
 
 def _hook_for(doc: Obj) -> str | None:
     group = doc["apiVersion"].split("/")[0] if "/" in doc["apiVersion"] else ""
-    for name, (groups, resources) in HOOK_RULES.items():
-        if group in groups and doc["kind"].lower() + "s" in resources:
+    version = doc["apiVersion"].rpartition("/")[2]
+    for name, (groups, resources, versions) in HOOK_RULES.items():
+        known = version in versions or "*" in versions
+        if group in groups and doc["kind"].lower() + "s" in resources and known:
             return name
     return None
 
 
-def _rules() -> dict[str, tuple[set[str], set[str]]]:
+def _rules() -> dict[str, tuple[set[str], set[str], set[str]]]:
     vwc = next(o for o in render().objects if o["kind"] == "ValidatingWebhookConfiguration")
     return {
         w["name"].split(".")[0]: (
             {g for r in w["rules"] for g in r["apiGroups"]},
             {res for r in w["rules"] for res in r["resources"]},
+            {v for r in w["rules"] for v in r["apiVersions"]},
         )
         for w in vwc["webhooks"]
     }

@@ -56,16 +56,26 @@ def expression(hook: str) -> str:
     return str(cond["expression"])
 
 
-def hook_for(group: str, kind: str) -> str | None:
-    """The webhook whose rules send objects of this kind (as the API server routes them)."""
+def hook_for(group: str, kind: str, version: str) -> str | None:
+    """The webhook whose rules send objects of this kind and version (as the API server
+    routes them: a RoleBasedGroup's two versions have a webhook each)."""
     resource = kind.lower() + "s"
     found = [
         name
         for name, w in _hooks().items()
-        if any(group in r["apiGroups"] and resource in r["resources"] for r in w["rules"])
+        if any(
+            group in r["apiGroups"]
+            and resource in r["resources"]
+            and (version in r["apiVersions"] or "*" in r["apiVersions"])
+            for r in w["rules"]
+        )
     ]
     assert len(found) <= 1, found
     return found[0] if found else None
+
+
+def version_of(api_version: Any) -> str:
+    return str(api_version).rpartition("/")[2]
 
 
 @functools.cache
@@ -81,7 +91,7 @@ def registry() -> KindRegistry:
 
 def sent(obj: Obj) -> bool:
     group, kind = group_of(obj.get("apiVersion")), obj["kind"]
-    hook = hook_for(group, kind)
+    hook = hook_for(group, kind, version_of(obj.get("apiVersion")))
     assert hook is not None, f"no webhook for {group}/{kind}"
     return evaluate(expression(hook), obj)
 
@@ -145,7 +155,7 @@ def corpus() -> list[tuple[str, Obj]]:
         for i, doc in enumerate(m.documents):
             if isinstance(doc, dict) and "kind" in doc:
                 group = group_of(doc.get("apiVersion"))
-                if hook_for(group, doc["kind"]) is not None:
+                if hook_for(group, doc["kind"], version_of(doc.get("apiVersion"))) is not None:
                     out.append((f"{m.file}[{i}]", doc))
     out += [
         ("hostile nested scripts", hostile_pods.nested_script_pod()),
@@ -278,13 +288,30 @@ READERS: list[tuple[str, str, list[tuple[str, str]]]] = [
         [("spec.components[].podTemplate", "template")],
     ),
     (
-        "workloads.x-k8s.io/v1alpha2",
+        "workloads.x-k8s.io/v1alpha1",
         "RoleBasedGroup",
         [
             *(
                 (f"spec.roles[].{p}", "template")
                 for p in (
                     "template",
+                    "templatePatch",
+                    "leaderWorkerSet.patchLeaderTemplate",
+                    "leaderWorkerSet.patchWorkerTemplate",
+                    "components[].template",
+                )
+            ),
+            ("spec.roles[].engineRuntimes[]", "podSpec"),
+        ],
+    ),
+    (
+        "workloads.x-k8s.io/v1alpha2",
+        "RoleBasedGroup",
+        [
+            *(
+                (f"spec.roles[].{p}", "template")
+                for p in (
+                    "customComponentsPattern.components[].template",
                     "standalonePattern.template",
                     "standalonePattern.templateRef.patch",
                     "leaderWorkerPattern.template",
@@ -331,7 +358,7 @@ def place(api: str, kind: str, path: str, shape: str, container: Obj, first: boo
 
 
 def test_every_kind_the_chart_sends_has_places() -> None:
-    kinds = {hook_for(group_of(api), kind) for api, kind, _, _ in PLACES}
+    kinds = {hook_for(group_of(api), kind, version_of(api)) for api, kind, _, _ in PLACES}
     assert kinds == set(_hooks())
 
 

@@ -188,6 +188,11 @@ json_values = st.recursive(
                     "containers",
                     "roleTemplates",
                     "templateRef",
+                    "templatePatch",
+                    "leaderWorkerSet",
+                    "patchLeaderTemplate",
+                    "components",
+                    "customComponentsPattern",
                     "patch",
                     "standalonePattern",
                     "runner",
@@ -262,3 +267,76 @@ def test_a_safe_side_reading_of_the_argv_alone_still_reads_the_env() -> None:
     }  # fmt: skip
     report = analyse_container(c)
     assert report.worker and not report.unplaced
+
+
+def _rbg_workers(spec: dict[str, object]) -> list[tuple[str, str | None]]:
+    """(where, image) of each container of a RoleBasedGroup that asks for mooncake."""
+    from epguard.webhook.engine.workloads import BUILTIN
+
+    views = BUILTIN.pod_templates("workloads.x-k8s.io", "RoleBasedGroup", {"spec": spec})
+    assert views is not None
+    return [
+        (v.where, c.image)
+        for v in views
+        for c in v.containers
+        if analyse_container(c.raw).requests_mooncake
+    ]
+
+
+def test_every_rolebasedgroup_placement_of_a_launch_line_is_read() -> None:
+    # sgl-project/rbg: v1alpha1 leaderWorkerSet patches over a templateRef'd role template
+    # with a templatePatch (three layers, strategic merge), components; v1alpha2
+    # customComponentsPattern. Each was read by neither the engine nor the CEL.
+    image = "lmsysorg/sglang:v0.5.21"
+    launch = ["python3", "-m", "sglang.launch_server", "--elastic-ep-backend", "$(EP)"]
+    base = {
+        "spec": {
+            "containers": [
+                {"name": "sglang", "image": image, "env": [{"name": "EP", "value": "mooncake"}]}
+            ]
+        }
+    }
+    patch = {
+        "spec": {
+            "containers": [
+                {"name": "sglang", "command": launch, "env": [{"name": "OTHER", "value": "x"}]}
+            ]
+        }
+    }
+    v1 = {
+        "roleTemplates": [{"name": "base", "template": base}],
+        "roles": [
+            {
+                "name": "prefill",
+                "templateRef": {"name": "base"},
+                "leaderWorkerSet": {"size": 2, "patchLeaderTemplate": patch},
+            }
+        ],
+    }
+    # The template's env survives the patch's own env (merged by name): $(EP) is known.
+    assert _rbg_workers(v1) == [("spec.roles[prefill].leaderWorkerSet.patchLeaderTemplate", image)]
+    v1_patch = {
+        "roleTemplates": [{"name": "base", "template": base}],
+        "roles": [{"name": "decode", "templateRef": {"name": "base"}, "templatePatch": patch}],
+    }
+    assert _rbg_workers(v1_patch) == [("spec.roles[decode].templateRef", image)]
+    whole = {
+        "spec": {
+            "containers": [
+                {"name": "e", "image": image, "args": ["--elastic-ep-backend", "mooncake"]}
+            ]
+        }
+    }
+    components = {"roles": [{"name": "r", "components": [{"name": "e", "template": whole}]}]}
+    assert _rbg_workers(components) == [("spec.roles[r].components[0]", image)]
+    custom = {
+        "roles": [
+            {
+                "name": "r",
+                "customComponentsPattern": {
+                    "components": [{"name": "e", "size": 1, "template": whole}]
+                },
+            }
+        ]
+    }
+    assert _rbg_workers(custom) == [("spec.roles[r].customComponentsPattern.components[0]", image)]

@@ -8,7 +8,7 @@ here tolerates that: a field of the wrong type is treated as absent.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -335,20 +335,38 @@ def _dynamo_templates(spec: Mapping[str, Any]) -> Iterator[PodTemplateView]:
             yield view
 
 
-def _merge_containers(base: Any, patch: Any) -> list[Any]:
-    """Containers of ``patch`` laid over ``base`` by name, as RBG's templateRef does (a
-    strategic merge: same-named containers merge field by field, others are added)."""
+def _by_name(
+    base: Any, patch: Any, merge: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]
+) -> list[Any]:
+    """The items of ``patch`` laid over ``base`` by name, as a strategic merge does
+    (same-named items merged by ``merge``, others added in order)."""
     merged: dict[str, dict[str, Any]] = {}
     order: list[str] = []
-    for i, c in enumerate([*as_list(base), *as_list(patch)]):
-        c = as_map(c)
-        name = c.get("name")
+    for i, item in enumerate([*as_list(base), *as_list(patch)]):
+        item = as_map(item)
+        name = item.get("name")
         key = name if isinstance(name, str) and name else f"#{i}"
         if key not in merged:
             order.append(key)
             merged[key] = {}
-        merged[key] = {**merged[key], **c}
+        merged[key] = merge(merged[key], item)
     return [merged[k] for k in order]
+
+
+def _merge_container(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    """A container laid over another field by field; its ``env`` merged by name (a
+    patch with its own env kept none of the template's, so a $(VAR) the template set
+    was unknown)."""
+    out = {**base, **patch}
+    if "env" in base and "env" in patch:
+        out["env"] = _by_name(base["env"], patch["env"], lambda b, p: {**b, **p})
+    return out
+
+
+def _merge_containers(base: Any, patch: Any) -> list[Any]:
+    """Containers of ``patch`` laid over ``base`` by name, as RBG's templateRef does (a
+    strategic merge: same-named containers merge field by field, others are added)."""
+    return _by_name(base, patch, _merge_container)
 
 
 def _patched(base: Any, patch: Any) -> dict[str, Any]:
@@ -364,35 +382,58 @@ def _patched(base: Any, patch: Any) -> dict[str, Any]:
 
 
 def _rbg_templates(spec: Mapping[str, Any]) -> Iterator[PodTemplateView | None]:
-    """RoleBasedGroup (SGLang's own): v1alpha1 ``roles[].template`` (+ engineRuntimes
-    sidecars); v1alpha2 ``roles[].standalonePattern`` / ``leaderWorkerPattern`` with a
-    ``template`` or a ``templateRef`` to ``roleTemplates[]`` plus a ``patch``, and
-    leader/worker patches on top. The image often sits in the role template and the
-    command in the patch, so they are merged before judging."""
+    """RoleBasedGroup (SGLang's own). v1alpha1: ``roles[].template``, or a
+    ``templateRef`` to ``roleTemplates[]`` with the role's ``templatePatch``; then
+    ``leaderWorkerSet.patchLeaderTemplate`` / ``patchWorkerTemplate`` on top;
+    ``components[].template``; engineRuntimes sidecars. v1alpha2:
+    ``standalonePattern`` / ``leaderWorkerPattern`` with a ``template`` or a
+    ``templateRef`` plus its ``patch``, and leader/worker patches on top;
+    ``customComponentsPattern.components[].template``. The image often sits in the role
+    template and the command in a patch, so they are merged before judging."""
     shared: dict[str, Any] = {}
     for t in as_list(spec.get("roleTemplates")):
         name = as_map(t).get("name")
         if isinstance(name, str):
             shared[name] = as_map(t).get("template")
+
+    def referenced(holder: Mapping[str, Any], patch: Any) -> Any:
+        ref_name = as_map(holder.get("templateRef")).get("name")
+        return _patched(shared.get(ref_name) if isinstance(ref_name, str) else None, patch)
+
     for i, role in enumerate(as_list(spec.get("roles"))):
         r = as_map(role)
         label = r.get("name") if isinstance(r.get("name"), str) else str(i)
         where = f"spec.roles[{label}]"
-        yield _template(f"{where}.template", r.get("template"))
+        base: Any = r.get("template")
+        yield _template(f"{where}.template", base)
+        if r.get("templateRef") or r.get("templatePatch"):
+            base = referenced(r, r.get("templatePatch"))
+            yield _template(f"{where}.templateRef", base)
+        lws = as_map(r.get("leaderWorkerSet"))
+        for side in ("patchLeaderTemplate", "patchWorkerTemplate"):
+            if side in lws:
+                yield _template(f"{where}.leaderWorkerSet.{side}", _patched(base, lws.get(side)))
         for j, runtime in enumerate(as_list(r.get("engineRuntimes"))):
             containers = tuple(_containers(as_map(runtime)))
             if containers:
                 yield PodTemplateView(f"{where}.engineRuntimes[{j}]", {}, containers)
+        components = [
+            (f"{where}.components", as_list(r.get("components"))),
+            (
+                f"{where}.customComponentsPattern.components",
+                as_list(as_map(r.get("customComponentsPattern")).get("components")),
+            ),
+        ]
+        for at, items in components:
+            for j, component in enumerate(items):
+                yield _template(f"{at}[{j}]", as_map(component).get("template"))
         for pattern in ("standalonePattern", "leaderWorkerPattern"):
             pat = as_map(r.get(pattern))
             if not pat:
                 continue
-            base: Any = pat.get("template")
-            ref = as_map(pat.get("templateRef"))
-            if ref:
-                ref_name = ref.get("name")
-                template = shared.get(ref_name) if isinstance(ref_name, str) else None
-                base = _patched(template, ref.get("patch"))
+            base = pat.get("template")
+            if pat.get("templateRef"):
+                base = referenced(pat, as_map(pat.get("templateRef")).get("patch"))
             yield _template(f"{where}.{pattern}", base)
             for side in ("leaderTemplatePatch", "workerTemplatePatch"):
                 if side in pat:
