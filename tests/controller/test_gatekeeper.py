@@ -466,6 +466,25 @@ def test_a_preflight_removed_before_it_answers_is_not_remade_past_the_deadline()
     assert "removed before it answered" in event[4]
 
 
+def test_a_just_rotated_key_does_not_sign_preflights_yet() -> None:
+    # A webhook replica whose watch has not read the new key yet refused or re-injected a
+    # preflight signed with it, and under onError=open its pods were opened unjudged.
+    pf, api, clock, _ = setup()
+    older = new_keyring(NOW - dt.timedelta(days=30))
+    pf.keys = Keys(rotated(older, NOW))  # type: ignore[assignment]
+    api.add(gated_pod("w-0"))
+    pf.run_once()
+    (first,) = api.preflights()
+    assert verify(older, "ml", first).key_id == older.current.id
+    assert verify(older, "ml", first).ok  # a replica holding only the older keys verifies it
+    del api.pods[("ml", first["metadata"]["name"])]
+    clock.now += dt.timedelta(seconds=121)
+    api.add(gated_pod("w-1", image="r.example/sglang:other"))
+    pf.run_once()
+    newest = pf.keys.ring.current  # type: ignore[attr-defined]
+    assert any(verify(pf.keys.ring, "ml", p).key_id == newest.id for p in api.preflights())  # type: ignore[attr-defined]
+
+
 def test_an_ungate_that_lost_a_race_changes_nothing() -> None:
     pf, api, _, _ = setup()
     api.add(gated_pod("w-0"))

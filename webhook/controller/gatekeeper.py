@@ -101,6 +101,10 @@ from epguard.webhook.engine.workloads import as_list, as_map, as_mapping, descri
 
 log = logging.getLogger("epguard.controller.gatekeeper")
 
+# A key rotated less than this long ago does not sign preflights yet (the webhook's
+# watch of the key Secret takes well under a second; a replica whose watch reconnects
+# after a dropped connection backs off up to 30 s).
+KEY_SETTLE_SECONDS = 120.0
 # A pass runs at least this often (a preflight's deadline, a retained one's expiry), and
 # at once after a pod event that may change something.
 INTERVAL_SECONDS = 5.0
@@ -1029,7 +1033,9 @@ class Preflights:
             return PreflightResult("failed", changed[1])
         try:
             # Signed now, not at the start of the pass: /validate refuses a stale signature.
-            stored = self.api.create_pod(key.namespace, signed(body, ring.current, self.clock()))
+            now = self.clock()
+            signer = ring.settled(now, KEY_SETTLE_SECONDS)
+            stored = self.api.create_pod(key.namespace, signed(body, signer, now))
             done.created.append(describe("Pod", key.namespace, key.pod_name))
             if not _made_by_epguard(stored, ring):
                 # An admission step changed what epguard signed (a LimitRange's default

@@ -138,6 +138,17 @@ class Keyring:
     def find(self, key_id: str) -> Key | None:
         return next((k for k in self.keys if k.id == key_id), None)
 
+    def settled(self, now: dt.datetime, seconds: float) -> Key:
+        """The newest key made at least ``seconds`` before ``now``, else the newest: what
+        the controller signs its preflights with, so that a webhook replica whose watch
+        has not yet read a just-rotated key still verifies them (one that could not
+        refused or re-injected them, and under onError=open their pods were opened)."""
+        for key in self.keys:
+            made = parse_stamp(key.created) if key.created else None
+            if made is not None and (now - made).total_seconds() >= seconds:
+                return key
+        return self.current
+
     def to_json(self) -> str:
         return json.dumps(
             {
