@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fail in the first second, not after an hour, when the disk cannot hold the run.
 # What a run writes (measured on the 2-core machine; the README's `make tools` table):
-#   a fresh cache, ~56 GiB: torch environments 7 GiB, worker and scan-matrix archives
+#   a fresh cache, ~60 GiB: torch environments 7 GiB, worker and scan-matrix archives
 #   19 GiB, containerd's unpacked snapshots 13 GiB (it discards pulled layers' blobs),
 #   buildah 1 GiB, Go build cache 4 GiB, the node registry's images 8 GiB (the
 #   workers' blobs, stored once, and the 1 GiB model);

@@ -5,11 +5,12 @@
 # model image), the CNI plugins (pod network: bridge,
 # host-local), iptables (kube-proxy), buildah (builds the Dockerfile, no daemon),
 # mmdebstrap (base image rootfs from the Debian mirror), gcc (the pause image),
-# busybox-static (a small image for the node's own tests).
+# busybox-static (a small image for the node's own tests), iproute2 (devcluster/node.py
+# reads the node's address and routes with `ip -j`).
 # Installed with apt-get from the configured Debian mirror, nothing else; a no-op when
 # all are present. Needs root (or sudo).
 set -euo pipefail
-pkgs=(runc docker-registry containernetworking-plugins iptables buildah mmdebstrap gcc libc6-dev busybox-static)
+pkgs=(runc docker-registry containernetworking-plugins iptables iproute2 buildah mmdebstrap gcc libc6-dev busybox-static)
 missing=()
 for p in "${pkgs[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")

@@ -14,7 +14,7 @@ cache="${EPGUARD_CACHE:-$HOME/.cache/epguard}"
 bin="$cache/bin"
 mkdir -p "$bin"
 
-command -v go >/dev/null 2>&1 || { echo "10-kube: 'go' not found on PATH (need Go >= 1.26)" >&2; exit 1; }
+command -v go >/dev/null 2>&1 || { echo "10-kube: 'go' not found on PATH (need Go >= 1.26.6: devcluster/go/containerd/go.mod)" >&2; exit 1; }
 
 # -mod=mod: the modules carry no vendor/ tree; go.sum pins every download.
 # GOTOOLCHAIN=local: never try to download a toolchain (only the proxy's modules are reachable).
