@@ -225,6 +225,8 @@ def server_args(words):
         # image entrypoint's (or a later command's) arguments, every word of them.
         return "entrypoint", list(words)
     prog = os.path.basename(words[0])
+    if prog in shell.REMOTE_LAUNCHERS:
+        return prog, []
     if prog == "sglang" and len(words) > 1 and words[1] == "serve":
         return "sglang serve", words[2:]
     if _PYTHON.match(prog):

@@ -676,6 +676,8 @@ def _collect(words_, where, env, budget, depth, out):
         budget.spend(sum(len(w) for i, w in enumerate(raw) if i != script_at))
     if at is None:
         out.append(Command(words_, where))
+        if words_ and os.path.basename(words_[0]) in REMOTE_LAUNCHERS:
+            return  # what it runs, it runs elsewhere
         # A program we do not know may run the rest of its argv (gosu, su-exec, sudo,
         # chroot, uv run, mpirun, …): the first shell -c or launcher behind it is read
         # too. Only a few candidates are tried, so a line of a thousand "su" stays cheap.
@@ -700,6 +702,11 @@ def _collect(words_, where, env, budget, depth, out):
         _collect(cmd, "sh -c script", local, budget, depth + 1, out)
 
 
+# Programs that run the words after them in another pod, host or container: the SGLang
+# they start is not this image's, so none of their words is this container's launch line
+# (`kubectl exec sglang-0 -- python3 -m sglang.launch_server ...` in a kubectl image was
+# read as a worker, and the probe injected into an image with no python3).
+REMOTE_LAUNCHERS = frozenset(("kubectl", "oc", "ssh", "docker", "podman", "nerdctl", "crictl"))
 _LAUNCH = re.compile(r"python(?:[0-9](?:\.[0-9]+)?)?|sglang")
 _STARTERS = SHELLS | {"busybox", "su", "runuser"}
 

@@ -789,3 +789,30 @@ def test_values_put_in_to_choose_a_contested_name_are_bounded() -> None:
     finally:
         tracemalloc.stop()
     assert peak < 32 * 2**20, f"{peak / 2**20:.0f} MiB"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["kubectl", "exec", "sglang-0", "--", "python3", "-m", "sglang.launch_server",
+         "--elastic-ep-backend", "mooncake"],
+        ["sh", "-c", "exec kubectl exec -it sglang-0 -- python3 -m sglang.launch_server "
+                     "--elastic-ep-backend mooncake"],
+        ["bash", "-c", "ssh gpu-1 python3 -m sglang.launch_server --elastic-ep-backend mooncake"],
+        ["docker", "run", "lmsysorg/sglang", "python3", "-m", "sglang.launch_server",
+         "--elastic-ep-backend", "mooncake"],
+    ],
+    ids=["kubectl-exec", "kubectl-in-sh", "ssh", "docker-run"],
+)  # fmt: skip
+def test_a_launch_line_run_elsewhere_is_not_this_containers(argv: list[str]) -> None:
+    # Read as a worker, the kubectl image had the probe injected (python3 in an image
+    # with none) and its Job never ran.
+    r = cmdline.read(argv)
+    assert r.launcher != "sglang.launch_server" and r.where != "argv"
+    assert not (r.requested and not r.unplaced)  # no probe: at most rules and verdicts
+
+
+def test_a_launcher_this_container_runs_is_still_read() -> None:
+    r = cmdline.read(["gosu", "sglang", "python3", "-m", "sglang.launch_server",
+                      "--elastic-ep-backend", "mooncake"])  # fmt: skip
+    assert r.requested and r.where == "argv" and r.launcher == "sglang.launch_server"
