@@ -340,3 +340,15 @@ def test_every_rolebasedgroup_placement_of_a_launch_line_is_read() -> None:
         ]
     }
     assert _rbg_workers(custom) == [("spec.roles[r].customComponentsPattern.components[0]", image)]
+
+
+def test_an_env_entry_without_a_value_is_the_empty_string() -> None:
+    # The API server stores `value: ""` without the field (omitempty); the kubelet sets
+    # the variable to "". Unknown here, the line was unresolved (a warning) while
+    # `epguard check` of the manifest as written refused it.
+    args = ["python3", "-m", "sglang.launch_server", "--elastic-ep-backend", "moon$(E)cake"]
+    stored = analyse_container({"name": "w", "image": "x", "args": args, "env": [{"name": "E"}]})
+    assert stored.requests_mooncake and stored.unresolved_value is None
+    secret = {"name": "E", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}
+    hidden = analyse_container({"name": "w", "image": "x", "args": args, "env": [secret]})
+    assert not hidden.requests_mooncake and hidden.unresolved_value is not None

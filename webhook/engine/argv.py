@@ -117,9 +117,14 @@ def env_mapping(env: Any, spend: _Spend | None = None) -> dict[str, str]:
         value = item.get("value")
         if not isinstance(name, str) or not name:
             continue
-        if value is None or item.get("valueFrom") is not None:
+        if item.get("valueFrom") is not None:
             mapping.pop(name, None)
             continue
+        if value is None:
+            # `value: ""` is stored without the field (omitempty): the kubelet sets the
+            # variable to "". Unknown, it made `moon$(E)cake` unresolved here while
+            # `epguard check` of the same manifest (value "") refused it.
+            value = ""
         mapping[name] = expand(value if isinstance(value, str) else str(value), mapping, spend)
     return mapping
 
