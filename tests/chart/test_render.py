@@ -359,6 +359,20 @@ class TestValidatingWebhookConfiguration:
         assert {(k.group, k.resource) for k in PATH_KINDS} <= sent
         assert ("workloads.x-k8s.io", "rolebasedgroups") in sent
 
+    def test_each_rolebasedgroup_version_is_sent_as_it_is_written(
+        self, defaults: Rendered
+    ) -> None:
+        # Under matchPolicy Equivalent the API server converts an object to a webhook's
+        # version before its CEL, through RBG's conversion webhook; with a webhook per
+        # version that made every RoleBasedGroup write depend on RBG's webhook.
+        hooks = defaults.one("ValidatingWebhookConfiguration")["webhooks"]
+        rbg = [w for w in hooks if "rolebasedgroups" in w["rules"][0]["resources"]]
+        versions = sorted(v for w in rbg for v in w["rules"][0]["apiVersions"])
+        assert versions == ["v1alpha1", "v1alpha2"] and len(rbg) == 2
+        assert {w["matchPolicy"] for w in rbg} == {"Exact"}
+        others = {w["matchPolicy"] for w in hooks if w not in rbg}
+        assert others == {"Equivalent"}
+
 
 class TestTLS:
     def test_self_managed_tls_runs_the_controller_with_cert_management(

@@ -113,6 +113,15 @@ def test_the_controller_may_create_a_preflight_pod_as_engine_preflight_builds_it
     assert r.returncode == 0, output(r)
 
 
+def test_the_controller_may_give_the_preflight_the_workers_literal_env(cp: ControlPlane) -> None:
+    # What admission read the flag's value from ($(EP), $EP in a script) the preflight's
+    # probe must read too; a Secret, ConfigMap or field it gets none of.
+    pod = preflight()
+    pod["spec"]["initContainers"][1]["env"] = [{"name": "EPGUARD_POD_EP", "value": "mooncake"}]
+    r = create(cp, pod)
+    assert r.returncode == 0, output(r)
+
+
 @pytest.mark.parametrize(
     ("change", "why"),
     [
@@ -132,7 +141,8 @@ def test_the_controller_may_create_a_preflight_pod_as_engine_preflight_builds_it
         (lambda p: p["spec"]["initContainers"][1]["command"].__setitem__(5, "--level"),
          "and nothing else"),
         (lambda p: p["spec"]["initContainers"][1].update(env=[{"name": "T", "valueFrom": {
-            "secretKeyRef": {"name": "other-team", "key": "token"}}}]), "has no env"),
+            "secretKeyRef": {"name": "other-team", "key": "token"}}}]),
+         "no env from a Secret"),
         (lambda p: p["spec"]["containers"][0].update(ports=[{"containerPort": 80,
                                                             "hostPort": 80}]), "no port"),
         (lambda p: p["spec"].update(nodeName="node-0"), "no chosen node"),

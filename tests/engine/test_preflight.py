@@ -557,6 +557,26 @@ def test_the_preflight_carries_no_env_and_sets_every_limit() -> None:
         assert {"cpu", "memory"} <= set(c["resources"]["limits"]), c["name"]
 
 
+def test_the_preflight_reads_a_flag_value_from_the_workers_literal_env() -> None:
+    # Admission gated `--elastic-ep-backend $(EP)` with EP=mooncake; the preflight's probe
+    # got no env, read "$(EPGUARD_POD_EP)", said "not requested" and the pods were
+    # released as judged. It gets the literal values, never a Secret's.
+    from epguard.probe import cmdline
+
+    spec = worker_spec()
+    worker = spec["containers"][0]
+    worker["args"] = ["--model-path", "/m", "--elastic-ep-backend", "$(EP)"]
+    worker["env"] = [*worker["env"], {"name": "EP", "value": "mooncake"}]
+    pod = preflight_pod("team-a", spec, key_of("team-a", spec, IMAGE),
+                        PreflightSettings(InjectionSettings("r.example/epguard:1")))  # fmt: skip
+    assert pod is not None
+    probe = pod["spec"]["initContainers"][1]
+    assert probe["env"] == [{"name": "EPGUARD_POD_EP", "value": "mooncake"}]
+    argv = probe["command"][probe["command"].index("--") + 1 :]
+    expanded = [a.replace("$(EPGUARD_POD_EP)", "mooncake") for a in argv]  # the kubelet's
+    assert cmdline.read(expanded).requested
+
+
 def test_a_mesh_is_asked_not_to_inject_into_a_preflight() -> None:
     annotations = preflight()["metadata"]["annotations"]
     assert annotations["sidecar.istio.io/inject"] == "false"

@@ -358,7 +358,9 @@ def injection_for(
     # /validate refuses it on a pod epguard did not sign. Nor epguard's gate: a pod a
     # keyed replica gated, reinvoked here without a key, would wait where nothing looks.
     signed_meta = metadata_patch(obj.get("metadata"), signature is not None, signature)
-    if signature is None:
+    if signature is None or bound:
+        # A bound pod reinvoked here (a later webhook set spec.nodeName after epguard
+        # gated it) loses epguard's gate, or the API server refuses it.
         gate = ungate_patch(obj)
     patch = [*injection.patch, *gate, *signed_meta]
     return InjectionResult("gated" if gate else "injected", patch, warnings, injection.removed)

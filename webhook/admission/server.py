@@ -61,7 +61,7 @@ COMPONENT = "epguard-webhook"  # the source of the Events the webhook posts
 # How long a replica waits, unready, for its watches' first listings (the probe-signing
 # Secret, namespaces, verdicts, rules: milliseconds to a few seconds when it can read
 # them) before it serves without what is missing.
-LIST_WAIT_SECONDS = 30.0
+LIST_WAIT_SECONDS = 60.0
 
 
 def _file_digest(path: str) -> bytes | None:

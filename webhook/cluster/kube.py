@@ -180,9 +180,15 @@ def list_pages(
     """Each page of a list call (``LIST_PAGE`` objects), decoded as raw JSON (no model
     round trip), with the snapshot's resourceVersion."""
     for raws, version in _pages(fn, args, LIST_PAGE, selectors):
-        page = [json.loads(bytes(r)) for r in raws]
-        raws.clear()
-        yield [i for i in page if isinstance(i, Mapping)], version
+        # Yielded straight from the call, never named here: a generator suspended at
+        # its yield keeps its locals, and so the previous page while the next is read.
+        yield _decoded(raws), version
+
+
+def _decoded(raws: list[msgspec.Raw]) -> list[Mapping[str, Any]]:
+    page = [json.loads(bytes(r)) for r in raws]
+    raws.clear()
+    return [i for i in page if isinstance(i, Mapping)]
 
 
 def list_items(

@@ -384,8 +384,11 @@ async def run_watch(
         try:
             if rv is None:
                 listing = [x async for x in _threaded(lambda: [source.list()], sync.resource)]
-                objects, rv = listing[0]
+                objects, listed_at = listing[0]
                 await _apply(sync, sync.replace, objects)
+                # Watched from only once applied: a listing whose replace failed is
+                # listed again, not skipped for a watch from its version.
+                rv = listed_at
                 listed()
                 metrics.watch_up.labels(sync.resource).set(1)
                 log.info("watching %s (%d listed at %s)", sync.resource, len(objects), rv)

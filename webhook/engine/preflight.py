@@ -246,11 +246,20 @@ def preflight_pod(
     # Who it runs as, and nothing that widens what it can do: the worker's own privileges
     # are for serving on the GPU node, not for reading files (the chart's policy refuses a
     # privileged preflight). What restricted PodSecurity asks for, so a namespace that
-    # enforces it admits the preflight when it admits the worker. No env: --files-only
-    # judges the image without the pod's variables, so none (and no Secret) is needed.
+    # enforces it admits the preflight when it admits the worker. Of the env only the
+    # literal values, which admission read too (no Secret, ConfigMap or field): without
+    # them a flag value admission read from one (`--elastic-ep-backend $(EP)`, `$EP` in a
+    # script) was unreadable to the preflight's probe, which said "not requested", and
+    # the pods were released as judged.
     own = as_map(probe.get("securityContext"))
+    literal = [
+        e
+        for e in as_list(probe.get("env"))
+        if isinstance(e, Mapping) and "valueFrom" not in e and isinstance(e.get("value"), str)
+    ]
     probe = {
         **{k: v for k, v in probe.items() if k not in ("env", "envFrom")},
+        **({"env": literal} if literal else {}),
         "securityContext": {**{k: own[k] for k in _RUN_AS if k in own}, **_CONFINED},
     }
     policy = _pull_policy(key.image, probe.get("imagePullPolicy"))

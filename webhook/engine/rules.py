@@ -171,15 +171,25 @@ MAX_YAML_EVENTS = 100_000
 
 def load_rules_text(text: str, source: str) -> RuleSet:
     try:
-        for events, _ in enumerate(yaml.parse(text, Loader=_LOADER), start=1):
+        for events, event in enumerate(yaml.parse(text, Loader=_LOADER), start=1):
             if events > MAX_YAML_EVENTS:
                 raise RulesError(
-                    f"{source}: more than {MAX_YAML_EVENTS:,} YAML nodes (a file of 8,000 "
-                    "rules has about 100,000); epguard reads no larger rules file"
+                    f"{source}: more than {MAX_YAML_EVENTS:,} YAML events (a file of "
+                    "8,000 rules has about 100,000); epguard reads no larger rules file"
+                )
+            if isinstance(event, yaml.AliasEvent):
+                # One event, but each use is a copy once the rules are built: 10,000
+                # rules naming one 200 KB anchor stay under the count and need ~10 GB.
+                raise RulesError(
+                    f"{source}: line {event.start_mark.line + 1}: a YAML alias "
+                    f"(*{event.anchor}): rules files are read without anchors and aliases; "
+                    "write each value out"
                 )
         data = yaml.load(text, Loader=_LOADER)  # the safe constructor (_LOADER)
     except yaml.YAMLError as exc:
         raise RulesError(f"{source}: not valid YAML: {exc}") from None
+    except RecursionError:  # the pure-Python loader, where libyaml is missing
+        raise RulesError(f"{source}: YAML nested too deep") from None
     return parse_rules(data, source)
 
 

@@ -331,11 +331,9 @@ def slim_verdict_object(obj: Mapping[str, Any]) -> dict[str, Any]:
     meta = obj.get("metadata")
     meta = meta if isinstance(meta, Mapping) else {}
     kept: dict[str, Any] = {k: meta[k] for k in ("name", "resourceVersion") if k in meta}
-    entries = meta.get("managedFields")
-    if isinstance(entries, list):
-        kept["managedFields"] = [
-            {"time": e.get("time")} for e in entries[:64] if isinstance(e, Mapping)
-        ]
+    newest = _written_at(meta)  # the one thing verdict_from_object reads of them
+    if newest is not None:
+        kept["managedFields"] = [{"time": stamp(newest)}]
     out: dict[str, Any] = {"metadata": kept}
     for part in ("spec", "status"):
         section = obj.get(part)
@@ -501,18 +499,26 @@ class VerdictStore:
                 self._refresh(key)
 
     def replace(self, verdicts: Iterable[Verdict], now: dt.datetime | None = None) -> None:
+        """Hold exactly ``verdicts``: built aside, then swapped in at once, so a review
+        reading meanwhile (lookup takes no lock) sees the old verdicts until the new
+        ones are whole. (Emptied first and refilled in place, the store answered "no
+        verdict" to reviews during a relist on the watch's thread: pods on Unusable
+        images admitted for as long as the refill took.)"""
         now = now or dt.datetime.now(dt.UTC)
+        before = self._by_name  # only the watch writes: read once, never changed here
+        fresh = VerdictStore(self.tag_ttl, self.cap)
+        for v in verdicts:
+            if v.object_name not in fresh._by_name and len(fresh._by_name) >= self.cap:
+                fresh.dropped += 1
+                continue
+            fresh._remove(v.object_name)
+            fresh._add(observed(v, now, before.get(v.object_name)))
+        for key in list(fresh._members):
+            fresh._refresh(key)
         with self._lock:
-            before = self._by_name
-            self._by_name, self._members, self._winner = {}, {}, {}
-            for v in verdicts:
-                if v.object_name not in self._by_name and len(self._by_name) >= self.cap:
-                    self.dropped += 1
-                    continue
-                self._remove(v.object_name)
-                self._add(observed(v, now, before.get(v.object_name)))
-            for key in list(self._members):
-                self._refresh(key)
+            self._by_name, self._members = fresh._by_name, fresh._members
+            self._winner = fresh._winner  # the one index lookup reads: swapped last
+            self.dropped += fresh.dropped
 
     def winners(self) -> list[tuple[str, str, Verdict]]:
         """(``digest`` or ``tag``, key, the verdict that answers for it): what ``lookup``
