@@ -98,6 +98,18 @@ def test_a_pod_bound_to_a_node_is_probed_not_gated(server: RunningServer) -> Non
     assert PROBE_CONTAINER in [c["name"] for c in stored["spec"]["initContainers"]]
 
 
+def test_a_gated_pod_bound_by_a_later_webhook_loses_the_gate_when_reinvoked(
+    server: RunningServer,
+) -> None:
+    # Gated by epguard, then spec.nodeName set by a later webhook: reinvoked, epguard
+    # kept its gate and the API server refused the pod.
+    _, gated = mutate(server, worker())
+    assert is_gated(gated)
+    gated["spec"]["nodeName"] = "gpu-node-1"
+    _, again = mutate(server, gated)
+    assert not is_gated(again)
+
+
 def test_a_pod_that_does_not_ask_for_mooncake_is_not_gated(server: RunningServer) -> None:
     plain = container(image=NEW, args=["--model-path", "/m"])
     _, stored = mutate(server, pod([plain], annotations=INJECT))

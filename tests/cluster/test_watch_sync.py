@@ -264,3 +264,23 @@ async def test_a_failing_list_backs_off_and_reports_the_watch_down() -> None:
         await task
     assert calls >= 3
     assert sample(metrics, "epguard_watch_up", resource="namespace") == 0
+
+
+async def test_a_listing_whose_replace_failed_is_listed_again_not_watched_from() -> None:
+    # Its resourceVersion was kept before the replace: the next round watched from it and
+    # the listing's objects were never applied.
+    index = NamespaceIndex()
+    src = ScriptedSource([ns_at("a", "10", **{"epguard.io/mode": "warn"})], "10", [])
+
+    class Flaky(NamespaceSync):
+        failed = False
+
+        def replace(self, objects: Any) -> None:
+            if not self.failed:
+                self.failed = True
+                raise RuntimeError("a bug while applying")
+            super().replace(objects)
+
+    await _run_until_done(src, Flaky(index), Metrics())
+    assert src.lists == 2 and src.watched_from == ["10"]
+    assert index.get("a").mode == "warn"

@@ -238,3 +238,38 @@ def test_a_verdict_on_a_pinned_reference_says_nothing_about_its_tag() -> None:
         name="iv-pin", image=f"{IMAGE}@{DIGEST}", verdict="Usable", last_seen=NOW
     )
     assert not judge(IMAGE, store_with(bad_tag, good_pin)).allowed
+
+
+def test_a_relist_keeps_answering_with_the_old_verdicts_until_the_new_are_whole() -> None:
+    # Emptied first and refilled in place, the store answered "no verdict" to reviews
+    # while a relist ran on the watch's thread (lookup takes no lock).
+    store = VerdictStore()
+    first = verdict_from_object(imageverdict())
+    assert first is not None
+    store.replace([first], NOW)
+    seen = []
+
+    def relisted() -> Any:
+        for i in range(3):
+            seen.append(store.lookup(parse(f"{IMAGE}@{DIGEST}"), NOW))  # a review meanwhile
+            v = verdict_from_object(imageverdict(name=f"iv-{i}", verdict="Usable"))
+            assert v is not None
+            yield v
+
+    store.replace(relisted(), NOW)
+    assert [hit is not None and hit.trust == "deny" for hit in seen] == [True, True, True]
+    after = store.lookup(parse(f"{IMAGE}@{DIGEST}"), NOW)
+    assert after is not None and after.trust == "usable"
+
+
+def test_a_listed_verdict_keeps_the_newest_write_time_of_many_managers() -> None:
+    # Cut to the first 64 managedFields entries, a listing could miss the newest write
+    # that an event of the same object would see.
+    from epguard.webhook.engine.verdicts import slim_verdict_object
+
+    obj = imageverdict(last_seen=NOW)
+    old = [{"manager": f"m{i}", "time": "2026-11-01T00:00:00Z"} for i in range(100)]
+    obj["metadata"]["managedFields"] = [*old, {"manager": "new", "time": "2026-11-30T11:00:00Z"}]
+    whole, slim = verdict_from_object(obj), verdict_from_object(slim_verdict_object(obj))
+    assert whole is not None and slim is not None
+    assert slim.last_seen == whole.last_seen == dt.datetime(2026, 11, 30, 11, tzinfo=dt.UTC)

@@ -214,7 +214,7 @@ def test_a_rules_text_of_too_many_nodes_is_refused_before_it_is_built() -> None:
     bomb = "rules: [" + ",".join(["a"] * 300_000) + "]"
     tracemalloc.start()
     try:
-        with pytest.raises(RulesError, match=f"more than {MAX_YAML_EVENTS:,} YAML nodes"):
+        with pytest.raises(RulesError, match=f"more than {MAX_YAML_EVENTS:,} YAML events"):
             load_rules_text(bomb, "live")
         _, peak = tracemalloc.get_traced_memory()
     finally:
@@ -231,3 +231,26 @@ def test_a_large_real_rules_file_still_loads() -> None:
     text = "rules:\n" + "".join(rule.format(i=i) for i in range(5_000))
     assert len(text) > 800_000  # near the 1 MiB a ConfigMap holds
     assert len(load_rules_text(text, "live").rules) == 5_000
+
+
+def test_a_yaml_alias_is_refused_in_a_rules_file() -> None:
+    # One event each, but a copy each once built: 10,000 rules naming one 200 KB anchor
+    # stay under the event count and need ~10 GB.
+    text = (
+        'rules:\n  - id: a\n    image: "x:*"\n    reason: &r "' + "x" * 1000 + '"\n'
+        '    remedy: *r\n'
+    )
+    with pytest.raises(RulesError, match=r"line 5: a YAML alias \(\*r\)"):
+        load_rules_text(text, "live")
+
+
+def test_nesting_past_the_pure_python_loaders_depth_is_a_rules_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Where PyYAML has no libyaml (a stand-in: this machine's has it), the pure-Python
+    # loader raises RecursionError, which is no YAMLError.
+    from epguard.webhook.engine import rules
+
+    monkeypatch.setattr(rules, "_LOADER", yaml.SafeLoader)
+    with pytest.raises(RulesError, match="nested too deep"):
+        load_rules_text("rules: " + "[" * 5000 + "]" * 5000, "live")
