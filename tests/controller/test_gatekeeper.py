@@ -447,6 +447,39 @@ def test_a_preflight_an_admission_step_changed_is_deleted_and_cannot_judge(
         assert len(creates) == 2  # tried again after a deadline
 
 
+def test_a_changed_preflight_found_by_a_list_is_made_again_not_taken_for_a_tenants() -> None:
+    # The create's own answer was lost (a timeout, a restart): the next list found a pod
+    # under the preflight's name, signed by a held key, that does not verify. It was read
+    # as a tenant's pod: its pods opened (or held for good) and it was never removed.
+    pf, api, _, _ = setup()
+    api.add(gated_pod("w-0"))
+    pf.run_once()
+    (made,) = api.preflights()
+    for c in made["spec"]["initContainers"]:  # what a LimitRange default does
+        c["resources"]["requests"]["ephemeral-storage"] = "1Gi"
+    second = pf.run_once()
+    assert second.ungated == [] and second.deleted == [f"Pod ml/{made['metadata']['name']}"]
+    cond = next(c for c in api.pod("ml", "w-0")["status"]["conditions"] if c["type"] == CONDITION)
+    assert "changed by an admission step" in cond["message"]
+    assert pf.run_once().created == [f"Pod ml/{made['metadata']['name']}"]  # made again
+
+
+def test_a_key_whose_preflight_was_never_made_is_not_said_to_have_lost_it() -> None:
+    # "Removed before it answered" is for keys that had a preflight; one whose creates
+    # kept failing says why it never started.
+    pf, api, clock, _ = setup()
+    api.add(gated_pod("w-0"))
+
+    def failing(namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        raise ApiException(status=500, reason="etcdserver: request timed out")
+
+    api.create_pod = failing  # type: ignore[method-assign]
+    assert pf.run_once().ungated == []
+    assert _passes_for(pf, clock, 300 + 61) == ["Pod ml/w-0"]
+    event = next(e for e in api.events if e[2] == "PreflightFailedGateOpened")
+    assert "etcdserver" in event[4] and "removed before it answered" not in event[4]
+
+
 def test_a_preflight_removed_before_it_answers_is_not_remade_past_the_deadline() -> None:
     # Deleted between passes (a drain, a reaper, an admin), it was made again each pass
     # with a deadline of its own: 80 preflights in 40 minutes, the pod gated throughout.

@@ -431,6 +431,20 @@ def _made_by_epguard(pod: Mapping[str, Any], ring: Keyring | None) -> bool:
     return ring is not None and shaped_as_preflight(pod) and verify(ring, _name(pod)[0], pod).ok
 
 
+def _changed_after_signing(pod: Mapping[str, Any], ring: Keyring) -> bool:
+    """A preflight, named as its key's, signed with a key epguard holds, that does not
+    verify: something changed it after epguard signed it (a LimitRange default, a
+    mutating webhook). Never evidence; made again (before, such a pod read as a tenant's
+    under the preflight's name, and its pods were opened or held for good)."""
+    key = as_map(meta(pod).get("labels")).get(KEY_LABEL)
+    if not isinstance(key, str) or _name(pod)[1] != NAME_PREFIX + key:
+        return False
+    if not shaped_as_preflight(pod):
+        return False
+    checked = verify(ring, _name(pod)[0], pod)
+    return not checked.ok and bool(checked.key_id) and ring.find(checked.key_id) is not None
+
+
 def _signer_not_held(pod: Mapping[str, Any], ring: Keyring) -> bool:
     """A preflight, named as its key's, signed with a key the controller does not hold:
     one it made before its keys rotated past that key (or the Secret was replaced), one
@@ -628,9 +642,14 @@ class Preflights:
         self.clock = clock
         self.monotonic = monotonic  # CREATE_SECONDS
         self._failed: set[PreflightKey] = set()  # keys whose create started nothing last pass
-        # Keys whose preflight an admission step changed (when, what was said): not made
-        # again for a deadline, so a held pod does not make and delete one every pass.
-        self._changed: dict[PreflightKey, tuple[dt.datetime, str]] = {}
+        # Failures that stand for a deadline without a preflight being made (when, what
+        # was said): a preflight an admission step changed, or one stopped or removed
+        # before it answered once the key waited past the deadline. A held pod does not
+        # make (and lose) one every pass.
+        self._standing: dict[PreflightKey, tuple[dt.datetime, str]] = {}
+        # Keys a preflight was made for (or found) in an earlier pass: only those can
+        # have had theirs removed.
+        self._had_preflight: set[PreflightKey] = set()
         self._whole = threading.BoundedSemaphore(WHOLE_PODS)
         self._unreadable: set[tuple[str, str]] = set()  # said once each (bounded)
         # The condition this process last wrote on each gated pod: a pass and an answer
@@ -711,6 +730,12 @@ class Preflights:
                     "its preflight was signed with a key epguard does not hold now, or by "
                     "an older epguard"
                 )
+                seen.remake[at] = (seen.preflights[at], why)
+            elif ring is not None and _changed_after_signing(pod, ring):
+                # Found here when the create's own answer was not read (lost, a restart
+                # in between, a delete that failed): made again, and the create finds it.
+                seen.preflights[at] = _slim_preflight(pod)
+                why = "its preflight was changed by an admission step after epguard signed it"
                 seen.remake[at] = (seen.preflights[at], why)
             else:
                 seen.preflights[at] = _slim(pod)
@@ -813,17 +838,22 @@ class Preflights:
         def create(item: tuple[PreflightKey, Json]) -> tuple[PreflightKey, PreflightResult]:
             key, pod = item
             assert ring is not None  # _known asked for a preflight: it held a key
+            standing = self._standing.get(key)
+            if standing is not None and now - standing[0] < deadline:
+                return key, PreflightResult("failed", standing[1])  # before any read
             waited = now - self._unanswered_since.get(key, now)
-            if waited > limit:
-                # Waiting past the deadline with no preflight now: the last one vanished
-                # unanswered (deleted, or removed with its node between two passes).
-                # Made again each time with a deadline of its own, it once kept its pods
-                # gated for good under onError=open.
-                return key, PreflightResult(
-                    "failed",
+            if key in self._had_preflight and waited > limit:
+                # Waiting past the deadline with no preflight now: the last one was
+                # stopped or removed before it answered (deleted, or gone with its node
+                # between two passes). Made again each time with a deadline of its own,
+                # it once kept its pods gated for good under onError=open.
+                said = (
                     f"no preflight answered within {int(limit.total_seconds())} s of epguard "
-                    "first waiting on one: the last one was removed before it answered",
+                    "first waiting on one: the last one was stopped or removed before it "
+                    "answered"
                 )
+                self._standing[key] = (now, said)
+                return key, PreflightResult("failed", said)
             # One key's trouble (an API error, a namespace's own admission policy) must
             # not stop the pass for every other namespace.
             try:
@@ -858,6 +888,7 @@ class Preflights:
         # Whatever holds a key up (its pod squatted, relabelled, never created), nothing
         # waits past the deadline counted from its first waiting pod (and a minute).
         limit = dt.timedelta(seconds=self.config.settings.timeout_seconds + GRACE_SECONDS)
+        deadline = dt.timedelta(seconds=self.config.settings.timeout_seconds)
 
         def overdue(key: PreflightKey, result: PreflightResult) -> PreflightResult:
             # Deadlines are the passes' (an answer run decides what has answered).
@@ -947,7 +978,8 @@ class Preflights:
                 self._stands[_name(pod)[2]] = now
         listed = {_name(p)[2] for p in seen.preflights.values()}
         self._stands = {uid: t for uid, t in self._stands.items() if uid in listed}
-        self._changed = {k: c for k, c in self._changed.items() if k in first}
+        self._standing = {k: c for k, c in self._standing.items() if k in first}
+        self._had_preflight = {k for k in first if k in made_by_us or k in self._had_preflight}
         self._last_pass = self.clock()  # when it ended: a slow pass is still a pass
         gated = {_name(pod)[2] for pod, _ in waiting}
         with self._writing:
@@ -1026,11 +1058,6 @@ class Preflights:
     def _create(
         self, key: PreflightKey, body: dict[str, Any], ring: Keyring, done: Pass
     ) -> PreflightResult:
-        changed = self._changed.get(key)
-        if changed is not None and self.clock() - changed[0] < dt.timedelta(
-            seconds=self.config.settings.timeout_seconds
-        ):
-            return PreflightResult("failed", changed[1])
         try:
             # Signed now, not at the start of the pass: /validate refuses a stale signature.
             now = self.clock()
@@ -1051,7 +1078,7 @@ class Preflights:
                     f"pods labelled {PREFLIGHT_LABEL}=true from that webhook, or turn the "
                     f"preflight off for this namespace (label {PREFLIGHT_KEY}=off)"
                 )
-                self._changed[key] = (self.clock(), said)
+                self._standing[key] = (self.clock(), said)
                 return PreflightResult("failed", said)
             return STARTED
         except Conflict:

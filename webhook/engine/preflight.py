@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from epguard.probe import shell
+from epguard.probe.sandbox import POD_PREFIX
 from epguard.webhook.engine.argv import analyse_container
 from epguard.webhook.engine.imageref import ImageRefError
 from epguard.webhook.engine.imageref import parse as parse_ref
@@ -252,11 +253,7 @@ def preflight_pod(
     # script) was unreadable to the preflight's probe, which said "not requested", and
     # the pods were released as judged.
     own = as_map(probe.get("securityContext"))
-    literal = [
-        e
-        for e in as_list(probe.get("env"))
-        if isinstance(e, Mapping) and "valueFrom" not in e and isinstance(e.get("value"), str)
-    ]
+    literal = _literal_env(probe)
     probe = {
         **{k: v for k, v in probe.items() if k not in ("env", "envFrom")},
         **({"env": literal} if literal else {}),
@@ -309,6 +306,32 @@ def preflight_pod(
         },
         "spec": spec,
     }
+
+
+def _literal_env(probe: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The probe's env entries with a literal value that its argv (or such an entry it
+    keeps) names, as ``$(EPGUARD_POD_X)`` or as a script's ``$X``: what admission read
+    the flag from. Not every entry: a worker's other values (a 1 MB config in one) would
+    make the preflight larger than MAX_PREFLIGHT_BYTES for nothing."""
+    command = as_list(probe.get("command"))
+    after = command.index("--") + 1 if "--" in command else len(command)
+    text = "\n".join(str(w) for w in command[after:])
+    literal = [
+        e
+        for e in as_list(probe.get("env"))
+        if isinstance(e, Mapping)
+        and "valueFrom" not in e
+        and isinstance(e.get("value"), str)
+        and isinstance(e.get("name"), str)
+    ]
+    kept: list[Mapping[str, Any]] = []
+    for _ in range(2):  # and what a kept value names in turn, one level
+        for e in literal:
+            name = str(e["name"])
+            if e not in kept and (name in text or name.removeprefix(POD_PREFIX) in text):
+                kept.append(e)
+        text += "\n".join(str(e["value"]) for e in kept)
+    return [e for e in literal if e in kept]  # in the worker's order
 
 
 def signed(pod: Mapping[str, Any], key: Key, now: dt.datetime) -> dict[str, Any]:
