@@ -572,6 +572,13 @@ def test_the_preflight_reads_a_flag_value_from_the_workers_literal_env() -> None
     assert pod is not None
     probe = pod["spec"]["initContainers"][1]
     assert probe["env"] == [{"name": "EPGUARD_POD_EP", "value": "mooncake"}]
+    # A value the argv does not name is not copied (a 1 MB config would make the
+    # preflight too large to create).
+    worker["env"] = [*worker["env"], {"name": "BIG_CONFIG", "value": "x" * 1_000_000}]
+    again = preflight_pod("team-a", spec, key_of("team-a", spec, IMAGE),
+                          PreflightSettings(InjectionSettings("r.example/epguard:1")))  # fmt: skip
+    assert again is not None
+    assert again["spec"]["initContainers"][1]["env"] == probe["env"]
     argv = probe["command"][probe["command"].index("--") + 1 :]
     expanded = [a.replace("$(EPGUARD_POD_EP)", "mooncake") for a in argv]  # the kubelet's
     assert cmdline.read(expanded).requested
