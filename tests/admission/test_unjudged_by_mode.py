@@ -301,3 +301,25 @@ def test_with_a_client_ca_only_clients_it_signed_are_answered(tmp_path: Path) ->
     assert "only from clients with a certificate" in stranger.json()["error"]
     assert api_server.status_code == 200
     assert api_server.json()["response"]["allowed"] is False
+
+
+def test_a_review_nested_past_what_epguard_decodes_is_answered_by_mode(
+    webhook: RunningServer,
+) -> None:
+    # A custom resource with unknown fields may nest past msgspec's 1,000 levels; the API
+    # server sends it whole. It was a 400, which failurePolicy Ignore admits.
+    deep = "DEEP"  # replaced in the text: json.dumps itself stops at 1,000 levels
+    worker = container(args=["--elastic-ep-backend", "mooncake"])
+    rbg = {"apiVersion": "workloads.x-k8s.io/v1alpha1", "kind": "RoleBasedGroup",
+           "metadata": {"name": "g", "namespace": "ml"},
+           "spec": {"roles": [{"name": "r", "template": {"spec": {"containers": [worker]}}}],
+                    "extra": deep}}  # fmt: skip
+    body = review(rbg)
+    body["request"]["kind"] = {"group": "workloads.x-k8s.io", "version": "v1alpha1",
+                               "kind": "RoleBasedGroup"}  # fmt: skip
+    text = json.dumps(body).replace('"DEEP"', "[" * 1_200 + '"x"' + "]" * 1_200).encode()
+    with webhook.client() as c:
+        r = c.post("/validate", content=text, headers=JSON)
+    assert r.status_code == 200, r.text
+    answer = r.json()["response"]
+    assert answer["allowed"] is False and "nested deeper" in answer["status"]["message"]

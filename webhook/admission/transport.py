@@ -141,7 +141,7 @@ def parse_review(body: bytes) -> Review:
         raise BadReview(400, "not_json", f"request body is not valid JSON ({exc})") from None
     except RecursionError:
         raise BadReview(
-            400, "not_json", "request body is not valid JSON (recursion limit exceeded)"
+            400, "too_deep", "request body is nested deeper than epguard decodes"
         ) from None
     try:
         review = _validate(decoded)
@@ -490,6 +490,12 @@ class AdmissionEndpoint:
             try:
                 review = parse_review(body.data)
             except BadReview as bad:
+                peeked = peek_request(body.data[:PEEK_BYTES]) if bad.reason == "too_deep" else None
+                if peeked is not None:
+                    # A review the API server sent (custom resources with unknown fields
+                    # may nest past msgspec's 1,000 levels), not one epguard can read: a
+                    # 400 there was an admission under failurePolicy Ignore.
+                    return self.unjudged(peeked, "too_deep", bad.message)
                 return problem(bad.status, BAD_REQUEST, bad.reason, bad.message)
             size = len(body.data)
             del body  # the decoded review is what the judgement holds from here on
