@@ -259,68 +259,6 @@ def test_a_reinvocation_without_a_key_takes_epguards_gate_off_with_the_label(
     assert {"name": "epguard.io/preflight"} not in again["spec"].get("schedulingGates", [])
 
 
-def test_a_replica_is_not_ready_until_the_key_secrets_watch_has_answered(
-    tmp_path: Path,
-) -> None:
-    import threading
-    from collections.abc import Mapping
-
-    from epguard.webhook.cluster.watch import Source
-
-    answer = threading.Event()
-
-    def listing() -> tuple[list[Mapping[str, Any]], str]:
-        answer.wait(20)
-        return [], "1"  # no Secret (yet): an answer all the same
-
-    def watching(rv: str) -> Iterator[tuple[str, Mapping[str, Any]]]:
-        threading.Event().wait(5)
-        return iter(())
-
-    with running_server(tmp_path, TEST_RULES, sources={"secret": Source(listing, watching)}) as s:
-        with s.client() as client:
-            assert client.get("/readyz").status_code == 503
-            answer.set()
-            for _ in range(100):
-                if client.get("/readyz").status_code == 200:
-                    break
-                threading.Event().wait(0.05)
-            ready = client.get("/readyz")
-        assert ready.status_code == 200 and ready.json()["probe_key"] is None
-
-
-def test_a_key_secret_never_answered_does_not_keep_the_replica_unready(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # A Secret this replica can never read (403): unready forever would leave the Service
-    # without endpoints, and failurePolicy Ignore would admit everything unjudged.
-    import threading
-    from collections.abc import Mapping
-
-    from epguard.webhook.admission import server as server_mod
-    from epguard.webhook.cluster.watch import Source
-
-    monkeypatch.setattr(server_mod, "LIST_WAIT_SECONDS", 1.0)
-    never = threading.Event()
-
-    def listing() -> tuple[list[Mapping[str, Any]], str]:
-        never.wait(20)
-        raise RuntimeError("403 Forbidden")
-
-    def watching(rv: str) -> Iterator[tuple[str, Mapping[str, Any]]]:
-        return iter(())
-
-    with running_server(tmp_path, TEST_RULES, sources={"secret": Source(listing, watching)}) as s:
-        with s.client() as client:
-            assert client.get("/readyz").status_code == 503
-            for _ in range(100):
-                if client.get("/readyz").status_code == 200:
-                    break
-                threading.Event().wait(0.05)
-            assert client.get("/readyz").status_code == 200
-        never.set()
-
-
 def test_the_keyring_round_trips_and_rotation_keeps_older_keys() -> None:
     ring = new_keyring(NOW)
     again = parse_keyring(ring.to_json())
