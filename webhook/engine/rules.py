@@ -180,8 +180,9 @@ def load_rules_text(text: str, source: str) -> RuleSet:
             if isinstance(event, yaml.AliasEvent):
                 # One event, but each use is a copy once the rules are built: 10,000
                 # rules naming one 200 KB anchor stay under the count and need ~10 GB.
+                mark = event.start_mark
                 raise RulesError(
-                    f"{source}: line {event.start_mark.line + 1}: a YAML alias "
+                    f"{source}: line {mark.line + 1 if mark else '?'}: a YAML alias "
                     f"(*{event.anchor}): rules files are read without anchors and aliases; "
                     "write each value out"
                 )

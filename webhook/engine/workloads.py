@@ -342,8 +342,8 @@ def _by_name(
     (same-named items merged by ``merge``, others added in order)."""
     merged: dict[str, dict[str, Any]] = {}
     order: list[str] = []
-    for i, item in enumerate([*as_list(base), *as_list(patch)]):
-        item = as_map(item)
+    for i, raw in enumerate([*as_list(base), *as_list(patch)]):
+        item = dict(as_map(raw))
         name = item.get("name")
         key = name if isinstance(name, str) and name else f"#{i}"
         if key not in merged:
