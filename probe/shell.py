@@ -683,6 +683,8 @@ def _collect(words_, where, env, budget, depth, out):
         # too. Only a few candidates are tried, so a line of a thousand "su" stays cheap.
         tried = 0
         for i in range(1, len(words_)):
+            if os.path.basename(words_[i]) in REMOTE_LAUNCHERS:
+                break  # `gosu u kubectl exec p -- python3 …`: what follows runs elsewhere
             if not _could_start(words_[i]):
                 continue
             tried += 1

@@ -142,7 +142,13 @@ def test_the_controller_may_give_the_preflight_the_workers_literal_env(cp: Contr
          "and nothing else"),
         (lambda p: p["spec"]["initContainers"][1].update(env=[{"name": "T", "valueFrom": {
             "secretKeyRef": {"name": "other-team", "key": "token"}}}]),
-         "no env from a Secret"),
+         "none from a Secret"),
+        (lambda p: p["spec"]["initContainers"][1].update(env=[{"name": "PATH",
+                                                                "value": "/tmp"}]),
+         "only the worker's literal values"),
+        (lambda p: p["spec"]["containers"][0].update(env=[{"name": "EPGUARD_POD_EP",
+                                                         "value": "mooncake"}]),
+         "env only on epguard-probe"),
         (lambda p: p["spec"]["containers"][0].update(ports=[{"containerPort": 80,
                                                             "hostPort": 80}]), "no port"),
         (lambda p: p["spec"].update(nodeName="node-0"), "no chosen node"),
@@ -151,7 +157,8 @@ def test_the_controller_may_give_the_preflight_the_workers_literal_env(cp: Contr
     ],
     ids=["not-a-preflight", "host-network", "token", "host-path", "privileged",
          "other-image", "extra-container", "other-command", "probe-not-files-only",
-         "secret-env", "host-port", "node-name", "unconfined"],
+         "secret-env", "unprefixed-env", "env-elsewhere", "host-port", "node-name",
+         "unconfined"],
 )  # fmt: skip
 def test_any_other_pod_create_by_the_controller_is_refused(
     cp: ControlPlane, change: Any, why: str

@@ -584,6 +584,37 @@ def test_the_preflight_reads_a_flag_value_from_the_workers_literal_env() -> None
     assert cmdline.read(expanded).requested
 
 
+def _probe_env(args: list[str], env: list[dict[str, str]]) -> list[Any]:
+    spec = worker_spec()
+    spec["containers"][0]["args"] = args
+    spec["containers"][0]["env"] = env
+    pod = preflight_pod("team-a", spec, key_of("team-a", spec, IMAGE),
+                        PreflightSettings(InjectionSettings("r.example/epguard:1")))  # fmt: skip
+    assert pod is not None
+    return list(pod["spec"]["initContainers"][1].get("env", []))
+
+
+def test_the_preflight_follows_every_literal_value_the_flag_is_read_from() -> None:
+    flag = ["--model-path", "/Models/m", "--elastic-ep-backend"]
+    # An entry stored without its empty value is "" (admission read moon$(E)cake so).
+    assert _probe_env([*flag, "moon$(E)cake"], [{"name": "E"}]) == [{"name": "EPGUARD_POD_E"}]
+    # A chain of any length: A names B names C.
+    chain = [{"name": "C", "value": "mooncake"}, {"name": "B", "value": "$(C)"},
+             {"name": "A", "value": "$(B)"}]  # fmt: skip
+    assert [e["name"] for e in _probe_env([*flag, "$(A)"], chain)] == [
+        "EPGUARD_POD_C", "EPGUARD_POD_B", "EPGUARD_POD_A"]  # fmt: skip
+    # Names, not substrings: M is in /Models, MODEL in MODEL_PATH; neither is named.
+    big = [{"name": "M", "value": "x" * 500_000}, {"name": "MODEL", "value": "y" * 500_000},
+           {"name": "EP", "value": "mooncake"}]  # fmt: skip
+    assert [e["name"] for e in _probe_env([*flag, "$(EP)", "--x", "$MODEL_PATH"], big)] == [
+        "EPGUARD_POD_EP"]  # fmt: skip
+    # 20,000 names, each named: one pass over each text (a scan per name took ~20 s).
+    many = [{"name": f"V{i}", "value": "v"} for i in range(20_000)]
+    refs = " ".join(f"$V{i}" for i in range(20_000))
+    line = f"echo {refs}; exec python3 -m sglang.launch_server --elastic-ep-backend mooncake"
+    assert len(_probe_env(["sh", "-c", line], many)) == 20_000
+
+
 def test_a_mesh_is_asked_not_to_inject_into_a_preflight() -> None:
     annotations = preflight()["metadata"]["annotations"]
     assert annotations["sidecar.istio.io/inject"] == "false"

@@ -224,24 +224,35 @@ def test_a_rules_text_of_too_many_nodes_is_refused_before_it_is_built() -> None:
 
 def test_a_large_real_rules_file_still_loads() -> None:
     rule = (
-        "  - id: rule-{i}\n    image: \"registry.example.com/ml/sglang-{i}:*\"\n"
-        "    reason: \"libcudart.so.12: cannot open shared object file\"\n"
-        "    remedy: \"rebuild on torch 2.9 with mooncake-transfer-engine 0.3.7\"\n"
+        '  - id: rule-{i}\n    image: "registry.example.com/ml/sglang-{i}:*"\n'
+        '    reason: "libcudart.so.12: cannot open shared object file"\n'
+        '    remedy: "rebuild on torch 2.9 with mooncake-transfer-engine 0.3.7"\n'
     )
     text = "rules:\n" + "".join(rule.format(i=i) for i in range(5_000))
     assert len(text) > 800_000  # near the 1 MiB a ConfigMap holds
     assert len(load_rules_text(text, "live").rules) == 5_000
 
 
-def test_a_yaml_alias_is_refused_in_a_rules_file() -> None:
-    # One event each, but a copy each once built: 10,000 rules naming one 200 KB anchor
-    # stay under the event count and need ~10 GB.
-    text = (
-        'rules:\n  - id: a\n    image: "x:*"\n    reason: &r "' + "x" * 1000 + '"\n'
-        '    remedy: *r\n'
+def test_yaml_aliases_are_counted_as_what_they_repeat() -> None:
+    # One event each, but a copy each use once built: 40 rules naming one 200 KB anchor
+    # twice held 16 MB, and a 1 MiB ConfigMap of such rules would need ~10 GB.
+    anchor = "x" * 200_000
+    rules = ['  - id: r0\n    image: "x:*"\n    reason: &b "' + anchor + '"\n    remedy: *b\n']
+    rules += [f'  - id: r{i}\n    image: "x:*"\n    reason: *b\n    remedy: *b\n'
+              for i in range(1, 40)]  # fmt: skip
+    with pytest.raises(RulesError, match="each alias counted as what it repeats"):
+        load_rules_text("rules:\n" + "".join(rules), "live")
+    # Nested ("billion laughs"): each level ten aliases of the one below.
+    levels = ["a0: &a0 [" + ",".join(["lol"] * 10) + "]"]
+    levels += [f"a{i}: &a{i} [" + ",".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 9)]
+    with pytest.raises(RulesError, match="each alias counted as what it repeats"):
+        load_rules_text("\n".join(levels) + "\nrules: []\n", "live")
+    # An alias an admin writes to share a remedy still loads.
+    shared = (
+        'rules:\n  - id: a\n    image: "x:*"\n    reason: "r"\n    remedy: &fix "rebuild"\n'
+        '  - id: b\n    image: "y:*"\n    reason: "r"\n    remedy: *fix\n'
     )
-    with pytest.raises(RulesError, match=r"line 5: a YAML alias \(\*r\)"):
-        load_rules_text(text, "live")
+    assert [r.remedy for r in load_rules_text(shared, "live").rules] == ["rebuild", "rebuild"]
 
 
 def test_nesting_past_the_pure_python_loaders_depth_is_a_rules_error(

@@ -801,8 +801,10 @@ def test_values_put_in_to_choose_a_contested_name_are_bounded() -> None:
         ["bash", "-c", "ssh gpu-1 python3 -m sglang.launch_server --elastic-ep-backend mooncake"],
         ["docker", "run", "lmsysorg/sglang", "python3", "-m", "sglang.launch_server",
          "--elastic-ep-backend", "mooncake"],
+        ["gosu", "app", "kubectl", "exec", "p", "--", "python3", "-m", "sglang.launch_server",
+         "--elastic-ep-backend", "mooncake"],
     ],
-    ids=["kubectl-exec", "kubectl-in-sh", "ssh", "docker-run"],
+    ids=["kubectl-exec", "kubectl-in-sh", "ssh", "docker-run", "behind-gosu"],
 )  # fmt: skip
 def test_a_launch_line_run_elsewhere_is_not_this_containers(argv: list[str]) -> None:
     # Read as a worker, the kubectl image had the probe injected (python3 in an image

@@ -1022,6 +1022,12 @@ class Preflights:
         if existing is not None and as_map(meta(existing).get("labels")).get(KEY_LABEL) == key.hash:
             return preflight_result(existing, now, self.config.settings.timeout_seconds)
         if at in seen.remake:
+            standing = self._standing.get(key)
+            if standing is not None and now - standing[0] < dt.timedelta(
+                seconds=self.config.settings.timeout_seconds
+            ):
+                # Still listed while it is deleted: the failure stands, not "running".
+                return PreflightResult("failed", standing[1])
             return PreflightResult("running", "", f"{seen.remake[at][1]}: it is made again")
         if at in seen.preflights:
             # Labelled as a preflight, but not signed by epguard: a tenant's pod under

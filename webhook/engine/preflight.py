@@ -25,6 +25,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -308,30 +309,36 @@ def preflight_pod(
     }
 
 
+# A variable named in a text: $(NAME) (the kubelet's, renamed under POD_PREFIX by
+# injection), $NAME or ${NAME...} (a script's).
+_NAMED = re.compile(r"\$[({]?([A-Za-z_][A-Za-z0-9_]*)")
+
+
 def _literal_env(probe: Mapping[str, Any]) -> list[Mapping[str, Any]]:
-    """The probe's env entries with a literal value that its argv (or such an entry it
-    keeps) names, as ``$(EPGUARD_POD_X)`` or as a script's ``$X``: what admission read
-    the flag from. Not every entry: a worker's other values (a 1 MB config in one) would
-    make the preflight larger than MAX_PREFLIGHT_BYTES for nothing."""
+    """The probe's env entries without ``valueFrom`` that its argv names, and those that a
+    kept entry's value names in turn, to the end of the chain: what admission read the
+    flag from (an entry with no value is the empty string, as the kubelet sets it). Not
+    every entry: a worker's other values (a 1 MB config in one) would make the preflight
+    larger than MAX_PREFLIGHT_BYTES for nothing. Each text is scanned once."""
     command = as_list(probe.get("command"))
     after = command.index("--") + 1 if "--" in command else len(command)
-    text = "\n".join(str(w) for w in command[after:])
-    literal = [
-        e
-        for e in as_list(probe.get("env"))
-        if isinstance(e, Mapping)
-        and "valueFrom" not in e
-        and isinstance(e.get("value"), str)
-        and isinstance(e.get("name"), str)
-    ]
-    kept: list[Mapping[str, Any]] = []
-    for _ in range(2):  # and what a kept value names in turn, one level
-        for e in literal:
-            name = str(e["name"])
-            if e not in kept and (name in text or name.removeprefix(POD_PREFIX) in text):
-                kept.append(e)
-        text += "\n".join(str(e["value"]) for e in kept)
-    return [e for e in literal if e in kept]  # in the worker's order
+    by_name: dict[str, Mapping[str, Any]] = {}
+    for e in as_list(probe.get("env")):
+        if isinstance(e, Mapping) and "valueFrom" not in e and isinstance(e.get("name"), str):
+            value = e.get("value")
+            if value is None or isinstance(value, str):
+                name = str(e["name"])
+                by_name[name] = e
+                by_name.setdefault(name.removeprefix(POD_PREFIX), e)
+    wanted: set[int] = set()
+    todo = [str(w) for w in command[after:]]
+    while todo:
+        for found in _NAMED.findall(todo.pop()):
+            entry = by_name.get(found)
+            if entry is not None and id(entry) not in wanted:
+                wanted.add(id(entry))
+                todo.append(str(entry.get("value") or ""))
+    return [e for e in as_list(probe.get("env")) if id(e) in wanted]  # the worker's order
 
 
 def signed(pod: Mapping[str, Any], key: Key, now: dt.datetime) -> dict[str, Any]:

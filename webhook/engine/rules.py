@@ -165,27 +165,47 @@ _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 # limit leaves room for ~8,000. Dense YAML is ~1 node per 2 bytes, and each node costs
 # ~340 bytes once built: 600 KB of "[a,a,a,...]" took 23 s and 188 MB to load, so a rules
 # review anyone can post would have taken a webhook past its 256 Mi. Counted first, on
-# the parser's events alone (nothing is built: 0.2 s for 300,000).
+# the parser's events alone (nothing is built: 0.2 s for 300,000), each alias as what it
+# repeats (one event, but a copy each use once the rules are built: 40 rules naming one
+# 200 KB anchor twice held 16 MB), so scalars are bounded too: 4 MiB, four times what a
+# ConfigMap holds.
 MAX_YAML_EVENTS = 100_000
+MAX_YAML_CHARS = 4 * 1024 * 1024
+
+
+def _count(text: str, source: str) -> None:
+    """Refuse ``text`` before it is built when its events, or the characters of its
+    scalars, aliases expanded, pass the limits."""
+    events = chars = 0
+    sizes: dict[str, tuple[int, int]] = {}  # anchor -> (events, chars) it stands for
+    opened: list[tuple[str | None, int, int]] = []
+    for event in yaml.parse(text, Loader=_LOADER):
+        if isinstance(event, yaml.AliasEvent):
+            more, longer = sizes.get(str(event.anchor), (1, 0))
+            events, chars = events + more, chars + longer
+        else:
+            events += 1
+            if isinstance(event, yaml.ScalarEvent):
+                chars += len(event.value)
+                if event.anchor:
+                    sizes[event.anchor] = (1, len(event.value))
+            elif isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+                opened.append((event.anchor, events - 1, chars))
+            elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)) and opened:
+                anchor, at_events, at_chars = opened.pop()
+                if anchor:
+                    sizes[anchor] = (events - at_events, chars - at_chars)
+        if events > MAX_YAML_EVENTS or chars > MAX_YAML_CHARS:
+            raise RulesError(
+                f"{source}: more than {MAX_YAML_EVENTS:,} YAML events or {MAX_YAML_CHARS:,} "
+                "characters of values, each alias counted as what it repeats (a file of "
+                "8,000 rules has about 100,000 events); epguard reads no larger rules file"
+            )
 
 
 def load_rules_text(text: str, source: str) -> RuleSet:
     try:
-        for events, event in enumerate(yaml.parse(text, Loader=_LOADER), start=1):
-            if events > MAX_YAML_EVENTS:
-                raise RulesError(
-                    f"{source}: more than {MAX_YAML_EVENTS:,} YAML events (a file of "
-                    "8,000 rules has about 100,000); epguard reads no larger rules file"
-                )
-            if isinstance(event, yaml.AliasEvent):
-                # One event, but each use is a copy once the rules are built: 10,000
-                # rules naming one 200 KB anchor stay under the count and need ~10 GB.
-                mark = event.start_mark
-                raise RulesError(
-                    f"{source}: line {mark.line + 1 if mark else '?'}: a YAML alias "
-                    f"(*{event.anchor}): rules files are read without anchors and aliases; "
-                    "write each value out"
-                )
+        _count(text, source)
         data = yaml.load(text, Loader=_LOADER)  # the safe constructor (_LOADER)
     except yaml.YAMLError as exc:
         raise RulesError(f"{source}: not valid YAML: {exc}") from None
