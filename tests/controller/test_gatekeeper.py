@@ -447,6 +447,27 @@ def test_a_preflight_an_admission_step_changed_is_deleted_and_cannot_judge(
         assert len(creates) == 2  # tried again after a deadline
 
 
+def test_a_changed_preflight_still_terminating_keeps_its_standing_failure() -> None:
+    # Deleted gracefully, it is listed again next pass: its pods' condition flipped back
+    # to "running" (and failed again) while it went.
+    pf, api, _, _ = setup(on_error="hold")
+    api.add(gated_pod("w-0"))
+    real = api.create_pod
+
+    def defaulted(namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        stored = real(namespace, body)
+        for c in api.pod(namespace, body["metadata"]["name"])["spec"]["initContainers"]:
+            c["resources"]["requests"]["ephemeral-storage"] = "1Gi"
+        return api.pod(namespace, body["metadata"]["name"]) if stored else stored
+
+    api.create_pod = defaulted  # type: ignore[method-assign]
+    api.delete_pod = lambda namespace, name, uid: None  # type: ignore[method-assign]
+    written = _conditions_written(api)
+    pf.run_once()
+    pf.run_once()  # the changed preflight is still there
+    assert written == ["w-0 PreflightFailed"], written  # written once, never "running"
+
+
 def test_a_changed_preflight_found_by_a_list_is_made_again_not_taken_for_a_tenants() -> None:
     # The create's own answer was lost (a timeout, a restart): the next list found a pod
     # under the preflight's name, signed by a held key, that does not verify. It was read
