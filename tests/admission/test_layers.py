@@ -160,7 +160,7 @@ def test_the_envelope_is_parsed_once_from_bytes() -> None:
     parsed = parse_review(json.dumps(review(pod())).encode())
     assert parsed.api_version == "admission.k8s.io/v1"
     assert parsed.request.object["kind"] == "Pod"
-    with pytest.raises(BadReview, match="recursion limit"):
+    with pytest.raises(BadReview, match="nested deeper than epguard decodes"):
         parse_review(b"[" * 100_000)
 
 
@@ -234,3 +234,13 @@ def test_an_extra_admission_handler_gets_the_same_instrumentation(tmp_path: Path
         with s.client() as c:
             assert c.post("/echo", json=review(pod())).json()["response"]["allowed"] is True
         assert _count(s, "echo", "allowed") == 1
+
+
+def test_a_logged_value_cannot_start_a_log_line_of_its_own() -> None:
+    # A direct client's review puts any text in what is logged: a \r\n in it once began
+    # what read as another line ("level=ERROR ...").
+    from epguard.webhook.admission.instrumentation import _logfmt
+
+    line = _logfmt({"name": "x\r\nlevel=ERROR forged", "other": "a\u2028b", "ok": "plain"})
+    assert "\n" not in line and "\r" not in line and "\u2028" not in line
+    assert line == 'name="x\\u000d\\u000alevel=ERROR forged" other="a\\u2028b" ok=plain'

@@ -39,12 +39,17 @@ def rule_label(source: str) -> str:
     return "verdict" if source.startswith("verdict:") else source
 
 
+# Control characters (a tenant writes pod names, messages and reasons that reach the log)
+# as \uNNNN: a \r or \n in a value once started what looked like a log line of its own.
+_CONTROL = {c: f"\\u{c:04x}" for c in (*range(0x20), 0x7F, 0x85, 0x2028, 0x2029)}
+
+
 def _logfmt(fields: dict[str, Any]) -> str:
     parts = []
     for key, value in fields.items():
         text = str(value)
-        if not text or any(c in text for c in ' "=\n'):
-            text = '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ") + '"'
+        if not text or any(c in text for c in ' "=') or not text.isprintable():
+            text = '"' + text.replace("\\", "\\\\").replace('"', '\\"').translate(_CONTROL) + '"'
         parts.append(f"{key}={text}")
     return " ".join(parts)
 
