@@ -461,11 +461,13 @@ def test_a_changed_preflight_still_terminating_keeps_its_standing_failure() -> N
         return api.pod(namespace, body["metadata"]["name"]) if stored else stored
 
     api.create_pod = defaulted  # type: ignore[method-assign]
-    api.delete_pod = lambda namespace, name, uid: None  # type: ignore[method-assign]
+    deletes: list[str] = []
+    api.delete_pod = lambda namespace, name, uid: deletes.append(name)  # type: ignore[method-assign]
     written = _conditions_written(api)
     pf.run_once()
     pf.run_once()  # the changed preflight is still there
     assert written == ["w-0 PreflightFailed"], written  # written once, never "running"
+    assert len(deletes) == 2  # and asked to go again, not left for the standing's end
 
 
 def test_a_changed_preflight_found_by_a_list_is_made_again_not_taken_for_a_tenants() -> None:

@@ -349,6 +349,10 @@ def test_an_env_entry_without_a_value_is_the_empty_string() -> None:
     args = ["python3", "-m", "sglang.launch_server", "--elastic-ep-backend", "moon$(E)cake"]
     stored = analyse_container({"name": "w", "image": "x", "args": args, "env": [{"name": "E"}]})
     assert stored.requests_mooncake and stored.unresolved_value is None
+    script = ["sh", "-c", "exec python3 -m sglang.launch_server --elastic-ep-backend moon${E}cake"]
+    empty = [{"name": "E"}]
+    in_script = analyse_container({"name": "w", "image": "x", "args": script, "env": empty})
+    assert in_script.requests_mooncake and in_script.unresolved_value is None
     secret = {"name": "E", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}
     hidden = analyse_container({"name": "w", "image": "x", "args": args, "env": [secret]})
     assert not hidden.requests_mooncake and hidden.unresolved_value is not None

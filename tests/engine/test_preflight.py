@@ -608,6 +608,18 @@ def test_the_preflight_follows_every_literal_value_the_flag_is_read_from() -> No
            {"name": "EP", "value": "mooncake"}]  # fmt: skip
     assert [e["name"] for e in _probe_env([*flag, "$(EP)", "--x", "$MODEL_PATH"], big)] == [
         "EPGUARD_POD_EP"]  # fmt: skip
+    # A name given twice: the last wins in the worker, so both are kept, in order.
+    twice = [{"name": "EP", "value": "none"}, {"name": "EP", "value": "mooncake"}]
+    script = "exec python3 -m sglang.launch_server --elastic-ep-backend $EP"
+    for args in ([*flag, "$(EP)"], ["sh", "-c", script]):
+        kept = _probe_env(args, twice)
+        assert [e["value"] for e in kept] == ["none", "mooncake"], args
+    # Any character the kubelet allows in a name: $(ep.backend), and $(EP-B) is not EP.
+    dotted = [{"name": "EP", "value": "none"}, {"name": "ep.backend", "value": "mooncake"},
+              {"name": "EP-B", "value": "mooncake"}]  # fmt: skip
+    assert [e["name"] for e in _probe_env([*flag, "$(ep.backend)"], dotted)] == [
+        "EPGUARD_POD_ep.backend"]  # fmt: skip
+    assert [e["name"] for e in _probe_env([*flag, "$(EP-B)"], dotted)] == ["EPGUARD_POD_EP-B"]
     # 20,000 names, each named: one pass over each text (a scan per name took ~20 s).
     many = [{"name": f"V{i}", "value": "v"} for i in range(20_000)]
     refs = " ".join(f"$V{i}" for i in range(20_000))

@@ -973,7 +973,11 @@ class Preflights:
         }
         for key in first:  # past its deadline while being made again: the failure stands
             at = (key.namespace, key.pod_name)
-            if at in seen.remake and results.get(key, not_yet).phase == "failed":
+            if (
+                at in seen.remake
+                and results.get(key, not_yet).phase == "failed"
+                and key not in self._standing  # that one is deleted below, and stands
+            ):
                 pod, _ = seen.remake.pop(at)
                 self._stands[_name(pod)[2]] = now
         listed = {_name(p)[2] for p in seen.preflights.values()}

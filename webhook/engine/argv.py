@@ -308,12 +308,8 @@ def _shell_env(container: Mapping[str, Any], argv: tuple[str, ...]) -> ShellEnv:
     for item in env:
         if type(item) is dict:
             name = item.get("name")
-            if (
-                isinstance(name, str)
-                and name in names
-                and item.get("value") is not None
-                and item.get("valueFrom") is None
-            ):
+            # Without value (stored so when it was ""): the empty string, env_mapping's.
+            if isinstance(name, str) and name in names and item.get("valueFrom") is None:
                 wanted.add(name)
     if not wanted:
         return ()

@@ -26,7 +26,7 @@ import datetime as dt
 import hashlib
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -309,36 +309,67 @@ def preflight_pod(
     }
 
 
-# A variable named in a text: $(NAME) (the kubelet's, renamed under POD_PREFIX by
-# injection), $NAME or ${NAME...} (a script's).
-_NAMED = re.compile(r"\$[({]?([A-Za-z_][A-Za-z0-9_]*)")
+# A script's variable: $NAME or ${NAME...}.
+_SHELL_NAMED = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def _kubelet_refs(text: str) -> Iterator[str]:
+    """The names of the kubelet's ``$(NAME)`` references in ``text`` (any characters up
+    to the ``)``, as the kubelet and argv.expand read them; ``$$`` is an escaped ``$``).
+    Linear: each search starts past the last."""
+    i = 0
+    while (j := text.find("$", i)) >= 0 and j + 1 < len(text):
+        if text[j + 1] == "$":
+            i = j + 2
+        elif text[j + 1] == "(":
+            close = text.find(")", j + 2)
+            if close < 0:
+                return
+            yield text[j + 2 : close]
+            i = close + 1
+        else:
+            i = j + 1
 
 
 def _literal_env(probe: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     """The probe's env entries without ``valueFrom`` that its argv names, and those that a
     kept entry's value names in turn, to the end of the chain: what admission read the
-    flag from (an entry with no value is the empty string, as the kubelet sets it). Not
-    every entry: a worker's other values (a 1 MB config in one) would make the preflight
-    larger than MAX_PREFLIGHT_BYTES for nothing. Each text is scanned once."""
+    flag from (an entry with no value is the empty string, as the kubelet sets it). Every
+    entry of a name is kept (Kubernetes allows a name twice; the last wins, as in the
+    worker), in the worker's order. Injection renamed each ``X`` to ``EPGUARD_POD_X`` and
+    each ``$(X)`` to ``$(EPGUARD_POD_X)``; a script's ``$X`` is read under the old name
+    (probe/sandbox.py). Not every entry: a worker's other values (a 1 MB config in one)
+    would make the preflight larger than MAX_PREFLIGHT_BYTES for nothing. Each text is
+    scanned once."""
     command = as_list(probe.get("command"))
     after = command.index("--") + 1 if "--" in command else len(command)
-    by_name: dict[str, Mapping[str, Any]] = {}
-    for e in as_list(probe.get("env")):
-        if isinstance(e, Mapping) and "valueFrom" not in e and isinstance(e.get("name"), str):
-            value = e.get("value")
-            if value is None or isinstance(value, str):
-                name = str(e["name"])
-                by_name[name] = e
-                by_name.setdefault(name.removeprefix(POD_PREFIX), e)
+    entries = [
+        e
+        for e in as_list(probe.get("env"))
+        if isinstance(e, Mapping)
+        and "valueFrom" not in e
+        and isinstance(e.get("name"), str)
+        and (e.get("value") is None or isinstance(e.get("value"), str))
+    ]
+    renamed: dict[str, list[Mapping[str, Any]]] = {}  # by the name $(…) now names
+    scripts: dict[str, list[Mapping[str, Any]]] = {}  # by the worker's own name
+    for e in entries:
+        name = str(e["name"])
+        renamed.setdefault(name, []).append(e)
+        if name.startswith(POD_PREFIX):
+            scripts.setdefault(name[len(POD_PREFIX) :], []).append(e)
     wanted: set[int] = set()
     todo = [str(w) for w in command[after:]]
     while todo:
-        for found in _NAMED.findall(todo.pop()):
-            entry = by_name.get(found)
-            if entry is not None and id(entry) not in wanted:
-                wanted.add(id(entry))
-                todo.append(str(entry.get("value") or ""))
-    return [e for e in as_list(probe.get("env")) if id(e) in wanted]  # the worker's order
+        text = todo.pop()
+        named = [renamed.get(n, []) for n in _kubelet_refs(text)]
+        named += [scripts.get(n, []) for n in _SHELL_NAMED.findall(text)]
+        for group in named:
+            for entry in group:
+                if id(entry) not in wanted:
+                    wanted.add(id(entry))
+                    todo.append(str(entry.get("value") or ""))
+    return [e for e in entries if id(e) in wanted]
 
 
 def signed(pod: Mapping[str, Any], key: Key, now: dt.datetime) -> dict[str, Any]:
