@@ -388,7 +388,7 @@ class _Survey:
     preflights: dict[tuple[str, str], Json] = field(default_factory=dict)
     ours: dict[tuple[str, str], Json] = field(default_factory=dict)
     # Preflights to delete and make again, with why: signed with a key not held
-    # (_signer_not_held), stopped by the cluster (disruption), or a "cannot judge" older
+    # (_preflight_state: UNHELD), stopped by the cluster (disruption), or a "cannot judge" older
     # than a pod waiting on it.
     remake: dict[tuple[str, str], tuple[Json, str]] = field(default_factory=dict)
     newest: dict[PreflightKey, dt.datetime] = field(default_factory=dict)
@@ -431,33 +431,32 @@ def _made_by_epguard(pod: Mapping[str, Any], ring: Keyring | None) -> bool:
     return ring is not None and shaped_as_preflight(pod) and verify(ring, _name(pod)[0], pod).ok
 
 
-def _changed_after_signing(pod: Mapping[str, Any], ring: Keyring) -> bool:
-    """A preflight, named as its key's, signed with a key epguard holds, that does not
-    verify: something changed it after epguard signed it (a LimitRange default, a
-    mutating webhook). Never evidence; made again (before, such a pod read as a tenant's
-    under the preflight's name, and its pods were opened or held for good)."""
-    key = as_map(meta(pod).get("labels")).get(KEY_LABEL)
-    if not isinstance(key, str) or _name(pod)[1] != NAME_PREFIX + key:
-        return False
-    if not shaped_as_preflight(pod):
-        return False
-    checked = verify(ring, _name(pod)[0], pod)
-    return not checked.ok and bool(checked.key_id) and ring.find(checked.key_id) is not None
+# Why a pod named as its key's preflight is made again rather than read.
+UNHELD = "its preflight was signed with a key epguard does not hold now, or by an older epguard"
+CHANGED = "its preflight was changed by an admission step after epguard signed it"
 
 
-def _signer_not_held(pod: Mapping[str, Any], ring: Keyring) -> bool:
-    """A preflight, named as its key's, signed with a key the controller does not hold:
-    one it made before its keys rotated past that key (or the Secret was replaced), one
-    the other replica made with a newer key than this one has read, or one an older
-    epguard signed in an older format. Never evidence; made again. (Any other pod
-    labelled as a preflight is a tenant's, left alone.)"""
-    key = as_map(meta(pod).get("labels")).get(KEY_LABEL)
-    if not isinstance(key, str) or _name(pod)[1] != NAME_PREFIX + key:
-        return False
+def _preflight_state(pod: Mapping[str, Any], ring: Keyring | None) -> str | None:
+    """None for epguard's own preflight (_made_by_epguard); for a pod named as its key's
+    preflight that is not, why it is made again: UNHELD, signed with a key the controller
+    does not hold (made before its keys rotated past it, or by the other replica with a
+    newer key than this one has read, or by an older epguard in an older format), or
+    CHANGED, signed with a key it holds but changed since (a LimitRange default, a
+    mutating webhook: before, such a pod read as a tenant's, and its pods were opened or
+    held for good); "" for any other pod labelled as a preflight (a tenant's, left
+    alone). Never evidence but the first. One verification a pod."""
+    if ring is None:
+        return ""
+    shaped = shaped_as_preflight(pod)
     checked = verify(ring, _name(pod)[0], pod)
-    if checked.ok:
-        return False
-    return checked.outdated or (bool(checked.key_id) and ring.find(checked.key_id) is None)
+    if shaped and checked.ok:
+        return None
+    key = as_map(meta(pod).get("labels")).get(KEY_LABEL)
+    if checked.ok or not isinstance(key, str) or _name(pod)[1] != NAME_PREFIX + key:
+        return ""
+    if checked.outdated or (checked.key_id and ring.find(checked.key_id) is None):
+        return UNHELD
+    return CHANGED if shaped and checked.key_id else ""
 
 
 def _name(obj: Mapping[str, Any]) -> tuple[str, str, str]:
@@ -719,24 +718,18 @@ class Preflights:
         reread = False
         for pod in self.api.preflight_pods(namespace):
             at = _name(pod)[:2]
-            if ring is not None and not reread and _signer_not_held(pod, ring):
+            state = _preflight_state(pod, ring)
+            if state == UNHELD and not reread:
                 reread = True  # once a list: the other replica may have rotated the keys
                 ring = self.keys.reread() or ring
-            if _made_by_epguard(pod, ring):
+                state = _preflight_state(pod, ring)
+            if state is None:
                 seen.preflights[at] = seen.ours[at] = _slim_preflight(pod)
-            elif ring is not None and _signer_not_held(pod, ring):
+            elif state:
+                # CHANGED is found here when the create's own answer was not read (lost,
+                # a restart in between, a delete that failed); the next create finds it.
                 seen.preflights[at] = _slim_preflight(pod)
-                why = (
-                    "its preflight was signed with a key epguard does not hold now, or by "
-                    "an older epguard"
-                )
-                seen.remake[at] = (seen.preflights[at], why)
-            elif ring is not None and _changed_after_signing(pod, ring):
-                # Found here when the create's own answer was not read (lost, a restart
-                # in between, a delete that failed): made again, and the create finds it.
-                seen.preflights[at] = _slim_preflight(pod)
-                why = "its preflight was changed by an admission step after epguard signed it"
-                seen.remake[at] = (seen.preflights[at], why)
+                seen.remake[at] = (seen.preflights[at], state)
             else:
                 seen.preflights[at] = _slim(pod)
         starting: Counter[str] = Counter()
@@ -838,9 +831,9 @@ class Preflights:
         def create(item: tuple[PreflightKey, Json]) -> tuple[PreflightKey, PreflightResult]:
             key, pod = item
             assert ring is not None  # _known asked for a preflight: it held a key
-            standing = self._standing.get(key)
-            if standing is not None and now - standing[0] < deadline:
-                return key, PreflightResult("failed", standing[1])  # before any read
+            standing = self._standing_failure(key, now)
+            if standing is not None:
+                return key, standing  # before any read
             waited = now - self._unanswered_since.get(key, now)
             if key in self._had_preflight and waited > limit:
                 # Waiting past the deadline with no preflight now: the last one was
@@ -888,7 +881,6 @@ class Preflights:
         # Whatever holds a key up (its pod squatted, relabelled, never created), nothing
         # waits past the deadline counted from its first waiting pod (and a minute).
         limit = dt.timedelta(seconds=self.config.settings.timeout_seconds + GRACE_SECONDS)
-        deadline = dt.timedelta(seconds=self.config.settings.timeout_seconds)
 
         def overdue(key: PreflightKey, result: PreflightResult) -> PreflightResult:
             # Deadlines are the passes' (an answer run decides what has answered).
@@ -995,6 +987,14 @@ class Preflights:
             self._delete(ns, name, _name(pod)[2], done)
         return done
 
+    def _standing_failure(self, key: PreflightKey, now: dt.datetime) -> PreflightResult | None:
+        """The failure that stands for ``key`` (for a deadline from when it was said)."""
+        standing = self._standing.get(key)
+        deadline = dt.timedelta(seconds=self.config.settings.timeout_seconds)
+        if standing is None or now - standing[0] >= deadline:
+            return None
+        return PreflightResult("failed", standing[1])
+
     def _keys_known(self, ring: Keyring | None, now: dt.datetime) -> bool:
         """Whether a run may decide: with no keys held (the Secret unread since start, an
         API error), epguard's preflights cannot be told from a tenant's pods under their
@@ -1026,13 +1026,9 @@ class Preflights:
         if existing is not None and as_map(meta(existing).get("labels")).get(KEY_LABEL) == key.hash:
             return preflight_result(existing, now, self.config.settings.timeout_seconds)
         if at in seen.remake:
-            standing = self._standing.get(key)
-            if standing is not None and now - standing[0] < dt.timedelta(
-                seconds=self.config.settings.timeout_seconds
-            ):
-                # Still listed while it is deleted: the failure stands, not "running".
-                return PreflightResult("failed", standing[1])
-            return PreflightResult("running", "", f"{seen.remake[at][1]}: it is made again")
+            # Still listed while it is deleted: a failure that stands, not "running".
+            again = PreflightResult("running", "", f"{seen.remake[at][1]}: it is made again")
+            return self._standing_failure(key, now) or again
         if at in seen.preflights:
             # Labelled as a preflight, but not signed by epguard: a tenant's pod under
             # the preflight's name. Its status is no answer.
