@@ -282,28 +282,30 @@ def _judged(opts, req_argv, environ=None):
     return o, _sibling("diagnosis").diagnose(o), False
 
 
-def _with_pod_environment(o, v, evidence, o_w, v_w, names):
+def _with_pod_environment(o, v, evidence, o_w, v_w, pod_vars):
     """The image's verdict ``v`` (its own environment) and the worker's ``v_w`` (the pod's
-    variables restored) as one: a failure about the image stands only when the image
-    fails in its own environment; a failure only the pod's variables cause is this pod's
-    (environment scope), and a pass only they bring is not a fact about the image.
-    Returns (outcome, verdict, evidence, usable only in this pod)."""
+    variables ``pod_vars`` restored) as one: a failure about the image stands only when
+    the image fails in its own environment; a failure only the pod's variables cause is
+    this pod's (environment scope), and a pass only they bring is not a fact about the
+    image. A message that may become a verdict about the image counts the pod's
+    variables; one about this pod names them. Returns (outcome, verdict, evidence,
+    usable only in this pod, the verdict is the image's own)."""
     usable = _sibling("diagnosis").USABLE
     image_cause = v.verdict != usable and v.scope == message.IMAGE
+    count, names = sandbox.said_count(pod_vars), sandbox.said_names(pod_vars)
     if v.verdict == usable and v_w.verdict == usable:
         evidence.insert(min(2, len(evidence)), "environment: usable in the image's own "
-                        f"environment and with the pod's variables ({names})")
-        return o, v, evidence, False
+                        f"environment and with the pod's {count}")
+        return o, v, evidence, False, True
     if v_w.verdict == usable:
         ev = list(v_w.evidence)
         ev.insert(min(1, len(ev)), "environment: usable only with the pod's variables "
                   f"({names}); the image's own environment fails: {v.cause}")
-        return o_w, v_w, ev, True
+        return o_w, v_w, ev, True, False
     if image_cause:
         evidence.insert(min(2, len(evidence)), "environment: decided in the image's own "
-                        f"environment, without the pod's variables ({names}); with them it fails "
-                        "too")
-        return o, v, evidence, False
+                        f"environment, without the pod's {count}; with them it fails too")
+        return o, v, evidence, False, True
     # The image's own environment has no image cause: whatever fails is this pod's (the
     # worker run's own scope line, which may say "image", is replaced by this one).
     v_w.scope = message.ENVIRONMENT
@@ -312,7 +314,7 @@ def _with_pod_environment(o, v, evidence, o_w, v_w, names):
               "image's own environment: {})".format(
                   message.SCOPE, names,
                   "usable" if v.verdict == usable else v.cause))
-    return o_w, v_w, ev, False
+    return o_w, v_w, ev, False, False
 
 
 def _crash_site(tail):
@@ -441,12 +443,15 @@ def _run(opts, worker):
         if site:
             evidence.insert(1, "crash site: " + site)
     pod_vars = sandbox.pod_variables()
-    usable_here = False
+    usable_here, images_own = False, True
     if pod_vars:
         o_w, v_w, _ = _judged(opts, req_argv, sandbox.worker_environment())
-        o, v, evidence, usable_here = _with_pod_environment(
-            o, v, evidence, o_w, v_w, sandbox.said_names(pod_vars))
-    dropped = sandbox.interpreter_variables(sandbox.worker_environment())
+        o, v, evidence, usable_here, images_own = _with_pod_environment(
+            o, v, evidence, o_w, v_w, pod_vars)
+    # What the run the verdict comes from went without: the image's own environment's
+    # (names the image chose) or, for this pod's verdict, the worker's.
+    dropped = sandbox.interpreter_variables(
+        sandbox.image_environment() if images_own else sandbox.worker_environment())
     if v.verdict == _sibling("diagnosis").USABLE and not usable_here:
         other = _users_site(sandbox.image_environment())
         if other is not None:  # a pass another user's pod may not share
@@ -462,10 +467,7 @@ def _run(opts, worker):
             refused, fix = _adapter_elsewhere()
         other = _other_interpreter(req_argv)
         if other is not None:
-            refused, fix = other, (
-                f"launch SGLang with the python3 the image's PATH finds ({sys.executable}),"
-                f" or put {os.path.dirname(req_argv.program or '')} first on PATH, so that "
-                "the probe checks the interpreter the worker runs")
+            refused, fix = other
         if refused is not None:
             # What the image seems to lack may only be hidden from this pod's user.
             v.scope = message.ENVIRONMENT
@@ -485,12 +487,35 @@ def _venv_of(path):
 
 
 def _other_interpreter(req_argv):
-    """In words, when the worker's launch line runs an interpreter other than the one this
-    probe runs in (``/opt/venv/bin/python -m sglang.launch_server``, or ``python3.11``
-    found on the worker's PATH, while the image's PATH finds /usr/bin/python3): what this
-    one lacks says nothing about what that one imports (found by a review helper:
-    "torch is not installed", scope image, for an image whose venv has it). None when it
-    is this one, or is not found."""
+    """(why, fix) in words when the worker's launch may run another interpreter, or find
+    other packages or libraries, than this probe does in the image's own environment:
+    its program is another interpreter (``/opt/venv/bin/python -m sglang.launch_server``,
+    or ``python3.11`` found on the worker's PATH while the image's PATH finds
+    /usr/bin/python3), or its command line changes the search itself (``source
+    …/activate``, ``export PATH=…``, ``conda run``: cmdline.steering). What this one lacks
+    then says nothing about what that one imports (found by review helpers: "torch is not
+    installed", scope image, for an image whose venv has it). None when it is this one,
+    or is not found."""
+    if req_argv.steered:
+        return (f"the worker's command line runs {req_argv.steered!r} before or around its "
+                "launch, which changes what the launch finds (interpreter, packages or "
+                "libraries); the probe cannot follow it, so what it finds missing in the "
+                "image's own environment may be there for the worker: the image is not "
+                "judged by that",
+                "set PATH, PYTHONPATH and the like in the container's env (the probe checks "
+                "the image with and without them) or in the image, instead of in the "
+                "command line, so that the probe checks what the worker runs")
+    why = _runs_another(req_argv)
+    if why is None:
+        return None
+    return why, (f"launch SGLang with the python3 the image's PATH finds ({sys.executable}),"
+                 f" or put {os.path.dirname(req_argv.program or '')} first on PATH, so that "
+                 "the probe checks the interpreter the worker runs")
+
+
+def _runs_another(req_argv):
+    """In words, when the launch's program is an interpreter other than this one; else
+    None (see _other_interpreter)."""
     program = req_argv.program
     if not program or not os.path.basename(program).startswith("python"):
         return None
@@ -653,9 +678,8 @@ def _verdict(opts, req_argv, o, v, evidence, from_files, usable_here, dropped, p
 
 
 def _without_pod_variables(pod_vars):
-    names = sandbox.said_names(pod_vars)
-    return ("environment: judged in the image's own environment, without the pod's variables "
-            f"({names}): --files-only judges the image, not a pod")
+    return ("environment: judged in the image's own environment, without the pod's "
+            f"{sandbox.said_count(pod_vars)}: --files-only judges the image, not a pod")
 
 
 def _files_only(opts, req_argv):
@@ -671,7 +695,8 @@ def _files_only(opts, req_argv):
     pod_vars = sandbox.pod_variables()
     if found is None:
         return _files_clear(opts, req_argv, facts, note, pod_vars)
-    refused = _other_interpreter(req_argv) or _refused_to_this_user(
+    other = _other_interpreter(req_argv)
+    refused = other[0] if other is not None else _refused_to_this_user(
         deep=False, cause=found.verdict.classification)
     if refused is not None:
         return _files_clear(opts, req_argv, facts, refused + ": the files decide nothing",

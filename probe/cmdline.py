@@ -158,6 +158,10 @@ class Reading:
     # The program of the command that requested it, as written (``python3``,
     # ``/opt/venv/bin/python``): the interpreter whose packages the worker imports.
     program: Optional[str] = None
+    # What in the command line changes which interpreter, packages or libraries the
+    # launch finds (``source /opt/venv/bin/activate``, ``export PATH=…``, ``conda run``),
+    # as written (clipped); None when nothing does. See steering().
+    steered: Optional[str] = None
 
     @property
     def unplaced(self):
@@ -369,7 +373,36 @@ def read(
         r.unresolved = guesses[-1]
     if not r.requested and r.unresolved is None:
         _unplaced(r, argv, env, shortest, budget)
+    if r.requested:
+        r.steered = steering(argv)
     return r
+
+
+# What a command line can do before (or around) its launch that makes the launch find
+# another interpreter, other packages or other libraries than the image's own
+# environment gives: a variable that steers the search set in the line itself
+# (``PATH=…``, ``export PYTHONPATH=…``, ``env LD_LIBRARY_PATH=… python3``), a file
+# sourced (``source /opt/venv/bin/activate``, ``. /etc/conda.sh``), an environment
+# manager's activate or run. The pod's own env is not this (the probe checks with and
+# without it); these the probe cannot follow, so what it finds missing in the image's
+# own environment may be there for the worker (found by a review helper: "torch is not
+# installed", scope image, for a venv image launched with `source …/activate && python`).
+# Read anywhere in the line: a change after the launch only costs a verdict not learned.
+_STEERING = re.compile(
+    r"(?:^|[\s;&|(){}`]|\$\()(?:export[ \t]+|declare[ \t]+-x[ \t]+)?"
+    r"((?:PATH|PYTHON[A-Z_]*|LD_LIBRARY_PATH|LD_PRELOAD|CUDA_HOME|CUDA_PATH|HOME"
+    r"|VIRTUAL_ENV|CONDA_PREFIX|MOONCAKE_[A-Z0-9_]*)\+?=)"
+    r"|(?:^|[;&|(){}\n]|&&|\|\|)[ \t]*((?:source|\.)[ \t]+[^\s;&|]+)"
+    r"|\b((?:conda|mamba|micromamba)\s+(?:activate|run)|"
+    r"(?:uv|pixi|poetry|pipenv|hatch|rye|pdm)\s+run)\b")
+
+
+def steering(argv):
+    """The first thing in ``argv`` (a container's command + args) that changes what the
+    launch finds (_STEERING), as written and clipped; None when there is none. (Words
+    are joined by newlines: each starts a command as far as the pattern is concerned.)"""
+    m = _STEERING.search("\n".join(argv))
+    return " ".join(next(g for g in m.groups() if g).split())[:80] if m is not None else None
 
 
 _NAMED = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")

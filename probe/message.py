@@ -5,7 +5,7 @@ The kubelet keeps at most 4096 bytes of a container's termination message and
 evidence lines in between are dropped from the end first when the budget is
 tight. Error texts come from third-party code and may quote the environment, so
 no environment variable's value may leave the probe: any that appears is
-replaced by ``$NAME``.
+replaced by ``$NAME`` (the image's variables) or ``$POD_VARIABLE`` (the pod's).
 """
 
 import os
@@ -29,6 +29,25 @@ NOTHING = PREFIX + "nothing to check: "
 # nothing about the image from it.
 FILES_CLEAR = PREFIX + "no image cause in this image's files: "
 
+# The pod's own variables reach the probe under this prefix (webhook/engine/injection.py
+# renames every ``env`` entry and prefixes every ``envFrom``; probe/sandbox.py reads them).
+POD_PREFIX = "EPGUARD_POD_"
+# What a pod variable's value is replaced by: never its name, which the tenant chose (any
+# printable text since Kubernetes 1.32) and which would otherwise be written into an
+# ImageVerdict every tenant reads (found by a review helper).
+POD_VALUE = "$POD_VARIABLE"
+
+# Words the probe writes itself (the backend it checks, the packages and modules it
+# names): never a secret. Masking them made every message of a pod with
+# ``EP_BACKEND=mooncake`` in its env unreadable and unlearnable ("epguard: $EP_BACKEND
+# elastic EP is …", found by a review helper's case).
+_PUBLIC = frozenset(("mooncake", "mooncake.pg", "mooncake.ep", "mooncake-transfer-engine",
+                     "mooncake-transfer-engine-cuda13", "mooncake-transfer-engine-non-cuda",
+                     "sglang", "sglang.launch_server", "elastic-ep-backend",
+                     "--elastic-ep-backend"))
+# The heads a message starts with: fixed text, read back by webhook/engine/outcome.py.
+_HEADS = (UNUSABLE, UNUSABLE_HERE, USABLE, USABLE_HERE, NOTHING, FILES_CLEAR)
+
 # Values shorter than this are words like "1", "true", "cuda" that occur everywhere;
 # they cannot carry a secret, and masking them would garble the message.
 _MIN_SECRET = 6
@@ -40,7 +59,7 @@ def scrub(text, environ=None):
     pairs = []
     for name, value in environ.items():
         value = value.strip()
-        if len(value) < _MIN_SECRET or _VERSIONISH.match(value):
+        if len(value) < _MIN_SECRET or _VERSIONISH.match(value) or value.lower() in _PUBLIC:
             continue
         pairs.append((value, 0, name))
         # Path lists: also each entry, since paths in error texts hold single entries.
@@ -51,7 +70,7 @@ def scrub(text, environ=None):
     # Longest first; on a tie a whole value names it better than a path-list entry.
     for value, _, name in sorted(pairs, key=lambda p: (-len(p[0]), p[1], p[2])):
         if value in text:
-            text = text.replace(value, "$" + name)
+            text = text.replace(value, POD_VALUE if name.startswith(POD_PREFIX) else "$" + name)
     return text
 
 
@@ -82,9 +101,12 @@ def render(first, evidence, fix, max_bytes):
     be): they are what webhook/engine/outcome.py reads back. Other evidence is kept in order
     while it fits.
     """
-    first = scrub(first).replace("\n", " ")
+    head = next((h for h in _HEADS if first.startswith(h)), "")
+    first = (head + scrub(first[len(head):])).replace("\n", " ")
     fix = "fix: " + scrub(fix).replace("\n", " ")
-    evidence = [scrub(e).replace("\n", " ") for e in evidence]
+    # (A versions: line holds the image's distributions and versions, read back too.)
+    evidence = [(e if e.startswith("versions: ") else scrub(e)).replace("\n", " ")
+                for e in evidence]
     budget = max(0, max_bytes)
     pinned = [e for e in evidence if e.startswith("versions: ")][:1]
     evidence = [e for e in evidence if e not in pinned]

@@ -15,6 +15,11 @@ import subprocess
 import sys
 import time
 
+try:
+    from . import message
+except ImportError:  # run as `python3 probe`: the directory itself is on sys.path
+    import message
+
 _CHILD_SOURCE = None
 # The whole child run is bounded by this many step timeouts (see Child.collect).
 MAX_STEPS = 8
@@ -30,11 +35,10 @@ _DROP = frozenset({"TORCH_LOGS", "TORCH_COMPILE_DEBUG", "TORCHDYNAMO_VERBOSE",
                    "TORCH_SHOW_CPP_STACKTRACES", "TORCH_DISABLE_ADDR2LINE"})
 
 
-# The pod's own variables reach the probe under this prefix (webhook/engine/injection.py renames
-# every ``env`` entry and prefixes every ``envFrom``), so the probe, its interpreter
-# (``python3`` through the image's own PATH) and its verdict about the image depend only
-# on the image. The worker's environment is the image's with these restored.
-POD_PREFIX = "EPGUARD_POD_"
+# The pod's own variables reach the probe under POD_PREFIX (message.py), so the probe, its
+# interpreter (``python3`` through the image's own PATH) and its verdict about the image
+# depend only on the image. The worker's environment is the image's with these restored.
+POD_PREFIX = message.POD_PREFIX
 # How many of the pod's variable names a message lists before "and N more".
 MAX_NAMES_SAID = 12
 
@@ -64,8 +68,17 @@ def pod_variables(environ=None):
                   if k.startswith(POD_PREFIX) and len(k) > len(POD_PREFIX))
 
 
+def said_count(names):
+    """The pod's variables in a message that may become a verdict about the image: how
+    many, never their names (the tenant's text; their names are in --json's
+    ``pod_variables``)."""
+    n = len(names)
+    return f"{n} variable" + ("" if n == 1 else "s")
+
+
 def said_names(names):
-    """Names for a message: the first MAX_NAMES_SAID, then how many more."""
+    """Names for a message about this pod only: the first MAX_NAMES_SAID, then how many
+    more."""
     names = list(names)
     head = ", ".join(names[:MAX_NAMES_SAID])
     more = len(names) - MAX_NAMES_SAID

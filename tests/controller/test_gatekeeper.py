@@ -2176,6 +2176,31 @@ def test_an_opened_pods_condition_write_sleeps_only_between_its_tries(
     assert slept == [backoff * n for n in range(1, gatekeeper.OPENED_WRITES)]
 
 
+@pytest.mark.parametrize("status", [404, 409, 422])
+def test_an_opened_pod_that_is_gone_is_not_written_again(
+    monkeypatch: pytest.MonkeyPatch, status: int
+) -> None:
+    """Found by a review helper: a tenant deleting its pods as their gates came off made
+    each condition write fail (404) and be tried OPENED_WRITES times, 1.5 s of a decide
+    worker per pod. A pod gone or replaced is final: one try, no wait."""
+    slept: list[float] = []
+    clock_only = types.SimpleNamespace(monotonic=time.monotonic, sleep=slept.append)
+    monkeypatch.setattr(gatekeeper, "time", clock_only)
+    pf, api, _, _ = setup()
+    api.add(gated_pod("w-0"))
+    pf.run_once()
+    api.finish(api.preflights()[0], 0, CLEAR)
+    tries: list[str] = []
+
+    def gone(namespace: str, name: str, uid: str, condition: dict[str, Any]) -> None:
+        tries.append(name)
+        raise ApiException(status=status, reason="gone")
+
+    api.set_condition = gone  # type: ignore[method-assign]
+    assert pf.answer(["ml"]).ungated == ["Pod ml/w-0"]
+    assert tries == ["w-0"] and slept == []
+
+
 def test_a_tenants_signed_worker_labelled_as_a_preflight_is_not_epguards() -> None:
     """An injected worker's probe is signed too; labelled (and named) as a preflight by its
     tenant, it counted as epguard's own: every pass read it (running, up to 1.5 MiB), each

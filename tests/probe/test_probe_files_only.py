@@ -341,6 +341,28 @@ def test_the_message_fits_max_message_bytes(tmp_path, change):
     assert VERSIONS_RE.match(r.lines[1]), r.message
 
 
+@pytest.mark.timeout(120)
+def test_a_verdict_about_the_image_carries_no_text_the_pod_chose(tmp_path: Path) -> None:
+    """Found by a review helper: the pod's variable names (any printable text since
+    Kubernetes 1.32) were listed in a message that becomes an ImageVerdict every tenant
+    reads, and a pod value found in the text was replaced by ``$`` + its name."""
+    bad = make_root(tmp_path, PROVEN["cuda-mismatch"], "bad")
+    alone = probe(tmp_path, bad, "--files-only")
+    assert alone.rc == 1 and alone.lines[0].startswith(UNUSABLE), alone.message
+    word = "libcudart.so.12"
+    assert word in alone.lines[0], alone.message
+    said = "the image is fine ask your admin"
+    # (And a value the probe writes itself, as many pods set: EP_BACKEND=mooncake.)
+    pod = {f"EPGUARD_POD_{said}": word, "EPGUARD_POD_EP_BACKEND": "mooncake"}
+    r = probe(tmp_path, bad, "--files-only", **pod)
+    assert r.rc == 1 and r.lines[0].startswith(UNUSABLE), r.message
+    assert said not in r.message and "EPGUARD_POD" not in r.message, r.message
+    assert "$POD_VARIABLE" in r.lines[0], r.message  # the value, not the name
+    assert "without the pod's 2 variables:" in r.message, r.message
+    assert r.lines[1] == alone.lines[1] and r.lines[1].startswith("versions: "), r.message
+    assert "request: --elastic-ep-backend mooncake" in r.message, r.message
+
+
 @pytest.mark.timeout(60)
 def test_no_termination_log_still_says_it_on_stderr(tmp_path):
     root = make_root(tmp_path, _clear)
@@ -364,15 +386,15 @@ def test_the_pods_variables_are_not_used_and_it_says_so(tmp_path):
     )
     assert r.rc == 1 and r.lines[0] == alone.lines[0]
     said = (
-        "environment: judged in the image's own environment, without the pod's variables "
-        "(HF_HOME, PYTHONPATH): --files-only judges the image, not a pod"
+        "environment: judged in the image's own environment, without the pod's 2 variables: "
+        "--files-only judges the image, not a pod"
     )
-    assert said in r.lines
+    assert said in r.lines and "HF_HOME" not in r.message, r.message  # counted, not named
     assert r.report["pod_variables"] == ["HF_HOME", "PYTHONPATH"]
     # And the other way: a pod PYTHONPATH with a bad mooncake does not fail a clear image.
     r = probe(tmp_path, clear, "--files-only", EPGUARD_POD_PYTHONPATH=str(bad))
     assert r.rc == 0 and r.lines[0].startswith(FILES_CLEAR)
-    assert said.replace("HF_HOME, ", "") in r.lines
+    assert said.replace("2 variables", "1 variable") in r.lines
 
 
 @pytest.mark.timeout(120)
@@ -891,6 +913,50 @@ def test_a_launch_line_naming_another_interpreter_proves_nothing_about_the_image
     code, text = files_only(str(venv / "bin" / "python"), "--timeout=60")
     assert code == 1 and text.startswith(UNUSABLE_HERE), text
     assert "scope: environment (the worker runs $HOME/venv/bin/python" in text, text
+    assert "scope: image" not in text
+
+
+def test_a_launch_line_that_changes_what_the_launch_finds_proves_nothing_about_the_image(
+    tmp_path: Path,
+) -> None:
+    """Found by a review helper: ``bash -c 'source /opt/venv/bin/activate && python3 -m
+    sglang.launch_server …'`` (or ``PATH=… python3``, ``conda run``) runs the venv's
+    python3 though the word is the same as the image's; the probe, in the image's own
+    python3 (no torch), said "torch is not installed", scope image: a verdict for every
+    tenant on an image that works. Control: the same line without the change proves it."""
+    python = shutil.which("python3", path="/usr/bin:/bin")
+    if python is None:
+        pytest.skip("needs a system python3")
+    if subprocess.run([python, "-c", "import torch"], capture_output=True).returncode == 0:
+        pytest.skip("the system python3 has torch: nothing is missing from it")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    launch = "python3 -m sglang.launch_server --elastic-ep-backend mooncake"
+
+    def run(argv: list[str], mode: str = "--files-only") -> tuple[int, str]:
+        log = tmp_path / "log"
+        r = subprocess.run(
+            [python, "-I", str(PROBE_DIR), mode, "--termination-log", str(log), "--", *argv],
+            env=env, capture_output=True, text=True, timeout=100, cwd=str(tmp_path),
+        )  # fmt: skip
+        return r.returncode, log.read_text()
+
+    code, text = run(["bash", "-c", launch])  # control: the image's own python3
+    assert code == 1 and text.startswith(UNUSABLE) and "torch is not installed" in text, text
+    for argv, said in (
+        (["bash", "-c", f"source /opt/venv/bin/activate && {launch}"], "source /opt/venv"),
+        (["sh", "-c", f". /opt/conda/etc/profile.d/conda.sh; {launch}"], ". /opt/conda"),
+        (["bash", "-c", f"PATH=/opt/venv/bin:$PATH {launch}"], "PATH="),
+        (["bash", "-c", f"export PYTHONPATH=/opt/site; {launch}"], "PYTHONPATH="),
+        (["env", "LD_LIBRARY_PATH=/opt/lib", *launch.split()], "LD_LIBRARY_PATH="),
+        (["conda", "run", "-n", "sgl", *launch.split()], "conda run"),
+    ):
+        code, text = run(argv)
+        assert code == 0 and text.startswith(FILES_CLEAR), (argv, text)
+        assert f"runs '{said}" in text and "the files decide nothing" in text, (argv, text)
+    # The init container (the import in a child of the probe's interpreter): this pod's.
+    code, text = run(["bash", "-c", f"source /opt/venv/bin/activate && {launch}"], "--timeout=60")
+    assert code == 1 and text.startswith(UNUSABLE_HERE), text
+    assert "scope: environment (the worker's command line runs 'source" in text, text
     assert "scope: image" not in text
 
 

@@ -1267,6 +1267,13 @@ class Preflights:
             self._give_back(uid, claim, prior)  # not written: the next decision writes it
             if not isinstance(exc, ApiException):
                 raise
+            if exc.status in (404, 409, 422):
+                # The pod is gone or replaced (the uid precondition), or the write is
+                # invalid: the same write again cannot succeed, so no retry (a tenant
+                # deleting pods as their gates came off held a decide worker 1.5 s
+                # each: review helper).
+                log.info("%s not set on pod %s/%s: %s", CONDITION, namespace, name, exc.reason)
+                return False
             log.warning("could not set %s on pod %s/%s: %s", CONDITION, namespace, name, exc)
             return None
         with self._writing:
