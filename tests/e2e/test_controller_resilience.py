@@ -344,6 +344,66 @@ def test_the_controller_records_again_after_the_api_server_restarts(
     assert all(p.alive() for p in controllers)
 
 
+def _depth(text: str) -> int:
+    """How deep ``text`` (JSON) nests, without decoding it."""
+    depth = most = 0
+    for ch in text:
+        if ch in "{[":
+            depth += 1
+            most = max(most, depth)
+        elif ch in "}]":
+            depth -= 1
+    return most
+
+
+def test_a_pod_nested_past_pythons_default_depth_is_one_more_pod(
+    cluster: ControlPlane, controllers: list[ManagedProcess], tmp_path: Path
+) -> None:
+    """Found by a review helper: ``metadata.managedFields[].fieldsV1`` is free-form JSON a
+    tenant may PATCH into its own pod 9,000 levels deep, and the API server stores and
+    serves it (Go's decoder allows 10,000). Python decodes 1,000 by default: kopf's pod
+    watcher raised RecursionError on it and stayed dead (no probe outcome recorded
+    anywhere again), and every preflight pass's list of pods failed."""
+    cluster.kubectl("create", "namespace", "deep", check=True)
+    image = "registry.example.com/e2e/sglang:deep-0"
+    obj = signed(cluster, probe_pod("deep", "deep", image), "deep")
+    obj["spec"]["schedulingGates"] = [{"name": "epguard.io/preflight"}]  # a pass lists it
+    r = cluster.kubectl("create", "-f", "-", input=as_yaml(obj))
+    assert r.returncode == 0, r.stderr
+    levels = 9_000
+    fields = '{"f:a":' * levels + "{}" + "}" * levels
+    patch = (
+        '{"metadata":{"managedFields":[{"manager":"tenant","operation":"Update",'
+        f'"apiVersion":"v1","fieldsType":"FieldsV1","fieldsV1":{fields}}}]}}}}'
+    )
+    path = tmp_path / "deep.json"
+    path.write_text(patch)
+    r = cluster.kubectl(
+        "patch", "pod", "deep", "-n", "deep", "--type=merge", "--patch-file", str(path)
+    )
+    assert r.returncode == 0, r.stderr
+    served = cluster.kubectl("get", "--raw", "/api/v1/namespaces/deep/pods/deep")
+    assert served.returncode == 0 and _depth(served.stdout) > levels, served.stderr[-400:]
+    try:
+        # A later probe outcome is recorded: the pod watcher lived through the event.
+        _, message = run_real_probe(tmp_path)
+        later = "registry.example.com/e2e/sglang:deep-1"
+        fail_probe(cluster, "worker-after-deep", "deep", later, message)
+        eventually(
+            lambda: verdict_count(cluster, verdict_name(later, digest_for(later))) == 1,
+            within=90,
+            what="the ImageVerdict of a probe that ended after the deep pod's events",
+        )
+        # And no list or watch of pods failed on it (each preflight pass lists the gated
+        # pod, kopf's watch delivered its change).
+        for p in controllers:
+            assert p.alive(), p.log_tail(80)
+            tail = p.log_tail(400)
+            assert "RecursionError" not in tail and "has failed" not in tail, tail
+    finally:
+        cluster.kubectl("delete", "namespace", "deep", "--wait=false")
+
+
 def test_the_controller_watches_only_pods_labelled_by_injection(
     cluster: ControlPlane, controllers: list[ManagedProcess], tmp_path: Path
 ) -> None:

@@ -18,6 +18,8 @@ import datetime as dt
 import hashlib
 import json
 import os
+import sys
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -36,6 +38,29 @@ REQUEST_TIMEOUT = (5.0, 30.0)
 Json = dict[str, Any]
 # Objects per page of a list call: bounded responses however large the collection.
 LIST_PAGE = 500
+
+
+# How deep an object the API server may hand out. It decodes requests with Go's
+# encoding/json rules (sigs.k8s.io/json), which refuse nesting past 10,000 levels; a
+# pod's ``metadata.managedFields[].fieldsV1`` is free-form JSON that any tenant may
+# write that deep with a PATCH, and the API server stores and serves it (checked on
+# v1.35.4). Python's json and msgspec stop at the interpreter's recursion limit, 1,000
+# by default: one such pod in a tenant's namespace made every list and watch of pods
+# raise RecursionError, kopf's pod watcher too, which then stays dead (found by a
+# review helper). Decoded with a deeper limit, it is one more pod.
+API_DEPTH = 10_000
+# A thread's stack for that: json's C decoder takes ~150 bytes a level, and msgspec's
+# ~800 when it builds the objects (measured: 10,000 levels fit in 2 MiB and 8 MiB).
+THREAD_STACK = 32 * 1024 * 1024
+
+
+def allow_api_depth() -> None:
+    """Let this process decode any object the API server serves (API_DEPTH, with a
+    margin for the interpreter's own frames): the recursion limit, and the stack of
+    every thread started after this call (the main thread has the process's, 8 MiB
+    in the image). Call it before any thread starts."""
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), API_DEPTH + 2_000))
+    threading.stack_size(THREAD_STACK)
 
 
 class NoCredentials(Exception):

@@ -466,8 +466,10 @@ def _watching(
             for line in iter_resp_lines(resp):
                 try:
                     event = json.loads(line)
-                except ValueError:
-                    continue  # not an event; the next line is read
+                except (ValueError, RecursionError):
+                    # Not an event, or nested past what this process decodes
+                    # (kube.allow_api_depth): the next line is read.
+                    continue
                 obj = event.get("object") if isinstance(event, Mapping) else None
                 if not isinstance(obj, Mapping):
                     continue

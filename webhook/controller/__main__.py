@@ -22,7 +22,7 @@ from typing import Any
 
 import kopf
 
-from epguard.webhook.cluster.kube import NoCredentials, api_client
+from epguard.webhook.cluster.kube import NoCredentials, allow_api_depth, api_client
 from epguard.webhook.controller import HANDLER_MODULES
 from epguard.webhook.controller.config import ControllerConfig, parse
 from epguard.webhook.controller.leadership import Leadership
@@ -50,6 +50,7 @@ def operator_settings(config: ControllerConfig, priority: int) -> kopf.OperatorS
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    allow_api_depth()  # before kopf and the loops start their threads
     try:
         config = parse(argv)
     except SettingsError as exc:
