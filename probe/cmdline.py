@@ -374,7 +374,9 @@ def read(
     if not r.requested and r.unresolved is None:
         _unplaced(r, argv, env, shortest, budget)
     if r.requested:
-        r.steered = steering(argv)
+        # The line as written, and each command as the reader made it (text that came
+        # through a variable: `bash -c "$LAUNCH"`, `eval "$PRE"`).
+        r.steered = steering(list(argv) + [" ".join(c.words) for c in cmds])
     return r
 
 
@@ -389,12 +391,16 @@ def read(
 # installed", scope image, for a venv image launched with `source …/activate && python`).
 # Read anywhere in the line: a change after the launch only costs a verdict not learned.
 _STEERING = re.compile(
-    r"(?:^|[\s;&|(){}`]|\$\()(?:export[ \t]+|declare[ \t]+-x[ \t]+)?"
+    r"(?:^|[\s;&|(){}`]|\$\()(?:export[ \t]+|declare[ \t]+-x[ \t]+)?[\"']?"
     r"((?:PATH|PYTHON[A-Z_]*|LD_LIBRARY_PATH|LD_PRELOAD|CUDA_HOME|CUDA_PATH|HOME"
-    r"|VIRTUAL_ENV|CONDA_PREFIX|MOONCAKE_[A-Z0-9_]*)\+?=)"
-    r"|(?:^|[;&|(){}\n]|&&|\|\|)[ \t]*((?:source|\.)[ \t]+[^\s;&|]+)"
+    r"|VIRTUAL_ENV|CONDA_PREFIX|BASH_ENV|ENV|MOONCAKE_[A-Z0-9_]*)\+?=)"
+    r"|(?:^|[;&|(){}\n]|&&|\|\|)[ \t]*(?:(?:then|do|else|elif|!|time)[ \t]+)*"
+    r"((?:source|\.)[ \t]+[^\s;&|]+)"
     r"|\b((?:conda|mamba|micromamba)\s+(?:activate|run)|"
-    r"(?:uv|pixi|poetry|pipenv|hatch|rye|pdm)\s+run)\b")
+    r"(?:uv|pixi|poetry|pipenv|hatch|rye|pdm)\s+run)\b"
+    # A login or interactive shell reads /etc/profile and ~/.bashrc (where `conda init`
+    # puts its activate; Debian's /etc/profile sets PATH): `bash -lc …`, `sh -i`.
+    r"|(?:^|\n)(?:\S*/)?((?:ba|z|k|mk|da)?sh\n(?:-[A-Za-z]*[li][A-Za-z]*|--login)\b)")
 
 
 def steering(argv):
@@ -516,6 +522,9 @@ def _braced(word, budget):
 
 def _over_budget(r, flagged):
     r.over_budget = True
+    # Not read, so not known not to change what the launch finds (and the pattern is
+    # not run over text this large: the webhook shares this reader).
+    r.steered = "a command line too large to read"
     if flagged:  # only a line that mentions the flag is judged on the safe side
         r.requested = True
         r.where = "argv"

@@ -51,7 +51,10 @@ _HEADS = (UNUSABLE, UNUSABLE_HERE, USABLE, USABLE_HERE, NOTHING, FILES_CLEAR)
 # Values shorter than this are words like "1", "true", "cuda" that occur everywhere;
 # they cannot carry a secret, and masking them would garble the message.
 _MIN_SECRET = 6
-_VERSIONISH = re.compile(r"^[0-9][0-9A-Za-z.+_-]*$")
+# A version (2.9.1, 12.8, 0.3.13.post1, 2.13.0+cu130): not a secret. (Any value that
+# merely started with a digit was taken for one, a UUID-like token included: review
+# helper.)
+_VERSIONISH = re.compile(r"^[0-9]+(?:\.[0-9]+)+(?:[.+_-]?[A-Za-z0-9]+)*$")
 
 
 def scrub(text, environ=None):

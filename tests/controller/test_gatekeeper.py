@@ -2201,6 +2201,32 @@ def test_an_opened_pod_that_is_gone_is_not_written_again(
     assert tries == ["w-0"] and slept == []
 
 
+def test_a_policy_refusing_the_condition_write_is_tried_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A ValidatingAdmissionPolicy's refusal is a 422 too (reason Invalid, "denied" in
+    its message): not the pod gone, so it is the API server's answer, tried again."""
+    slept: list[float] = []
+    clock_only = types.SimpleNamespace(monotonic=time.monotonic, sleep=slept.append)
+    monkeypatch.setattr(gatekeeper, "time", clock_only)
+    pf, api, _, _ = setup()
+    api.add(gated_pod("w-0"))
+    pf.run_once()
+    api.finish(api.preflights()[0], 0, CLEAR)
+    tries: list[str] = []
+    body = json.dumps({"message": "ValidatingAdmissionPolicy 'x' denied request: no"})
+
+    def denied(namespace: str, name: str, uid: str, condition: dict[str, Any]) -> None:
+        tries.append(name)
+        exc = ApiException(status=422, reason="Invalid")
+        exc.body = body
+        raise exc
+
+    api.set_condition = denied  # type: ignore[method-assign]
+    assert pf.answer(["ml"]).ungated == ["Pod ml/w-0"]
+    assert len(tries) == gatekeeper.OPENED_WRITES and len(slept) == gatekeeper.OPENED_WRITES - 1
+
+
 def test_a_tenants_signed_worker_labelled_as_a_preflight_is_not_epguards() -> None:
     """An injected worker's probe is signed too; labelled (and named) as a preflight by its
     tenant, it counted as epguard's own: every pass read it (running, up to 1.5 MiB), each

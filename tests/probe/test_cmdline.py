@@ -818,3 +818,53 @@ def test_a_launcher_this_container_runs_is_still_read() -> None:
     r = cmdline.read(["gosu", "sglang", "python3", "-m", "sglang.launch_server",
                       "--elastic-ep-backend", "mooncake"])  # fmt: skip
     assert r.requested and r.where == "argv" and r.launcher == "sglang.launch_server"
+
+
+# --- what changes which interpreter the launch finds (cmdline.steering) ------------------
+# Found by review helpers: each ran the venv's python while the probe judged the image's
+# own, and its "torch is not installed" became a verdict about the image.
+LAUNCH = "python3 -m sglang.launch_server --elastic-ep-backend mooncake"
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "said"),
+    [
+        (["bash", "-c", f"source /opt/venv/bin/activate && {LAUNCH}"], {}, "source /opt/venv"),
+        (["bash", "-c", f"if [ -f /a ]; then source /a; fi; {LAUNCH}"], {}, "source /a"),
+        (["sh", "-c", f". /etc/conda.sh\n{LAUNCH}"], {}, ". /etc/conda.sh"),
+        (["bash", "-c", f'export "PATH=/opt/venv/bin:$PATH"; {LAUNCH}'], {}, "PATH="),
+        (["env", "PYTHONPATH=/opt/site", *LAUNCH.split()], {}, "PYTHONPATH="),
+        (["bash", "-c", f"BASH_ENV=/x {LAUNCH}"], {}, "BASH_ENV="),
+        (["micromamba", "run", "-n", "sgl", *LAUNCH.split()], {}, "micromamba run"),
+        (["bash", "-lc", LAUNCH], {}, "bash -lc"),
+        (["/bin/bash", "--login", "-c", LAUNCH], {}, "bash --login"),
+        # Text that arrives through a variable, as the reader expands it.
+        (["bash", "-c", "$LAUNCH"], {"LAUNCH": f"source /v/activate && {LAUNCH}"}, "source /v"),
+        (["bash", "-c", f"$PRE; {LAUNCH}"], {"PRE": "source /v/activate"}, "source /v"),
+    ],
+)
+def test_a_line_that_changes_what_the_launch_finds_says_what(
+    argv: list[str], env: dict[str, str], said: str
+) -> None:
+    r = cmdline.read(argv, env=env)
+    assert r.requested and r.steered is not None and r.steered.startswith(said), r.steered
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        LAUNCH.split(),
+        ["bash", "-c", LAUNCH],
+        ["bash", "-ec", f"cd /sgl-workspace && {LAUNCH} --served-model-name PATHS"],
+        ["bash", "-xc", f"export NCCL_DEBUG=INFO; echo source; {LAUNCH}"],
+    ],
+)
+def test_a_plain_launch_changes_nothing(argv: list[str]) -> None:
+    r = cmdline.read(argv)
+    assert r.requested and r.steered is None, r.steered
+
+
+def test_a_line_too_large_to_read_is_not_known_to_change_nothing() -> None:
+    script = f"{LAUNCH} --json-model-override-args '{'x' * (shell.BUDGET + 10)}'"
+    r = cmdline.read(["bash", "-c", script])
+    assert r.requested and r.over_budget and r.steered == "a command line too large to read"

@@ -1231,7 +1231,7 @@ class Preflights:
         the write (logged; an error that is not the API server's is raised); False when
         there was nothing to write: the pod already says this (as listed), or this
         process wrote its condition from a newer list, or wrote this very condition after
-        ``since`` (so the list may not show it)."""
+        ``since`` (so the list may not show it), or the pod is gone or replaced."""
         namespace, name, uid = _name(pod)
         message = message[:1024]
         said = (status, reason, message)
@@ -1267,11 +1267,12 @@ class Preflights:
             self._give_back(uid, claim, prior)  # not written: the next decision writes it
             if not isinstance(exc, ApiException):
                 raise
-            if exc.status in (404, 409, 422):
+            if exc.status in (404, 409) or (exc.status == 422 and "denied" not in api_message(exc)):
                 # The pod is gone or replaced (the uid precondition), or the write is
                 # invalid: the same write again cannot succeed, so no retry (a tenant
                 # deleting pods as their gates came off held a decide worker 1.5 s
-                # each: review helper).
+                # each: review helper). A policy's refusal (a 422 that says "denied")
+                # is the API server's answer, reported below.
                 log.info("%s not set on pod %s/%s: %s", CONDITION, namespace, name, exc.reason)
                 return False
             log.warning("could not set %s on pod %s/%s: %s", CONDITION, namespace, name, exc)
