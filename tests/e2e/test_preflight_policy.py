@@ -34,6 +34,8 @@ pytestmark = pytest.mark.e2e
 POLICY = "epguard-preflight"
 CONTROLLER = f"system:serviceaccount:{NAMESPACE}:epguard-controller"
 TENANT = "team-a"
+EXCLUDED = "gpu-operator"  # in webhook.excludeNamespaces
+IGNORED = "addons"  # labelled epguard.io/ignore=true
 EPGUARD_IMAGE = "registry.example/epguard:1"
 WORKER_IMAGE = "registry.example/sglang:new"
 
@@ -41,14 +43,16 @@ WORKER_IMAGE = "registry.example/sglang:new"
 @pytest.fixture(scope="module")
 def cp() -> Iterator[ControlPlane]:
     with running_control_plane() as cp:
-        for ns in (NAMESPACE, TENANT):
+        for ns in (NAMESPACE, TENANT, EXCLUDED, IGNORED):
             cp.kubectl("create", "namespace", ns, check=True)
-        for sa in ("epguard-controller", "sglang"):
-            cp.kubectl("create", "serviceaccount", sa, "-n",
-                       NAMESPACE if sa.startswith("epguard") else TENANT, check=True)  # fmt: skip
+        cp.kubectl("label", "namespace", IGNORED, "epguard.io/ignore=true", check=True)
+        cp.kubectl("create", "serviceaccount", "epguard-controller", "-n", NAMESPACE, check=True)
+        for ns in ("kube-system", TENANT, EXCLUDED, IGNORED):
+            cp.kubectl("create", "serviceaccount", "sglang", "-n", ns, check=True)
         rendered = run_helm(
             "template", RELEASE, str(CHART), "--namespace", NAMESPACE,
             "--set", f"injection.image={EPGUARD_IMAGE}",
+            "--set", f"webhook.excludeNamespaces={{{EXCLUDED}}}",
             "--show-only", "templates/preflight-policy.yaml",
             "--show-only", "templates/rbac-controller.yaml",
         ).stdout  # fmt: skip
@@ -270,12 +274,22 @@ def test_the_controller_deletes_only_preflight_pods(cp: ControlPlane, gated: str
     assert r.returncode == 0, output(r)
 
 
-def test_the_controller_creates_no_preflight_in_kube_system(cp: ControlPlane) -> None:
+@pytest.mark.parametrize("namespace", ["kube-system", NAMESPACE, EXCLUDED, IGNORED])
+def test_the_controller_creates_no_preflight_where_epguard_judges_nothing(
+    cp: ControlPlane, namespace: str
+) -> None:
+    """No worker is gated where no webhook of epguard is called; only kube-system and
+    the release namespace were refused (review helper): a stolen controller token could
+    run a preflight-shaped pod of any image in an excluded add-on namespace."""
     pod = preflight()
-    pod["metadata"]["namespace"] = "kube-system"
-    r = as_controller(cp, "create", "--dry-run=server", "-n", "kube-system", "-f", "-",
+    pod["metadata"]["namespace"] = namespace
+    r = as_controller(cp, "create", "--dry-run=server", "-n", namespace, "-f", "-",
                       input=json.dumps(pod))  # fmt: skip
-    assert refused(r, "in kube-system or its own namespace"), output(r)
+    assert refused(r, "in a namespace epguard does not judge"), output(r)
+    pod["metadata"]["namespace"] = TENANT  # control: the same pod where workers are gated
+    r = as_controller(cp, "create", "--dry-run=server", "-n", TENANT, "-f", "-",
+                      input=json.dumps(pod))  # fmt: skip
+    assert r.returncode == 0, output(r)
 
 
 def test_other_users_are_not_held_by_the_policy(cp: ControlPlane, gated: str) -> None:

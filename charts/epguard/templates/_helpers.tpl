@@ -284,14 +284,19 @@ Guarded, so a pod without annotations is false, never an error. */}}
 has(object.metadata) && has(object.metadata.annotations) && 'epguard.io/inject' in object.metadata.annotations && object.metadata.annotations['epguard.io/inject'] in {{ include "epguard.injectValues" . }}
 {{- end -}}
 
+{{/* The names of the namespaces in epguard.namespaceExclusions, as a JSON list (which is
+also a CEL list literal). */}}
+{{- define "epguard.excludedNamespaceNames" -}}
+{{- concat (list "kube-system" .Release.Namespace) .Values.webhook.excludeNamespaces | uniq | toJson -}}
+{{- end -}}
+
 {{/* Namespaces no webhook of epguard is ever called for: kube-system, the release namespace,
 webhook.excludeNamespaces, and any namespace labelled epguard.io/ignore=true. A list of
 LabelSelectorRequirements (matchExpressions). */}}
 {{- define "epguard.namespaceExclusions" -}}
-{{- $excluded := concat (list "kube-system" .Release.Namespace) .Values.webhook.excludeNamespaces | uniq -}}
 - key: kubernetes.io/metadata.name
   operator: NotIn
-  values: {{ toJson $excluded }}
+  values: {{ include "epguard.excludedNamespaceNames" . }}
 - key: epguard.io/ignore
   operator: NotIn
   values: ["true"]
