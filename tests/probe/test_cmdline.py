@@ -823,24 +823,32 @@ def test_a_launcher_this_container_runs_is_still_read() -> None:
 # --- what changes which interpreter the launch finds (cmdline.steering) ------------------
 # Found by review helpers: each ran the venv's python while the probe judged the image's
 # own, and its "torch is not installed" became a verdict about the image.
-LAUNCH = "python3 -m sglang.launch_server --elastic-ep-backend mooncake"
+STEERED_LAUNCH = "python3 -m sglang.launch_server --elastic-ep-backend mooncake"
 
 
 @pytest.mark.parametrize(
     ("argv", "env", "said"),
     [
-        (["bash", "-c", f"source /opt/venv/bin/activate && {LAUNCH}"], {}, "source /opt/venv"),
-        (["bash", "-c", f"if [ -f /a ]; then source /a; fi; {LAUNCH}"], {}, "source /a"),
-        (["sh", "-c", f". /etc/conda.sh\n{LAUNCH}"], {}, ". /etc/conda.sh"),
-        (["bash", "-c", f'export "PATH=/opt/venv/bin:$PATH"; {LAUNCH}'], {}, "PATH="),
-        (["env", "PYTHONPATH=/opt/site", *LAUNCH.split()], {}, "PYTHONPATH="),
-        (["bash", "-c", f"BASH_ENV=/x {LAUNCH}"], {}, "BASH_ENV="),
-        (["micromamba", "run", "-n", "sgl", *LAUNCH.split()], {}, "micromamba run"),
-        (["bash", "-lc", LAUNCH], {}, "bash -lc"),
-        (["/bin/bash", "--login", "-c", LAUNCH], {}, "bash --login"),
+        (
+            ["bash", "-c", f"source /opt/venv/bin/activate && {STEERED_LAUNCH}"],
+            {},
+            "source /opt/venv",
+        ),
+        (["bash", "-c", f"if [ -f /a ]; then source /a; fi; {STEERED_LAUNCH}"], {}, "source /a"),
+        (["sh", "-c", f". /etc/conda.sh\n{STEERED_LAUNCH}"], {}, ". /etc/conda.sh"),
+        (["bash", "-c", f'export "PATH=/opt/venv/bin:$PATH"; {STEERED_LAUNCH}'], {}, "PATH="),
+        (["env", "PYTHONPATH=/opt/site", *STEERED_LAUNCH.split()], {}, "PYTHONPATH="),
+        (["bash", "-c", f"BASH_ENV=/x {STEERED_LAUNCH}"], {}, "BASH_ENV="),
+        (["micromamba", "run", "-n", "sgl", *STEERED_LAUNCH.split()], {}, "micromamba run"),
+        (["bash", "-lc", STEERED_LAUNCH], {}, "bash -lc"),
+        (["/bin/bash", "--login", "-c", STEERED_LAUNCH], {}, "bash --login"),
         # Text that arrives through a variable, as the reader expands it.
-        (["bash", "-c", "$LAUNCH"], {"LAUNCH": f"source /v/activate && {LAUNCH}"}, "source /v"),
-        (["bash", "-c", f"$PRE; {LAUNCH}"], {"PRE": "source /v/activate"}, "source /v"),
+        (
+            ["bash", "-c", "$LAUNCH"],
+            {"LAUNCH": f"source /v/activate && {STEERED_LAUNCH}"},
+            "source /v",
+        ),
+        (["bash", "-c", f"$PRE; {STEERED_LAUNCH}"], {"PRE": "source /v/activate"}, "source /v"),
     ],
 )
 def test_a_line_that_changes_what_the_launch_finds_says_what(
@@ -853,10 +861,10 @@ def test_a_line_that_changes_what_the_launch_finds_says_what(
 @pytest.mark.parametrize(
     "argv",
     [
-        LAUNCH.split(),
-        ["bash", "-c", LAUNCH],
-        ["bash", "-ec", f"cd /sgl-workspace && {LAUNCH} --served-model-name PATHS"],
-        ["bash", "-xc", f"export NCCL_DEBUG=INFO; echo source; {LAUNCH}"],
+        STEERED_LAUNCH.split(),
+        ["bash", "-c", STEERED_LAUNCH],
+        ["bash", "-ec", f"cd /sgl-workspace && {STEERED_LAUNCH} --served-model-name PATHS"],
+        ["bash", "-xc", f"export NCCL_DEBUG=INFO; echo source; {STEERED_LAUNCH}"],
     ],
 )
 def test_a_plain_launch_changes_nothing(argv: list[str]) -> None:
@@ -865,6 +873,6 @@ def test_a_plain_launch_changes_nothing(argv: list[str]) -> None:
 
 
 def test_a_line_too_large_to_read_is_not_known_to_change_nothing() -> None:
-    script = f"{LAUNCH} --json-model-override-args '{'x' * (shell.BUDGET + 10)}'"
+    script = f"{STEERED_LAUNCH} --json-model-override-args '{'x' * (shell.BUDGET + 10)}'"
     r = cmdline.read(["bash", "-c", script])
     assert r.requested and r.over_budget and r.steered == "a command line too large to read"
