@@ -60,7 +60,9 @@ def allow_api_depth() -> None:
     takes two Python frames per level, which in Python 3.11 use no C stack; found on a
     real API server), and the stack of every thread started after this call (the main
     thread has the process's, 8 MiB in the image; json, repr and ``==`` recurse in C one
-    step a level, 10,000 levels measured within it). Call it before any thread starts."""
+    step a level, 10,000 levels measured within it). Call it before any thread starts.
+    (Python 3.11, the image's: from 3.12 C code's recursion has a fixed limit of its
+    own, which this does not raise.)"""
     sys.setrecursionlimit(max(sys.getrecursionlimit(), 2 * API_DEPTH + 2_000))
     threading.stack_size(THREAD_STACK)
 
