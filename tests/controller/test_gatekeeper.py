@@ -2154,11 +2154,11 @@ def test_a_key_the_namespace_keeps_queueing_is_never_overdue(
     assert "having their preflights started first" in _condition_of(api, "z-0")["message"]
 
 
-def test_an_opened_pods_condition_write_sleeps_only_between_its_tries(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Each try of an opened pod's condition write waits before the next one, never
-    after the last: that wait held the deciding thread for nothing."""
+def _opened_pods_writes(
+    monkeypatch: pytest.MonkeyPatch, status: int, message: str = ""
+) -> tuple[int, list[float]]:
+    """An opened pod whose condition write the API server answers with ``status``
+    (``message`` in its Status body): how many tries were made, and the waits between."""
     slept: list[float] = []
     clock_only = types.SimpleNamespace(monotonic=time.monotonic, sleep=slept.append)
     monkeypatch.setattr(gatekeeper, "time", clock_only)
@@ -2166,13 +2166,37 @@ def test_an_opened_pods_condition_write_sleeps_only_between_its_tries(
     api.add(gated_pod("w-0"))
     pf.run_once()
     api.finish(api.preflights()[0], 0, CLEAR)
+    tries: list[str] = []
 
     def failing(namespace: str, name: str, uid: str, condition: dict[str, Any]) -> None:
-        raise ApiException(status=500, reason="etcdserver: request timed out")
+        tries.append(name)
+        exc = ApiException(status=status, reason="failed")
+        exc.body = json.dumps({"message": message})
+        raise exc
 
     api.set_condition = failing  # type: ignore[method-assign]
     assert pf.answer(["ml"]).ungated == ["Pod ml/w-0"]
+    return len(tries), slept
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "etcdserver: request timed out",  # 500
+        # A ValidatingAdmissionPolicy's refusal is a 422 (reason Invalid): not the pod
+        # gone, so it is the API server's answer, tried again.
+        "ValidatingAdmissionPolicy 'x' denied request: no",
+    ],
+)
+def test_an_opened_pods_condition_write_sleeps_only_between_its_tries(
+    monkeypatch: pytest.MonkeyPatch, message: str
+) -> None:
+    """Each try of an opened pod's condition write waits before the next one, never
+    after the last: that wait held the deciding thread for nothing."""
+    status = 422 if "denied" in message else 500
+    tries, slept = _opened_pods_writes(monkeypatch, status, message)
     backoff = gatekeeper.OPENED_BACKOFF
+    assert tries == gatekeeper.OPENED_WRITES
     assert slept == [backoff * n for n in range(1, gatekeeper.OPENED_WRITES)]
 
 
@@ -2183,48 +2207,7 @@ def test_an_opened_pod_that_is_gone_is_not_written_again(
     """Found by a review helper: a tenant deleting its pods as their gates came off made
     each condition write fail (404) and be tried OPENED_WRITES times, 1.5 s of a decide
     worker per pod. A pod gone or replaced is final: one try, no wait."""
-    slept: list[float] = []
-    clock_only = types.SimpleNamespace(monotonic=time.monotonic, sleep=slept.append)
-    monkeypatch.setattr(gatekeeper, "time", clock_only)
-    pf, api, _, _ = setup()
-    api.add(gated_pod("w-0"))
-    pf.run_once()
-    api.finish(api.preflights()[0], 0, CLEAR)
-    tries: list[str] = []
-
-    def gone(namespace: str, name: str, uid: str, condition: dict[str, Any]) -> None:
-        tries.append(name)
-        raise ApiException(status=status, reason="gone")
-
-    api.set_condition = gone  # type: ignore[method-assign]
-    assert pf.answer(["ml"]).ungated == ["Pod ml/w-0"]
-    assert tries == ["w-0"] and slept == []
-
-
-def test_a_policy_refusing_the_condition_write_is_tried_again(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A ValidatingAdmissionPolicy's refusal is a 422 too (reason Invalid, "denied" in
-    its message): not the pod gone, so it is the API server's answer, tried again."""
-    slept: list[float] = []
-    clock_only = types.SimpleNamespace(monotonic=time.monotonic, sleep=slept.append)
-    monkeypatch.setattr(gatekeeper, "time", clock_only)
-    pf, api, _, _ = setup()
-    api.add(gated_pod("w-0"))
-    pf.run_once()
-    api.finish(api.preflights()[0], 0, CLEAR)
-    tries: list[str] = []
-    body = json.dumps({"message": "ValidatingAdmissionPolicy 'x' denied request: no"})
-
-    def denied(namespace: str, name: str, uid: str, condition: dict[str, Any]) -> None:
-        tries.append(name)
-        exc = ApiException(status=422, reason="Invalid")
-        exc.body = body
-        raise exc
-
-    api.set_condition = denied  # type: ignore[method-assign]
-    assert pf.answer(["ml"]).ungated == ["Pod ml/w-0"]
-    assert len(tries) == gatekeeper.OPENED_WRITES and len(slept) == gatekeeper.OPENED_WRITES - 1
+    assert _opened_pods_writes(monkeypatch, status) == (1, [])
 
 
 def test_a_tenants_signed_worker_labelled_as_a_preflight_is_not_epguards() -> None:
