@@ -50,8 +50,10 @@ LIST_PAGE = 500
 # review helper). Decoded with a deeper limit, it is one more pod.
 API_DEPTH = 10_000
 # A thread's stack for that: json's C decoder takes ~150 bytes a level, and msgspec's
-# ~800 when it builds the objects (measured: 10,000 levels fit in 2 MiB and 8 MiB).
-THREAD_STACK = 32 * 1024 * 1024
+# ~800 when it builds the objects (measured: 10,000 levels fit in 2 MiB and 8 MiB). The
+# usual default (glibc's, from an 8 MiB RLIMIT_STACK), set so that a container without
+# that limit (glibc then gives threads 2 MiB) gets it too.
+THREAD_STACK = 8 * 1024 * 1024
 
 
 def allow_api_depth() -> None:
