@@ -11,6 +11,11 @@ replaced by ``$NAME`` (the image's variables) or ``$POD_VARIABLE`` (the pod's).
 import os
 import re
 
+try:
+    from . import catalog
+except ImportError:  # run as `python3 probe`: the directory itself is on sys.path
+    import catalog
+
 PREFIX = "epguard: "
 UNUSABLE = PREFIX + "mooncake elastic EP is unusable in this image: "
 # A cause that lives in the pod or the node (no driver, no GPU, a crash, a timeout, a
@@ -41,10 +46,9 @@ POD_VALUE = "$POD_VARIABLE"
 # names): never a secret. Masking them made every message of a pod with
 # ``EP_BACKEND=mooncake`` in its env unreadable and unlearnable ("epguard: $EP_BACKEND
 # elastic EP is …", found by a review helper's case).
-_PUBLIC = frozenset(("mooncake", "mooncake.pg", "mooncake.ep", "mooncake-transfer-engine",
-                     "mooncake-transfer-engine-cuda13", "mooncake-transfer-engine-non-cuda",
-                     "sglang", "sglang.launch_server", "elastic-ep-backend",
-                     "--elastic-ep-backend"))
+_PUBLIC = frozenset(("mooncake", "mooncake.pg", "mooncake.ep", catalog.CUDA12, catalog.CUDA13,
+                     catalog.CUDA12 + "-non-cuda", "sglang", "sglang.launch_server",
+                     "elastic-ep-backend", "--elastic-ep-backend"))
 # The heads a message starts with: fixed text, read back by webhook/engine/outcome.py.
 _HEADS = (UNUSABLE, UNUSABLE_HERE, USABLE, USABLE_HERE, NOTHING, FILES_CLEAR)
 

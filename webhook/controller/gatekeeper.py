@@ -169,6 +169,18 @@ class Refused(Exception):
     preflight cannot run, and ``preflight.onError`` decides for its pods."""
 
 
+def failed_write(exc: ApiException) -> type[Refused] | type[Conflict] | None:
+    """What a pod write's error means: Refused (RBAC or an admission step said no; a
+    policy's refusal is a 422 that says "denied"), Conflict (the pod is gone, replaced,
+    or moved on: a failed uid precondition or JSON patch ``test``, an invalid write; the
+    same write again cannot succeed), or None (the API server's trouble: try again)."""
+    if exc.status in (400, 403) or (exc.status == 422 and "denied" in api_message(exc)):
+        return Refused
+    if exc.status in (404, 409, 422):
+        return Conflict
+    return None
+
+
 class Terminating(Exception):
     """The pod's namespace is being deleted (the API server creates nothing in it): its
     pods go with it, so they are left as they are -- a held pod is not opened on its
@@ -290,13 +302,11 @@ class KubePreflightApi(KubeObjects):
                 _request_timeout=REQUEST_TIMEOUT,
             )
         except ApiException as exc:
-            said = api_message(exc)
             # A failed `test` (the gate moved) is a 422 too; an admission refusal names
             # the policy or webhook that refused.
-            if exc.status in (400, 403) or (exc.status == 422 and "denied" in said):
-                raise Refused(said) from exc
-            if exc.status in (404, 409, 422):
-                raise Conflict(said) from exc
+            failure = failed_write(exc)
+            if failure is not None:
+                raise failure(api_message(exc)) from exc
             raise
 
     def set_condition(self, namespace: str, name: str, uid: str, condition: Json) -> None:
@@ -1267,12 +1277,10 @@ class Preflights:
             self._give_back(uid, claim, prior)  # not written: the next decision writes it
             if not isinstance(exc, ApiException):
                 raise
-            if exc.status in (404, 409) or (exc.status == 422 and "denied" not in api_message(exc)):
-                # The pod is gone or replaced (the uid precondition), or the write is
-                # invalid: the same write again cannot succeed, so no retry (a tenant
-                # deleting pods as their gates came off held a decide worker 1.5 s
-                # each: review helper). A policy's refusal (a 422 that says "denied")
-                # is the API server's answer, reported below.
+            if failed_write(exc) is Conflict:
+                # The same write again cannot succeed, so no retry (a tenant deleting pods
+                # as their gates came off held a decide worker 1.5 s each: review
+                # helper). A refusal is the API server's answer, reported below.
                 log.info("%s not set on pod %s/%s: %s", CONDITION, namespace, name, exc.reason)
                 return False
             log.warning("could not set %s on pod %s/%s: %s", CONDITION, namespace, name, exc)
