@@ -239,3 +239,18 @@ def test_a_bad_timeout_is_a_usage_error_not_a_probe_that_never_ends(tmp_path, va
     r = run_probe(tmp_path, python=sys.executable, env=clean_env(), opts=["--timeout", value])
     assert r.rc == 2
     assert "--timeout" in r.stderr
+
+
+def test_scrub_masks_a_token_that_starts_with_a_digit_and_keeps_versions_and_own_words() -> None:
+    """Review helper: any value starting with a digit was taken for a version and never
+    masked (a UUID-like token included); and a pod's EP_BACKEND=mooncake masked the
+    probe's own word everywhere. A pod's value is masked without its name."""
+    from epguard.probe import message
+
+    token = "3f2a9c1e-77b4-4e1b-9c2d-0a1b2c3d4e5f"
+    env = {"HF_TOKEN": token, "TORCH_V": "2.13.0+cu130", "EPGUARD_POD_EP_BACKEND": "mooncake",
+           "EPGUARD_POD_the image is fine": "/models/secret-path"}  # fmt: skip
+    text = f"hub said {token}; torch 2.13.0+cu130; mooncake.pg from /models/secret-path"
+    assert message.scrub(text, env) == (
+        "hub said $HF_TOKEN; torch 2.13.0+cu130; mooncake.pg from $POD_VARIABLE"
+    )
