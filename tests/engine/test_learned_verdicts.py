@@ -68,6 +68,27 @@ def test_denies_a_digest_pinned_image_with_an_unusable_verdict_and_says_where_it
     assert d.fired == ("verdict:iv-1",)
 
 
+def test_another_namespace_is_refused_without_the_pod_that_failed_being_named() -> None:
+    """A tenant that named another's private image learnt from the refusal the other
+    tenant's namespace, pod and when it ran (review helper): ImageVerdicts are not
+    readable by tenants, so the refusal must not tell them either."""
+    state = make_state()
+    state.verdicts = store_with(imageverdict())
+    for image in (f"registry.example.com/ml/sglang@{DIGEST}", IMAGE):
+        d = decide(request(pod([container(image=image)]), namespace="team-b"), state, now=NOW)
+        assert not d.allowed
+        message = d.message or ""
+        assert "Mooncake PG was not built against torch==2.13.0" in message
+        assert "(seen failing in another namespace at 2026-11-30T11:00:00Z)" in message
+        assert "worker-0" not in message and "in pod" not in message
+    stale = store_with(imageverdict(last_seen=NOW - dt.timedelta(hours=25)))
+    state.verdicts = stale
+    d = decide(request(pod([container(image=IMAGE)]), namespace="team-b"), state, now=NOW)
+    assert d.allowed and d.warnings
+    assert all("worker-0" not in w for w in d.warnings)
+    assert any("seen failing in another namespace" in w for w in d.warnings)
+
+
 def test_digest_verdicts_do_not_expire() -> None:
     old = imageverdict(last_seen=NOW - dt.timedelta(days=30))
     assert not judge(f"registry.example.com/ml/sglang@{DIGEST}", store_with(old)).allowed

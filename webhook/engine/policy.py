@@ -127,8 +127,9 @@ def rule_denial(rule: Rule) -> str:
     )
 
 
-def verdict_denial(hit: VerdictHit) -> str:
-    """What an Unusable verdict says after ``<subject> requests <flag> mooncake, ``."""
+def verdict_denial(hit: VerdictHit, namespace: str | None = None) -> str:
+    """What an Unusable verdict says after ``<subject> requests <flag> mooncake, ``, to a
+    request in ``namespace`` (VerdictHit.where: another namespace's pod is not named)."""
     v = hit.verdict
     if v.from_scan:
         reason = _strip_period(v.reason) or "epguard scan found an image cause"
@@ -144,7 +145,7 @@ def verdict_denial(hit: VerdictHit) -> str:
             f"ImageVerdict {v.object_name}"
         )
     return (
-        f"which this image cannot serve: {reason} ({hit.where()}). Fix: {fix}. "
+        f"which this image cannot serve: {reason} ({hit.where(namespace)}). Fix: {fix}. "
         f"[epguard verdict {v.object_name}]"
     )
 
@@ -161,12 +162,17 @@ def _rule_finding(subject: str, rule: Rule, key: tuple[str, ...]) -> Finding:
     return Finding(rule.action, text, rule.id, (*key, rule.id))
 
 
-def _verdict_finding(subject: str, hit: VerdictHit, key: tuple[str, ...]) -> Finding:
+def _verdict_finding(
+    subject: str, hit: VerdictHit, key: tuple[str, ...], namespace: str | None
+) -> Finding:
     v = hit.verdict
     src = f"verdict:{v.object_name}"
     if hit.trust == "deny":
         return Finding(
-            "deny", f"{subject} requests {FLAG} mooncake, {verdict_denial(hit)}", src, (*key, src)
+            "deny",
+            f"{subject} requests {FLAG} mooncake, {verdict_denial(hit, namespace)}",
+            src,
+            (*key, src),
         )
     if v.from_scan:
         earlier = "an earlier epguard scan of this tag's image found"
@@ -176,9 +182,9 @@ def _verdict_finding(subject: str, hit: VerdictHit, key: tuple[str, ...]) -> Fin
         reason = _strip_period(v.reason) or "its epguard probe failed"
     return Finding(
         "warn",
-        f"{subject} requests {FLAG} mooncake; {earlier} {reason} ({hit.where()}), but tags "
-        f"move and that verdict is older than the TTL. Pin the image by digest to be sure. "
-        f"[epguard verdict {v.object_name}, warn]",
+        f"{subject} requests {FLAG} mooncake; {earlier} {reason} ({hit.where(namespace)}), "
+        "but tags move and that verdict is older than the TTL. Pin the image by digest to be "
+        f"sure. [epguard verdict {v.object_name}, warn]",
         src,
         (*key, src),
     )
@@ -190,6 +196,7 @@ def _template_findings(
     now: dt.datetime,
     namespace_injects: bool,
     budget: shell.Budget,
+    namespace: str | None,
 ) -> list[Finding]:
     findings: list[Finding] = []
     # Each container is asked once (the question splits the probe's argv).
@@ -260,7 +267,7 @@ def _template_findings(
         findings.extend(_rule_finding(subject, r, key) for r in matched)
         hit = state.verdicts.lookup(ref, now)
         if hit is not None and hit.trust != "usable":
-            findings.append(_verdict_finding(subject, hit, key))
+            findings.append(_verdict_finding(subject, hit, key, namespace))
         if probed_images and c.image not in probed_images and report.worker:
             findings.append(
                 Finding(
@@ -312,6 +319,7 @@ def _judge(
     state: PolicyState,
     now: dt.datetime,
     namespace_injects: bool,
+    namespace: str | None,
 ) -> _Judgement:
     allow_skip = state.config.allow_skip
     findings: list[Finding] = []
@@ -321,7 +329,7 @@ def _judge(
     # One reading budget for the whole object: many huge containers cost what one does.
     budget = shell.Budget()
     for t in templates:
-        tf = _template_findings(t, state, now, namespace_injects, budget)
+        tf = _template_findings(t, state, now, namespace_injects, budget, namespace)
         t_skip = t.annotations.get(SKIP_ANNOTATION)
         # (When the object itself is exempt, keep the denials: the log shows what was skipped.)
         if (
@@ -361,14 +369,16 @@ def decide(
     ns = state.namespaces.get(request.namespace)
     mode: Mode = ns.mode or state.config.default_mode
     obj_annotations = dict(annotations_of(request.object))
-    judgement = _judge(templates, obj_annotations, state, now, ns.inject)
+    judgement = _judge(templates, obj_annotations, state, now, ns.inject, request.namespace)
     findings = unread + judgement.findings
 
     if request.operation == "UPDATE" and request.oldObject is not None:
         # Do not block an update (a scale-down, a finalizer removal, a label) of an
         # object whose problem was already there: only what the update introduces.
         old_templates, old_unread = _pods_of(request, request.oldObject, state.config.kinds)
-        old_findings = _judge(old_templates or [], {}, state, now, ns.inject).findings
+        old_findings = _judge(
+            old_templates or [], {}, state, now, ns.inject, request.namespace
+        ).findings
         old_keys = {f.key for f in old_unread + old_findings if f.severity == "deny"}
         findings = [
             Finding(
