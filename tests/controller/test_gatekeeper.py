@@ -26,6 +26,7 @@ from epguard.webhook.controller import gatekeeper
 from epguard.webhook.controller.gatekeeper import (
     CREATE_SECONDS,
     NEW_PER_NAMESPACE,
+    RETAINED_PER_NAMESPACE,
     Conflict,
     KubePreflightApi,
     PreflightConfig,
@@ -592,6 +593,53 @@ def test_preflights_nobody_waits_on_are_cleaned_up() -> None:
     clock.now += dt.timedelta(seconds=2)
     assert len(pf.run_once().deleted) == 1
     assert api.preflights() == []
+
+
+def test_a_namespace_keeps_only_its_newest_finished_preflights_however_many_it_made() -> None:
+    """A tenant gated one pod after another, each on a key of its own, and deleted each
+    once its preflight ended: every finished preflight was kept for the retention, and
+    each pass listed and held all of them (review helper). Past the cap the oldest are
+    deleted; another namespace's are not counted against it."""
+    pf, api, clock, _ = setup(retain=3600)
+    extra = 5
+    for i in range(RETAINED_PER_NAMESPACE + extra):
+        api.add(gated_pod(f"w-{i}", image=f"r.example/sglang:v{i}"))
+    api.add(gated_pod("b-0", namespace="team-b"))
+    made = []
+    while len(api.preflights()) < RETAINED_PER_NAMESPACE + extra + 1:
+        created = pf.run_once().created
+        assert created, "no pass made a preflight"
+        made += created
+        clock.now += dt.timedelta(seconds=1)
+    for p in api.preflights():
+        api.finish(p, 0, CLEAR)
+    pf.run_once()  # the answers: every pod let go
+    for at in [at for at, p in api.pods.items() if PREFLIGHT_LABEL not in p["metadata"]["labels"]]:
+        del api.pods[at]
+    done = pf.run_once()
+    assert len(done.deleted) == extra, done.deleted
+    left = [(p["metadata"]["namespace"], p["metadata"]["creationTimestamp"])
+            for p in api.preflights()]  # fmt: skip
+    assert len([ns for ns, _ in left if ns == "ml"]) == RETAINED_PER_NAMESPACE
+    assert any(ns == "team-b" for ns, _ in left)
+    oldest_kept = min(stamp for ns, stamp in left if ns == "ml")
+    assert all(p["metadata"]["creationTimestamp"] >= oldest_kept
+               for p in api.preflights())  # fmt: skip
+    assert pf.run_once().deleted == []  # within the cap now
+
+
+def test_a_preflight_being_deleted_is_not_deleted_again_each_pass() -> None:
+    pf, api, clock, _ = setup(retain=600)
+    api.add(gated_pod("w-0"))
+    pf.run_once()
+    (preflight,) = api.preflights()
+    api.finish(preflight, 0, CLEAR)
+    del api.pods[("ml", "w-0")]
+    # Held by a finalizer (the policy lets only the controller add one; one set before it).
+    preflight["metadata"]["deletionTimestamp"] = clock().strftime(STAMP)
+    clock.now += dt.timedelta(seconds=601)
+    assert pf.run_once().deleted == []
+    assert api.preflights() == [preflight]
 
 
 def test_a_pod_gated_by_hand_without_a_mooncake_container_is_let_go() -> None:

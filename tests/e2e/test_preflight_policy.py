@@ -326,6 +326,35 @@ def test_nobody_but_the_controller_puts_the_preflight_labels_on_a_pod(
         as_controller(cp, "delete", "pod", name, "-n", TENANT, "--wait=false")
 
 
+def test_nobody_but_the_controller_adds_a_finalizer_to_a_preflight(cp: ControlPlane) -> None:
+    """A tenant's finalizer kept its finished preflights from ever being deleted, past
+    the controller's cap on what it retains a namespace: each pass lists every one of
+    them (review helper). Other metadata of a preflight stays the tenant's to change."""
+    pod = preflight()
+    r = as_controller(cp, "create", "-f", "-", input=json.dumps(pod))
+    assert r.returncode == 0, output(r)
+    name = pod["metadata"]["name"]
+    try:
+        add = json.dumps({"metadata": {"finalizers": ["tenant.example/keep"]}})
+        r = cp.kubectl("patch", "pod", name, "-n", TENANT, "--type=merge", "-p", add)
+        assert r.returncode != 0 and "epguard-preflight-labels" in r.stderr, output(r)
+        assert "refuses a new finalizer on its preflight pod" in r.stderr
+        r = cp.kubectl("annotate", "pod", name, "-n", TENANT, "team=a")
+        assert r.returncode == 0, output(r)
+        # A tenant's own pod is not held by it.
+        r = cp.kubectl("create", "-f", "-", input=json.dumps(tenant_pod("w-finalized")))
+        assert r.returncode == 0, output(r)
+        r = cp.kubectl("patch", "pod", "w-finalized", "-n", TENANT, "--type=merge", "-p", add)
+        assert r.returncode == 0, output(r)
+    finally:
+        drop = json.dumps({"metadata": {"finalizers": None}})
+        for pod_name in (name, "w-finalized"):
+            cp.kubectl("patch", "pod", pod_name, "-n", TENANT, "--type=merge", "-p", drop)
+        as_controller(cp, "delete", "pod", name, "-n", TENANT, "--wait=false")
+        cp.kubectl("delete", "pod", "w-finalized", "-n", TENANT, "--wait=false",
+                   "--ignore-not-found")  # fmt: skip
+
+
 def test_a_limitrange_default_changes_what_epguard_signed_and_the_create_shows_it(
     cp: ControlPlane,
 ) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import datetime as dt
+import json
 from typing import Any
 
 import jsonpatch
@@ -26,6 +27,7 @@ from epguard.webhook.engine.preflight import (
     key_of,
     preflight_pod,
     preflight_result,
+    preflight_status,
     signed,
     ungate_patch,
     unjudged,
@@ -489,6 +491,57 @@ def test_a_huge_message_is_cut_for_the_pod_condition() -> None:
     assert r.phase == "failed" and len(r.message) <= 1024
 
 
+_UNSCHEDULED = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                "message": "0/1 nodes"}  # fmt: skip
+_STATUSES = [
+    status_pod(terminated(0, name=COPY_CONTAINER), terminated(1, BAD)),
+    status_pod(terminated(0, "epguard: no image cause in this image's files: left for the GPU")),
+    status_pod(terminated(1, "epguard: probe internal error: KeyError: 'x'")),
+    status_pod(terminated(128, "")),
+    status_pod(waiting("ErrImagePull", "pull access denied for x"), age=10),
+    status_pod(waiting("ErrImagePull", "pull access denied for x"), age=301),
+    status_pod(age=5, conditions=[_UNSCHEDULED]),
+    status_pod(age=400, conditions=[_UNSCHEDULED]),
+    status_pod(waiting("PodInitializing"), phase="Failed", reason="DeadlineExceeded",
+               message="Pod was active on the node longer than the specified deadline"),
+    status_pod(phase="Failed", reason="Evicted", message="The node was low on ephemeral-storage."),
+    status_pod(conditions=[{"type": "DisruptionTarget", "status": "True",
+                            "reason": "PreemptionByScheduler"}]),
+    status_pod(terminated(1, BAD + "\n" + "x" * 3000)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("pod", _STATUSES)
+def test_what_is_kept_of_a_preflights_status_says_what_the_whole_status_says(
+    pod: dict[str, Any],
+) -> None:
+    """The controller keeps only preflight_status of each preflight it lists (the whole
+    status of a retained preflight was ~38 KB: review helper); every reading of it
+    must be the same."""
+    slim = {"metadata": pod["metadata"], "status": preflight_status(pod)}
+    assert preflight_result(slim, NOW, 300) == preflight_result(pod, NOW, 300)
+    assert disruption(slim) == disruption(pod)
+    ends = [c["state"].get("terminated", {}).get("finishedAt")
+            for c in slim["status"].get("initContainerStatuses", [])]  # fmt: skip
+    assert ends == [c["state"].get("terminated", {}).get("finishedAt")
+                    for c in pod["status"].get("initContainerStatuses", [])]  # fmt: skip
+
+
+def test_what_is_kept_of_a_bloated_preflight_status_is_small() -> None:
+    ref = "registry.example/" + "a" * 4000 + ":v1"
+    pod = status_pod(
+        *[{**terminated(0, "m" * 100_000, name=f"c{i}"), "image": ref, "imageID": ref}
+          for i in range(500)],
+        conditions=[{**_UNSCHEDULED, "message": "n" * 100_000} for _ in range(500)],
+        containerStatuses=[{**waiting("ErrImagePull", "p" * 100_000), "image": ref}] * 500,
+        message="s" * 100_000,
+        podIPs=[{"ip": "10.0.0.1"}] * 1000,
+    )  # fmt: skip
+    kept = json.dumps(preflight_status(pod))
+    assert len(kept) < 40_000, len(kept)
+    assert ref not in kept
+
+
 def _verdict(image: str, usable: bool, seen: dt.datetime, digest: str | None = None) -> Verdict:
     return Verdict(
         object_name=f"v-{image}-{digest}",
@@ -547,6 +600,21 @@ def test_the_preflight_runs_as_the_worker_but_without_its_privileges() -> None:
         "capabilities": {"drop": ["ALL"]},
         "seccompProfile": {"type": "RuntimeDefault"},
     }
+
+
+def test_the_preflight_runs_in_a_user_namespace_where_the_worker_does() -> None:
+    """The worker's runAsUser 0 inside its user namespace was the preflight's root on the
+    node (review helper)."""
+    ring = new_keyring(NOW)
+    for host_users, expected in ((False, False), (True, None), (None, None)):
+        spec = worker_spec(securityContext={"runAsUser": 0})
+        if host_users is not None:
+            spec["hostUsers"] = host_users
+        pod = preflight(spec)
+        assert pod["spec"].get("hostUsers") is expected
+        assert pod["spec"]["securityContext"]["runAsUser"] == 0
+        made = signed(pod, ring.current, NOW)
+        assert verify(ring, "team-a", made).ok
 
 
 def test_the_preflight_carries_no_env_and_sets_every_limit() -> None:

@@ -91,6 +91,7 @@ from epguard.webhook.engine.preflight import (
     key_of,
     preflight_pod,
     preflight_result,
+    preflight_status,
     shaped_as_preflight,
     signed,
     ungate_patch,
@@ -130,6 +131,13 @@ WHOLE_PODS = 2
 # creates run PASS_WORKERS at a time, each holding its preflight (~8x this, parsed).
 MAX_PREFLIGHT_BYTES = 256 * 1024
 NEW_PER_NAMESPACE = 16
+# Finished preflights that no pod waits on, kept to answer for their keys, at most this
+# many a namespace (the newest; the older ones deleted, their keys judged again when a
+# pod asks). A tenant that gated one pod after another, each on a pull secret name of
+# its own, and deleted each once its preflight ended, left a finished preflight a key
+# for the whole retention, 16 more each pass: every pass lists them all, and the
+# controller of every namespace ran out of memory (review helper).
+RETAINED_PER_NAMESPACE = 64
 # An answer run (Preflights.answer) lists its namespaces ANSWER_LISTS at a time, each
 # ANSWER_PAGE pods a page: on the loaded node a list took ~0.25 s a request, and 5
 # namespaces one after another took 2.4 s. And LISTS lists at most run at once in all, a
@@ -530,14 +538,15 @@ def _as_parent(obj: Mapping[str, Any]) -> Json:
 
 def _slim_preflight(pod: Mapping[str, Any]) -> Json:
     """What a pass keeps of a preflight epguard made (its signature verified already):
-    names, creation, its key and its status (the kubelet's: what the preflight said).
-    Its spec copies the worker's tolerations and affinity, which a tenant writes."""
+    names, creation, its key and what its status says (the kubelet's: what the
+    preflight said; preflight_status). Its spec copies the worker's tolerations and
+    affinity, which a tenant writes."""
     m = meta(pod)
     labels = as_map(m.get("labels"))
     return {
         "metadata": _identity(m)
         | {"labels": {k: labels[k] for k in (KEY_LABEL, PREFLIGHT_LABEL) if k in labels}},
-        "status": as_map(pod.get("status")),
+        "status": preflight_status(pod),
     }
 
 
@@ -1313,12 +1322,26 @@ class Preflights:
         now: dt.datetime,
         done: Pass,
     ) -> None:
-        for (namespace, name), pod in preflights.items():
+        kept: Counter[str] = Counter()
+        newest_first = sorted(
+            preflights.items(),
+            key=lambda item: created_at(item[1]) or dt.datetime.min.replace(tzinfo=dt.UTC),
+            reverse=True,
+        )
+        for (namespace, name), pod in newest_first:
+            if meta(pod).get("deletionTimestamp"):
+                # Deleted already: a delete each pass would not end it sooner (a
+                # finalizer holds it; the preflight-labels policy lets no one but the
+                # controller add one) and took the pass's time, one call at a time.
+                continue
             key = str(as_map(meta(pod).get("labels")).get(KEY_LABEL) or "")
             result = preflight_result(pod, now, self.config.settings.timeout_seconds)
             created = created_at(pod)
             age = (now - created).total_seconds() if created else float("inf")
             old = age > self.config.retain_seconds
+            if key not in wanted and result.phase != "running" and not old:
+                kept[namespace] += 1
+                old = kept[namespace] > RETAINED_PER_NAMESPACE
             if key in wanted:
                 # Waited on: kept, but made again once its answer is older than the
                 # retention, and never sooner than a preflight's deadline after it (a

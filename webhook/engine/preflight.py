@@ -283,6 +283,11 @@ def preflight_pod(
     for field in _PLACEMENT:
         if worker_spec.get(field):
             spec[field] = worker_spec[field]
+    if worker_spec.get("hostUsers") is False:
+        # In a user namespace, as the worker: its runAsUser 0 (copied below) is root in
+        # there only, not on the node (review helper), and a policy that asks for one
+        # (PodSecurity's user-namespace relaxation) admits the preflight as the worker.
+        spec["hostUsers"] = False
     security = as_map(worker_spec.get("securityContext"))
     # The image may only work as the user the worker runs it as (a user that cannot list
     # the image's packages proves nothing: probe/static.py); never the pod's own seccomp
@@ -472,6 +477,55 @@ def shaped_as_preflight(pod: Mapping[str, Any]) -> bool:
             own = words[: words.index("--")] if "--" in words else words
             return "--files-only" in own
     return False
+
+
+# The kubelet keeps at most this much of a container's termination message.
+_TERMINATION_MESSAGE = 4096
+# A preflight has three containers; a status that lists more is none of the kubelet's.
+_STATUSES = 8
+_STATE_FIELDS = {"terminated": ("exitCode", "reason", "finishedAt"), "waiting": ("reason",)}
+
+
+def _container_status(status: Mapping[str, Any]) -> dict[str, Any]:
+    state = as_map(status.get("state"))
+    kept: dict[str, Any] = {}
+    for name, fields in _STATE_FIELDS.items():
+        if name not in state:
+            continue
+        part = as_map(state[name])
+        kept[name] = {f: part[f] for f in fields if f in part}
+        said = part.get("message")
+        if isinstance(said, str):
+            probe = name == "terminated" and status.get("name") == PROBE_CONTAINER
+            kept[name]["message"] = cut(said, _TERMINATION_MESSAGE if probe else MAX_MESSAGE)
+    return {"name": status.get("name"), "state": kept}
+
+
+def preflight_status(pod: Mapping[str, Any]) -> dict[str, Any]:
+    """What :func:`preflight_result`, :func:`disruption` and the end of a preflight
+    (``finishedAt``) read of its status, each text cut: what a controller keeps of every
+    preflight it lists. The whole status, kept for each retained preflight, was ~38 KB
+    with a long image reference (a review helper's measure), and the API server serves
+    every one of them to each pass."""
+    status = as_map(pod.get("status"))
+    kept: dict[str, Any] = {}
+    for field in ("phase", "reason", "message"):
+        if isinstance(status.get(field), str):
+            kept[field] = cut(status[field], MAX_MESSAGE)
+    conditions = [
+        {k: cut(c[k], MAX_MESSAGE) if isinstance(c.get(k), str) else None
+         for k in ("type", "status", "reason", "message")}
+        for c in map(as_map, as_list(status.get("conditions")))
+        if (c.get("type"), c.get("status")) in (("PodScheduled", "False"),
+                                                ("DisruptionTarget", "True"))
+    ]  # fmt: skip
+    if conditions:
+        kept["conditions"] = conditions[:_STATUSES]
+    for part in ("initContainerStatuses", "containerStatuses"):
+        statuses = as_list(status.get(part))[:_STATUSES]
+        if statuses:
+            kept[part] = [_container_status(as_map(s)) for s in statuses]
+    return kept
 
 
 def preflight_result(
