@@ -68,6 +68,14 @@ def test_a_tag_is_learned_only_from_a_pull_that_resolved_it(
     assert spec["image"] == "docker.io/lmsysorg/sglang@" + digest
     [resolved] = outcomes_of(pod_with_probe_status(message, code, pull_policy="Always"))
     assert resolved.verdict_image == resolved.image
+    # Pulled with Always under a host spelling the runtime keeps as a registry of its own
+    # (its own mirror, maybe other bytes under the tag): its digest alone.
+    for alias in ("registry-1.docker.io", "DOCKER.IO", "docker.io:443"):
+        image = f"{alias}/lmsysorg/sglang:v0.5.18-cu130"
+        [other] = outcomes_of(
+            pod_with_probe_status(message, code, image=image, pull_policy="Always")
+        )
+        assert other.verdict_image == "docker.io/lmsysorg/sglang@" + digest, alias
     assert verdict_name(resolved.verdict_image, digest).startswith("sha256-" + "ab" * 32 + "-")
     # A reference that pins its digest is about those bytes whatever the pull.
     pinned = "docker.io/lmsysorg/sglang:v0.5.18-cu130@" + digest
@@ -87,6 +95,16 @@ def test_a_tag_is_learned_only_from_a_pull_that_resolved_it(
         ),
         ("docker.io/lmsysorg/sglang:v1", "IfNotPresent", []),
         ("docker.io/lmsysorg/sglang:v1@sha256:" + "ab" * 32, "Always", []),
+        # The one spelling the runtime folds itself: the same registry to it.
+        (
+            "index.docker.io/lmsysorg/sglang:v1",
+            "Always",
+            [("docker.io/lmsysorg/sglang:v1", "sha256:" + "ab" * 32)],
+        ),
+        # Hosts of their own to the runtime (their own mirrors: review helper).
+        ("registry-1.docker.io/lmsysorg/sglang:v1", "Always", []),
+        ("Docker.io/lmsysorg/sglang:v1", "Always", []),
+        ("docker.io:443/lmsysorg/sglang:v1", "Always", []),
     ],
 )
 def test_a_pull_with_always_tells_what_its_tag_named(

@@ -77,6 +77,23 @@ def _host(domain: str) -> str:
     return DEFAULT_DOMAIN if domain in HUB_NAMES else domain
 
 
+def spelt_as_the_runtime_names(reference: str) -> bool:
+    """Whether the runtime pulls ``reference`` under the registry name :func:`parse` gives
+    it. containerd and CRI-O fold only ``index.docker.io`` into ``docker.io``: every other
+    spelling (``NVCR.IO``, ``nvcr.io:443``, ``registry-1.docker.io``) is a host of its own
+    to them, with mirrors and rewrites of its own (``certs.d/<host>``), so its pull may get
+    other bytes under the same tag. A tag's verdict is learnt only from a pull spelt as
+    the runtime names it; any other answers for its digest alone (review helper)."""
+    first, sep, _ = reference.strip().partition("/")
+    if not (
+        sep and ("." in first or ":" in first or first == "localhost" or first.lower() != first)
+    ):
+        return True  # no registry named: the runtime's own default
+    return first in (DEFAULT_DOMAIN, LEGACY_DEFAULT_DOMAIN) or (
+        first not in HUB_NAMES and _host(first) == first
+    )
+
+
 def _split_domain(name: str) -> tuple[str, str]:
     # docker's rule: the first component is a registry host only if it looks like
     # one (has a dot or a port, is "localhost", or has upper case letters, which a

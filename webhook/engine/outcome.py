@@ -31,7 +31,7 @@ from epguard.probe.message import (
     USABLE_HERE,
 )
 from epguard.webhook.engine.argv import ExpansionTooLarge, container_argv
-from epguard.webhook.engine.imageref import ImageRefError, parse
+from epguard.webhook.engine.imageref import ImageRefError, parse, spelt_as_the_runtime_names
 from epguard.webhook.engine.text import first_line, parse_time, stamp
 from epguard.webhook.engine.verdicts import (
     SOURCE_PROBE,
@@ -92,8 +92,13 @@ class ProbeOutcome:
         pod landing on that node would refresh it. Such a run answers for its digest
         alone (``name@digest``), unless a pull that did resolve the tag found these same
         bytes a moment before (``Recorder.answers_for``): a gated worker after its
-        preflight."""
-        if self.digest is None or self.pull_policy == "Always":
+        preflight. A pull with Always of a spelling the runtime keeps as a registry of its
+        own (``registry-1.docker.io/…``, ``NVCR.IO/…``: imageref.spelt_as_the_runtime_names)
+        resolved that host's tag, which may not be the bytes the usual spelling pulls
+        through the node's mirror: its digest alone too."""
+        if self.digest is None:
+            return self.image
+        if self.pull_policy == "Always" and spelt_as_the_runtime_names(self.image):
             return self.image
         try:
             ref = parse(self.image)
@@ -342,7 +347,14 @@ def resolved_tags(pod: Mapping[str, Any], probe_image: str | None = None) -> lis
             ref = parse(image) if isinstance(image, str) else None
         except ImageRefError:
             ref = None
-        if digest and started and ref is not None and ref.tag is not None and not ref.digest:
+        if (
+            digest
+            and started
+            and ref is not None
+            and ref.tag is not None
+            and not ref.digest
+            and spelt_as_the_runtime_names(str(image))
+        ):
             found.append(Resolution(ref.name_tag, digest, started))
     return found
 
