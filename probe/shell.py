@@ -72,12 +72,20 @@ _DQ_ESCAPE = re.compile(r"\\([\\\"$`])|\\\r?\n")
 # of the text from each `${`, 113 ms for 30 KB of `${a:=`; found by a review helper.)
 _DQ_DOLLAR = re.compile(r"\$(?:\{[^}]{0,512}\}|[A-Za-z_][A-Za-z0-9_]*|[@*0-9]|\{[@*0-9]\})")
 _POSITIONAL = re.compile(r"\$\{?([@*0-9])\}?$")
-# NAME=value at the start of a command (or after `export`/`local`/`readonly`), to learn
-# the variables a script sets for itself before it uses them.
+# NAME=value that a script keeps for itself, to learn the variables it sets before it
+# uses them: at the start of a command in the script's own shell (after `;`, a newline,
+# `export`, `readonly` or `declare`), with nothing after it on that command. Not in a
+# subshell `(…)`, a pipeline or a background job (`B=none | cat`, `B=none &`: another
+# process), after `local` (a function's own), nor as a prefix of a command (`B=none
+# true` sets B for that command only): each was read as lasting, and the last value
+# (`none`) hid a worker asking for mooncake (review helper). Those are _contested.
 _SCRIPT_ASSIGNMENT = re.compile(
-    r"(?:^|[;&|\n(]|\bexport|\blocal|\breadonly|\bdeclare)[ \t]*"
+    r"(?:^|(?<![;&|])[;\n]|\bexport|\breadonly|\bdeclare)[ \t]*"
     r"([A-Za-z_][A-Za-z0-9_]*)(\+?)=((?:\"[^\"]*\"|'[^']*'|[^\s;&|()\"'])*)"
+    r"(?=[ \t\r]*(?:[;\n]|&&|\|\||$))"
 )
+# A here-document's opening (not a here-string `<<<`).
+_HEREDOC_OPEN = re.compile(r"(?<!<)<<(-?)[ \t]*(['\"]?)([A-Za-z_][A-Za-z0-9_]*)\2")
 # The pieces of an assigned value: double-quoted, single-quoted, or bare.
 _VALUE_PIECE = re.compile(r"\"([^\"]*)\"|'([^']*)'|([^\"']+)")
 _ASSIGNED_REF = re.compile(r"\\?\$(?:\{[^{}]*\}|[A-Za-z_][A-Za-z0-9_]*)")
@@ -226,6 +234,36 @@ def unquoted(text):
     return text.translate(_QUOTE_CHARS)
 
 
+def code_text(script):
+    """``script`` with what is not code blanked (the same length, newlines kept): every
+    closed here-document's body (data: `B=none` in one set nothing, and was read as an
+    assignment: review helper), then comments. A here-document with no closing line is
+    left as code, since `(( x = 1 <<EOF ))` is a shift in bash, not a here-document."""
+    text = script
+    if "<<" in text:
+        chars = list(text)
+        pos = 0
+        while True:
+            m = _HEREDOC_OPEN.search(text, pos)
+            if m is None:
+                break
+            eol = text.find("\n", m.end())
+            if eol < 0:
+                break
+            opened = [(h.group(3), h.group(1) == "-")
+                      for h in _HEREDOC_OPEN.finditer(text, m.start(), eol)]
+            end, closed = _heredoc_end(text, eol + 1, opened)
+            if closed:
+                for i in range(eol + 1, min(end, len(chars))):
+                    if chars[i] != "\n":
+                        chars[i] = " "
+                pos = end
+            else:
+                pos = eol + 1
+        text = "".join(chars)
+    return _COMMENT.sub(lambda m: " " * len(m.group()), text)
+
+
 def script_env(script, env, budget):
     """(``env`` plus the plain values a script assigns to itself, ``FLAGS="…"; run
     $FLAGS``, the last assignment's; each name's assignments in order, as ``(positions,
@@ -239,12 +277,13 @@ def script_env(script, env, budget):
     stays as written (unknown here), or read everywhere as the one of its values that
     asks for mooncake. What the values add is charged to ``budget``; past it,
     OverBudget (the safe side)."""
-    unknown, chosen = _contested(script, env)
+    code = code_text(script)
+    unknown, chosen = _contested(code, env)
     local = {k: v for k, v in env.items() if k not in unknown and k not in chosen}
     for name, raw in chosen.items():  # seen by the assignments in order too
         local[name] = _value_of(raw, local, budget)
     steps = {}
-    for m in _SCRIPT_ASSIGNMENT.finditer(script):
+    for m in _SCRIPT_ASSIGNMENT.finditer(code):
         name, append, raw = m.group(1), m.group(2), m.group(3)
         if name in unknown or name in chosen:
             continue
@@ -284,7 +323,7 @@ def _value_of(raw, local, budget):
     return value
 
 
-def _contested(script, env):
+def _contested(text, env):
     """(names unknown here, {name: the raw value to read it as everywhere}) for the names
     whose value at a use one pass cannot order. Found by review helpers: each was read
     as the value set before it (`none`), and a worker asking for mooncake went unjudged
@@ -302,8 +341,8 @@ def _contested(script, env):
     request); otherwise it is unknown. Unknown outright: a name set by a command
     (`printf -v`, `read`, `mapfile`, `unset`, `getopts`, `for`, `select`) or as an
     array element, and every name a script assigns once it sets IFS on its own (words
-    split where this reading does not). Comments are not read."""
-    text = _COMMENT.sub(lambda m: " " * len(m.group()), script)
+    split where this reading does not). ``text`` is code_text's: comments and
+    here-documents are not read."""
     modelled = {m.start(1) for m in _SCRIPT_ASSIGNMENT.finditer(text)}
     values = {}  # name -> the raw values it is set to, not from itself
     contested = set()
@@ -493,7 +532,7 @@ def words(script, env, budget, positional=(), steps=None):
             flush()
             out.append((";" if kind == "nl" else text,))
             if kind == "nl" and heredocs:
-                pos = _skip_heredocs(script, pos, heredocs)
+                pos = _heredoc_end(script, pos, heredocs)[0]
                 heredocs = []
         elif kind == "heredoc":
             flush()
@@ -553,17 +592,23 @@ def _in_quotes(body, env, steps, at, budget, positional):
         lambda d: _sub(d.group(), env_at(env, steps, d.group(), at), budget, positional), body)
 
 
-def _skip_heredocs(script, pos, heredocs):
-    """Past the bodies of the here-documents opened on the line that just ended."""
+def _heredoc_end(script, pos, heredocs):
+    """(where the bodies of the here-documents opened on the line that just ended end,
+    whether each was closed). Not closed: ``pos`` itself, so the lines after are read as
+    code (the safe side: `(( x = 1 <<EOF ))` is a shift in bash, and the rest of its
+    script went unread: review helper)."""
+    start = pos
     for delim, strip_tabs in heredocs:
-        while pos < len(script):
+        while True:
+            if pos >= len(script):
+                return start, False
             end = script.find("\n", pos)
             end = len(script) if end < 0 else end
             line = script[pos:end].rstrip("\r")
             pos = end + 1
             if (line.lstrip("\t") if strip_tabs else line) == delim:
                 break
-    return pos
+    return pos, True
 
 
 def _sub(ref, env, budget, positional=()):

@@ -662,6 +662,41 @@ def test_a_line_read_as_none_that_runs_mooncake_is_a_request_or_unresolved(
     assert r.where == where
 
 
+# --- a later review (helper): values set in another process, a function, a here-document
+# or for one command only, read as lasting; a shift read as a here-document ------------
+
+
+@pytest.mark.parametrize(
+    "between",
+    [
+        "(B=none); ",  # a subshell's own
+        "B=none true; ",  # for that one command
+        'echo "$(B=none)"; ',
+        "B=none | cat; ",  # a pipeline's process
+        "B=none & ",  # a background job
+        "f(){ local B=none; }; f; ",  # a function's own
+        "cat >/tmp/e <<EOF\nB=none\nEOF\n",  # data
+    ],
+    ids=["subshell", "prefix", "cmdsub", "pipeline", "background", "local", "heredoc"],
+)
+def test_a_value_set_only_for_another_process_or_command_hides_no_request(between: str) -> None:
+    """bash and sh print ``mooncake`` for $B after each of these (checked with a real
+    shell by the review helper); each was read as B=none, and a worker asking for
+    mooncake was admitted unjudged, with no probe and no gate."""
+    script = f"B=mooncake; {between}exec {SERVER} --elastic-ep-backend $B"
+    r = read(["bash", "-c", script])
+    assert r.requested, (r.values, r.unresolved)
+
+
+def test_a_shift_is_not_a_here_document_that_hides_the_rest() -> None:
+    """``<<`` in arithmetic is a shift; read as a here-document with no end, the rest of
+    the script went unread (review helper). An unclosed one is read as code."""
+    script = f"B=mooncake\n(( x = 1 <<EOF ))\nexec {SERVER} --elastic-ep-backend $B"
+    assert read(["bash", "-c", script]).requested
+    literal = f"(( x = 1 <<EOF ))\nexec {SERVER} --elastic-ep-backend mooncake"
+    assert read(["bash", "-c", literal]).requested
+
+
 def test_what_the_fifth_review_left_alone_still_reads_as_before() -> None:
     """The forms around those fixes that a real shell runs as the reading says."""
     # A launch line built step by step, one step in a branch: the flag of the first
