@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shlex
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -695,6 +696,41 @@ def test_a_shift_is_not_a_here_document_that_hides_the_rest() -> None:
     assert read(["bash", "-c", script]).requested
     literal = f"(( x = 1 <<EOF ))\nexec {SERVER} --elastic-ep-backend mooncake"
     assert read(["bash", "-c", literal]).requested
+
+
+def test_what_the_subshell_fix_must_keep_reading_in_order() -> None:
+    """Forms a real shell keeps in its own process, which the first cut of that fix made
+    contested (review helper of the diff): a line ending in `;` or `&` before the next
+    step, several assignments of one `export`, a here-document named in a comment."""
+    steps = (f'cd /w;\nARGS="--tp 8";\nARGS="$ARGS --elastic-ep-backend mooncake";\n'
+             f"exec {SERVER} $ARGS")  # fmt: skip
+    env, _ = shell.script_env(steps, {}, shell.Budget())
+    assert env["ARGS"] == "--tp 8 --elastic-ep-backend mooncake"
+    for end, tail in ((";", ";"), (" &", ""), ("", "")):
+        script = (f'nvidia-smi{end}\nARGS="--tp 8 --elastic-ep-backend mooncake"{tail}\n'
+                  f'ARGS="$ARGS --enable-dp-attention --dp 8"\nexec {SERVER} $ARGS')  # fmt: skip
+        r = read(["sh", "-c", script])
+        assert r.requested and r.dp_attention, (end, r.values)
+    r = read(["sh", "-c", "export BACKEND=${BACKEND:-mooncake} PORT=30000\n"
+                          f"exec {SERVER} --elastic-ep-backend $BACKEND"])  # fmt: skip
+    assert r.requested and r.unresolved is None, r.values
+    r = read(["sh", "-c", f"# cat <<EOF\nBK=mooncake\nEOF\nexec {SERVER} --elastic-ep-backend $BK"])
+    assert r.requested and r.unresolved is None, r.values
+    r = read(
+        ["sh", "-c", f'echo "<<EOF"\nBK=mooncake\nEOF\nexec {SERVER} --elastic-ep-backend $BK']
+    )
+    assert r.requested and r.unresolved is None, r.values
+
+
+def test_here_documents_that_never_close_are_read_in_linear_time() -> None:
+    """Each unclosed one was searched for to the end of the script again from every later
+    opener: 8,000 `<<a` lines (32 KB) took 24 s (review helper); 0.2 s now. The bound
+    is generous: it tells linear from quadratic, not a speed target."""
+    started = time.monotonic()
+    r = read(["sh", "-c", f"{SERVER} --elastic-ep-backend mooncake\n" + "<<a\n" * 7900])
+    shell.code_text("<<a\n" * 8000)
+    assert r.requested
+    assert time.monotonic() - started < 6.0
 
 
 def test_what_the_fifth_review_left_alone_still_reads_as_before() -> None:
