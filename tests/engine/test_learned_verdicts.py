@@ -70,7 +70,7 @@ def test_denies_a_digest_pinned_image_with_an_unusable_verdict_and_says_where_it
 
 def test_another_namespace_is_refused_without_the_pod_that_failed_being_named() -> None:
     """A tenant that named another's private image learnt from the refusal the other
-    tenant's namespace, pod and when it ran (review helper): ImageVerdicts are not
+    tenant's namespace, pod and when it ran (review helpers): ImageVerdicts are not
     readable by tenants, so the refusal must not tell them either."""
     state = make_state()
     state.verdicts = store_with(imageverdict())
@@ -79,7 +79,7 @@ def test_another_namespace_is_refused_without_the_pod_that_failed_being_named() 
         assert not d.allowed
         message = d.message or ""
         assert "Mooncake PG was not built against torch==2.13.0" in message
-        assert "(seen failing in another namespace at 2026-11-30T11:00:00Z)" in message
+        assert "(seen failing in another namespace)" in message
         assert "worker-0" not in message and "in pod" not in message
     stale = store_with(imageverdict(last_seen=NOW - dt.timedelta(hours=25)))
     state.verdicts = stale

@@ -278,21 +278,19 @@ class VerdictHit:
 
     def where(self, namespace: str | None = None) -> str:
         """Where the verdict comes from, told to a request in ``namespace``: the pod that
-        failed is named only to its own namespace. To any other, a refusal named another
-        tenant's namespace and pod, and when it ran a private image (review helper);
-        ImageVerdicts are not readable by tenants."""
+        failed, and when, are said only to its own namespace. To any other, a refusal
+        named another tenant's namespace and pod, and when it ran a private image (review
+        helper); ImageVerdicts are not readable by tenants."""
         v = self.verdict
         if v.from_scan:
             by = f" by {v.recorded_by}" if v.recorded_by else ""
             at = f" at {stamp(v.last_seen)}" if v.last_seen else ""
             return f"found in the image's files by epguard scan, recorded{by}{at}"
-        bits = []
-        if v.pod and namespace is not None and v.pod.startswith(namespace + "/"):
-            bits.append(f"in pod {v.pod}")
-        elif v.pod:
-            bits.append("in another namespace")
-        if self.verdict.last_seen is not None:
-            bits.append(f"at {stamp(self.verdict.last_seen)}")
+        if v.pod and (namespace is None or not v.pod.startswith(namespace + "/")):
+            return "seen failing in another namespace"
+        bits = [f"in pod {v.pod}"] if v.pod else []
+        if v.last_seen is not None:
+            bits.append(f"at {stamp(v.last_seen)}")
         return ("seen failing " + " ".join(bits)) if bits else "seen failing in this cluster"
 
 
