@@ -263,35 +263,49 @@ def unquoted(text):
     return text.translate(_QUOTE_CHARS)
 
 
-def code_text(script):
-    """``script`` with what is not code blanked (the same length, newlines kept): every
-    closed here-document's body (data: `B=none` in one set nothing, and was read as an
-    assignment: review helper), then comments. A here-document with no closing line is
-    left as code, since `(( x = 1 <<EOF ))` is a shift in bash, not a here-document."""
-    text = _COMMENT.sub(lambda m: " " * len(m.group()), script)
-    if "<<" not in text:
-        return text
-    # Openers as the words are made (words()): not in quotes, a `$(…)` or a comment.
-    chars, lines, pending, pos = None, None, [], 0
-    while pos < len(text):
-        m = _TOKEN.match(text, pos)
+def heredoc_bodies(script):
+    """The closed here-documents' bodies in ``script``, as ascending (start, end) ranges,
+    found as words() finds them: not in quotes, a `$(…)` or a comment. What is set in one
+    is data, not an assignment (`cat <<EOF` then `B=none`: review helper), but a
+    tokenizer cannot tell `(( x = 1 <<true ))`, a shift, from an opener: so such a text
+    is never read as lasting, only as contested (_contested reads it on the safe side).
+    One with no closing line is no body: words() reads it as code."""
+    bodies = []
+    if "<<" not in script:
+        return bodies
+    lines, pending, pos, started = None, [], 0, False
+    while pos < len(script):
+        m = _TOKEN.match(script, pos)
         if m is None:
-            pos += 1
+            pos, started = pos + 1, True
             continue
-        pos = m.end()
-        if m.lastgroup == "heredoc":
+        pos, kind = m.end(), m.lastgroup
+        if kind == "lit" and m.group().startswith("#") and not started:
+            end = script.find("\n", pos)
+            pos = len(script) if end < 0 else end
+            continue
+        started = kind not in ("ws", "nl", "op", "cont", "heredoc", "redir")
+        if kind == "heredoc":
             pending.append((m.group("delim"), m.group().startswith("<<-")))
-        elif m.lastgroup == "nl" and pending:
-            lines = lines or _Lines(text)
-            end, closed = _heredoc_end(text, pos, pending, lines)
+        elif kind == "nl" and pending:
+            lines = lines or _Lines(script)
+            end, closed = _heredoc_end(script, pos, pending, lines)
             pending = []
             if closed:
-                chars = chars or list(text)
-                for i in range(pos, min(end, len(chars))):
-                    if chars[i] != "\n":
-                        chars[i] = " "
+                bodies.append((pos, end))
                 pos = end
-    return "".join(chars) if chars else text
+    return bodies
+
+
+def _outside(bodies):
+    """Whether a position is outside every one of ``bodies`` (heredoc_bodies)."""
+    starts = [b[0] for b in bodies]
+
+    def outside(at):
+        i = bisect.bisect_right(starts, at) - 1
+        return i < 0 or at >= bodies[i][1]
+
+    return outside
 
 
 def script_env(script, env, budget):
@@ -307,15 +321,15 @@ def script_env(script, env, budget):
     stays as written (unknown here), or read everywhere as the one of its values that
     asks for mooncake. What the values add is charged to ``budget``; past it,
     OverBudget (the safe side)."""
-    code = code_text(script)
-    unknown, chosen = _contested(code, env)
+    outside = _outside(heredoc_bodies(script))
+    unknown, chosen = _contested(script, env, outside)
     local = {k: v for k, v in env.items() if k not in unknown and k not in chosen}
     for name, raw in chosen.items():  # seen by the assignments in order too
         local[name] = _value_of(raw, local, budget)
     steps = {}
-    for m in _SCRIPT_ASSIGNMENT.finditer(code):
+    for m in _SCRIPT_ASSIGNMENT.finditer(script):
         name, append, raw = m.group("name"), m.group("append"), m.group("raw")
-        if name in unknown or name in chosen:
+        if name in unknown or name in chosen or not outside(m.start("name")):
             continue
         before = local.get(name)
         value = _value_of(raw, local, budget)
@@ -353,7 +367,7 @@ def _value_of(raw, local, budget):
     return value
 
 
-def _contested(text, env):
+def _contested(script, env, outside):
     """(names unknown here, {name: the raw value to read it as everywhere}) for the names
     whose value at a use one pass cannot order. Found by review helpers: each was read
     as the value set before it (`none`), and a worker asking for mooncake went unjudged
@@ -371,9 +385,12 @@ def _contested(text, env):
     request); otherwise it is unknown. Unknown outright: a name set by a command
     (`printf -v`, `read`, `mapfile`, `unset`, `getopts`, `for`, `select`) or as an
     array element, and every name a script assigns once it sets IFS on its own (words
-    split where this reading does not). ``text`` is code_text's: comments and
-    here-documents are not read."""
-    modelled = {m.start("name") for m in _SCRIPT_ASSIGNMENT.finditer(text)}
+    split where this reading does not). Comments are not read; what is set in a
+    here-document's body (``outside`` says where none is) is contested."""
+    text = _COMMENT.sub(lambda m: " " * len(m.group()), script)
+    modelled = {
+        m.start("name") for m in _SCRIPT_ASSIGNMENT.finditer(text) if outside(m.start("name"))
+    }
     values = {}  # name -> the raw values it is set to, not from itself
     contested = set()
     unknown = set()

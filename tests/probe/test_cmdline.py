@@ -696,6 +696,13 @@ def test_a_shift_is_not_a_here_document_that_hides_the_rest() -> None:
     assert read(["bash", "-c", script]).requested
     literal = f"(( x = 1 <<EOF ))\nexec {SERVER} --elastic-ep-backend mooncake"
     assert read(["bash", "-c", literal]).requested
+    # With a line that would close it, what it holds is not read as lasting either way:
+    # contested, so the value asking for mooncake is read (review helper of the diff).
+    closed = f"B=none\n(( x = 1 <<true ))\nB=mooncake\ntrue\nexec {SERVER} --elastic-ep-backend $B"
+    assert read(["bash", "-c", closed]).requested
+    # A `#` in quotes starts no comment: the assignment after it on the line is read.
+    quoted = f'B=none; echo "worker #1"; B=mooncake; exec {SERVER} --elastic-ep-backend $B'
+    assert read(["bash", "-c", quoted]).requested
 
 
 def test_what_the_subshell_fix_must_keep_reading_in_order() -> None:
@@ -728,7 +735,7 @@ def test_here_documents_that_never_close_are_read_in_linear_time() -> None:
     is generous: it tells linear from quadratic, not a speed target."""
     started = time.monotonic()
     r = read(["sh", "-c", f"{SERVER} --elastic-ep-backend mooncake\n" + "<<a\n" * 7900])
-    shell.code_text("<<a\n" * 8000)
+    shell.heredoc_bodies("<<a\n" * 8000)
     assert r.requested
     assert time.monotonic() - started < 6.0
 
