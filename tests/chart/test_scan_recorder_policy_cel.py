@@ -169,3 +169,30 @@ def test_a_recorder_cannot_label_a_verdict_as_a_namespaces_or_an_architectures(
     plain = verdict()
     plain["metadata"]["labels"] = {"app.kubernetes.io/managed-by": "epguard-scan"}
     assert refusals("CREATE", plain, None) == []
+
+
+@pytest.mark.parametrize(
+    ("part", "value"),
+    [
+        ("status", {f"k{i}": 0 for i in range(100)}),
+        ("annotations", {"x": "y" * 1000}),
+        ("finalizers", ["tenant.example/keep"]),
+        ("ownerReferences", [{"apiVersion": "v1", "kind": "ConfigMap", "name": "c", "uid": "u"}]),
+        ("labels", {"app.kubernetes.io/managed-by": "epguard-scan", "team": "a"}),
+    ],
+)
+def test_a_recorders_verdict_is_its_spec_and_the_managed_by_label_alone(
+    part: str, value: Any
+) -> None:
+    """Review helper: an open status (and free metadata) let a recorder store 1.3 MB
+    objects of tiny keys, 18.6 MiB each once decoded, in every list the webhook and the
+    controller read: twenty of them past both their memory limits."""
+    bloated = verdict()
+    if part == "status":
+        bloated["status"] = value
+    else:
+        bloated["metadata"][part] = value
+    said = refused("CREATE", bloated, None)
+    assert "is its spec and the app.kubernetes.io/managed-by label alone" in said, said
+    assert "is its spec" in refused("UPDATE", bloated, verdict())
+    assert refusals("DELETE", None, bloated) == []  # a recorder may still delete its own

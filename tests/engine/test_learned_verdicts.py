@@ -180,6 +180,32 @@ def test_a_full_store_refuses_new_names_and_counts_them() -> None:
     assert again is not None and store.upsert(again)
 
 
+def test_scan_verdicts_never_crowd_out_the_probes() -> None:
+    """A recorder that wrote 50,000 scan verdicts (no scan needed) filled the store, and
+    after a restart, listed by name (`scan-…` before `sha256-…`), every probe verdict was
+    dropped (review helper). Scans have a share of their own."""
+
+    def scan(n: int) -> Any:
+        obj = imageverdict(f"scan-{n}", digest="sha256:" + f"{n:02x}" * 32)
+        obj["spec"] |= {"source": "scan", "recordedBy": "system:serviceaccount:ci:scanner"}
+        return verdict_from_object(obj)
+
+    probes = [
+        verdict_from_object(imageverdict(f"sha256-{n}", digest="sha256:" + f"{n + 50:02x}" * 32))
+        for n in range(2)
+    ]
+    store = VerdictStore(cap=2, scan_cap=2)
+    assert [store.upsert(scan(n)) for n in range(3)] == [True, True, False]
+    assert all(store.upsert(p) for p in probes)
+    assert len(store) == 4 and store.dropped == 1
+    relisted = VerdictStore(cap=2, scan_cap=2)
+    relisted.replace([scan(n) for n in range(5)] + probes)  # in name order, as listed
+    for n in range(2):
+        hit = relisted.lookup(parse(f"r.example/x@sha256:{f'{n + 50:02x}' * 32}"), NOW)
+        assert hit is not None and hit.trust == "deny"
+    assert relisted.dropped == 3
+
+
 # --- times in the future ---------------------------------------------------------------
 
 FUTURE = dt.datetime(2099, 1, 1, tzinfo=dt.UTC)

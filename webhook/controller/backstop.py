@@ -61,7 +61,13 @@ from epguard.webhook.controller.config import ControllerConfig
 from epguard.webhook.controller.leadership import STANDALONE, Leadership
 from epguard.webhook.engine.namespaces import MODES
 from epguard.webhook.engine.rules import RulesError, RuleSet, load_rules_text
-from epguard.webhook.engine.verdicts import GROUP, PLURAL, VERSION, verdict_from_object
+from epguard.webhook.engine.verdicts import (
+    GROUP,
+    MAX_SCAN_VERDICTS,
+    PLURAL,
+    VERSION,
+    verdict_from_object,
+)
 from epguard.webhook.metrics import Metrics
 
 log = logging.getLogger("epguard.controller.backstop")
@@ -320,11 +326,16 @@ def read_verdicts(
     custom = client.CustomObjectsApi(api)
     index = EntryIndex(tag_ttl, now)
     fingerprint = hashlib.sha256()
+    scans = 0  # scan verdicts have their own share, as in the webhook's store
     for page, _ in list_pages(custom.list_cluster_custom_object, GROUP, VERSION, PLURAL):
         for obj in page:
             named = f"{meta(obj).get('name')}\0{meta(obj).get('resourceVersion')}\n"
             fingerprint.update(named.encode())
             v = verdict_from_object(obj)
+            if v is not None and v.from_scan:
+                scans += 1
+                if scans > MAX_SCAN_VERDICTS:
+                    continue
             if v is not None:
                 index.add(v)
         if index.verdicts >= MAX_BACKSTOP_VERDICTS:

@@ -398,6 +398,12 @@ def verdict_from_object(obj: Any) -> Verdict | None:
 # one per image digest its workers ran; far more than that is a controller gone wrong or
 # someone creating ImageVerdicts by the million, and the webhook must not grow with it.
 MAX_VERDICTS = 50_000
+# Scan verdicts have a share of their own, beside MAX_VERDICTS for the probes': a scan
+# recorder's verdicts count against no namespace, and one recorder that wrote 50,000 of
+# them (no scan needed) filled the store; after a restart, listed by name ("scan-…"
+# before "sha256-…"), every probe verdict was dropped and pods on images found Unusable
+# were admitted in every namespace (review helper).
+MAX_SCAN_VERDICTS = 10_000
 _EPOCH = dt.datetime.min.replace(tzinfo=dt.UTC)
 
 
@@ -445,10 +451,17 @@ class VerdictStore:
     refused (counted in ``dropped``) rather than held.
     """
 
-    def __init__(self, tag_ttl: dt.timedelta = DEFAULT_TAG_TTL, cap: int = MAX_VERDICTS) -> None:
+    def __init__(
+        self,
+        tag_ttl: dt.timedelta = DEFAULT_TAG_TTL,
+        cap: int = MAX_VERDICTS,
+        scan_cap: int = MAX_SCAN_VERDICTS,
+    ) -> None:
         self.tag_ttl = tag_ttl
         self.cap = cap
+        self.scan_cap = scan_cap
         self.dropped = 0
+        self._scans = 0  # how many of _by_name are scan verdicts
         self._lock = threading.Lock()
         self._by_name: dict[str, Verdict] = {}
         # key -> names of the verdicts under it, and the newest of them (the answer).
@@ -457,6 +470,12 @@ class VerdictStore:
 
     def __len__(self) -> int:
         return len(self._by_name)
+
+    def _full(self, v: Verdict) -> bool:
+        """Whether a new verdict of ``v``'s kind is past its share (cap, scan_cap)."""
+        if v.from_scan:
+            return self._scans >= self.scan_cap
+        return len(self._by_name) - self._scans >= self.cap
 
     def _refresh(self, key: tuple[str, str]) -> None:
         names = self._members.get(key)
@@ -470,6 +489,7 @@ class VerdictStore:
         old = self._by_name.pop(name, None)
         if old is None:
             return []
+        self._scans -= old.from_scan
         keys = verdict_keys(old)
         for key in keys:
             self._members.get(key, set()).discard(name)
@@ -477,6 +497,7 @@ class VerdictStore:
 
     def _add(self, v: Verdict) -> list[tuple[str, str]]:
         self._by_name[v.object_name] = v
+        self._scans += v.from_scan
         keys = verdict_keys(v)
         for key in keys:
             self._members.setdefault(key, set()).add(v.object_name)
@@ -488,7 +509,7 @@ class VerdictStore:
         now = now or dt.datetime.now(dt.UTC)
         with self._lock:
             held = self._by_name.get(verdict.object_name)
-            if held is None and len(self._by_name) >= self.cap:
+            if held is None and self._full(verdict):
                 self.dropped += 1
                 return False
             verdict = observed(verdict, now, held)
@@ -510,9 +531,9 @@ class VerdictStore:
         images admitted for as long as the refill took.)"""
         now = now or dt.datetime.now(dt.UTC)
         before = self._by_name  # only the watch writes: read once, never changed here
-        fresh = VerdictStore(self.tag_ttl, self.cap)
+        fresh = VerdictStore(self.tag_ttl, self.cap, self.scan_cap)
         for v in verdicts:
-            if v.object_name not in fresh._by_name and len(fresh._by_name) >= self.cap:
+            if v.object_name not in fresh._by_name and fresh._full(v):
                 fresh.dropped += 1
                 continue
             fresh._remove(v.object_name)
@@ -521,6 +542,7 @@ class VerdictStore:
             fresh._refresh(key)
         with self._lock:
             self._by_name, self._members = fresh._by_name, fresh._members
+            self._scans = fresh._scans
             self._winner = fresh._winner  # the one index lookup reads: swapped last
             self.dropped += fresh.dropped
 
