@@ -527,3 +527,34 @@ def test_the_streamed_index_answers_every_key_as_the_webhooks_store_does(seed: i
     assert sorted(got, key=key) == sorted(want, key=key) and got_next == want_next
     assert want, "the sample refuses nothing: the comparison would prove nothing"
     assert compile_params(index, NOW) == compile_params(store, NOW)
+
+
+def test_a_shard_fits_as_the_client_sends_it_and_as_the_api_server_stores_it() -> None:
+    """Sized as UTF-8, a shard of verdicts whose reasons were `é` was 1.15 MB counted and
+    3.4 MB as the client sends it (every non-ASCII character escaped), past the API
+    server's request limit, and the backstop stopped following the verdicts (review
+    helper). The API server stores `<`, `>` and `&` escaped (6 bytes) too."""
+    objects = [
+        verdict(f"v-{i}", f"registry.example.com/t/s:b{i}", digest_of(i), f"{i} " + "é<" * 600)
+        for i in range(600)
+    ]
+    params = compile_params(store_of(*objects), NOW)
+    assert params.dropped == 0 and len(params.shards) > 1
+    for shard in shard_objects(CONFIG, params):
+        sent = json.dumps(shard["data"], separators=(",", ":"))  # ensure_ascii, as sent
+        stored = len(json.dumps(shard["data"], separators=(",", ":"), ensure_ascii=False)
+                     .encode()) + 5 * sent.count("<")  # fmt: skip
+        assert len(sent) <= SHARD_BYTES and stored <= SHARD_BYTES, (len(sent), stored)
+
+
+def test_a_control_character_in_a_rules_image_pattern_is_escaped_in_the_policy() -> None:
+    """A raw carriage return in a CEL string literal made the whole policy fail to compile
+    (review helper): every control character is written as an escape."""
+    odd = Rule(id="odd", image="registry.example.com/x/y\r\x85z:*", reason="r", remedy="f")
+    spec = the_policy(RuleSet((odd,)))["spec"]
+    expressions = [v["expression"] for v in spec.get("variables", [])]
+    expressions += [v["expression"] for v in spec["validations"]]
+    assert not any("\r" in e or "\x85" in e for e in expressions)
+    assert any("\\x0d" in e and "\\x85" in e for e in expressions)
+    for e in expressions:
+        celpy.Environment().compile(e)  # raises on a literal CEL cannot read
