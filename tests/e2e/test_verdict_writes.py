@@ -185,6 +185,41 @@ def test_a_recorder_cannot_create_a_verdict_dated_in_the_future(recorders: Recor
     assert r.returncode == 0, output(r)
 
 
+def test_a_recorders_verdict_is_its_spec_and_the_managed_by_label_alone(
+    recorders: Recorders, control_plane: ControlPlane
+) -> None:
+    """Review helper: an open status held 1.3 MB objects of tiny keys (18.6 MiB each
+    decoded) in every list the webhook and the controller read. The real API server
+    prunes a status (the CRD's is closed) and the policy refuses one, and any other
+    metadata than the managed-by label."""
+    now = dt.datetime.now(dt.UTC)
+    user = recorders.user(FIRST)
+    alone = "is its spec and the app.kubernetes.io/managed-by label alone"
+    for part, value in (
+        ("status", {f"k{i}": i for i in range(50)}),
+        ("annotations", {"x": "y"}),
+        ("finalizers", ["tenant.example/keep"]),
+    ):
+        bloated = _verdict(_digest(), user, now)
+        if part == "status":
+            bloated["status"] = value
+        else:
+            bloated["metadata"][part] = value
+        # Without kubectl's strict field validation (a client that asks for none, as the
+        # Python client does): the fields are pruned, and the policy still refuses.
+        r = _as(recorders, FIRST, "create", "--validate=false", f"--field-manager={MANAGER}",
+                "-f", "-", body=bloated)  # fmt: skip
+        assert _refused(r, alone), (part, output(r))
+    # An admin's write keeps no status either: the CRD prunes it.
+    admin = _verdict(_digest(), "admin", now)
+    admin["status"] = {f"k{i}": i for i in range(50)}
+    r = control_plane.kubectl("create", "--validate=false", "-f", "-", input=json.dumps(admin))
+    assert r.returncode == 0, output(r)
+    stored = _get(control_plane, admin["metadata"]["name"])
+    assert stored is not None and not stored.get("status"), stored.get("status")
+    control_plane.kubectl("delete", "imageverdict", admin["metadata"]["name"])  # fmt: skip
+
+
 def test_a_recorder_cannot_label_its_verdict_as_a_namespaces_or_an_architectures(
     recorders: Recorders,
 ) -> None:
