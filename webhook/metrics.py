@@ -119,7 +119,8 @@ class Metrics:
         )
         self.verdicts_dropped = Gauge(
             "epguard_verdicts_dropped",
-            "ImageVerdicts not held because the store is full (verdicts.MAX_VERDICTS).",
+            "ImageVerdicts not held because the store is full (verdicts.MAX_VERDICTS for "
+            "the probes', MAX_SCAN_VERDICTS for scans).",
             registry=r,
         )
 

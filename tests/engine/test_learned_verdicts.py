@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from typing import Any
 
@@ -204,6 +205,11 @@ def test_scan_verdicts_never_crowd_out_the_probes() -> None:
         hit = relisted.lookup(parse(f"r.example/x@sha256:{f'{n + 50:02x}' * 32}"), NOW)
         assert hit is not None and hit.trust == "deny"
     assert relisted.dropped == 3
+    # An admin's edit that turns a held probe verdict into a scan one takes a scan place.
+    turned = verdict_from_object(imageverdict("sha256-0", digest="sha256:" + "32" * 32))
+    assert turned is not None
+    turned = dataclasses.replace(turned, source="scan")
+    assert not relisted.upsert(turned)  # the scans' share is full
 
 
 # --- times in the future ---------------------------------------------------------------

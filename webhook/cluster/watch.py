@@ -253,9 +253,11 @@ class VerdictSync:
             self.store.delete(name)
         elif not self.store.upsert(verdict):
             log.warning(
-                "ImageVerdict %s not held: the store is full (%d); see epguard_verdicts_dropped",
+                "ImageVerdict %s not held: the store's %s share is full (%d); see "
+                "epguard_verdicts_dropped",
                 name,
-                self.store.cap,
+                "scan" if verdict.from_scan else "probe",
+                self.store.scan_cap if verdict.from_scan else self.store.cap,
             )
         self._count()
 

@@ -509,7 +509,9 @@ class VerdictStore:
         now = now or dt.datetime.now(dt.UTC)
         with self._lock:
             held = self._by_name.get(verdict.object_name)
-            if held is None and self._full(verdict):
+            # A new name, or one that changes kind (an admin's edit of spec.source), takes
+            # a place in its kind's share.
+            if (held is None or held.from_scan != verdict.from_scan) and self._full(verdict):
                 self.dropped += 1
                 return False
             verdict = observed(verdict, now, held)
@@ -533,7 +535,8 @@ class VerdictStore:
         before = self._by_name  # only the watch writes: read once, never changed here
         fresh = VerdictStore(self.tag_ttl, self.cap, self.scan_cap)
         for v in verdicts:
-            if v.object_name not in fresh._by_name and fresh._full(v):
+            had = fresh._by_name.get(v.object_name)
+            if (had is None or had.from_scan != v.from_scan) and fresh._full(v):
                 fresh.dropped += 1
                 continue
             fresh._remove(v.object_name)
