@@ -169,7 +169,14 @@ def dgd_v1beta1() -> dict[str, Any]:
 PROBE_INIT = {
     "name": "epguard-probe",
     "image": GOOD_IMAGE,
-    "command": ["python3", "/epguard/probe", "--termination-log", "/dev/termination-log", "--"],
+    "command": [
+        "python3",
+        "-I",
+        "/epguard/probe",
+        "--termination-log",
+        "/dev/termination-log",
+        "--",
+    ],
     "args": ["python3", "-m", "sglang.launch_server", *MOONCAKE_ARGS],
 }
 
@@ -578,6 +585,35 @@ CASES: list[Case] = [
             pod(
                 [container(image=GOOD_IMAGE, args=["--tp", "1"])],
                 init=[container(name="epguard-probe")],
+            )
+        ),
+        False,
+        [RULE],
+    ),
+    Case(
+        # Shaped like the probe call (a word ending in "probe" before "--"), but its own
+        # command launches the worker: judged like any container (review helper; before,
+        # only a signature check stood in its way, and none runs on a template or before
+        # the controller writes the key).
+        "denies_an_init_container_shaped_like_the_probe_call_that_launches_the_worker",
+        review(
+            pod(
+                [container(image=GOOD_IMAGE, args=["--tp", "1"])],
+                init=[
+                    {
+                        "name": "epguard-probe",
+                        "image": "lmsysorg/sglang:v0.5.16-cu129",
+                        "restartPolicy": "Always",
+                        "command": [
+                            "sh",
+                            "-c",
+                            "exec python3 -m sglang.launch_server "
+                            "--model-path /m --elastic-ep-backend mooncake",
+                            "probe",
+                            "--",
+                        ],
+                    }
+                ],
             )
         ),
         False,

@@ -104,10 +104,23 @@ def _strip_period(text: str) -> str:
 
 
 def _is_probe(c: ContainerView) -> bool:
-    """The probe epguard injects (outcome.is_probe), as an init container. It is left
-    unjudged: the worker argv it carries after ``--`` is what it checks, not what it
-    runs. Anything else, even named like the probe, is judged like any container."""
-    return c.kind == "initContainer" and is_probe(c.raw)
+    """The probe epguard injects (outcome.is_probe), as an init container, run exactly as
+    injection.py writes it (``python3 -I <mount>/probe … --``). It is left unjudged: the
+    worker argv it carries after ``--`` is what it checks, not what it runs. Anything
+    else, even named like the probe, is judged like any container: `sh -c "exec python3
+    -m sglang.launch_server … mooncake" probe --` passed for a probe, its own launch
+    unjudged, wherever no key checked its signature (a template, or before the
+    controller wrote the key: review helper)."""
+    if c.kind != "initContainer" or not is_probe(c.raw):
+        return False
+    command = c.raw.get("command")
+    return (
+        isinstance(command, list)
+        and len(command) > 3
+        and command[:2] == ["python3", "-I"]
+        and isinstance(command[2], str)
+        and command[2].endswith("/probe")
+    )
 
 
 def _subject(c: ContainerView, where: str, image: str) -> str:
