@@ -98,15 +98,14 @@ class _Lines:
     for again from each later opener, made 8,000 `<<a` lines take 24 s: review helper)."""
 
     def __init__(self, script):
+        self.script = script
         self.starts = {}  # (text, tabs stripped) -> line starts, ascending
-        self.after = {}  # line start -> where the next line starts
         pos = 0
         for line in script.split("\n"):
             text = line.rstrip("\r")
             for key in ((text, False), (text.lstrip("\t"), True)):
                 if _DELIMITER.match(key[0]):
                     self.starts.setdefault(key, []).append(pos)
-            self.after[pos] = pos + len(line) + 1
             pos += len(line) + 1
 
     def closing(self, delim, strip_tabs, pos):
@@ -114,7 +113,10 @@ class _Lines:
         None when none does."""
         starts = self.starts.get((delim, strip_tabs), ())
         i = bisect.bisect_left(starts, pos)
-        return self.after[starts[i]] if i < len(starts) else None
+        if i == len(starts):
+            return None
+        end = self.script.find("\n", starts[i])
+        return len(self.script) + 1 if end < 0 else end + 1
 # The pieces of an assigned value: double-quoted, single-quoted, or bare.
 _VALUE_PIECE = re.compile(r"\"([^\"]*)\"|'([^']*)'|([^\"']+)")
 _ASSIGNED_REF = re.compile(r"\\?\$(?:\{[^{}]*\}|[A-Za-z_][A-Za-z0-9_]*)")

@@ -42,7 +42,12 @@ from epguard.probe.cli import PROBE_LEVELS
 from epguard.probe.sandbox import POD_PREFIX
 from epguard.webhook.engine.argv import analyse_container
 from epguard.webhook.engine.namespaces import PreflightMode
-from epguard.webhook.engine.outcome import COPY_CONTAINER, PROBE_CONTAINER, PROBED_LABEL
+from epguard.webhook.engine.outcome import (
+    COPY_CONTAINER,
+    PROBE_CALL,
+    PROBE_CONTAINER,
+    PROBED_LABEL,
+)
 from epguard.webhook.engine.signing import PROBE_VOLUME, SIGNATURE_ANNOTATION, is_epguard_name
 from epguard.webhook.engine.workloads import as_list, as_map
 
@@ -189,11 +194,7 @@ def _probe_container(
         "name": name,
         "image": worker.get("image"),
         "command": [
-            # -I: the probe itself (stdlib only) ignores PYTHON* variables copied from the
-            # worker's env and the user's site-packages; the child that imports torch
-            # gets the image's own (probe/sandbox.py).
-            "python3",
-            "-I",
+            *PROBE_CALL,  # outcome.py; probe/sandbox.py gives the child the image's own env
             f"{settings.mount_path}/probe",
             "--termination-log",
             "/dev/termination-log",
@@ -319,9 +320,7 @@ def plan(pod_spec: Any, settings: InjectionSettings, path: str = "/spec") -> Inj
     # The gate and the preflight (gatekeeper.worker_keys, preflight_pod) judge the
     # containers' images only: a worker in an init container is probed, not gated.
     settled = tuple(
-        dict.fromkeys(
-            str(c.get("image")) for c, report, main in reports if main and report.worker
-        )
+        dict.fromkeys(str(c.get("image")) for c, report, main in reports if main and report.worker)
     )
     if not workers:
         patch = _removal(kept, path)

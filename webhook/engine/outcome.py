@@ -126,6 +126,26 @@ class ProbeOutcome:
         return f"{self.container}/{self.finished_at}"
 
 
+# How injection runs the probe: ``PROBE_CALL + [<mount>/probe, …, "--", WORKER_ARGV]``.
+# -I: the probe itself (stdlib only) ignores PYTHON* variables copied from the worker's
+# env and the user's site-packages; the child that imports torch gets the image's own.
+PROBE_CALL = ["python3", "-I"]
+
+
+def runs_as_injected(container: Mapping[str, Any]) -> bool:
+    """Whether ``container``'s command is the probe call exactly as injection writes it
+    (PROBE_CALL, then a path ending in /probe), with no shell before it."""
+    command = container.get("command")
+    n = len(PROBE_CALL)
+    return (
+        isinstance(command, list)
+        and len(command) > n + 1
+        and command[:n] == PROBE_CALL
+        and isinstance(command[n], str)
+        and command[n].endswith("/probe")
+    )
+
+
 def _named_like_probe(name: object) -> bool:
     return isinstance(name, str) and (
         name == PROBE_CONTAINER or name.startswith(PROBE_CONTAINER + "-")

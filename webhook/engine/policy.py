@@ -16,7 +16,7 @@ from epguard.probe import shell
 from epguard.webhook.engine.argv import FLAG, NOTHING, analyse_container
 from epguard.webhook.engine.imageref import ImageRef, ImageRefError, parse
 from epguard.webhook.engine.namespaces import INJECT_KEY, Mode, NamespaceIndex, opts_in
-from epguard.webhook.engine.outcome import is_probe
+from epguard.webhook.engine.outcome import is_probe, runs_as_injected
 from epguard.webhook.engine.review import AdmissionRequest
 from epguard.webhook.engine.rules import Rule, RulesHolder
 from epguard.webhook.engine.signing import KeyringHolder
@@ -111,16 +111,7 @@ def _is_probe(c: ContainerView) -> bool:
     -m sglang.launch_server … mooncake" probe --` passed for a probe, its own launch
     unjudged, wherever no key checked its signature (a template, or before the
     controller wrote the key: review helper)."""
-    if c.kind != "initContainer" or not is_probe(c.raw):
-        return False
-    command = c.raw.get("command")
-    return (
-        isinstance(command, list)
-        and len(command) > 3
-        and command[:2] == ["python3", "-I"]
-        and isinstance(command[2], str)
-        and command[2].endswith("/probe")
-    )
+    return c.kind == "initContainer" and is_probe(c.raw) and runs_as_injected(c.raw)
 
 
 def _subject(c: ContainerView, where: str, image: str) -> str:
