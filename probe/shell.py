@@ -73,22 +73,26 @@ _DQ_ESCAPE = re.compile(r"\\([\\\"$`])|\\\r?\n")
 _DQ_DOLLAR = re.compile(r"\$(?:\{[^}]{0,512}\}|[A-Za-z_][A-Za-z0-9_]*|[@*0-9]|\{[@*0-9]\})")
 _POSITIONAL = re.compile(r"\$\{?([@*0-9])\}?$")
 # NAME=value that a script keeps for itself, to learn the variables it sets before it
-# uses them: at the start of a command in the script's own shell (after `;`, a newline,
-# `export`, `readonly` or `declare`), with nothing after it on that command. Not in a
-# subshell `(…)`, a pipeline or a background job (`B=none | cat`, `B=none &`: another
-# process), after `local` (a function's own), nor as a prefix of a command (`B=none
-# true` sets B for that command only): each was read as lasting, and the last value
-# (`none`) hid a worker asking for mooncake (review helper). Those are _contested. A
-# newline after `;` or a lone `&` starts a command in the script's own shell; after `|`,
-# `&&` or `||` it goes on with the one before. `export A=… B=…` keeps every one.
-_END_OF_COMMAND = r"[ \t\r]*(?:[;\n]|&&|\|\||$)"
-_SCRIPT_ASSIGNMENT = re.compile(
-    r"(?:^|(?<![;&|]);|(?<!&&)(?<!\|)\n|(?P<decl>\bexport|\breadonly|\bdeclare))[ \t]*"
-    r"(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?P<append>\+?)="
-    r"(?P<raw>(?:\"[^\"]*\"|'[^']*'|[^\s;&|()\"'])*)"
-    r"(?(decl)(?=" + _END_OF_COMMAND + r"|[ \t]+[A-Za-z_][A-Za-z0-9_]*\+?=)|(?="
-    + _END_OF_COMMAND + r"))"
-)
+# uses them (_in_order): a run of assignments (`A=1 B=2`, `export A=1 B=2`) at the start
+# of a command in the script's own shell (after `;` or a newline, `export`, `readonly`
+# or `declare` before it), with nothing after it on that command. Not in a subshell
+# `(…)`, `$(…)`, quotes, a comment or a here-document (foreign), a pipeline or a
+# background job (`B=none | cat`, `B=none &`: another process), after `local` (a
+# function's own), nor as a prefix of a command (`B=none true` sets B for that command
+# only): each was read as lasting, and the last value (`none`) hid a worker asking for
+# mooncake (review helpers). Those are _contested. A newline after `;` or a lone `&`
+# starts a command in the script's own shell; after `|`, `&&` or `||` it goes on with the
+# one before.
+_END_OF_COMMAND = re.compile(r"[ \t\r]*(?:[;\n]|&&|\|\||$)")
+_NAME_RE = r"[A-Za-z_][A-Za-z0-9_]*"
+_RAW = r"(?:\"[^\"]*\"|'[^']*'|[^\s;&|()\"'])*"
+_RUN_START = re.compile(
+    r"(?:^|(?<![;&|]);|(?<!&&)(?<!\|)\n)[ \t]*(?:(?:export|readonly|declare)[ \t]+)?"
+    r"(?=" + _NAME_RE + r"\+?=)")
+_RUN_ITEM = re.compile(
+    r"(?P<name>" + _NAME_RE + r")(?P<append>\+?)=(?P<raw>" + _RAW + ")")
+# Between two assignments of one run (an array element's too, which ends the run).
+_RUN_GAP = re.compile(r"[ \t]+(?=" + _NAME_RE + r"(?:\[[^\]\s;&|(){}]*\])?\+?=)")
 _DELIMITER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
@@ -130,10 +134,10 @@ _COMMAND_START = (
     r"(?:(?:then|do|else|elif|!|time|eval|env|command|builtin|typeset|declare|local|export"
     r"|readonly)(?:[ \t]+-[A-Za-z]+)*[ \t]+)*")
 # Every assignment at a command's start, array elements too: what the in-order model
-# (_SCRIPT_ASSIGNMENT) may not follow (_contested).
-_ANY_ASSIGNMENT = re.compile(
-    _COMMAND_START + r"([A-Za-z_][A-Za-z0-9_]*)(\[[^\]\s;&|(){}]*\])?(\+?)=")
-_RAW_VALUE = re.compile(r"(?:\"[^\"]*\"|'[^']*'|[^\s;&|()\"'])*")
+# (_in_order) may not follow (_contested).
+_ANY_ITEM = re.compile(r"(" + _NAME_RE + r")(\[[^\]\s;&|(){}]*\])?(\+?)=")
+_ANY_ASSIGNMENT = re.compile(_COMMAND_START + _ANY_ITEM.pattern)
+_RAW_VALUE = re.compile(_RAW)
 # The commands that set a variable without an assignment.
 _WRITER = re.compile(
     _COMMAND_START + r"(?:printf[ \t]+(?:-[^\s;&|(){}]+[ \t]+)*?-v[ \t]*|"
@@ -148,7 +152,10 @@ _KNOWN_REF = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
 # name itself (kept as written).
 FLAG = "--elastic-ep-backend"
 FLAG_UNKNOWN = FLAG + " "
-_CONTROL = re.compile(r"(?:^|(?<=[\s;&|(]))(?:if|case|while|until|for|select)\s|&&|\|\|")
+# A branch, a loop, or a function (run where it is called, not where it is defined: `f()
+# { … $B; }; B=mooncake; f; B=none` runs mooncake).
+_CONTROL = re.compile(r"(?:^|(?<=[\s;&|(]))(?:if|case|while|until|for|select|function)\s"
+                      r"|&&|\|\||" + _NAME_RE + r"[ \t]*\([ \t]*\)")
 # IFS set on its own (not as one command's prefix: `IFS=, read -ra H`).
 _IFS = re.compile(r"(?:^|[;&|(){}\n])[ \t]*(?:export[ \t]+)?IFS="
                   r"(?:\"[^\"]*\"|'[^']*'|[^\s;&|\"'])*[ \t]*(?:[;&|\n]|$)")
@@ -265,16 +272,19 @@ def unquoted(text):
     return text.translate(_QUOTE_CHARS)
 
 
-def heredoc_bodies(script):
-    """The closed here-documents' bodies in ``script``, as ascending (start, end) ranges,
-    found as words() finds them: not in quotes, a `$(…)` or a comment. What is set in one
-    is data, not an assignment (`cat <<EOF` then `B=none`: review helper), but a
-    tokenizer cannot tell `(( x = 1 <<true ))`, a shift, from an opener: so such a text
-    is never read as lasting, only as contested (_contested reads it on the safe side).
-    One with no closing line is no body: words() reads it as code."""
-    bodies = []
-    if "<<" not in script:
-        return bodies
+def foreign(script):
+    """The parts of ``script`` that are not commands of the script's own shell, as
+    ascending, non-overlapping (start, end) ranges: quoted text, `$(…)` and backquotes,
+    subshells `(…)` (and `(( … ))`; one never closed runs to the end), comments, and
+    closed here-documents' bodies, found as words() finds them. What is set there does not
+    last in the script's own shell (`(⏎B=none⏎)`, `X=$(cat <<E⏎B=none⏎E⏎)`, `sh -c
+    'B=none'`, `# ;B=none` were each read as lasting and hid a worker asking for
+    mooncake: review helpers), so it is never read in order, only as contested
+    (_contested reads it on the safe side). A tokenizer cannot tell `(( x = 1 <<true ))`,
+    a shift, from a here-document's opener: one with no closing line is no body, and
+    words() reads it as code. One pass, linear in the script."""
+    ranges = []
+    opened = []  # where each `(` not yet closed is
     lines, pending, pos, started = None, [], 0, False
     while pos < len(script):
         m = _TOKEN.match(script, pos)
@@ -285,29 +295,90 @@ def heredoc_bodies(script):
         if kind == "lit" and m.group().startswith("#") and not started:
             end = script.find("\n", pos)
             pos = len(script) if end < 0 else end
+            ranges.append((m.start(), pos))
             continue
         started = kind not in ("ws", "nl", "op", "cont", "heredoc", "redir")
-        if kind == "heredoc":
+        if kind in ("sq", "dq", "ansi", "cmdsub"):
+            ranges.append((m.start(), pos))
+        elif kind == "lit" and "`" in m.group():  # `X=`…``: to the closing backquote
+            pos = _backquotes(script, m.start(), pos, ranges)
+        elif kind == "op" and m.group() == "(":
+            opened.append(m.start())
+        elif kind == "op" and m.group() == ")" and opened:
+            ranges.append((opened.pop(), pos))
+        elif kind == "heredoc":
             pending.append((m.group("delim"), m.group().startswith("<<-")))
         elif kind == "nl" and pending:
             lines = lines or _Lines(script)
             end, closed = _heredoc_end(script, pos, pending, lines)
             pending = []
             if closed:
-                bodies.append((pos, end))
+                ranges.append((pos, end))
                 pos = end
-    return bodies
+    ranges.extend((start, len(script)) for start in opened)
+    ranges.sort()
+    merged = []
+    for start, end in ranges:
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(end, merged[-1][1]))
+        else:
+            merged.append((start, end))
+    return merged
 
 
-def _outside(bodies):
-    """Whether a position is outside every one of ``bodies`` (heredoc_bodies)."""
-    starts = [b[0] for b in bodies]
+def _backquotes(script, start, end, ranges):
+    """Where reading goes on after the backquoted parts of the word ``script[start:end]``
+    (each added to ``ranges``): after the word, or after a closing backquote past it.
+    Each backquote is looked at once (a word of 30,000 backquotes is not re-read from
+    each pair)."""
+    at = script.find("`", start, end)
+    while at >= 0:
+        close = script.find("`", at + 1)
+        if close < 0:
+            ranges.append((at, len(script)))  # never closed: to the end
+            return len(script)
+        ranges.append((at, close + 1))
+        if close >= end:
+            return close + 1
+        at = script.find("`", close + 1, end)
+    return end
+
+
+def _outside(ranges):
+    """Whether a position is outside every one of ``ranges`` (foreign)."""
+    starts = [r[0] for r in ranges]
 
     def outside(at):
         i = bisect.bisect_right(starts, at) - 1
-        return i < 0 or at >= bodies[i][1]
+        return i < 0 or at >= ranges[i][1]
 
     return outside
+
+
+def _in_order(text, outside):
+    """The assignments of ``text`` that last in the script's own shell, in order: each
+    run (_RUN_START) whose assignments end the command; none of a run followed by a
+    command word (prefixes of that command), and none whose name ``outside`` says is in
+    a foreign part. Linear: a run is read once, from its start."""
+    for start in _RUN_START.finditer(text):
+        run, pos = [], start.end()
+        if not outside(pos):
+            continue
+        while True:
+            item = _RUN_ITEM.match(text, pos)
+            if item is None:  # an array element (`A=1 B[0]=2`): not followed
+                run = []
+                break
+            run.append(item)
+            pos = item.end()
+            gap = _RUN_GAP.match(text, pos)
+            if gap is None:
+                break
+            pos = gap.end()
+        if run and _END_OF_COMMAND.match(text, pos):
+            for item in run:
+                if outside(item.start("name")):
+                    yield item
 
 
 def script_env(script, env, budget):
@@ -315,7 +386,7 @@ def script_env(script, env, budget):
     $FLAGS``, the last assignment's; each name's assignments in order, as ``(positions,
     values)``): one pass, not an interpreter. A use of a name assigned more than once
     takes the value of the last assignment before it (env_at); one before any, the
-    last's (a function defined before the variable it uses is set). An assignment that
+    last's. An assignment that
     names its own variable (`ARGS="$ARGS --host $IP"`, `ARGS+=" --tp 8"`) builds on the
     value before it, when that is known: the common way to build a launch line step by
     step (kept as written, the flag set in the first step was lost). A name whose value
@@ -323,15 +394,15 @@ def script_env(script, env, budget):
     stays as written (unknown here), or read everywhere as the one of its values that
     asks for mooncake. What the values add is charged to ``budget``; past it,
     OverBudget (the safe side)."""
-    outside = _outside(heredoc_bodies(script))
+    outside = _outside(foreign(script))
     unknown, chosen = _contested(script, env, outside)
     local = {k: v for k, v in env.items() if k not in unknown and k not in chosen}
     for name, raw in chosen.items():  # seen by the assignments in order too
         local[name] = _value_of(raw, local, budget)
     steps = {}
-    for m in _SCRIPT_ASSIGNMENT.finditer(script):
+    for m in _in_order(script, outside):
         name, append, raw = m.group("name"), m.group("append"), m.group("raw")
-        if name in unknown or name in chosen or not outside(m.start("name")):
+        if name in unknown or name in chosen:
             continue
         before = local.get(name)
         value = _value_of(raw, local, budget)
@@ -376,7 +447,7 @@ def _contested(script, env, outside):
     and unwarned.
 
     A name is contested when it is set at the start of a command the in-order model
-    (_SCRIPT_ASSIGNMENT) does not follow (after `then`, `do`, `else`, `{`, `&&`, `||`,
+    (_in_order) does not follow (after `then`, `do`, `else`, `{`, `&&`, `||`,
     `typeset -x`, `eval` …), unless that only adds to the value before it (`then
     ARGS="$ARGS --host $IP"`, read as taken, the side on which more of the line is
     seen); when it is set to two values in a script with branches or loops; and by
@@ -390,9 +461,7 @@ def _contested(script, env, outside):
     split where this reading does not). Comments are not read; what is set in a
     here-document's body (``outside`` says where none is) is contested."""
     text = _COMMENT.sub(lambda m: " " * len(m.group()), script)
-    modelled = {
-        m.start("name") for m in _SCRIPT_ASSIGNMENT.finditer(text) if outside(m.start("name"))
-    }
+    modelled = {m.start("name") for m in _in_order(text, outside)}
     values = {}  # name -> the raw values it is set to, not from itself
     contested = set()
     unknown = set()
@@ -401,18 +470,22 @@ def _contested(script, env, outside):
     for m in _ANY_ASSIGNMENT.finditer(text):
         if m.start(1) < end:
             continue  # inside the value of the one before (`{V={V=…`): no assignment
-        name, element, append = m.group(1), m.group(2), m.group(3)
-        assigned.add(name)
-        if element:
-            unknown.add(name)
-            continue
-        raw = _RAW_VALUE.match(text, m.end()).group()
-        end = m.end() + len(raw)
-        if append or re.search(r"\$\{?" + name + r"(?![A-Za-z0-9_])", raw):
-            continue  # adds to the value before it (`$EP_DECODE` is not `$EP`)
-        values.setdefault(name, []).append(raw)
-        if m.start(1) not in modelled:
-            contested.add(name)
+        item = m
+        while item is not None:  # the run it starts: `A=1 B=mooncake`, `local A= B=`
+            name, element, append = item.group(1), item.group(2), item.group(3)
+            assigned.add(name)
+            raw = _RAW_VALUE.match(text, item.end()).group()
+            end = item.end() + len(raw)
+            if element:
+                unknown.add(name)
+            elif not append and not re.search(r"\$\{?" + name + r"(?![A-Za-z0-9_])", raw):
+                # (one that adds to the value before it is not a value: `$EP_DECODE` is
+                # not `$EP`)
+                values.setdefault(name, []).append(raw)
+                if item.start(1) not in modelled:
+                    contested.add(name)
+            gap = _RUN_GAP.match(text, end)
+            item = _ANY_ITEM.match(text, gap.end()) if gap is not None else None
     if _CONTROL.search(text):
         contested.update(n for n, vs in values.items() if len(set(vs)) > 1)
     for m in _DEFAULT_ASSIGN.finditer(text):

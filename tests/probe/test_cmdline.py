@@ -8,6 +8,7 @@ reader against SGLang's own parser.
 from __future__ import annotations
 
 import shlex
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -735,7 +736,7 @@ def test_here_documents_that_never_close_are_read_in_linear_time() -> None:
     is generous: it tells linear from quadratic, not a speed target."""
     started = time.monotonic()
     r = read(["sh", "-c", f"{SERVER} --elastic-ep-backend mooncake\n" + "<<a\n" * 7900])
-    shell.heredoc_bodies("<<a\n" * 8000)
+    shell.foreign("<<a\n" * 8000)
     assert r.requested
     assert time.monotonic() - started < 6.0
 
@@ -954,3 +955,48 @@ def test_a_line_too_large_to_read_is_not_known_to_change_nothing() -> None:
     script = f"{STEERED_LAUNCH} --json-model-override-args '{'x' * (shell.BUDGET + 10)}'"
     r = cmdline.read(["bash", "-c", script])
     assert r.requested and r.over_budget and r.steered == "a command line too large to read"
+
+
+# --- where a command of the script's own shell starts: runs of assignments, and what is
+# inside parentheses, quotes, `$(…)`, backquotes, comments or a function ----------------
+
+REAL_SHELLS = ("bash", "dash")
+OWN_SHELL = [
+    ("B=none; export A=1 B=mooncake; {use}", "mooncake"),  # every name of one export
+    ("B=none; A=1 B=mooncake; {use}", "mooncake"),  # a run of assignments, each lasting
+    ("B=mooncake\n(\nB=none\n)\n{use}", "mooncake"),  # a subshell over several lines
+    ("B=mooncake; X=$(cat <<EOF\nB=none\nEOF\n)\n{use}", "mooncake"),  # data in a $(…)
+    ("B=mooncake; X=`true; B=none`; {use}", "mooncake"),  # backquotes: another process
+    ("B=mooncake\n# set ;B=none\n{use}", "mooncake"),  # a comment
+    ("f() {{ {use}; }}; B=mooncake; f; B=none", "mooncake"),  # run where it is called
+    ("B=mooncake; : export B=none; {use}", "mooncake"),  # an argument, not a command
+    ("A=1 B=mooncake; B=none; {use}", "none"),  # still read in order
+    ("export A=1 B=mooncake\nB=none\n{use}", "none"),
+    ("B=mooncake\n(\ntrue\n)\nB=none\n{use}", "none"),  # after the subshell: its own shell
+    ("B=mooncake; X=$(true); B=none; {use}", "none"),
+]
+
+
+@pytest.mark.parametrize(
+    ("script", "value"),
+    OWN_SHELL,
+    ids=["export-second-name", "assignment-run", "subshell-over-lines", "heredoc-in-cmdsub",
+         "backquotes", "comment", "function-called-before-reassignment", "argument-export",
+         "in-order-run", "in-order-export", "in-order-after-subshell",
+         "in-order-after-cmdsub"],
+)  # fmt: skip
+def test_the_value_a_real_shell_launches_with_is_the_one_read(script: str, value: str) -> None:
+    """What `$B` holds at the launch, as bash and dash run the script, is what the reader
+    reads: a mooncake value was hidden by a `none` set in another process, a comment or
+    an argument, or by reading `export A=1 B=…` and `A=1 B=…` as setting only A (each read
+    as `none`, and the worker admitted unjudged, with no probe and no gate); a value set
+    after the subshell or `$(…)` ends is still read in order."""
+    for sh in REAL_SHELLS:
+        if shutil.which(sh) is None:
+            continue
+        real = subprocess.run([sh, "-c", script.format(use='echo "$B"')], capture_output=True,
+                              text=True, check=True).stdout.split()  # fmt: skip
+        assert real == [value], (sh, real)
+    r = read(["bash", "-c", script.format(use=f"exec {SERVER} --elastic-ep-backend $B")])
+    assert r.requested is (value == "mooncake"), (r.values, r.unresolved)
+    assert r.unresolved is None, r.values
