@@ -30,8 +30,10 @@ from typing import List
 # Total characters of script text one reading may make us read (nested scripts and $NAME
 # expansions included); the webhook shares one budget among all containers of a review.
 # A real launch script is a few KB (the longest in the public manifests epguard is tested
-# on is under 4 KB); 32 KiB is generous, and reading it costs about 15 ms on one core, so
-# a hostile pod costs no more than that however many containers it has.
+# on is under 4 KB); 32 KiB is generous, and reading it costs about 40 ms on one core of
+# the 2-core test machine (bench/argv_bench.py, 48 scripts of 30 KB in one review: 37.5
+# ms, 26 ms before the token pass that finds where commands start), so a hostile pod
+# costs no more than that however many containers it has.
 BUDGET = 32 * 1024
 MAX_DEPTH = 8
 
@@ -42,11 +44,11 @@ _SHELL_OPTS_WITH_ARG = frozenset(("-o", "+o", "-O", "+O", "--rcfile", "--init-fi
 _KEYWORDS = frozenset(("if", "then", "else", "elif", "fi", "do", "done", "while", "until",
                        "for", "case", "esac", "{", "}", "!", "time", "in"))
 
-_TOKEN = re.compile(r"""
+_TOKEN_PATTERN = r"""
     (?P<ws>[ \t]+)
   | (?P<nl>\r?\n)
   | (?P<cont>\\\r?\n)
-  | (?P<heredoc><<-?[ \t]*(?P<q1>['"]?)(?P<delim>[A-Za-z_][A-Za-z0-9_]*)(?P=q1))
+  | (?P<heredoc><<-?[ \t]*BACKSLASH(?P<q1>['"]?)(?P<delim>[A-Za-z_][A-Za-z0-9_]*)(?P=q1))
   | (?P<redir>(?:&>>?|[0-9]*(?:>>|>&|<&|>\||<>|<<<|>|<)(?:&?[0-9]+-?|&-)?))
   | (?P<op>&&|\|\||;;|[;&|()])
   | (?P<ansi>\$'(?P<ansibody>(?:[^'\\]|\\.)*)(?:'|$))
@@ -57,7 +59,11 @@ _TOKEN = re.compile(r"""
   | (?P<pos>\$(?:[@*0-9]|\{[@*0-9]\}))
   | (?P<dollar>\$(?:\{[^}]{0,512}\}|[A-Za-z_][A-Za-z0-9_]*))
   | (?P<lit>[^ \t\r\n;&|()'"\\<>$]+|\$)
-""", re.X | re.S)
+"""
+_TOKEN = re.compile(_TOKEN_PATTERN.replace("BACKSLASH", ""), re.X | re.S)
+# foreign()'s: `<<\EOF` opens a here-document too. words() reads its body as code, where
+# a launch line written to a file and run is still read; what it sets is contested.
+_SCAN_TOKEN = re.compile(_TOKEN_PATTERN.replace("BACKSLASH", r"\\?"), re.X | re.S)
 # Inside $'…' (bash, zsh, ksh, busybox ash; POSIX since 2024): C-like escapes.
 _ANSI_ESCAPE = re.compile(
     r"\\(?:([abeEfnrtv\\'\"?])|([0-7]{1,3})|x([0-9A-Fa-f]{1,2})|u([0-9A-Fa-f]{1,4})"
@@ -83,16 +89,18 @@ _POSITIONAL = re.compile(r"\$\{?([@*0-9])\}?$")
 # mooncake (review helpers). Those are _contested. A newline after `;` or a lone `&`
 # starts a command in the script's own shell; after `|`, `&&` or `||` it goes on with the
 # one before.
-_END_OF_COMMAND = re.compile(r"[ \t\r]*(?:[;\n]|&&|\|\||$)")
+_END_OF_COMMAND = re.compile(r"[ \t\r]*(?:[;\n]|&&|\|\||$)|[ \t]+#")  # (# a comment)
 _NAME_RE = r"[A-Za-z_][A-Za-z0-9_]*"
 _RAW = r"(?:\"[^\"]*\"|'[^']*'|[^\s;&|()\"'])*"
 _RUN_START = re.compile(
-    r"(?:^|(?<![;&|]);|(?<!&&)(?<!\|)\n)[ \t]*(?:(?:export|readonly|declare)[ \t]+)?"
+    r"(?:^|(?<![;&|]);|(?<!&&)(?<!\|)(?<!\\)(?<!\\\r)\n)[ \t]*"
+    r"(?:(?:export|readonly|declare)[ \t]+)?"
     r"(?=" + _NAME_RE + r"\+?=)")
 _RUN_ITEM = re.compile(
     r"(?P<name>" + _NAME_RE + r")(?P<append>\+?)=(?P<raw>" + _RAW + ")")
 # Between two assignments of one run (an array element's too, which ends the run).
-_RUN_GAP = re.compile(r"[ \t]+(?=" + _NAME_RE + r"(?:\[[^\]\s;&|(){}]*\])?\+?=)")
+_RUN_GAP = re.compile(r"(?=[ \t]|\\\r?\n)[ \t]*(?:\\\r?\n[ \t]*)*"
+                      r"(?=" + _NAME_RE + r"(?:\[[^\]\s;&|(){}]*\])?\+?=)")  # `\⏎` too
 _DELIMITER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
@@ -152,15 +160,15 @@ _KNOWN_REF = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
 # name itself (kept as written).
 FLAG = "--elastic-ep-backend"
 FLAG_UNKNOWN = FLAG + " "
-# A branch, a loop, or a function (run where it is called, not where it is defined: `f()
-# { … $B; }; B=mooncake; f; B=none` runs mooncake).
-_CONTROL = re.compile(r"(?:^|(?<=[\s;&|(]))(?:if|case|while|until|for|select|function)\s"
-                      r"|&&|\|\||" + _NAME_RE + r"[ \t]*\([ \t]*\)")
+_CONTROL = re.compile(r"(?:^|(?<=[\s;&|(]))(?:if|case|while|until|for|select)\s|&&|\|\|")
+# A function's definition: it runs where it is called, not where it is defined (`f() { …
+# $B; }; B=mooncake; f; B=none` runs mooncake), so it counts as a branch (_contested),
+# where the script's own shell reads it (not `gethostname()` in a quoted Python line).
+_FUNCTION = re.compile(r"(?:^|(?<=[\s;&|{}]))(?:function[ \t]+" + _NAME_RE + "|" + _NAME_RE
+                       + r"[ \t]*\([ \t]*\))")
 # IFS set on its own (not as one command's prefix: `IFS=, read -ra H`).
 _IFS = re.compile(r"(?:^|[;&|(){}\n])[ \t]*(?:export[ \t]+)?IFS="
                   r"(?:\"[^\"]*\"|'[^']*'|[^\s;&|\"'])*[ \t]*(?:[;&|\n]|$)")
-# A comment: `#` at the start of a word, to the end of its line.
-_COMMENT = re.compile(r"(?:^|(?<=[ \t;&|(){}\n]))(?<!\$\{)#[^\n]*")
 _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\[[^]]*\])?\+?=")
 
 
@@ -272,58 +280,87 @@ def unquoted(text):
     return text.translate(_QUOTE_CHARS)
 
 
-def foreign(script):
-    """The parts of ``script`` that are not commands of the script's own shell, as
-    ascending, non-overlapping (start, end) ranges: quoted text, `$(…)` and backquotes,
-    subshells `(…)` (and `(( … ))`; one never closed runs to the end), comments, and
-    closed here-documents' bodies, found as words() finds them. What is set there does not
-    last in the script's own shell (`(⏎B=none⏎)`, `X=$(cat <<E⏎B=none⏎E⏎)`, `sh -c
-    'B=none'`, `# ;B=none` were each read as lasting and hid a worker asking for
-    mooncake: review helpers), so it is never read in order, only as contested
-    (_contested reads it on the safe side). A tokenizer cannot tell `(( x = 1 <<true ))`,
-    a shift, from a here-document's opener: one with no closing line is no body, and
-    words() reads it as code. One pass, linear in the script."""
-    ranges = []
-    opened = []  # where each `(` not yet closed is
-    lines, pending, pos, started = None, [], 0, False
-    while pos < len(script):
-        m = _TOKEN.match(script, pos)
-        if m is None:
-            pos, started = pos + 1, True
-            continue
-        pos, kind = m.end(), m.lastgroup
-        if kind == "lit" and m.group().startswith("#") and not started:
-            end = script.find("\n", pos)
-            pos = len(script) if end < 0 else end
-            ranges.append((m.start(), pos))
-            continue
-        started = kind not in ("ws", "nl", "op", "cont", "heredoc", "redir")
-        if kind in ("sq", "dq", "ansi", "cmdsub"):
-            ranges.append((m.start(), pos))
-        elif kind == "lit" and "`" in m.group():  # `X=`…``: to the closing backquote
-            pos = _backquotes(script, m.start(), pos, ranges)
-        elif kind == "op" and m.group() == "(":
-            opened.append(m.start())
-        elif kind == "op" and m.group() == ")" and opened:
-            ranges.append((opened.pop(), pos))
-        elif kind == "heredoc":
-            pending.append((m.group("delim"), m.group().startswith("<<-")))
-        elif kind == "nl" and pending:
-            lines = lines or _Lines(script)
-            end, closed = _heredoc_end(script, pos, pending, lines)
-            pending = []
-            if closed:
-                ranges.append((pos, end))
-                pos = end
-    ranges.extend((start, len(script)) for start in opened)
-    ranges.sort()
+class Parts:
+    """Where a script is not read in order as commands of its own shell (foreign), as
+    ascending, non-overlapping (start, end) ranges. ``other``: what never sets the
+    script's own variables, or is data: quoted text, `$(…)` and backquotes, whatever is in
+    parentheses (subshells, and also `(( … ))`, `A=(…)` and `f()`: an assignment there is
+    contested, never lost; one never closed runs to the end), comments, closed
+    here-documents' bodies, and a pipeline's command after `|` (also on the next line).
+    ``conditional``: the command after `&&` or `||`, which the script's own shell runs
+    or not. ``comments``: the comments alone."""
+
+    def __init__(self, other, conditional, comments):
+        self.other = _merged(other + comments)
+        self.conditional = _merged(conditional)
+        self.comments = comments
+
+
+def _merged(ranges):
     merged = []
-    for start, end in ranges:
+    for start, end in sorted(ranges):
         if merged and start <= merged[-1][1]:
             merged[-1] = (merged[-1][0], max(end, merged[-1][1]))
         else:
             merged.append((start, end))
     return merged
+
+
+def foreign(script):
+    """The Parts of ``script``, tokens as words() makes them (backquotes and parentheses
+    inside a word found too, and `<<\\EOF` as an opener). What is set in ``other`` does
+    not last in the script's own shell, and what is set in ``conditional`` may not
+    (`(⏎B=none⏎)`, `X=$(cat <<E⏎B=none⏎E⏎)`, `sh -c 'B=none'`, `# ;B=none`, `a |⏎B=none`
+    were each read as lasting and hid a worker asking for mooncake: review helpers), so
+    neither is read in order: contested (_contested reads it on the safe side). A
+    tokenizer cannot tell `(( x = 1 <<true ))`, a shift, from a here-document's opener:
+    one with no closing line is no body, and words() reads it as code. One pass, linear
+    in the script."""
+    other, conditional, comments = [], [], []
+    opened = []  # where each `(` not yet closed is
+    joining = None  # (where, ranges) of a `|`, `&&` or `||` whose next command is to come
+    joined = None  # (where, ranges) of that command, until it ends
+    lines, pending, pos, started = None, [], 0, False
+    while pos < len(script):
+        m = _SCAN_TOKEN.match(script, pos)
+        if m is None:
+            pos, started = pos + 1, True
+            continue
+        pos, kind, text = m.end(), m.lastgroup, m.group()
+        if kind == "lit" and text.startswith("#") and not started:
+            end = script.find("\n", pos)
+            pos = len(script) if end < 0 else end
+            comments.append((m.start(), pos))
+            continue
+        started = kind not in ("ws", "nl", "op", "cont", "heredoc", "redir")
+        if joining is not None and kind not in ("ws", "nl", "cont"):
+            joined, joining = joining, None
+        if joined is not None and (kind == "nl" or kind == "op" and text != "("):
+            joined[1].append((joined[0], m.start()))
+            joined = None
+        if kind == "op" and text in ("|", "&&", "||"):
+            joining = (m.start(), other if text == "|" else conditional)
+        elif kind in ("sq", "dq", "ansi", "cmdsub"):
+            other.append((m.start(), pos))
+        elif kind == "lit" and "`" in text:  # `X=`…``: to the closing backquote
+            pos = _backquotes(script, m.start(), pos, other)
+        elif kind == "op" and text == "(":
+            opened.append(m.start())
+        elif kind == "op" and text == ")" and opened:
+            other.append((opened.pop(), pos))
+        elif kind == "heredoc":
+            pending.append((m.group("delim"), text.startswith("<<-")))
+        elif kind == "nl" and pending:
+            lines = lines or _Lines(script)
+            end, closed = _heredoc_end(script, pos, pending, lines)
+            pending = []
+            if closed:
+                other.append((pos, end))
+                pos = end
+    if joined is not None:
+        joined[1].append((joined[0], len(script)))
+    other.extend((start, len(script)) for start in opened)
+    return Parts(other, conditional, comments)
 
 
 def _backquotes(script, start, end, ranges):
@@ -386,36 +423,61 @@ def script_env(script, env, budget):
     $FLAGS``, the last assignment's; each name's assignments in order, as ``(positions,
     values)``): one pass, not an interpreter. A use of a name assigned more than once
     takes the value of the last assignment before it (env_at); one before any, the
-    last's. An assignment that
-    names its own variable (`ARGS="$ARGS --host $IP"`, `ARGS+=" --tp 8"`) builds on the
-    value before it, when that is known: the common way to build a launch line step by
-    step (kept as written, the flag set in the first step was lost). A name whose value
+    last's. An assignment that names its own variable (`ARGS="$ARGS --host $IP"`,
+    `ARGS+=" --tp 8"`) builds on the value before it, when that is known: the common way
+    to build a launch line step by step (kept as written, the flag set in the first step
+    was lost). Such a step is read as taken where the script's own shell may skip it
+    (after `then`, `&&`, `||` …, or anywhere in a script with branches: `if [ "$ROLE" =
+    decode ]; then ARGS="$ARGS --elastic-ep-backend $EP"; fi` was dropped, and the worker
+    admitted unjudged: review helper), the side on which more of the line is seen, unless
+    what it adds names the flag without mooncake (then it is read as skipped: a later
+    `--elastic-ep-backend none` would hide a request the other way). A name whose value
     at a use this pass cannot order (_contested) is either left out, so that ``$NAME``
-    stays as written (unknown here), or read everywhere as the one of its values that
-    asks for mooncake. What the values add is charged to ``budget``; past it,
+    stays as written (unknown here), or read as one chosen value, to which the steps
+    that build on it still add. What the values add is charged to ``budget``; past it,
     OverBudget (the safe side)."""
-    outside = _outside(foreign(script))
-    unknown, chosen = _contested(script, env, outside)
+    parts = foreign(script)
+    lasting = _outside(_merged(parts.other + parts.conditional))
+    events = [(m.start("name"), m.group("name"), m.group("append"), m.group("raw"), m.end(),
+               False) for m in _in_order(script, lasting)]
+    modelled = {e[0] for e in events}
+    unknown, chosen, taken, branches = _contested(script, env, parts, modelled)
     local = {k: v for k, v in env.items() if k not in unknown and k not in chosen}
     for name, raw in chosen.items():  # seen by the assignments in order too
         local[name] = _value_of(raw, local, budget)
+    events.extend(taken)
+    events.sort()
     steps = {}
-    for m in _in_order(script, outside):
-        name, append, raw = m.group("name"), m.group("append"), m.group("raw")
-        if name in unknown or name in chosen:
+    for _, name, append, raw, end, conditional in events:
+        if name in unknown:
             continue
+        builds = bool(append) or _names_itself(name, raw)
+        if name in chosen:
+            if not builds:
+                continue  # read as its chosen value
+            steps.setdefault(name, ([0], [local[name]]))
         before = local.get(name)
         value = _value_of(raw, local, budget)
+        added = value if append else value.replace(before, "", 1) if before else value
+        if builds and (conditional or branches) and _names_flag(added) and (
+                "mooncake" not in added):
+            continue  # read as skipped
         if append:
             value = (before if before is not None else "$" + name) + value
             budget.spend(len(before or ""))
         local[name] = value
         at, values = steps.setdefault(name, ([], []))
-        at.append(m.end())
+        at.append(end)
         values.append(value)
     for name, raw in chosen.items():
-        local[name] = _value_of(raw, local, budget)
+        if name not in steps:
+            local[name] = _value_of(raw, local, budget)
     return local, {k: v for k, v in steps.items() if len(v[1]) > 1}
+
+
+def _names_itself(name, raw):
+    """Does the value ``raw`` given to ``name`` use it (`$EP_DECODE` is not `$EP`)?"""
+    return re.search(r"\$\{?" + name + r"(?![A-Za-z0-9_])", raw) is not None
 
 
 def _value_of(raw, local, budget):
@@ -440,28 +502,32 @@ def _value_of(raw, local, budget):
     return value
 
 
-def _contested(script, env, outside):
-    """(names unknown here, {name: the raw value to read it as everywhere}) for the names
-    whose value at a use one pass cannot order. Found by review helpers: each was read
-    as the value set before it (`none`), and a worker asking for mooncake went unjudged
-    and unwarned.
+def _contested(script, env, parts, modelled):
+    """(names unknown here, {name: the raw value to read it as}, the steps that build on
+    a name where the script's own shell may skip them, as (position, name, append, raw,
+    end, True), whether the script has branches) for the names whose value at a use one
+    pass cannot order (``modelled``: where the names _in_order reads are; ``parts``:
+    foreign()'s). Found by review helpers: each was read as the value set
+    before it (`none`), and a worker asking for mooncake went unjudged and unwarned.
 
     A name is contested when it is set at the start of a command the in-order model
-    (_in_order) does not follow (after `then`, `do`, `else`, `{`, `&&`, `||`,
-    `typeset -x`, `eval` …), unless that only adds to the value before it (`then
-    ARGS="$ARGS --host $IP"`, read as taken, the side on which more of the line is
-    seen); when it is set to two values in a script with branches or loops; and by
-    `${EP:=word}` where the environment does not hold EP. Of a contested name's values,
-    one that asks for mooncake (names the flag, or is the word mooncake) is read
-    everywhere (the side on which more is seen, as for an unknown variable's default);
-    values that are all plain text without it are read in order (whichever runs, no
-    request); otherwise it is unknown. Unknown outright: a name set by a command
-    (`printf -v`, `read`, `mapfile`, `unset`, `getopts`, `for`, `select`) or as an
-    array element, and every name a script assigns once it sets IFS on its own (words
-    split where this reading does not). Comments are not read; what is set in a
-    here-document's body (``outside`` says where none is) is contested."""
-    text = _COMMENT.sub(lambda m: " " * len(m.group()), script)
-    modelled = {m.start("name") for m in _in_order(text, outside)}
+    (_in_order) does not follow (after `then`, `do`, `else`, `{`, `&&`, `||`, `typeset
+    -x`, `eval` …, or in foreign() parts), unless that only adds to the value
+    before it (`then ARGS="$ARGS --host $IP"`: script_env reads it as taken, or as
+    skipped); when it is set to two values in a script with branches, loops or a
+    function's definition (where the script's own shell reads it); and by `${EP:=word}`
+    where the environment does not hold EP. Of a contested name's values, one that asks
+    for mooncake (names the flag, or is the word mooncake) is read everywhere (the side
+    on which more is seen, as for an unknown variable's default); of values that are
+    all plain text without it, the last is (whichever runs, no request); otherwise it is
+    unknown. Either way the steps that build on it (`ARGS="$ARGS …"`) still add to it
+    (script_env). Unknown outright: a name set by a command (`printf -v`, `read`,
+    `mapfile`, `unset`, `getopts`, `for`, `select`) or as an array element, and every
+    name a script assigns once it sets IFS on its own (words split where this reading
+    does not). Comments are not read."""
+    text = _blanked(script, parts.comments)
+    in_shell = _outside(parts.other)
+    taken = []
     values = {}  # name -> the raw values it is set to, not from itself
     contested = set()
     unknown = set()
@@ -478,15 +544,18 @@ def _contested(script, env, outside):
             end = item.end() + len(raw)
             if element:
                 unknown.add(name)
-            elif not append and not re.search(r"\$\{?" + name + r"(?![A-Za-z0-9_])", raw):
-                # (one that adds to the value before it is not a value: `$EP_DECODE` is
-                # not `$EP`)
+            elif not append and not _names_itself(name, raw):
                 values.setdefault(name, []).append(raw)
                 if item.start(1) not in modelled:
                     contested.add(name)
+            elif item.start(1) not in modelled and in_shell(item.start(1)):
+                # a step on the value before it, where the shell may skip it
+                taken.append((item.start(1), name, append, raw, end, True))
             gap = _RUN_GAP.match(text, end)
             item = _ANY_ITEM.match(text, gap.end()) if gap is not None else None
-    if _CONTROL.search(text):
+    branches = bool(_CONTROL.search(text)) or any(
+        in_shell(f.start()) for f in _FUNCTION.finditer(text))
+    if branches:
         contested.update(n for n, vs in values.items() if len(set(vs)) > 1)
     for m in _DEFAULT_ASSIGN.finditer(text):
         if not env.get(m.group(1)):
@@ -520,7 +589,20 @@ def _contested(script, env, outside):
             unknown.add(name)  # a value unknown here
         elif raws:
             chosen[name] = raws[-1]  # plain text naming neither: whichever, no request
-    return unknown, chosen
+    return unknown, chosen, taken, branches
+
+
+def _blanked(script, comments):
+    """``script`` with its ``comments`` (foreign) made spaces: a `#` in quotes is none
+    (`MSG="phase #1"` blanked to the next line hid the assignments after it: review
+    helper)."""
+    pieces, pos = [], 0
+    for start, end in comments:
+        pieces.append(script[pos:start])
+        pieces.append(" " * (end - start))
+        pos = end
+    pieces.append(script[pos:])
+    return "".join(pieces)
 
 
 def _names_flag(text):

@@ -961,42 +961,95 @@ def test_a_line_too_large_to_read_is_not_known_to_change_nothing() -> None:
 # inside parentheses, quotes, `$(…)`, backquotes, comments or a function ----------------
 
 REAL_SHELLS = ("bash", "dash")
-OWN_SHELL = [
-    ("B=none; export A=1 B=mooncake; {use}", "mooncake"),  # every name of one export
-    ("B=none; A=1 B=mooncake; {use}", "mooncake"),  # a run of assignments, each lasting
-    ("B=mooncake\n(\nB=none\n)\n{use}", "mooncake"),  # a subshell over several lines
-    ("B=mooncake; X=$(cat <<EOF\nB=none\nEOF\n)\n{use}", "mooncake"),  # data in a $(…)
-    ("B=mooncake; X=`true; B=none`; {use}", "mooncake"),  # backquotes: another process
-    ("B=mooncake\n# set ;B=none\n{use}", "mooncake"),  # a comment
-    ("f() {{ {use}; }}; B=mooncake; f; B=none", "mooncake"),  # run where it is called
-    ("B=mooncake; : export B=none; {use}", "mooncake"),  # an argument, not a command
-    ("A=1 B=mooncake; B=none; {use}", "none"),  # still read in order
-    ("export A=1 B=mooncake\nB=none\n{use}", "none"),
-    ("B=mooncake\n(\ntrue\n)\nB=none\n{use}", "none"),  # after the subshell: its own shell
-    ("B=mooncake; X=$(true); B=none; {use}", "none"),
-]
+# The launch is `{use}`; `$B` is the backend, `$ARGS` the server arguments.
+HOSTNAME = 'H=$(python3 -c "import socket; print(socket.gethostname())")'
+STEPS = 'EP=mooncake\nARGS="--tp-size 8"\n{between}\nARGS="$ARGS --elastic-ep-backend $EP"\n{use}'
+OWN_SHELL = {
+    # (script, the value bash and dash launch with); first what was read as none:
+    "export-second-name": ("B=none; export A=1 B=mooncake; {use}", "mooncake"),
+    "assignment-run": ("B=none; A=1 B=mooncake; {use}", "mooncake"),
+    "subshell-over-lines": ("B=mooncake\n(\nB=none\n)\n{use}", "mooncake"),
+    "heredoc-in-cmdsub": ("B=mooncake; X=$(cat <<EOF\nB=none\nEOF\n)\n{use}", "mooncake"),
+    "backquotes": ("B=mooncake; X=`true; B=none`; {use}", "mooncake"),
+    "comment": ("B=mooncake\n# set ;B=none\n{use}", "mooncake"),
+    "function-called-before-reassignment": ("f() {{ {use}; }}; B=mooncake; f; B=none", "mooncake"),
+    "argument-export": ("B=mooncake; : export B=none; {use}", "mooncake"),
+    "comment-after-assignment": ("A=1 B=none\nB=mooncake # decode\n{use}", "mooncake"),
+    "heredoc-backslash-delimiter": (
+        "B=mooncake\ncat >/dev/null <<\\EOF\nB=none\nEOF\n{use}",
+        "mooncake",
+    ),
+    "pipe-then-space": ("B=mooncake\necho x | \nB=none\n{use}", "mooncake"),
+    "pipe-then-comment": ("B=mooncake\necho x | # c\nB=none\n{use}", "mooncake"),
+    "continued-argument": ("B=mooncake\necho x >/dev/null \\\nB=none\n{use}", "mooncake"),
+    # a step building on a name set twice around a function, a branch or a prefix:
+    "step-after-function": (
+        STEPS.format(between="ARGS=--tp-size\\ 4\nf() {{ :; }}", use="{use}"),
+        "--tp-size 4 --elastic-ep-backend mooncake",
+    ),
+    "step-after-branch": (
+        STEPS.format(between='if true; then ARGS="--tp-size 4"; fi', use="{use}"),
+        "--tp-size 4 --elastic-ep-backend mooncake",
+    ),
+    "step-after-prefix": (
+        STEPS.format(between='NCCL_DEBUG=INFO ARGS="--tp-size 1" true', use="{use}"),
+        "--tp-size 8 --elastic-ep-backend mooncake",
+    ),
+    "step-after-quoted-parentheses": (
+        STEPS.format(between='ARGS="--tp-size 4"\n' + HOSTNAME, use="{use}"),
+        "--tp-size 4 --elastic-ep-backend mooncake",
+    ),
+    "export-continued-line": ("B=none\nexport NCCL_DEBUG=INFO \\\n  B=mooncake\n{use}", "mooncake"),
+    "export-after-pipe": ("B=mooncake\necho x | \nexport B=none\n{use}", "mooncake"),
+    "quoted-hash": (
+        'B=none\nMSG="phase #1"\n[ -n "$MSG" ] && B=mooncake\necho "$MSG" >/dev/null\n{use}',
+        "mooncake",
+    ),
+    # a step that adds the flag on one side of a test is read as taken, and one that
+    # adds another backend as skipped:
+    "step-after-then": (
+        'EP=mooncake\nARGS="--tp-size 8"\n'
+        'if [ -n "$EP" ]; then ARGS="$ARGS --elastic-ep-backend $EP"; fi\n{use}',
+        "--tp-size 8 --elastic-ep-backend mooncake",
+    ),
+    "step-after-and": (
+        'EP=mooncake\nARGS="--tp-size 8"\n'
+        '[ -n "$EP" ] && ARGS="$ARGS --elastic-ep-backend $EP"\n{use}',
+        "--tp-size 8 --elastic-ep-backend mooncake",
+    ),
+    "another-backend-after-and": (
+        'ARGS="--elastic-ep-backend mooncake"\n'
+        '[ -z "$ARGS" ] && ARGS="$ARGS --elastic-ep-backend none"\n{use}',
+        "--elastic-ep-backend mooncake",
+    ),
+    # still read in order:
+    "in-order-run": ("A=1 B=mooncake; B=none; {use}", "none"),
+    "in-order-export": ("export A=1 B=mooncake\nB=none\n{use}", "none"),
+    "in-order-after-subshell": ("B=mooncake\n(\ntrue\n)\nB=none\n{use}", "none"),
+    "in-order-after-cmdsub": ("B=mooncake; X=$(true); B=none; {use}", "none"),
+    "in-order-quoted-parentheses": (
+        'B=mooncake\nB=none\necho "usage: f()"\n' + HOSTNAME + "\n{use}",
+        "none",
+    ),
+}
 
 
-@pytest.mark.parametrize(
-    ("script", "value"),
-    OWN_SHELL,
-    ids=["export-second-name", "assignment-run", "subshell-over-lines", "heredoc-in-cmdsub",
-         "backquotes", "comment", "function-called-before-reassignment", "argument-export",
-         "in-order-run", "in-order-export", "in-order-after-subshell",
-         "in-order-after-cmdsub"],
-)  # fmt: skip
+@pytest.mark.parametrize(("script", "value"), OWN_SHELL.values(), ids=OWN_SHELL.keys())
 def test_the_value_a_real_shell_launches_with_is_the_one_read(script: str, value: str) -> None:
-    """What `$B` holds at the launch, as bash and dash run the script, is what the reader
-    reads: a mooncake value was hidden by a `none` set in another process, a comment or
-    an argument, or by reading `export A=1 B=…` and `A=1 B=…` as setting only A (each read
-    as `none`, and the worker admitted unjudged, with no probe and no gate); a value set
-    after the subshell or `$(…)` ends is still read in order."""
+    """What the launch gets, as bash and dash run the script, is what the reader reads:
+    a mooncake value was hidden by a `none` set in another process, a comment, an
+    argument or a here-document, by reading `export A=1 B=…` and `A=1 B=…` as setting
+    only A, or by dropping a step that adds the flag to a name set twice (each read as
+    no request, and the worker admitted unjudged, with no probe and no gate); a value set
+    after a subshell or `$(…)` ends is still read in order."""
+    name = "ARGS" if "ARGS=" in script else "B"
     for sh in REAL_SHELLS:
         if shutil.which(sh) is None:
             continue
-        real = subprocess.run([sh, "-c", script.format(use='echo "$B"')], capture_output=True,
-                              text=True, check=True).stdout.split()  # fmt: skip
-        assert real == [value], (sh, real)
-    r = read(["bash", "-c", script.format(use=f"exec {SERVER} --elastic-ep-backend $B")])
-    assert r.requested is (value == "mooncake"), (r.values, r.unresolved)
+        real = subprocess.run([sh, "-c", script.format(use=f'echo "${name}" >&2')],
+                              capture_output=True, text=True, check=True).stderr  # fmt: skip
+        assert real.strip() == value, (sh, real)
+    launch = f"exec {SERVER} $ARGS" if name == "ARGS" else f"exec {SERVER} --elastic-ep-backend $B"
+    r = read(["bash", "-c", script.format(use=launch)])
+    assert r.requested is ("mooncake" in value), (r.values, r.unresolved)
     assert r.unresolved is None, r.values
