@@ -416,6 +416,8 @@ _SEGMENTS = re.compile(r"[;&|\n()`]+")
 _BLANKS = re.compile(r"[\s<>]+")
 _BRACES = re.compile(r"(?<!\$)\{([^{},]*(?:,[^{},]*)+)\}")
 _QUOTED = re.compile(r"['\"\\]")
+_SET_TO_MOONCAKE = re.compile(
+    r"(?:^|(?<=[\s;&|(){}]))([A-Za-z_][A-Za-z0-9_]*)=mooncake(?![\w.-])")
 UNPLACED = "text no command places, read leniently"
 
 
@@ -447,8 +449,9 @@ def _unplaced(r, argv, env, shortest, budget):
         # texts, as large as what is left: the text was charged once already.
         again = shell.Budget(budget.left)
         for text in texts:
+            plain = shell.unquoted(text)
             pieces = [_last_value(_BLANKS.split(piece), shortest, budget)
-                      for piece in _SEGMENTS.split(shell.unquoted(text))
+                      for piece in _SEGMENTS.split(plain)
                       if mentions_flag(piece)]
             # And each line with its quotes kept, its words as a shell makes them: a
             # quoted 'x --elastic-ep-backend none' after the real flag is one word, not
@@ -458,7 +461,16 @@ def _unplaced(r, argv, env, shortest, budget):
                                     if isinstance(w, str)], shortest, again)
                        for line in text.splitlines()
                        if _QUOTED.search(line) and mentions_flag(line)]
+            # A value the text itself sets to mooncake, where no command placed the flag
+            # (`EP=mooncake` in a script written to a file and run: `--elastic-ep-backend
+            # $EP` there was no request, and the worker was admitted unwarned: review
+            # helper). Where a command did, its value is the reading's.
+            moon = set(_SET_TO_MOONCAKE.findall(plain)) if "$" in plain and not r.values \
+                else set()
             for value in pieces:
+                ref = _NAMED.fullmatch(value or "")
+                if ref is not None and ref.group(1) in moon:
+                    value = "mooncake"
                 if _is_mooncake(value):
                     if value not in r.values:
                         r.values.append(value)

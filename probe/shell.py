@@ -30,10 +30,12 @@ from typing import List
 # Total characters of script text one reading may make us read (nested scripts and $NAME
 # expansions included); the webhook shares one budget among all containers of a review.
 # A real launch script is a few KB (the longest in the public manifests epguard is tested
-# on is under 4 KB); 32 KiB is generous, and reading it costs about 40 ms on one core of
+# on is under 4 KB); 32 KiB is generous, and reading it costs 40-110 ms on one core of
 # the 2-core test machine (bench/argv_bench.py, 48 scripts of 30 KB in one review: 37.5
-# ms, 26 ms before the token pass that finds where commands start), so a hostile pod
-# costs no more than that however many containers it has.
+# ms, 26 ms before the token pass that finds where commands start; a review helper
+# measured up to 93 ms for 32 KB of `export A=1 A=1 …`, 40 ms before, and 109 ms for
+# `f() { :; }` repeated), so a hostile pod costs no more than that however many
+# containers it has.
 BUDGET = 32 * 1024
 MAX_DEPTH = 8
 
@@ -427,11 +429,13 @@ def script_env(script, env, budget):
     `ARGS+=" --tp 8"`) builds on the value before it, when that is known: the common way
     to build a launch line step by step (kept as written, the flag set in the first step
     was lost). Such a step is read as taken where the script's own shell may skip it
-    (after `then`, `&&`, `||` …, or anywhere in a script with branches: `if [ "$ROLE" =
-    decode ]; then ARGS="$ARGS --elastic-ep-backend $EP"; fi` was dropped, and the worker
-    admitted unjudged: review helper), the side on which more of the line is seen, unless
-    what it adds names the flag without mooncake (then it is read as skipped: a later
-    `--elastic-ep-backend none` would hide a request the other way). A name whose value
+    (after `then`, `&&`, `||` …, or anywhere in a script with branches, _contested's:
+    `if [ "$ROLE" = decode ]; then ARGS="$ARGS --elastic-ep-backend $EP"; fi` was
+    dropped, and the worker admitted unjudged: review helper), the side on which more of
+    the line is seen, unless what it adds gives the flag a value known here other than
+    mooncake (_another_backend; then it is read as skipped: a `--elastic-ep-backend
+    none` added on one side would hide the request of the other). A value still to come
+    (`$EP_BACKEND`) keeps the step. A name whose value
     at a use this pass cannot order (_contested) is either left out, so that ``$NAME``
     stays as written (unknown here), or read as one chosen value, to which the steps
     that build on it still add. What the values add is charged to ``budget``; past it,
@@ -459,8 +463,7 @@ def script_env(script, env, budget):
         before = local.get(name)
         value = _value_of(raw, local, budget)
         added = value if append else value.replace(before, "", 1) if before else value
-        if builds and (conditional or branches) and _names_flag(added) and (
-                "mooncake" not in added):
+        if builds and (conditional or branches) and _another_backend(added):
             continue  # read as skipped
         if append:
             value = (before if before is not None else "$" + name) + value
@@ -504,11 +507,14 @@ def _value_of(raw, local, budget):
 
 def _contested(script, env, parts, modelled):
     """(names unknown here, {name: the raw value to read it as}, the steps that build on
-    a name where the script's own shell may skip them, as (position, name, append, raw,
-    end, True), whether the script has branches) for the names whose value at a use one
-    pass cannot order (``modelled``: where the names _in_order reads are; ``parts``:
-    foreign()'s). Found by review helpers: each was read as the value set
-    before it (`none`), and a worker asking for mooncake went unjudged and unwarned.
+    a name where the script's own shell may skip them (or keeps them for one command
+    only, `ARGS="$ARGS …" cmd`: read as kept, more of the line seen), as (position,
+    name, append, raw, end, True), whether the script has branches: `if`, `case`, a
+    loop, `&&` or `||` anywhere (in quotes too), or a function's definition) for the
+    names whose value at a use one pass cannot order (``modelled``: where the names
+    _in_order reads are; ``parts``: foreign()'s). Found by review helpers: each was read
+    as the value set before it (`none`), and a worker asking for mooncake went unjudged
+    and unwarned.
 
     A name is contested when it is set at the start of a command the in-order model
     (_in_order) does not follow (after `then`, `do`, `else`, `{`, `&&`, `||`, `typeset
@@ -576,6 +582,10 @@ def _contested(script, env, parts, modelled):
         bare = [v for v, p, n in zip(raws, plain, names) if not n and "$" not in p]
         if asks:
             chosen[name] = asks[0]
+        elif any(n and not _another_backend(p) for p, n in zip(plain, names)):
+            # One value names the flag with a value unknown here (`--elastic-ep-backend
+            # ${EP_BACKEND}`): unresolved (warned, probed), whatever the others say.
+            chosen[name] = "'" + FLAG_UNKNOWN + "'$" + name
         elif any(names) and bare:
             # One value names the flag with another backend, one names nothing: the
             # latter leaves the line's own flag standing (`EXTRA=""` beside `EXTRA=
@@ -603,6 +613,20 @@ def _blanked(script, comments):
         pos = end
     pieces.append(script[pos:])
     return "".join(pieces)
+
+
+def _another_backend(text):
+    """Does ``text`` give the flag a value known here that is not mooncake? A value still
+    to come (`$EP_BACKEND` from the image or an `envFrom`, `$(cat f)`, or the next step's
+    word) is not known: reading it as another backend admitted a worker the old reading
+    warned about and probed (review helper)."""
+    words_ = text.split()
+    value = None
+    for i, w in enumerate(words_):
+        if w.startswith("--el") and FLAG.startswith(w.split("=", 1)[0]):
+            value = w.split("=", 1)[1] if "=" in w else (
+                words_[i + 1] if i + 1 < len(words_) else None)
+    return bool(value) and value != "mooncake" and "$" not in value and "`" not in value
 
 
 def _names_flag(text):

@@ -1053,3 +1053,55 @@ def test_the_value_a_real_shell_launches_with_is_the_one_read(script: str, value
     r = read(["bash", "-c", script.format(use=launch)])
     assert r.requested is ("mooncake" in value), (r.values, r.unresolved)
     assert r.unresolved is None, r.values
+
+
+@pytest.mark.parametrize("opener", ["<<'EOF'", "<<\\EOF", '<<"EOF"'])
+def test_a_script_written_to_a_file_with_its_backend_set_in_it_is_a_request(
+    opener: str, tmp_path: Path
+) -> None:
+    """A launch script written to a file and run (here or by another container) with
+    its backend in a variable the script sets: no command of this container places it,
+    and `--elastic-ep-backend $EP` there was no request (the worker admitted unwarned:
+    review helper). bash runs it with mooncake; it is read as text no command places."""
+    script = f'cat > "$F" {opener}\nEP=mooncake\n{{use}}\nEOF\nbash "$F"'
+    env = {"F": str(tmp_path / "run.sh"), "PATH": "/usr/bin:/bin"}
+    real = subprocess.run(["bash", "-c", script.format(use='echo "$EP"')], capture_output=True,
+                          text=True, check=True, env=env)  # fmt: skip
+    assert real.stdout.split() == ["mooncake"]
+    r = read(["bash", "-c", script.format(use=f"{SERVER} --elastic-ep-backend $EP")])
+    # (`<<\\EOF`'s body words() reads as code, as before: there the launch is placed.)
+    assert r.requested and r.where in (UNPLACED, "sh -c script"), (r.values, r.unresolved)
+    # A value it does not set to mooncake is still none of this.
+    other = script.replace("EP=mooncake", "EP=none")
+    assert not read(
+        ["bash", "-c", other.format(use=f"{SERVER} --elastic-ep-backend $EP")]
+    ).requested
+
+
+UNKNOWN_BACKEND = {
+    "in-a-branch": 'ARGS="--tp 8"\nif [ -n "$EP_BACKEND" ]; then\n'
+    '  ARGS="$ARGS --elastic-ep-backend $EP_BACKEND"\nfi\n{use}',
+    "after-an-or": 'cd / || exit 1\nARGS="--tp 8"\n'
+    'ARGS="$ARGS --elastic-ep-backend $EP_BACKEND"\n{use}',
+    "after-a-function": 'log() {{ echo "$*"; }}\nARGS="--tp 8"\n'
+    'ARGS="$ARGS --elastic-ep-backend $EP_BACKEND"\n{use}',
+    "contested-value": 'EP=none\n[ -n "$EP_BACKEND" ] && EP=$EP_BACKEND\n'
+    'ARGS="--tp 8"\nARGS="$ARGS --elastic-ep-backend $EP"\n{use}',
+    "beside-an-empty-value": 'start() {{ {use}; }}\nARGS=""\n'
+    'ARGS="--elastic-ep-backend ${{EP_BACKEND}}"\nstart',
+}
+
+
+@pytest.mark.parametrize("script", UNKNOWN_BACKEND.values(), ids=UNKNOWN_BACKEND.keys())
+def test_a_backend_known_only_at_launch_is_never_read_as_another(script: str) -> None:
+    """A step or value whose backend comes from the image or an `envFrom` (bash launches
+    with mooncake when EP_BACKEND holds it) stays unresolved (warned, probed) in a
+    script with branches, an `||` or a function: the first cut of the taken/skipped
+    rule read it as another backend and admitted the worker unwarned (review helper)."""
+    env = {"EP_BACKEND": "mooncake", "PATH": "/usr/bin:/bin"}
+    real = subprocess.run(["bash", "-c", script.format(use='echo "$ARGS" >&2')],
+                          capture_output=True, text=True, env=env).stderr  # fmt: skip
+    assert "--elastic-ep-backend mooncake" in real, real
+    r = read(["bash", "-c", script.format(use=f"exec {SERVER} $ARGS")])
+    assert r.requested or r.unresolved is not None, r.values
+    assert read(["bash", "-c", script.format(use=f"exec {SERVER} $ARGS")], env=env).requested
