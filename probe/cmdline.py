@@ -416,8 +416,7 @@ _SEGMENTS = re.compile(r"[;&|\n()`]+")
 _BLANKS = re.compile(r"[\s<>]+")
 _BRACES = re.compile(r"(?<!\$)\{([^{},]*(?:,[^{},]*)+)\}")
 _QUOTED = re.compile(r"['\"\\]")
-_SET_TO_MOONCAKE = re.compile(
-    r"(?:^|(?<=[\s;&|(){}]))([A-Za-z_][A-Za-z0-9_]*)=mooncake(?![\w.-])")
+_SET = re.compile(r"(?:^|(?<=[\s;&|(){}]))([A-Za-z_][A-Za-z0-9_]*)=([^\s;&|(){}]*)")
 UNPLACED = "text no command places, read leniently"
 
 
@@ -461,12 +460,11 @@ def _unplaced(r, argv, env, shortest, budget):
                                     if isinstance(w, str)], shortest, again)
                        for line in text.splitlines()
                        if _QUOTED.search(line) and mentions_flag(line)]
-            # A value the text itself sets to mooncake, where no command placed the flag
-            # (`EP=mooncake` in a script written to a file and run: `--elastic-ep-backend
-            # $EP` there was no request, and the worker was admitted unwarned: review
-            # helper). Where a command did, its value is the reading's.
-            moon = set(_SET_TO_MOONCAKE.findall(plain)) if "$" in plain and not r.values \
-                else set()
+            # A name the text sets to mooncake and to nothing else, where no command placed
+            # the flag (`EP=mooncake` in a script written to a file and run:
+            # `--elastic-ep-backend $EP` there was no request, and the worker was admitted
+            # unwarned: review helper). Where a command did, its value is the reading's.
+            moon = _set_to_mooncake(plain) if "$" in plain and not r.values else set()
             for value in pieces:
                 ref = _NAMED.fullmatch(value or "")
                 if ref is not None and ref.group(1) in moon:
@@ -479,6 +477,15 @@ def _unplaced(r, argv, env, shortest, budget):
                     return
     except shell.OverBudget:
         _over_budget(r, True)
+
+
+def _set_to_mooncake(text):
+    """The names ``text`` (quotes removed) sets to mooncake, and to nothing else
+    (`EP=mooncake; EP=none` is not one, nor `B=none # B=mooncake`)."""
+    values = {}
+    for m in _SET.finditer(text):
+        values.setdefault(m.group(1), set()).add(m.group(2))
+    return {name for name, vs in values.items() if vs == {"mooncake"}}
 
 
 def _last_value(piece, shortest, budget):

@@ -162,7 +162,8 @@ _KNOWN_REF = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
 # name itself (kept as written).
 FLAG = "--elastic-ep-backend"
 FLAG_UNKNOWN = FLAG + " "
-_CONTROL = re.compile(r"(?:^|(?<=[\s;&|(]))(?:if|case|while|until|for|select)\s|&&|\|\|")
+_BLOCK = re.compile(r"(?:^|(?<=[\s;&|(]))(?:if|case|while|until|for|select)\s")
+_CONTROL = re.compile(_BLOCK.pattern + r"|&&|\|\|")
 # A function's definition: it runs where it is called, not where it is defined (`f() { …
 # $B; }; B=mooncake; f; B=none` runs mooncake), so it counts as a branch (_contested),
 # where the script's own shell reads it (not `gethostname()` in a quoted Python line).
@@ -429,13 +430,14 @@ def script_env(script, env, budget):
     `ARGS+=" --tp 8"`) builds on the value before it, when that is known: the common way
     to build a launch line step by step (kept as written, the flag set in the first step
     was lost). Such a step is read as taken where the script's own shell may skip it
-    (after `then`, `&&`, `||` …, or anywhere in a script with branches, _contested's:
+    (after `then`, `&&`, `||` …, or anywhere in a script with blocks, _contested's:
     `if [ "$ROLE" = decode ]; then ARGS="$ARGS --elastic-ep-backend $EP"; fi` was
     dropped, and the worker admitted unjudged: review helper), the side on which more of
     the line is seen, unless what it adds gives the flag a value known here other than
     mooncake (_another_backend; then it is read as skipped: a `--elastic-ep-backend
     none` added on one side would hide the request of the other). A value still to come
-    (`$EP_BACKEND`) keeps the step. A name whose value
+    (`$EP_BACKEND`, or a default assumed for one, `${EP_BACKEND:-none}`) keeps the
+    step. A name whose value
     at a use this pass cannot order (_contested) is either left out, so that ``$NAME``
     stays as written (unknown here), or read as one chosen value, to which the steps
     that build on it still add. What the values add is charged to ``budget``; past it,
@@ -445,7 +447,7 @@ def script_env(script, env, budget):
     events = [(m.start("name"), m.group("name"), m.group("append"), m.group("raw"), m.end(),
                False) for m in _in_order(script, lasting)]
     modelled = {e[0] for e in events}
-    unknown, chosen, taken, branches = _contested(script, env, parts, modelled)
+    unknown, chosen, taken, blocks = _contested(script, env, parts, modelled)
     local = {k: v for k, v in env.items() if k not in unknown and k not in chosen}
     for name, raw in chosen.items():  # seen by the assignments in order too
         local[name] = _value_of(raw, local, budget)
@@ -461,9 +463,11 @@ def script_env(script, env, budget):
                 continue  # read as its chosen value
             steps.setdefault(name, ([0], [local[name]]))
         before = local.get(name)
+        guessed = len(budget.guesses)
         value = _value_of(raw, local, budget)
         added = value if append else value.replace(before, "", 1) if before else value
-        if builds and (conditional or branches) and _another_backend(added):
+        if builds and (conditional or blocks) and _another_backend(added) and (
+                len(budget.guesses) == guessed):  # (`${EP_BACKEND:-none}` is a guess)
             continue  # read as skipped
         if append:
             value = (before if before is not None else "$" + name) + value
@@ -509,8 +513,9 @@ def _contested(script, env, parts, modelled):
     """(names unknown here, {name: the raw value to read it as}, the steps that build on
     a name where the script's own shell may skip them (or keeps them for one command
     only, `ARGS="$ARGS …" cmd`: read as kept, more of the line seen), as (position,
-    name, append, raw, end, True), whether the script has branches: `if`, `case`, a
-    loop, `&&` or `||` anywhere (in quotes too), or a function's definition) for the
+    name, append, raw, end, True), whether the script has blocks a step may sit in on
+    a line of its own: `if`, `case`, a loop or a function's definition, where its own
+    shell reads them) for the
     names whose value at a use one pass cannot order (``modelled``: where the names
     _in_order reads are; ``parts``: foreign()'s). Found by review helpers: each was read
     as the value set before it (`none`), and a worker asking for mooncake went unjudged
@@ -526,6 +531,7 @@ def _contested(script, env, parts, modelled):
     for mooncake (names the flag, or is the word mooncake) is read everywhere (the side
     on which more is seen, as for an unknown variable's default); of values that are
     all plain text without it, the last is (whichever runs, no request); otherwise it is
+    unknown. One set only where it does not last has the environment's value, or is
     unknown. Either way the steps that build on it (`ARGS="$ARGS …"`) still add to it
     (script_env). Unknown outright: a name set by a command (`printf -v`, `read`,
     `mapfile`, `unset`, `getopts`, `for`, `select`) or as an array element, and every
@@ -538,6 +544,7 @@ def _contested(script, env, parts, modelled):
     contested = set()
     unknown = set()
     assigned = set()
+    set_in_shell = set()  # names set somewhere the script's own shell keeps them
     end = 0
     for m in _ANY_ASSIGNMENT.finditer(text):
         if m.start(1) < end:
@@ -554,19 +561,25 @@ def _contested(script, env, parts, modelled):
                 values.setdefault(name, []).append(raw)
                 if item.start(1) not in modelled:
                     contested.add(name)
+                if in_shell(item.start(1)):
+                    set_in_shell.add(name)
             elif item.start(1) not in modelled and in_shell(item.start(1)):
                 # a step on the value before it, where the shell may skip it
                 taken.append((item.start(1), name, append, raw, end, True))
             gap = _RUN_GAP.match(text, end)
             item = _ANY_ITEM.match(text, gap.end()) if gap is not None else None
-    branches = bool(_CONTROL.search(text)) or any(
-        in_shell(f.start()) for f in _FUNCTION.finditer(text))
-    if branches:
+    functions = any(in_shell(f.start()) for f in _FUNCTION.finditer(text))
+    if functions or _CONTROL.search(text):
         contested.update(n for n, vs in values.items() if len(set(vs)) > 1)
+    # Blocks a step may sit in on a line of its own: `if`, `case`, a loop, a function
+    # (not `cmd || true`, nor a keyword inside quotes).
+    blocks = functions or any(in_shell(b.start()) for b in _BLOCK.finditer(text))
     for m in _DEFAULT_ASSIGN.finditer(text):
         if not env.get(m.group(1)):
             contested.add(m.group(1))
             values.setdefault(m.group(1), []).append(m.group(2))
+            if in_shell(m.start()):
+                set_in_shell.add(m.group(1))
     for m in _WRITER.finditer(text):
         unknown.update(_NAME.findall(m.group(1)))
     if _IFS.search(text):
@@ -582,6 +595,13 @@ def _contested(script, env, parts, modelled):
         bare = [v for v, p, n in zip(raws, plain, names) if not n and "$" not in p]
         if asks:
             chosen[name] = asks[0]
+        elif name not in set_in_shell:
+            # Set only where it does not last (`( export B=none )`, `B=none | cat`): the
+            # script's own shell has the environment's value, or the image's, unknown
+            # here (read as `none`, a worker the old reading warned about was admitted:
+            # review helper).
+            if name not in env:
+                unknown.add(name)
         elif any(n and not _another_backend(p) for p, n in zip(plain, names)):
             # One value names the flag with a value unknown here (`--elastic-ep-backend
             # ${EP_BACKEND}`): unresolved (warned, probed), whatever the others say.
@@ -599,7 +619,7 @@ def _contested(script, env, parts, modelled):
             unknown.add(name)  # a value unknown here
         elif raws:
             chosen[name] = raws[-1]  # plain text naming neither: whichever, no request
-    return unknown, chosen, taken, branches
+    return unknown, chosen, taken, blocks
 
 
 def _blanked(script, comments):

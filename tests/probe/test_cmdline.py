@@ -1023,6 +1023,11 @@ OWN_SHELL = {
         "--elastic-ep-backend mooncake",
     ),
     # still read in order:
+    "override-beside-an-or": (
+        'E=mooncake\nARGS="--elastic-ep-backend $E"\nARGS="$ARGS --elastic-ep-backend none"\n'
+        "false || true\n{use}",
+        "--elastic-ep-backend mooncake --elastic-ep-backend none",
+    ),
     "in-order-run": ("A=1 B=mooncake; B=none; {use}", "none"),
     "in-order-export": ("export A=1 B=mooncake\nB=none\n{use}", "none"),
     "in-order-after-subshell": ("B=mooncake\n(\ntrue\n)\nB=none\n{use}", "none"),
@@ -1051,8 +1056,9 @@ def test_the_value_a_real_shell_launches_with_is_the_one_read(script: str, value
         assert real.strip() == value, (sh, real)
     launch = f"exec {SERVER} $ARGS" if name == "ARGS" else f"exec {SERVER} --elastic-ep-backend $B"
     r = read(["bash", "-c", script.format(use=launch)])
-    assert r.requested is ("mooncake" in value), (r.values, r.unresolved)
+    assert r.requested is (value.split()[-1] == "mooncake"), (r.values, r.unresolved)
     assert r.unresolved is None, r.values
+    assert not r.requested or r.where == "sh -c script", r.where  # read from the command
 
 
 @pytest.mark.parametrize("opener", ["<<'EOF'", "<<\\EOF", '<<"EOF"'])
@@ -1071,7 +1077,10 @@ def test_a_script_written_to_a_file_with_its_backend_set_in_it_is_a_request(
     r = read(["bash", "-c", script.format(use=f"{SERVER} --elastic-ep-backend $EP")])
     # (`<<\\EOF`'s body words() reads as code, as before: there the launch is placed.)
     assert r.requested and r.where in (UNPLACED, "sh -c script"), (r.values, r.unresolved)
-    # A value it does not set to mooncake is still none of this.
+    # A value it does not set to mooncake, or not only, is still none of this (an
+    # unquoted here-document takes the value the script has when it writes the file).
+    reset = f'EP=mooncake; EP=none; cat > "$F" <<EOF\n{SERVER} --elastic-ep-backend $EP\nEOF'
+    assert not read(["bash", "-c", reset]).requested
     other = script.replace("EP=mooncake", "EP=none")
     assert not read(
         ["bash", "-c", other.format(use=f"{SERVER} --elastic-ep-backend $EP")]
@@ -1087,6 +1096,10 @@ UNKNOWN_BACKEND = {
     'ARGS="$ARGS --elastic-ep-backend $EP_BACKEND"\n{use}',
     "contested-value": 'EP=none\n[ -n "$EP_BACKEND" ] && EP=$EP_BACKEND\n'
     'ARGS="--tp 8"\nARGS="$ARGS --elastic-ep-backend $EP"\n{use}',
+    "assumed-default": 'log() {{ echo "$*"; }}\nARGS="--x"\n'
+    'ARGS="$ARGS --elastic-ep-backend ${{EP_BACKEND:-none}}"\n{use}',
+    "set-only-in-a-subshell": 'ARGS="--elastic-ep-backend $EP_BACKEND"\n'
+    "( export EP_BACKEND=none; true )\n{use}",
     "beside-an-empty-value": 'start() {{ {use}; }}\nARGS=""\n'
     'ARGS="--elastic-ep-backend ${{EP_BACKEND}}"\nstart',
 }
