@@ -464,7 +464,8 @@ def _unplaced(r, argv, env, shortest, budget):
             # the flag (`EP=mooncake` in a script written to a file and run:
             # `--elastic-ep-backend $EP` there was no request, and the worker was admitted
             # unwarned: review helper). Where a command did, its value is the reading's.
-            moon = _set_to_mooncake(plain) if "$" in plain and not r.values else set()
+            moon = (_set_to_mooncake(shell.unquoted(shell.without_comments(text)))
+                    if "$" in plain and not r.values else set())
             for value in pieces:
                 ref = _NAMED.fullmatch(value or "")
                 if ref is not None and ref.group(1) in moon:
@@ -480,8 +481,8 @@ def _unplaced(r, argv, env, shortest, budget):
 
 
 def _set_to_mooncake(text):
-    """The names ``text`` (quotes removed) sets to mooncake, and to nothing else
-    (`EP=mooncake; EP=none` is not one, nor `B=none # B=mooncake`)."""
+    """The names ``text`` (comments and quotes removed) sets to mooncake, and to nothing
+    else (`EP=mooncake; EP=none` is not one; `# B=none` is no value)."""
     values = {}
     for m in _SET.finditer(text):
         values.setdefault(m.group(1), set()).add(m.group(2))

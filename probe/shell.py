@@ -45,6 +45,9 @@ _SHELL_OPTS_WITH_ARG = frozenset(("-o", "+o", "-O", "+O", "--rcfile", "--init-fi
 # Words that start a compound command or stand between commands, never a program.
 _KEYWORDS = frozenset(("if", "then", "else", "elif", "fi", "do", "done", "while", "until",
                        "for", "case", "esac", "{", "}", "!", "time", "in"))
+# The words that open and close a block where they start a command (foreign).
+_OPENERS = frozenset(("if", "case", "for", "while", "until", "select"))
+_CLOSERS = frozenset(("fi", "esac", "done"))
 
 _TOKEN_PATTERN = r"""
     (?P<ws>[ \t]+)
@@ -162,8 +165,7 @@ _KNOWN_REF = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
 # name itself (kept as written).
 FLAG = "--elastic-ep-backend"
 FLAG_UNKNOWN = FLAG + " "
-_BLOCK = re.compile(r"(?:^|(?<=[\s;&|(]))(?:if|case|while|until|for|select)\s")
-_CONTROL = re.compile(_BLOCK.pattern + r"|&&|\|\|")
+_CONTROL = re.compile(r"(?:^|(?<=[\s;&|(]))(?:if|case|while|until|for|select)\s|&&|\|\|")
 # A function's definition: it runs where it is called, not where it is defined (`f() { …
 # $B; }; B=mooncake; f; B=none` runs mooncake), so it counts as a branch (_contested),
 # where the script's own shell reads it (not `gethostname()` in a quoted Python line).
@@ -291,11 +293,14 @@ class Parts:
     contested, never lost; one never closed runs to the end), comments, closed
     here-documents' bodies, and a pipeline's command after `|` (also on the next line).
     ``conditional``: the command after `&&` or `||`, which the script's own shell runs
-    or not. ``comments``: the comments alone."""
+    or not. ``blocks``: `if … fi`, `case … esac`, loops to their `done`, and `{ … }`
+    (a function's body among them), where a line of its own may be skipped or run again
+    (one never closed runs to the end). ``comments``: the comments alone."""
 
-    def __init__(self, other, conditional, comments):
+    def __init__(self, other, conditional, blocks, comments):
         self.other = _merged(other + comments)
         self.conditional = _merged(conditional)
+        self.blocks = _merged(blocks)
         self.comments = comments
 
 
@@ -319,8 +324,10 @@ def foreign(script):
     tokenizer cannot tell `(( x = 1 <<true ))`, a shift, from a here-document's opener:
     one with no closing line is no body, and words() reads it as code. One pass, linear
     in the script."""
-    other, conditional, comments = [], [], []
+    other, conditional, blocks, comments = [], [], [], []
     opened = []  # where each `(` not yet closed is
+    opened_blocks = []  # where each block not yet closed starts
+    command = True  # the next word is a command's first
     joining = None  # (where, ranges) of a `|`, `&&` or `||` whose next command is to come
     joined = None  # (where, ranges) of that command, until it ends
     lines, pending, pos, started = None, [], 0, False
@@ -336,6 +343,16 @@ def foreign(script):
             comments.append((m.start(), pos))
             continue
         started = kind not in ("ws", "nl", "op", "cont", "heredoc", "redir")
+        if kind == "lit":
+            if text == "{" or command and text in _OPENERS:
+                opened_blocks.append(m.start())
+            elif (text == "}" or command and text in _CLOSERS) and opened_blocks:
+                blocks.append((opened_blocks.pop(), pos))
+            command = command and text in _KEYWORDS
+        elif kind in ("nl", "op"):
+            command = True
+        elif kind not in ("ws", "cont", "redir", "heredoc"):
+            command = False
         if joining is not None and kind not in ("ws", "nl", "cont"):
             joined, joining = joining, None
         if joined is not None and (kind == "nl" or kind == "op" and text != "("):
@@ -363,7 +380,8 @@ def foreign(script):
     if joined is not None:
         joined[1].append((joined[0], len(script)))
     other.extend((start, len(script)) for start in opened)
-    return Parts(other, conditional, comments)
+    blocks.extend((start, len(script)) for start in opened_blocks)
+    return Parts(other, conditional, blocks, comments)
 
 
 def _backquotes(script, start, end, ranges):
@@ -430,7 +448,7 @@ def script_env(script, env, budget):
     `ARGS+=" --tp 8"`) builds on the value before it, when that is known: the common way
     to build a launch line step by step (kept as written, the flag set in the first step
     was lost). Such a step is read as taken where the script's own shell may skip it
-    (after `then`, `&&`, `||` …, or anywhere in a script with blocks, _contested's:
+    (after `then`, `&&`, `||` …, or on a line of its own in a block, foreign()'s:
     `if [ "$ROLE" = decode ]; then ARGS="$ARGS --elastic-ep-backend $EP"; fi` was
     dropped, and the worker admitted unjudged: review helper), the side on which more of
     the line is seen, unless what it adds gives the flag a value known here other than
@@ -447,14 +465,19 @@ def script_env(script, env, budget):
     events = [(m.start("name"), m.group("name"), m.group("append"), m.group("raw"), m.end(),
                False) for m in _in_order(script, lasting)]
     modelled = {e[0] for e in events}
-    unknown, chosen, taken, blocks = _contested(script, env, parts, modelled)
+    unknown, chosen, taken = _contested(script, env, parts, modelled)
+    outside_blocks = _outside(parts.blocks)
     local = {k: v for k, v in env.items() if k not in unknown and k not in chosen}
+    guessed = set()  # names whose value rests on a default assumed for an unknown one
     for name, raw in chosen.items():  # seen by the assignments in order too
+        guesses = len(budget.guesses)
         local[name] = _value_of(raw, local, budget)
+        if len(budget.guesses) > guesses:
+            guessed.add(name)
     events.extend(taken)
     events.sort()
     steps = {}
-    for _, name, append, raw, end, conditional in events:
+    for at, name, append, raw, end, conditional in events:
         if name in unknown:
             continue
         builds = bool(append) or _names_itself(name, raw)
@@ -463,12 +486,18 @@ def script_env(script, env, budget):
                 continue  # read as its chosen value
             steps.setdefault(name, ([0], [local[name]]))
         before = local.get(name)
-        guessed = len(budget.guesses)
+        guesses = len(budget.guesses)
         value = _value_of(raw, local, budget)
         added = value if append else value.replace(before, "", 1) if before else value
-        if builds and (conditional or blocks) and _another_backend(added) and (
-                len(budget.guesses) == guessed):  # (`${EP_BACKEND:-none}` is a guess)
+        guess = len(budget.guesses) > guesses or any(
+            n in guessed for n in _REF_NAME.findall(raw) if n != name)
+        if builds and (conditional or not outside_blocks(at)) and not guess and (
+                _another_backend(added)):  # (`${EP_BACKEND:-none}` is a guess, not known)
             continue  # read as skipped
+        if guess:
+            guessed.add(name)
+        elif not builds:
+            guessed.discard(name)
         if append:
             value = (before if before is not None else "$" + name) + value
             budget.spend(len(before or ""))
@@ -513,9 +542,7 @@ def _contested(script, env, parts, modelled):
     """(names unknown here, {name: the raw value to read it as}, the steps that build on
     a name where the script's own shell may skip them (or keeps them for one command
     only, `ARGS="$ARGS …" cmd`: read as kept, more of the line seen), as (position,
-    name, append, raw, end, True), whether the script has blocks a step may sit in on
-    a line of its own: `if`, `case`, a loop or a function's definition, where its own
-    shell reads them) for the
+    name, append, raw, end, True)) for the
     names whose value at a use one pass cannot order (``modelled``: where the names
     _in_order reads are; ``parts``: foreign()'s). Found by review helpers: each was read
     as the value set before it (`none`), and a worker asking for mooncake went unjudged
@@ -571,9 +598,6 @@ def _contested(script, env, parts, modelled):
     functions = any(in_shell(f.start()) for f in _FUNCTION.finditer(text))
     if functions or _CONTROL.search(text):
         contested.update(n for n, vs in values.items() if len(set(vs)) > 1)
-    # Blocks a step may sit in on a line of its own: `if`, `case`, a loop, a function
-    # (not `cmd || true`, nor a keyword inside quotes).
-    blocks = functions or any(in_shell(b.start()) for b in _BLOCK.finditer(text))
     for m in _DEFAULT_ASSIGN.finditer(text):
         if not env.get(m.group(1)):
             contested.add(m.group(1))
@@ -619,7 +643,12 @@ def _contested(script, env, parts, modelled):
             unknown.add(name)  # a value unknown here
         elif raws:
             chosen[name] = raws[-1]  # plain text naming neither: whichever, no request
-    return unknown, chosen, taken, blocks
+    return unknown, chosen, taken
+
+
+def without_comments(script):
+    """``script`` with its comments made spaces (foreign() finds them)."""
+    return _blanked(script, foreign(script).comments) if "#" in script else script
 
 
 def _blanked(script, comments):

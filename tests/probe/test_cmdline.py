@@ -1023,6 +1023,11 @@ OWN_SHELL = {
         "--elastic-ep-backend mooncake",
     ),
     # still read in order:
+    "override-beside-a-loop": (
+        'E=mooncake\nARGS="--elastic-ep-backend $E"\nfor i in 1; do :; done\n'
+        'ARGS="$ARGS --elastic-ep-backend none"\n{use}',
+        "--elastic-ep-backend mooncake --elastic-ep-backend none",
+    ),
     "override-beside-an-or": (
         'E=mooncake\nARGS="--elastic-ep-backend $E"\nARGS="$ARGS --elastic-ep-backend none"\n'
         "false || true\n{use}",
@@ -1081,6 +1086,9 @@ def test_a_script_written_to_a_file_with_its_backend_set_in_it_is_a_request(
     # unquoted here-document takes the value the script has when it writes the file).
     reset = f'EP=mooncake; EP=none; cat > "$F" <<EOF\n{SERVER} --elastic-ep-backend $EP\nEOF'
     assert not read(["bash", "-c", reset]).requested
+    # A comment sets nothing.
+    noted = "# EP=none\n" + script.format(use=f"{SERVER} --elastic-ep-backend $EP")
+    assert read(["bash", "-c", noted]).requested
     other = script.replace("EP=mooncake", "EP=none")
     assert not read(
         ["bash", "-c", other.format(use=f"{SERVER} --elastic-ep-backend $EP")]
@@ -1098,6 +1106,8 @@ UNKNOWN_BACKEND = {
     'ARGS="--tp 8"\nARGS="$ARGS --elastic-ep-backend $EP"\n{use}',
     "assumed-default": 'log() {{ echo "$*"; }}\nARGS="--x"\n'
     'ARGS="$ARGS --elastic-ep-backend ${{EP_BACKEND:-none}}"\n{use}',
+    "assumed-default-through-another-name": 'B="${{EP_BACKEND:-none}}"\n'
+    'ARGS="$ARGS --elastic-ep-backend ${{B}}"\nfor i in 1; do :; done\n{use}',
     "set-only-in-a-subshell": 'ARGS="--elastic-ep-backend $EP_BACKEND"\n'
     "( export EP_BACKEND=none; true )\n{use}",
     "beside-an-empty-value": 'start() {{ {use}; }}\nARGS=""\n'
