@@ -175,6 +175,7 @@ _FUNCTION = re.compile(r"(?:^|(?<=[\s;&|{}]))(?:function[ \t]+" + _NAME_RE + "|"
 _IFS = re.compile(r"(?:^|[;&|(){}\n])[ \t]*(?:export[ \t]+)?IFS="
                   r"(?:\"[^\"]*\"|'[^']*'|[^\s;&|\"'])*[ \t]*(?:[;&|\n]|$)")
 _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\[[^]]*\])?\+?=")
+_COMMENT_LINE = re.compile(r"^[ \t]*#[^\n]*", re.M)
 
 
 class OverBudget(Exception):
@@ -647,8 +648,13 @@ def _contested(script, env, parts, modelled):
 
 
 def without_comments(script):
-    """``script`` with its comments made spaces (foreign() finds them)."""
-    return _blanked(script, foreign(script).comments) if "#" in script else script
+    """``script`` with its comments made spaces: those foreign() finds, and every line
+    that starts with `#` (in a here-document's body too, a script written to a file:
+    `# EP=none for prefill` there was read as a value: review helper)."""
+    if "#" not in script:
+        return script
+    return _COMMENT_LINE.sub(lambda m: " " * len(m.group()),
+                             _blanked(script, foreign(script).comments))
 
 
 def _blanked(script, comments):

@@ -1086,8 +1086,10 @@ def test_a_script_written_to_a_file_with_its_backend_set_in_it_is_a_request(
     # unquoted here-document takes the value the script has when it writes the file).
     reset = f'EP=mooncake; EP=none; cat > "$F" <<EOF\n{SERVER} --elastic-ep-backend $EP\nEOF'
     assert not read(["bash", "-c", reset]).requested
-    # A comment sets nothing.
+    # A comment sets nothing, before the script or in it.
     noted = "# EP=none\n" + script.format(use=f"{SERVER} --elastic-ep-backend $EP")
+    assert read(["bash", "-c", noted]).requested
+    noted = noted.replace("EP=mooncake", "# EP=none for prefill\nEP=mooncake")
     assert read(["bash", "-c", noted]).requested
     other = script.replace("EP=mooncake", "EP=none")
     assert not read(
