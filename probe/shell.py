@@ -478,7 +478,7 @@ def script_env(script, env, budget):
     events.extend(taken)
     events.sort()
     steps = {}
-    for at, name, append, raw, end, conditional in events:
+    for where, name, append, raw, end, conditional in events:
         if name in unknown:
             continue
         builds = bool(append) or _names_itself(name, raw)
@@ -492,7 +492,7 @@ def script_env(script, env, budget):
         added = value if append else value.replace(before, "", 1) if before else value
         guess = len(budget.guesses) > guesses or any(
             n in guessed for n in _REF_NAME.findall(raw) if n != name)
-        if builds and (conditional or not outside_blocks(at)) and not guess and (
+        if builds and (conditional or not outside_blocks(where)) and not guess and (
                 _another_backend(added)):  # (`${EP_BACKEND:-none}` is a guess, not known)
             continue  # read as skipped
         if guess:
@@ -543,11 +543,10 @@ def _contested(script, env, parts, modelled):
     """(names unknown here, {name: the raw value to read it as}, the steps that build on
     a name where the script's own shell may skip them (or keeps them for one command
     only, `ARGS="$ARGS …" cmd`: read as kept, more of the line seen), as (position,
-    name, append, raw, end, True)) for the
-    names whose value at a use one pass cannot order (``modelled``: where the names
-    _in_order reads are; ``parts``: foreign()'s). Found by review helpers: each was read
-    as the value set before it (`none`), and a worker asking for mooncake went unjudged
-    and unwarned.
+    name, append, raw, end, True)) for the names whose value at a use one pass cannot
+    order (``modelled``: where the names _in_order reads are; ``parts``: foreign()'s).
+    Found by review helpers: each was read as the value set before it (`none`), and a
+    worker asking for mooncake went unjudged and unwarned.
 
     A name is contested when it is set at the start of a command the in-order model
     (_in_order) does not follow (after `then`, `do`, `else`, `{`, `&&`, `||`, `typeset
