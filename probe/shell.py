@@ -554,9 +554,10 @@ def _contested(script, env, parts, modelled):
     before it (`then ARGS="$ARGS --host $IP"`: script_env reads it as taken, or as
     skipped); when it is set to two values in a script with branches, loops or a
     function's definition (where the script's own shell reads it); and by `${EP:=word}`
-    where the environment does not hold EP. Of a contested name's values, one that asks
-    for mooncake (names the flag, or is the word mooncake) is read everywhere (the side
-    on which more is seen, as for an unknown variable's default); of values that are
+    where the environment does not hold EP (unknown, unless a value asks for mooncake).
+    Of a contested name's values, one that asks for mooncake (names the flag, or is the
+    word mooncake) is read everywhere (the side on which more is seen, as for an unknown
+    variable's default); of values that are
     all plain text without it, the last is (whichever runs, no request); otherwise it is
     unknown. One set only where it does not last has the environment's value, or is
     unknown. Either way the steps that build on it (`ARGS="$ARGS …"`) still add to it
@@ -598,9 +599,11 @@ def _contested(script, env, parts, modelled):
     functions = any(in_shell(f.start()) for f in _FUNCTION.finditer(text))
     if functions or _CONTROL.search(text):
         contested.update(n for n, vs in values.items() if len(set(vs)) > 1)
+    defaulted = set()  # `${EP:=word}` where the environment does not hold EP
     for m in _DEFAULT_ASSIGN.finditer(text):
         if not env.get(m.group(1)):
             contested.add(m.group(1))
+            defaulted.add(m.group(1))
             values.setdefault(m.group(1), []).append(m.group(2))
             if in_shell(m.start()):
                 set_in_shell.add(m.group(1))
@@ -619,6 +622,11 @@ def _contested(script, env, parts, modelled):
         bare = [v for v, p, n in zip(raws, plain, names) if not n and "$" not in p]
         if asks:
             chosen[name] = asks[0]
+        elif name in defaulted:
+            # The image may hold it (`: ${EP_BACKEND:=none}` keeps the image's value):
+            # unknown, as for `${EP_BACKEND:-none}` (read as `none`, unwarned: review
+            # helper).
+            unknown.add(name)
         elif name not in set_in_shell:
             # Set only where it does not last (`( export B=none )`, `B=none | cat`): the
             # script's own shell has the environment's value, or the image's, unknown

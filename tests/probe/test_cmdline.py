@@ -1110,6 +1110,9 @@ UNKNOWN_BACKEND = {
     'ARGS="$ARGS --elastic-ep-backend ${{EP_BACKEND:-none}}"\n{use}',
     "assumed-default-through-another-name": 'B="${{EP_BACKEND:-none}}"\n'
     'ARGS="$ARGS --elastic-ep-backend ${{B}}"\nfor i in 1; do :; done\n{use}',
+    "default-assigned": ': ${{EP_BACKEND:=none}}\nARGS="--elastic-ep-backend $EP_BACKEND"\n{use}',
+    "default-assigned-through-another-name": "B=${{EP_BACKEND:=none}}\n"
+    'ARGS="--elastic-ep-backend $B"\n{use}',
     "set-only-in-a-subshell": 'ARGS="--elastic-ep-backend $EP_BACKEND"\n'
     "( export EP_BACKEND=none; true )\n{use}",
     "beside-an-empty-value": 'start() {{ {use}; }}\nARGS=""\n'
