@@ -158,7 +158,7 @@ _WRITER = re.compile(
     r"getopts[ \t]+[^\s;&|(){}]+[ \t]+|"
     r"(?:for|select)[ \t]+)((?:[A-Za-z_][A-Za-z0-9_]*[ \t]*)+)")
 _DEFAULT_ASSIGN = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*):?=([^{}]*)\}")
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_NAME = re.compile(_NAME_RE)
 _KNOWN_REF = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
 # The flag (cmdline.BACKEND is this), and what a contested name reads as when its values
 # name the flag but none asks for mooncake and one is unknown here: the flag, then the
@@ -685,16 +685,20 @@ def _another_backend(text):
     words_ = text.split()
     value = None
     for i, w in enumerate(words_):
-        if w.startswith("--el") and FLAG.startswith(w.split("=", 1)[0]):
+        if _spells_flag(w):
             value = w.split("=", 1)[1] if "=" in w else (
                 words_[i + 1] if i + 1 < len(words_) else None)
     return bool(value) and value != "mooncake" and "$" not in value and "`" not in value
 
 
 def _names_flag(text):
-    """Does a word of ``text`` spell the flag (``--el…``, a prefix of it, ``=`` or not)?"""
-    return any(w.startswith("--el") and FLAG.startswith(w.split("=", 1)[0])
-               for w in text.split())
+    """Does a word of ``text`` spell the flag?"""
+    return any(_spells_flag(w) for w in text.split())
+
+
+def _spells_flag(word):
+    """Is ``word`` the flag (``--el…``, a prefix of it, ``=`` or not)?"""
+    return word.startswith("--el") and FLAG.startswith(word.split("=", 1)[0])
 
 
 def _plain(raw, env, left):
