@@ -7,6 +7,7 @@ reader against SGLang's own parser.
 
 from __future__ import annotations
 
+import os
 import shlex
 import shutil
 import subprocess
@@ -962,7 +963,8 @@ def test_a_line_too_large_to_read_is_not_known_to_change_nothing() -> None:
 
 REAL_SHELLS = ("bash", "dash")
 # The launch is `{use}`; `$B` is the backend, `$ARGS` the server arguments.
-HOSTNAME = 'H=$(python3 -c "import socket; print(socket.gethostname())")'
+# A quoted python line with `name()` in it (no python3 needed to run it here).
+HOSTNAME = 'H=$(printf %s "import socket; print(socket.gethostname())")'
 STEPS = 'EP=mooncake\nARGS="--tp-size 8"\n{between}\nARGS="$ARGS --elastic-ep-backend $EP"\n{use}'
 OWN_SHELL = {
     # (script, the value bash and dash launch with); first what was read as none:
@@ -1056,8 +1058,10 @@ def test_the_value_a_real_shell_launches_with_is_the_one_read(script: str, value
     for sh in REAL_SHELLS:
         if shutil.which(sh) is None:
             continue
+        # Only PATH from this machine: no variable it happens to export reaches the script.
         real = subprocess.run([sh, "-c", script.format(use=f'echo "${name}" >&2')],
-                              capture_output=True, text=True, check=True).stderr  # fmt: skip
+                              capture_output=True, text=True, check=True,
+                              env={"PATH": os.environ.get("PATH", os.defpath)}).stderr  # fmt: skip
         assert real.strip() == value, (sh, real)
     launch = f"exec {SERVER} $ARGS" if name == "ARGS" else f"exec {SERVER} --elastic-ep-backend $B"
     r = read(["bash", "-c", script.format(use=launch)])
@@ -1075,7 +1079,7 @@ def test_a_script_written_to_a_file_with_its_backend_set_in_it_is_a_request(
     and `--elastic-ep-backend $EP` there was no request (the worker admitted unwarned:
     review helper). bash runs it with mooncake; it is read as text no command places."""
     script = f'cat > "$F" {opener}\nEP=mooncake\n{{use}}\nEOF\nbash "$F"'
-    env = {"F": str(tmp_path / "run.sh"), "PATH": "/usr/bin:/bin"}
+    env = {"F": str(tmp_path / "run.sh"), "PATH": os.environ.get("PATH", os.defpath)}
     real = subprocess.run(["bash", "-c", script.format(use='echo "$EP"')], capture_output=True,
                           text=True, check=True, env=env)  # fmt: skip
     assert real.stdout.split() == ["mooncake"]
@@ -1126,7 +1130,7 @@ def test_a_backend_known_only_at_launch_is_never_read_as_another(script: str) ->
     with mooncake when EP_BACKEND holds it) stays unresolved (warned, probed) in a
     script with branches, an `||` or a function: the first cut of the taken/skipped
     rule read it as another backend and admitted the worker unwarned (review helper)."""
-    env = {"EP_BACKEND": "mooncake", "PATH": "/usr/bin:/bin"}
+    env = {"EP_BACKEND": "mooncake", "PATH": os.environ.get("PATH", os.defpath)}
     real = subprocess.run(["bash", "-c", script.format(use='echo "$ARGS" >&2')],
                           capture_output=True, text=True, env=env).stderr  # fmt: skip
     assert "--elastic-ep-backend mooncake" in real, real
