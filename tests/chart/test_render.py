@@ -154,6 +154,20 @@ class TestWebhookDeployment:
             "port": "https",
             "scheme": "HTTPS",
         }
+        assert c["startupProbe"]["httpGet"] == c["livenessProbe"]["httpGet"]
+
+    def test_the_startup_probe_is_quick_but_kills_no_sooner_than_liveness(
+        self, defaults: Rendered
+    ) -> None:
+        # Checked every second, so readiness is checked as soon as the webhook answers;
+        # liveness waits for it, so a slow start must get at least liveness's own grace.
+        c = container(defaults.one("Deployment", "epguard-webhook"), "webhook")
+        startup, liveness = c["startupProbe"], c["livenessProbe"]
+        assert startup["periodSeconds"] == 1
+        assert (
+            startup["periodSeconds"] * startup["failureThreshold"]
+            >= liveness["periodSeconds"] * liveness["failureThreshold"]
+        )
 
     def test_the_webhook_gets_the_agreed_environment(self, defaults: Rendered) -> None:
         c = container(defaults.one("Deployment", "epguard-webhook"), "webhook")
