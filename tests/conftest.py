@@ -10,8 +10,9 @@ as local processes; tests isolate themselves with ``namespace``, a fresh namespa
 never deleted: without kube-controller-manager a deleted namespace stays Terminating.
 
 ``shared_node`` is the one-node cluster with the chart's pods (tests/e2e/node_e2e.py)
-that the node modules share; a module that starts a node of its own asks for
-``machine_to_itself`` first.
+that the node modules share, started by ``make up`` and stopped by ``make down``; a
+module that starts a node of its own asks for ``machine_to_itself`` first. Tests marked
+``after_all`` run after every other collected test (the shared node's ``make down``).
 
 Tests marked ``gpu`` need an NVIDIA driver (``libcuda.so.1``) and a visible GPU;
 they are skipped on machines without one and run where one exists.
@@ -44,6 +45,8 @@ def _has_gpu() -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Tests marked after_all run last, in their collected order (a stable sort).
+    items.sort(key=lambda item: item.get_closest_marker("after_all") is not None)
     if _has_gpu():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU and driver (libcuda.so.1)")

@@ -1,6 +1,6 @@
 """What the host check of ``make down`` compares (devcluster/node.py host_snapshot):
 iptables tables that filter nothing count as absent. The check itself, on the real node:
-tests/devcluster/test_make_up_down.py."""
+tests/devcluster/test_up_down.py."""
 
 from __future__ import annotations
 

@@ -1,53 +1,73 @@
-"""The one-node cluster of the node e2e tests: what ``make up`` runs (devcluster.stack),
-attached to the test session, with epguard installed by helm as the chart's pods."""
+"""The one-node cluster of the node e2e tests: ``make up`` (devcluster.stack), with
+epguard installed by helm as the chart's pods, shared by the session's node modules."""
 
 from __future__ import annotations
 
+import atexit
 import json
+import subprocess
+import sys
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from devcluster import ControlPlane
 from devcluster.images import BAD_WORKER, BUSYBOX_IMAGE
-from devcluster.node import Node
-from devcluster.stack import CHART_DIR, Stack, deploy_chart, start_cluster
+from devcluster.node import Node, host_snapshot
+from devcluster.stack import Stack
 from tests.e2e.e2e_kube import WORKER_ARGS, WORKER_COMMAND, eventually
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
-@contextmanager
-def running_cluster(run_dir: Path) -> Iterator[ControlPlane]:
-    stack = Stack(run_dir=run_dir, detached=False)
-    try:
-        start_cluster(stack)
-        assert stack.control_plane is not None
-        deploy_chart(stack, stack.control_plane, CHART_DIR, [])
-        yield stack.control_plane
-    finally:
-        stack.stop()
+
+def devcluster_cli(run_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m devcluster --run-dir RUN_DIR ARGS`` (``make up`` / ``down`` / ``status``)."""
+    return subprocess.run(
+        [sys.executable, "-m", "devcluster", "--run-dir", str(run_dir), *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=900,
+    )
 
 
 class SharedCluster:
-    """The cluster of :func:`running_cluster` that the node modules leaving it as they
-    found it share (a start is ~30 s of the node phase on two cores): started on first
-    use, stopped at the session's end, or before a module starts a node of its own (the
-    machine has one: its ports, its containerd, its registry)."""
+    """The cluster that the node modules leaving it as they found it share: started on
+    first use by ``make up`` itself (``python -m devcluster up``: detached, epguard
+    installed by helm as the chart's pods), stopped by ``make down`` at the session's end
+    or before a module starts a node of its own (the machine has one: its ports, its
+    containerd, its registry). A start is ~30 s of the node phase on two cores, so the
+    test of ``up`` and ``down`` (tests/devcluster/test_up_down.py) checks this start and
+    this stop rather than making its own: ``up`` and ``before`` (the host snapshot taken
+    just before it) are kept for it, and ``stop`` returns what ``down`` said."""
 
     def __init__(self, run_dir: Callable[[], Path]) -> None:
-        self._run_dir = run_dir
-        self._running: ExitStack | None = None
+        self._new_run_dir = run_dir
         self._cluster: ControlPlane | None = None
         self._namespaces: set[str] = set()
+        self.run_dir: Path | None = None
+        self.up: subprocess.CompletedProcess[str] | None = None
+        self.before: dict[str, Any] | None = None
 
     def cluster(self) -> ControlPlane:
         if self._cluster is None:
-            with ExitStack() as running:
-                self._cluster = running.enter_context(running_cluster(self._run_dir()))
-                self._running = running.pop_all()
+            run_dir = self._new_run_dir()
+            self.before = host_snapshot()
+            self.up, self.run_dir = devcluster_cli(run_dir, "up"), run_dir
+            # A normal interpreter exit that skipped the session's finalizers (the processes
+            # are detached: they outlive this one) still runs `down`.
+            atexit.register(self.stop)
+            stack = Stack.load(run_dir)
+            if self.up.returncode != 0 or stack is None or stack.control_plane is None:
+                down = self.stop()
+                raise RuntimeError(
+                    f"make up failed ({self.up.returncode}):\n{self.up.stdout[-4000:]}\n"
+                    f"{self.up.stderr[-4000:]}\nmake down: {down and down.stderr[-2000:]}"
+                )
+            self._cluster = stack.control_plane
             self._namespaces = set(_namespaces(self._cluster))
-        assert self._cluster is not None
         return self._cluster
 
     def tidy(self) -> None:
@@ -68,10 +88,11 @@ class SharedCluster:
             )
         self._cluster.kubectl("delete", "imageverdicts", "--all", check=True)
 
-    def stop(self) -> None:
-        running, self._running, self._cluster = self._running, None, None
-        if running is not None:
-            running.close()
+    def stop(self) -> subprocess.CompletedProcess[str] | None:
+        """``make down``, if this started a cluster that is not stopped yet."""
+        run_dir, self.run_dir, self._cluster = self.run_dir, None, None
+        atexit.unregister(self.stop)
+        return devcluster_cli(run_dir, "down") if run_dir is not None else None
 
 
 def _namespaces(cluster: ControlPlane) -> list[str]:
@@ -80,7 +101,7 @@ def _namespaces(cluster: ControlPlane) -> list[str]:
 
 
 def node_of(cluster: ControlPlane) -> Node:
-    """The node of a cluster from :func:`running_cluster` (start_cluster puts its work
+    """The node of a cluster that ``make up`` started (start_cluster puts its work
     directory beside the control plane's): its registry, its containerd."""
     return Node(cluster, cluster.workdir.parent / "node")
 
