@@ -326,29 +326,31 @@ def test_four_workloads_on_three_images_start_one_preflight_each_through_a_contr
         assert not [g for g in opened["spec"].get("schedulingGates", []) if g["name"] == GATE]
 
 
-@pytest.mark.parametrize("case", ["not pushed", "needs a pull secret"])
 def test_an_image_no_one_can_pull_says_why_its_pods_wait_and_learns_nothing(
-    case: str, cluster: ControlPlane, gated_namespace: str, tmp_path: Path
+    cluster: ControlPlane, gated_namespace: str, tmp_path: Path
 ) -> None:
-    """Bad input: a worker on an image the (real) registry does not hold, or one behind a
-    registry that wants credentials the namespace has no pull secret for (the node's
-    private registry: 401 without them). The preflight cannot pull it; the waiting pod's
-    condition says so while the deadline runs, and nothing is recorded about an image
-    nobody could read."""
+    """Bad input: a worker on an image the (real) registry does not hold, and one on an
+    image behind a registry that wants credentials the namespace has no pull secret for
+    (the node's private registry: 401 without them). Neither preflight can pull; each
+    waiting pod's condition says so while the deadline runs, and nothing is recorded
+    about an image nobody could read. Both at once: each waits on the kubelet's pull
+    error, ~14 s here."""
     ns = gated_namespace
     node = node_of(cluster)
-    registry = node.registry if case == "not pushed" else node.private_registry
-    repository, status = ("epguard/not-pushed", 404) if case == "not pushed" else (
-        "team/sglang-private", 401)  # fmt: skip
-    image = f"{registry.host}/{repository}:1"
-    since = registry.log_offset()
-    pod = worker_pod("ghost", ns, tmp_path / "m", image)
-    pod["spec"]["containers"][0]["imagePullPolicy"] = "IfNotPresent"
-    r = apply(cluster, pod)
-    assert r.returncode == 0, output(r)
+    cases = {
+        "ghost": (node.registry, "epguard/not-pushed", 404),
+        "private": (node.private_registry, "team/sglang-private", 401),
+    }
+    since = {name: registry.log_offset() for name, (registry, _, _) in cases.items()}
+    for name, (registry, repository, _) in cases.items():
+        pod = worker_pod(name, ns, tmp_path / name, f"{registry.host}/{repository}:1")
+        pod["metadata"]["labels"] = {"case": name}
+        pod["spec"]["containers"][0]["imagePullPolicy"] = "IfNotPresent"
+        r = apply(cluster, pod)
+        assert r.returncode == 0, output(r)
 
-    def says_why() -> bool:
-        (p,) = pods(cluster, ns, "!" + PREFLIGHT_LABEL)
+    def says_why(name: str) -> bool:
+        (p,) = pods(cluster, ns, f"case={name},!{PREFLIGHT_LABEL}")
         c = condition(p)
         return (
             c is not None
@@ -356,13 +358,20 @@ def test_an_image_no_one_can_pull_says_why_its_pods_wait_and_learns_nothing(
             and ("ErrImagePull" in c["message"] or "ImagePullBackOff" in c["message"])
         )
 
-    eventually(says_why, within=120, what="the pull error in the pod's condition", every=1.0)
-    (p,) = pods(cluster, ns, "!" + PREFLIGHT_LABEL)
-    assert GATE in [g["name"] for g in p["spec"]["schedulingGates"]]
-    assert not p["spec"].get("nodeName")
-    # The registry was asked, and answered: no such manifest, or not without credentials.
-    log = registry.log.read_bytes()[since:].decode()
-    assert f'"HEAD /v2/{repository}/manifests/1 HTTP/1.1" {status}' in log, log[-2000:]
+    eventually(
+        lambda: all(says_why(name) for name in cases),
+        within=120,
+        what="the pull errors in the pods' conditions",
+        every=1.0,
+    )
+    for name, (registry, repository, status) in cases.items():
+        (p,) = pods(cluster, ns, f"case={name},!{PREFLIGHT_LABEL}")
+        assert GATE in [g["name"] for g in p["spec"]["schedulingGates"]]
+        assert not p["spec"].get("nodeName")
+        # The registry was asked, and answered: no such manifest, or not without
+        # credentials.
+        log = registry.log.read_bytes()[since[name] :].decode()
+        assert f'"HEAD /v2/{repository}/manifests/1 HTTP/1.1" {status}' in log, log[-2000:]
     r = cluster.kubectl("get", "imageverdicts", "-o", "json")
     assert json.loads(r.stdout)["items"] == []
 
