@@ -116,8 +116,9 @@ def test_the_writer_polls_and_rests_at_least_twice_as_long_as_a_sync_took(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The writer's pace: a sync every POLL seconds, but never sooner than PACE times the
-    last sync's duration after it (100,000 verdicts take seconds of the API server's
-    time). sync_once is replaced: the writer's loop is what is tested."""
+    last sync's list of the ImageVerdicts took after it (100,000 verdicts take seconds
+    of the API server's time). sync_once is replaced: the writer's loop is what is
+    tested; the fake says how long its list took, as the real one does."""
     monkeypatch.setattr(backstop, "POLL", 0.2)
     calls: list[float] = []
 
@@ -127,8 +128,10 @@ def test_the_writer_polls_and_rests_at_least_twice_as_long_as_a_sync_took(
 
         def sync(api: Any, st: backstop.BackstopState, now: dt.datetime) -> Any:
             calls.append(time.monotonic())
+            st.list_seconds = 0.0
             if len(calls) == 1:
-                time.sleep(1.0)  # a slow sync: the next one no sooner than 2 s after it
+                time.sleep(1.0)  # a slow list: the next sync no sooner than 2 s after it
+                st.list_seconds = 1.0
             elif len(calls) == 3:
                 loop.call_soon_threadsafe(third.set)
             return compile_params(VerdictStore(), now)
@@ -141,6 +144,46 @@ def test_the_writer_polls_and_rests_at_least_twice_as_long_as_a_sync_took(
     asyncio.run(scenario())
     assert calls[1] - calls[0] >= 1.0 + backstop.PACE * 1.0 - 0.1, calls
     assert calls[2] - calls[1] < 1.5, calls  # a quick sync: the next at the poll
+
+
+def test_a_slow_install_or_write_does_not_hold_the_next_sync(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The pace is the list's, not the whole sync's: a first sync that spent 1.5 s
+    installing the policy (12 s on the loaded node, then a rules change made meanwhile
+    waited 30 s for the next sync) with a quick list is followed at the poll. The real
+    sync_once runs, on a fake API whose policy install is slow."""
+    monkeypatch.setattr(backstop, "POLL", 0.2)
+    calls: list[float] = []
+    installs: list[float] = []
+
+    def slow_install(
+        api: Any, config: BackstopConfig, owner: Any, rules: Any = None
+    ) -> list[dict[str, Any]]:
+        installs.append(time.monotonic())
+        if len(installs) == 1:
+            time.sleep(1.5)
+        return backstop.policies(config, rules)
+
+    def read_verdicts(*_: Any) -> tuple[Any, str]:
+        calls.append(time.monotonic())
+        return backstop.EntryIndex(dt.timedelta(days=1), dt.datetime.now(dt.UTC)), "same"
+
+    monkeypatch.setattr(backstop, "install", slow_install)
+    monkeypatch.setattr(backstop, "read_verdicts", read_verdicts)
+    monkeypatch.setattr(backstop, "read_rules", lambda api, st: st.rules)
+    monkeypatch.setattr(backstop, "write_params", lambda *a: {})
+
+    async def scenario() -> None:
+        task = asyncio.create_task(backstop.run_writer(None, _writer_state()))  # type: ignore[arg-type]
+        while len(calls) < 2:
+            await asyncio.sleep(0.05)
+        await _cancelled(task)
+
+    asyncio.run(asyncio.wait_for(scenario(), 20))
+    # The sync with the 1.5 s install ended at calls[0]; the next came at the poll, not
+    # PACE x 1.5 s = 3 s later.
+    assert calls[1] - calls[0] < 1.5, calls
 
 
 def test_a_verdict_change_wakes_the_writer_before_the_poll_but_never_before_its_rest(
@@ -158,8 +201,10 @@ def test_a_verdict_change_wakes_the_writer_before_the_poll_but_never_before_its_
 
         def sync(api: Any, st: backstop.BackstopState, now: dt.datetime) -> Any:
             calls.append(time.monotonic())
+            st.list_seconds = 0.0
             if len(calls) == 1:
-                time.sleep(0.5)  # a slow sync, and a change while it runs
+                time.sleep(0.5)  # a slow list, and a change while it runs
+                st.list_seconds = 0.5
                 loop.call_soon_threadsafe(changed.set)
             elif len(calls) == 3:
                 loop.call_soon_threadsafe(done.set)
@@ -214,3 +259,49 @@ def test_a_replace_that_loses_to_a_status_write_is_read_again_and_retried() -> N
     with pytest.raises(ApiException):
         backstop._put(read, create, replace, {"metadata": {"name": "x"}})
     assert len(replaced) == backstop.PUT_ATTEMPTS
+
+
+def test_the_start_installs_the_live_rules_so_the_first_sync_installs_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each write of the policy has the API server compile its CEL (seconds of a core on
+    the loaded node): installed first without the rules, the policy was written again by
+    the first sync. The real start and sync_once run on fakes of the API's reads."""
+    from types import SimpleNamespace
+
+    from epguard.webhook.engine.rules import load_rules_text
+
+    rules = load_rules_text(
+        "rules:\n- {id: bad-0516, image: 'lmsysorg/sglang:v0.5.16*', action: deny,\n"
+        "   reason: no ep_2_11_0 extension, remedy: use v0.5.18}\n",
+        "configmap epguard-system/epguard-rules",
+    )
+    installed: list[Any] = []
+
+    def install(api: Any, config: BackstopConfig, owner: Any, rules: Any = None) -> Any:
+        installed.append(rules)
+        return backstop.policies(config, rules)
+
+    monkeypatch.setattr(backstop, "server_supported", lambda api: (True, "v1.35.4"))
+    monkeypatch.setattr(backstop, "owner_of", lambda api, name: None)
+    monkeypatch.setattr(backstop, "read_rules", lambda api, st: rules)
+    monkeypatch.setattr(backstop, "install", install)
+    monkeypatch.setattr(
+        backstop,
+        "read_verdicts",
+        lambda *_: (backstop.EntryIndex(dt.timedelta(days=1), dt.datetime.now(dt.UTC)), "-"),
+    )
+    monkeypatch.setattr(backstop, "write_params", lambda *a: {})
+    config = SimpleNamespace(
+        backstop=BackstopConfig(params_namespace="epguard-system"),
+        namespace="epguard-system",
+        backstop_name="epguard-backstop",
+        validating_webhook="epguard",
+        rules_configmap="epguard-rules",
+        rules_key="rules.yaml",
+        tag_ttl=dt.timedelta(days=1),
+    )
+    state = asyncio.run(backstop.start(None, config))  # type: ignore[arg-type]
+    assert state is not None and installed == [rules]
+    backstop.sync_once(None, state, dt.datetime.now(dt.UTC))  # type: ignore[arg-type]
+    assert installed == [rules]

@@ -81,8 +81,10 @@ def _controller_log_on_failure(cp: ControlPlane) -> Iterator[None]:
     try:
         yield
     except AssertionError as exc:
-        r = cp.kubectl("logs", "deployment/epguard-controller", "-n", RELEASE_NS, "--tail=60")
-        raise AssertionError(f"{exc}\nthe controller's log:\n{r.stdout}{r.stderr}") from None
+        # Every replica's: the one that leads the backstop's writer may be either.
+        r = cp.kubectl("logs", "-n", RELEASE_NS, "-l", "app.kubernetes.io/component=controller",
+                       "--prefix", "--tail=80")  # fmt: skip
+        raise AssertionError(f"{exc}\nthe controllers' logs:\n{r.stdout}{r.stderr}") from None
 
 
 def _refused_by_backstop(cp: ControlPlane, obj: dict[str, Any]) -> str | None:

@@ -7,8 +7,8 @@ controller's settings or the deny rules do (a rule is a constant in the policy, 
 once by the API server); the shards follow the ImageVerdicts:
 
 * at once after any ImageVerdict changes (a watch from "now" wakes it), else every
-  ``POLL`` seconds, and no sooner than ``PACE`` times the last sync's duration after
-  it, it lists the ImageVerdicts a page at a time into
+  ``POLL`` seconds, and no sooner than ``PACE`` times the last sync's list of the
+  ImageVerdicts took after it, it lists the ImageVerdicts a page at a time into
   an ``EntryIndex`` (the newest verdict per key, as the webhook's store decides, held as
   compact entries, so every verdict up to MAX_BACKSTOP_VERDICTS is read in bounded
   memory) and reads the rules ConfigMap by name (a ConfigMap the webhook would reject
@@ -101,6 +101,11 @@ class BackstopState:
     written: dict[str, Any] | None = None
     # The last compile and the fingerprint of the verdicts it was made from.
     compiled: tuple[str, Params] | None = None
+    # Seconds the last sync's list of the ImageVerdicts took: what the writer's pace is
+    # measured against (not the policy's install or the shards' writes, which happen
+    # only on a change: a first install that took 12 s on the loaded node held the next
+    # sync, and a rules change made meanwhile, for 30 s).
+    list_seconds: float = 0.0
 
 
 def server_supported(api: client.ApiClient) -> tuple[bool, str]:
@@ -356,7 +361,9 @@ def sync_once(api: client.ApiClient, state: BackstopState, now: dt.datetime) -> 
         state.installed = install(api, state.config, state.owner, state.rules)
         _, left = rule_checks(state.rules)
         log.info("backstop policy written (%d deny rules left to the webhook)", left)
+    listing = time.monotonic()
     index, fingerprint = read_verdicts(api, state.tag_ttl, now)
+    state.list_seconds = time.monotonic() - listing
     last = state.compiled
     if (
         last is not None
@@ -414,13 +421,13 @@ async def run_writer(
     """Keep the parameters current until cancelled; on the replica kopf peering keeps
     active only (``leadership``: the other would list every verdict as often, for
     nothing). A sync follows ``changed`` (cleared as the sync starts, so a change during
-    a sync brings the next) as soon as the pace allows, else every POLL seconds."""
+    a sync brings the next) as soon as the pace allows (PACE times as long as the last
+    list of the ImageVerdicts took), else every POLL seconds."""
     loop = asyncio.get_running_loop()
     leadership = leadership or STANDALONE
     changed = changed or asyncio.Event()  # without a watch: never set, the poll alone
     while True:
         now = dt.datetime.now(dt.UTC)
-        started = time.monotonic()
         changed.clear()
         try:
             wait = POLL
@@ -438,9 +445,9 @@ async def run_writer(
             log.warning("backstop sync failed (%s: %s); retrying", type(exc).__name__, exc)
             wait = POLL
         # A sync lists every ImageVerdict (100,000 take seconds of the API server's time
-        # too): rest at least twice as long as it took, so the backstop keeps the API
-        # server's list busy a third of the time at most.
-        await _rest(wait, PACE * (time.monotonic() - started), changed)
+        # too): rest at least twice as long as that list took, so the backstop keeps the
+        # API server's list busy a third of the time at most.
+        await _rest(wait, PACE * state.list_seconds, changed)
 
 
 # --- kopf wiring ---------------------------------------------------------------------
@@ -464,15 +471,20 @@ async def start(api: client.ApiClient, config: ControllerConfig) -> BackstopStat
         )
         return None
     owner = await loop.run_in_executor(None, owner_of, api, config.validating_webhook)
-    await loop.run_in_executor(None, install, api, backstop, owner)
-    log.info("outage backstop installed: %s-{enforce,warn,audit}", backstop.name)
-    return BackstopState(
+    state = BackstopState(
         config=backstop,
         rules_configmap=config.rules_configmap,
         rules_key=config.rules_key,
         tag_ttl=config.tag_ttl,
         owner=owner,
     )
+    # Installed with the live rules, so that the first sync does not install it again
+    # (each write of the policy has the API server compile its CEL: seconds of a core on
+    # the loaded node).
+    state.rules = await loop.run_in_executor(None, read_rules, api, state)
+    state.installed = await loop.run_in_executor(None, install, api, backstop, owner, state.rules)
+    log.info("outage backstop installed: %s-{enforce,warn,audit}", backstop.name)
+    return state
 
 
 async def keep(api: client.ApiClient, config: ControllerConfig, memo: kopf.Memo) -> None:
