@@ -305,3 +305,35 @@ def test_the_start_installs_the_live_rules_so_the_first_sync_installs_nothing(
     assert state is not None and installed == [rules]
     backstop.sync_once(None, state, dt.datetime.now(dt.UTC))  # type: ignore[arg-type]
     assert installed == [rules]
+
+
+def test_a_create_that_loses_to_another_replicas_create_replaces_it() -> None:
+    """Both controller replicas install the backstop at start: the create that lost got a
+    409 and failed the whole start, which began again 2 s later (one more install, ~12 s
+    of the loaded node's API server)."""
+    from types import SimpleNamespace
+
+    from kubernetes.client.exceptions import ApiException
+
+    stored: dict[str, Any] = {}
+    calls: list[str] = []
+
+    def read(name: str) -> Any:
+        calls.append("read")
+        if name not in stored:
+            raise ApiException(status=404, reason="Not Found")
+        return SimpleNamespace(metadata=SimpleNamespace(resource_version="7"))
+
+    def create(obj: dict[str, Any]) -> None:
+        calls.append("create")
+        stored[obj["metadata"]["name"]] = {"by": "the other replica"}
+        raise ApiException(status=409, reason="AlreadyExists")
+
+    def replace(name: str, obj: dict[str, Any]) -> None:
+        calls.append("replace")
+        stored[name] = obj
+
+    obj: dict[str, Any] = {"metadata": {"name": "epguard-backstop"}, "spec": {}}
+    backstop._put(read, create, replace, obj)
+    assert calls == ["read", "create", "read", "replace"]
+    assert stored["epguard-backstop"] is obj and obj["metadata"]["resourceVersion"] == "7"

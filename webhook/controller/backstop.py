@@ -156,8 +156,16 @@ def _put(read: Any, create: Any, replace: Any, obj: dict[str, Any]) -> None:
         except ApiException as exc:
             if exc.status != 404:
                 raise
-            create(obj)
-            return
+            try:
+                create(obj)
+                return
+            except ApiException as exc:
+                # Created meanwhile (both replicas install at start: the one that lost
+                # started all over 2 s later, another install of ~12 s on the loaded
+                # node): read it, and replace it.
+                if exc.status != 409 or attempt == PUT_ATTEMPTS - 1:
+                    raise
+                continue
         obj["metadata"]["resourceVersion"] = current.metadata.resource_version
         try:
             replace(name, obj)
