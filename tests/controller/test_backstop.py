@@ -337,3 +337,44 @@ def test_a_create_that_loses_to_another_replicas_create_replaces_it() -> None:
     backstop._put(read, create, replace, obj)
     assert calls == ["read", "create", "read", "replace"]
     assert stored["epguard-backstop"] is obj and obj["metadata"]["resourceVersion"] == "7"
+
+
+def test_a_replica_that_takes_over_installs_what_the_rules_say_now(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What a replica installed at its own start may have been replaced by the leader
+    since (rules B, then back to A, the leader gone before its sync): on taking over it
+    installs again instead of trusting its start's write."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(backstop, "POLL", 0.05)
+    monkeypatch.setattr(backstop, "FOLLOWER_POLL", 0.05)
+    installs: list[Any] = []
+
+    def install(api: Any, config: BackstopConfig, owner: Any, rules: Any = None) -> Any:
+        installs.append(rules)
+        return backstop.policies(config, rules)
+
+    monkeypatch.setattr(backstop, "install", install)
+    monkeypatch.setattr(backstop, "read_rules", lambda api, st: st.rules)
+    monkeypatch.setattr(
+        backstop,
+        "read_verdicts",
+        lambda *_: (backstop.EntryIndex(dt.timedelta(days=1), dt.datetime.now(dt.UTC)), "-"),
+    )
+    monkeypatch.setattr(backstop, "write_params", lambda *a: {})
+    state = _writer_state()
+    state.installed = backstop.policies(state.config, state.rules)  # its start's write
+    asks = iter([False, False, True, True, True])
+    leadership = SimpleNamespace(leads=lambda: next(asks, True))
+
+    async def scenario() -> None:
+        task = asyncio.create_task(backstop.run_writer(None, state, leadership))  # type: ignore[arg-type]
+        for _ in range(100):
+            if state.written is not None:
+                break
+            await asyncio.sleep(0.05)
+        await _cancelled(task)
+
+    asyncio.run(scenario())
+    assert len(installs) == 1, installs

@@ -55,10 +55,13 @@ class SharedCluster:
         if self._cluster is None:
             run_dir = self._new_run_dir()
             self.before = host_snapshot()
-            self.up, self.run_dir = devcluster_cli(run_dir, "up"), run_dir
-            # A normal interpreter exit that skipped the session's finalizers (the processes
-            # are detached: they outlive this one) still runs `down`.
+            # Recorded before `up` runs, so that an `up` killed midway (a test timeout, a
+            # Ctrl-C) is still stopped; and a normal interpreter exit that skipped the
+            # session's finalizers still runs `down` (the processes are detached: they
+            # outlive this one).
+            self.run_dir = run_dir
             atexit.register(self.stop)
+            self.up = devcluster_cli(run_dir, "up")
             stack = Stack.load(run_dir)
             if self.up.returncode != 0 or stack is None or stack.control_plane is None:
                 down = self.stop()

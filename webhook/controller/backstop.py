@@ -78,7 +78,7 @@ log = logging.getLogger("epguard.controller.backstop")
 # pods), so 50,000 verdicts would be 12,500 requests at every start and relist). The
 # poll is what is left when the watch is down, and what expires tag verdicts.
 POLL = 5.0
-PACE = 2.0  # after a sync, rest at least this many times as long as it took
+PACE = 2.0  # after a sync, rest at least this many times as long as its list took
 # On the replica that does not lead: how often it asks whether it leads now.
 FOLLOWER_POLL = 1.0
 # VAP's CEL uses flatten() (the list library of Kubernetes 1.34); an older API server
@@ -370,8 +370,11 @@ def sync_once(api: client.ApiClient, state: BackstopState, now: dt.datetime) -> 
         _, left = rule_checks(state.rules)
         log.info("backstop policy written (%d deny rules left to the webhook)", left)
     listing = time.monotonic()
-    index, fingerprint = read_verdicts(api, state.tag_ttl, now)
-    state.list_seconds = time.monotonic() - listing
+    try:
+        index, fingerprint = read_verdicts(api, state.tag_ttl, now)
+    finally:
+        # A list that failed midway (a 504 after seconds at 100,000 verdicts) counts too.
+        state.list_seconds = time.monotonic() - listing
     last = state.compiled
     if (
         last is not None
@@ -434,28 +437,37 @@ async def run_writer(
     loop = asyncio.get_running_loop()
     leadership = leadership or STANDALONE
     changed = changed or asyncio.Event()  # without a watch: never set, the poll alone
+    followed = False
     while True:
         now = dt.datetime.now(dt.UTC)
+        started = time.monotonic()
         changed.clear()
         try:
             wait = POLL
             if not await loop.run_in_executor(None, leadership.leads):
+                followed = True
                 await asyncio.sleep(FOLLOWER_POLL)
                 continue
+            if followed:
+                # Taking over: what this replica installed at its start may have been
+                # replaced by the leader since; install what the rules say now.
+                state.installed, followed = None, False
             params = await loop.run_in_executor(None, sync_once, api, state, now)
             if params.next_change is not None:
                 wait = min(wait, max(0.5, (params.next_change - now).total_seconds()))
+            rest = PACE * state.list_seconds
         except ApiException as exc:
             log.warning("backstop sync failed (%s %s: %s); retrying", exc.status, exc.reason,
                         api_message(exc))  # fmt: skip
-            wait = POLL
+            wait, rest = POLL, PACE * (time.monotonic() - started)
         except Exception as exc:  # a dropped connection must not end the writer
             log.warning("backstop sync failed (%s: %s); retrying", type(exc).__name__, exc)
-            wait = POLL
+            wait, rest = POLL, PACE * (time.monotonic() - started)
         # A sync lists every ImageVerdict (100,000 take seconds of the API server's time
         # too): rest at least twice as long as that list took, so the backstop keeps the
-        # API server's list busy a third of the time at most.
-        await _rest(wait, PACE * state.list_seconds, changed)
+        # API server's list busy a third of the time at most; after a failed sync, twice
+        # as long as the whole attempt (its writes may be what fails, again and again).
+        await _rest(wait, rest, changed)
 
 
 # --- kopf wiring ---------------------------------------------------------------------
