@@ -106,6 +106,11 @@ def _writer_state() -> backstop.BackstopState:
     )
 
 
+def _no_verdicts(*_: Any) -> tuple[Any, str]:
+    """read_verdicts' answer for an API server that holds no ImageVerdict."""
+    return backstop.EntryIndex(dt.timedelta(days=1), dt.datetime.now(dt.UTC)), "-"
+
+
 async def _cancelled(task: asyncio.Task[None]) -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -167,7 +172,7 @@ def test_a_slow_install_or_write_does_not_hold_the_next_sync(
 
     def read_verdicts(*_: Any) -> tuple[Any, str]:
         calls.append(time.monotonic())
-        return backstop.EntryIndex(dt.timedelta(days=1), dt.datetime.now(dt.UTC)), "same"
+        return _no_verdicts()
 
     monkeypatch.setattr(backstop, "install", slow_install)
     monkeypatch.setattr(backstop, "read_verdicts", read_verdicts)
@@ -286,11 +291,7 @@ def test_the_start_installs_the_live_rules_so_the_first_sync_installs_nothing(
     monkeypatch.setattr(backstop, "owner_of", lambda api, name: None)
     monkeypatch.setattr(backstop, "read_rules", lambda api, st: rules)
     monkeypatch.setattr(backstop, "install", install)
-    monkeypatch.setattr(
-        backstop,
-        "read_verdicts",
-        lambda *_: (backstop.EntryIndex(dt.timedelta(days=1), dt.datetime.now(dt.UTC)), "-"),
-    )
+    monkeypatch.setattr(backstop, "read_verdicts", _no_verdicts)
     monkeypatch.setattr(backstop, "write_params", lambda *a: {})
     config = SimpleNamespace(
         backstop=BackstopConfig(params_namespace="epguard-system"),
@@ -357,11 +358,7 @@ def test_a_replica_that_takes_over_installs_what_the_rules_say_now(
 
     monkeypatch.setattr(backstop, "install", install)
     monkeypatch.setattr(backstop, "read_rules", lambda api, st: st.rules)
-    monkeypatch.setattr(
-        backstop,
-        "read_verdicts",
-        lambda *_: (backstop.EntryIndex(dt.timedelta(days=1), dt.datetime.now(dt.UTC)), "-"),
-    )
+    monkeypatch.setattr(backstop, "read_verdicts", _no_verdicts)
     monkeypatch.setattr(backstop, "write_params", lambda *a: {})
     state = _writer_state()
     state.installed = backstop.policies(state.config, state.rules)  # its start's write
