@@ -142,10 +142,15 @@ class ManagedProcess:
             return "(no log)"
         return "\n".join(text.splitlines()[-lines:])
 
-    def _signal_group(self, sig: signal.Signals) -> None:
-        # pgid == pid because the process leads its own session.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
+    def _signal_group(self, sig: signal.Signals) -> bool:
+        """Whether the signal reached the group: pgid == pid because the process leads
+        its own session; a process that left it, or one not ours to signal, is not
+        reached, and waiting for it to exit would be waiting for nothing."""
+        try:
             os.killpg(self.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
 
     def _group_is_ours(self) -> bool:
         # Linux never hands out a pid that is still in use as a process-group id,
@@ -159,14 +164,12 @@ class ManagedProcess:
         self._reap()
         if not self._group_is_ours():
             return
-        if self.alive():
-            self._signal_group(signal.SIGTERM)
+        if self.alive() and self._signal_group(signal.SIGTERM):
             deadline = time.monotonic() + grace
             while self.alive() and time.monotonic() < deadline:
                 time.sleep(0.05)
         # Also catches children that outlived their leader.
-        if self._group_is_ours():
-            self._signal_group(signal.SIGKILL)
-        deadline = time.monotonic() + 5.0
-        while self.alive() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        if self._group_is_ours() and self._signal_group(signal.SIGKILL):
+            deadline = time.monotonic() + 5.0
+            while self.alive() and time.monotonic() < deadline:
+                time.sleep(0.05)

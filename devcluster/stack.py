@@ -449,7 +449,8 @@ def up(
             print(f"export KUBECONFIG={existing.control_plane.kubeconfig}")
             return 0
         _say("cleaning up a previous, partly dead stack")
-        down(run_dir, quiet=True)
+        if down(run_dir, quiet=True) != 0:
+            return 1
 
     stack = Stack(run_dir=run_dir)
     try:
@@ -484,10 +485,19 @@ def down(run_dir: Path = DEFAULT_RUN_DIR, *, quiet: bool = False) -> int:
             _say(f"nothing to stop (no state in {run_dir / 'state.json'})")
         shutil.rmtree(run_dir, ignore_errors=True)
         return 0
-    names = [f"{p.name} (pid {p.pid})" for p in stack.processes()]
+    procs = stack.processes()
     stack.stop()
+    # A process that outlived SIGKILL (stuck in the kernel, or no longer leading the
+    # group it was started in) keeps the state, so that `make down` can be run again,
+    # and is reported: a caller that goes on as if the machine were free would start a
+    # second node on ports and a containerd that are still taken.
+    left = [f"{p.name} (pid {p.pid})" for p in procs if p.alive()]
+    if left:
+        _say(f"still running after stop: {', '.join(left)}; state kept in {run_dir}")
+        return 1
     shutil.rmtree(run_dir, ignore_errors=True)
     if not quiet:
+        names = [f"{p.name} (pid {p.pid})" for p in procs]
         _say("stopped " + (", ".join(names) if names else "nothing") + f"; removed {run_dir}")
     return 0
 

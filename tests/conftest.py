@@ -101,14 +101,27 @@ def shared_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedClus
     try:
         yield shared
     finally:
-        shared.stop()
+        _stopped(shared)
 
 
 @pytest.fixture(scope="module")
 def machine_to_itself(shared_node: SharedCluster) -> None:
     """For a module that starts a node of its own: the shared one is stopped first (and
     started again by the next module that asks for it)."""
-    shared_node.stop()
+    _stopped(shared_node)
+
+
+def _stopped(shared: SharedCluster) -> None:
+    """``make down`` of the shared cluster, failing loudly where it failed: a module that
+    then started a node of its own would meet the old one's ports and containerd, and a
+    session that ended green would leave the machine taken."""
+    down = shared.stop()
+    if down is not None and down.returncode != 0:
+        pytest.fail(
+            f"make down of the shared cluster failed ({down.returncode}):\n"
+            f"{down.stdout[-2000:]}{down.stderr[-2000:]}",
+            pytrace=False,
+        )
 
 
 @pytest.fixture
