@@ -969,6 +969,12 @@ STEPS = 'EP=mooncake\nARGS="--tp-size 8"\n{between}\nARGS="$ARGS --elastic-ep-ba
 OWN_SHELL = {
     # (script, the value bash and dash launch with); first what was read as none:
     "export-second-name": ("B=none; export A=1 B=mooncake; {use}", "mooncake"),
+    # a name declared without a value sets nothing, and the run goes on after it:
+    "export-after-a-bare-name": ("B=none; export A B=mooncake; {use}", "mooncake"),
+    "export-between-bare-names": ("B=none\nexport A=1 C B=mooncake D\n{use}", "mooncake"),
+    "readonly-after-a-bare-name": ("B=none\nreadonly A B=mooncake\n{use}", "mooncake"),
+    "export-continued-after-a-bare-name": ("B=none\nexport A \\\nB=mooncake\n{use}",
+                                           "mooncake"),
     "assignment-run": ("B=none; A=1 B=mooncake; {use}", "mooncake"),
     "subshell-over-lines": ("B=mooncake\n(\nB=none\n)\n{use}", "mooncake"),
     "heredoc-in-cmdsub": ("B=mooncake; X=$(cat <<EOF\nB=none\nEOF\n)\n{use}", "mooncake"),
@@ -1037,6 +1043,8 @@ OWN_SHELL = {
     ),
     "in-order-run": ("A=1 B=mooncake; B=none; {use}", "none"),
     "in-order-export": ("export A=1 B=mooncake\nB=none\n{use}", "none"),
+    "in-order-export-after-a-bare-name": ("export A B=mooncake\nB=none\n{use}", "none"),
+    "a-declaration-as-an-argument": ("B=mooncake; echo export A B=none; {use}", "mooncake"),
     "in-order-after-subshell": ("B=mooncake\n(\ntrue\n)\nB=none\n{use}", "none"),
     "in-order-after-cmdsub": ("B=mooncake; X=$(true); B=none; {use}", "none"),
     "in-order-quoted-parentheses": (
