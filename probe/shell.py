@@ -53,7 +53,7 @@ _TOKEN_PATTERN = r"""
     (?P<ws>[ \t]+)
   | (?P<nl>\r?\n)
   | (?P<cont>\\\r?\n)
-  | (?P<heredoc><<-?[ \t]*BACKSLASH(?P<q1>['"]?)(?P<delim>[A-Za-z_][A-Za-z0-9_]*)(?P=q1))
+  | (?P<heredoc><<-?[ \t]*BACKSLASH(?P<q1>['"]?)(?P<delim>[A-Za-z_][^\s;&|()<>'"\\$`]*)(?P=q1))
   | (?P<redir>(?:&>>?|[0-9]*(?:>>|>&|<&|>\||<>|<<<|>|<)(?:&?[0-9]+-?|&-)?))
   | (?P<op>&&|\|\||;;|[;&|()])
   | (?P<ansi>\$'(?P<ansibody>(?:[^'\\]|\\.)*)(?:'|$))
@@ -106,7 +106,10 @@ _RUN_ITEM = re.compile(
 # Between two assignments of one run (an array element's too, which ends the run).
 _RUN_GAP = re.compile(r"(?=[ \t]|\\\r?\n)[ \t]*(?:\\\r?\n[ \t]*)*"
                       r"(?=" + _NAME_RE + r"(?:\[[^\]\s;&|(){}]*\])?\+?=)")  # `\⏎` too
-_DELIMITER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+# A here-document's delimiter: a word, not only a name (`<<EOF-X`, `<<'END.1'`; with
+# names only, such a body was read as code, and its `B=none` hid the script's mooncake).
+# (Its first character a letter or `_`: `<<2` is rather a shift, `(( x<<2 ))`.)
+_DELIMITER = re.compile(r"[A-Za-z_][^\s;&|()<>'\"\\$`]*\Z")
 
 
 class _Lines:

@@ -970,6 +970,11 @@ OWN_SHELL = {
     # (script, the value bash and dash launch with); first what was read as none:
     "export-second-name": ("B=none; export A=1 B=mooncake; {use}", "mooncake"),
     # a name declared without a value sets nothing, and the run goes on after it:
+    # a here-document whose delimiter is a word, not a name: its body is no code
+    "here-document-delimiter-with-a-dash": (
+        "B=mooncake\ncat > /dev/null <<EOF-X\nB=none\nEOF-X\n{use}", "mooncake"),
+    "quoted-here-document-delimiter-with-a-dot": (
+        "B=mooncake\ncat > /dev/null <<'END.1'\nB=none\nEND.1\n{use}", "mooncake"),
     "export-after-a-bare-name": ("B=none; export A B=mooncake; {use}", "mooncake"),
     "export-between-bare-names": ("B=none\nexport A=1 C B=mooncake D\n{use}", "mooncake"),
     "readonly-after-a-bare-name": ("B=none\nreadonly A B=mooncake\n{use}", "mooncake"),
