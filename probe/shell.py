@@ -60,7 +60,7 @@ _TOKEN_PATTERN = r"""
   | (?P<sq>'[^']*(?:'|$))
   | (?P<dq>\$?"(?:[^"\\]|\\.)*(?:"|$))
   | (?P<esc>\\.)
-  | (?P<cmdsub>\$\((?:[^()]|\([^()]*\))*\)|`[^`]*`)
+  | (?P<cmdsub>\$\((?:\\.|[^()\\]|\((?:\\.|[^()\\])*\))*\)|`[^`]*`)
   | (?P<pos>\$(?:[@*0-9]|\{[@*0-9]\}))
   | (?P<dollar>\$(?:\{[^}]{0,512}\}|[A-Za-z_][A-Za-z0-9_]*))
   | (?P<lit>[^ \t\r\n;&|()'"\\<>$]+|\$)
@@ -344,6 +344,10 @@ def foreign(script):
     command = True  # the next word is a command's first
     joining = None  # (where, ranges) of a `|`, `&&` or `||` whose next command is to come
     joined = None  # (where, ranges) of that command, until it ends
+    # A joined command that is a block (`a | {⏎B=none⏎}`, `a && while …⏎done`) ends
+    # where the block does, not at its first line's end: how many blocks are open
+    # without it (a `B=none` on its later lines was read as lasting: the left-out list).
+    joined_depth = None
     lines, pending, pos, started = None, [], 0, False
     while pos < len(script):
         m = _SCAN_TOKEN.match(script, pos)
@@ -357,9 +361,11 @@ def foreign(script):
             comments.append((m.start(), pos))
             continue
         started = kind not in ("ws", "nl", "op", "cont", "heredoc", "redir")
+        opens = False
         if kind == "lit":
             if text == "{" or command and text in _OPENERS:
                 opened_blocks.append(m.start())
+                opens = command
             elif (text == "}" or command and text in _CLOSERS) and opened_blocks:
                 blocks.append((opened_blocks.pop(), pos))
             command = command and text in _KEYWORDS
@@ -369,9 +375,13 @@ def foreign(script):
             command = False
         if joining is not None and kind not in ("ws", "nl", "cont"):
             joined, joining = joining, None
-        if joined is not None and (kind == "nl" or kind == "op" and text != "("):
-            joined[1].append((joined[0], m.start()))
-            joined = None
+            joined_depth = len(opened_blocks) - 1 if opens else None
+        if joined is not None and (
+            len(opened_blocks) <= joined_depth if joined_depth is not None
+            else kind == "nl" or kind == "op" and text != "("
+        ):
+            joined[1].append((joined[0], m.start() if joined_depth is None else pos))
+            joined = joined_depth = None
         if kind == "op" and text in ("|", "&&", "||"):
             joining = (m.start(), other if text == "|" else conditional)
         elif kind in ("sq", "dq", "ansi", "cmdsub"):

@@ -970,6 +970,16 @@ OWN_SHELL = {
     # (script, the value bash and dash launch with); first what was read as none:
     "export-second-name": ("B=none; export A=1 B=mooncake; {use}", "mooncake"),
     # a name declared without a value sets nothing, and the run goes on after it:
+    # a block after `|` runs in another process to its end, not to its first line's:
+    "brace-group-after-a-pipe-over-lines": ("B=mooncake\necho | {{\nB=none\n}}\n{use}",
+                                            "mooncake"),
+    "brace-group-on-the-line-after-a-pipe": ("B=mooncake\necho |\n{{\nB=none\n}}\n{use}",
+                                             "mooncake"),
+    "loop-after-a-pipe": ("B=mooncake\necho x | while read -r l; do\nB=none\ndone\n{use}",
+                          "mooncake"),
+    # an escaped `)` does not end a command substitution:
+    "escaped-parenthesis-in-a-command-substitution": (
+        "B=mooncake\nX=$(echo \\)\nB=none\n)\n{use}", "mooncake"),
     # a here-document whose delimiter is a word, not a name: its body is no code
     "here-document-delimiter-with-a-dash": (
         "B=mooncake\ncat > /dev/null <<EOF-X\nB=none\nEOF-X\n{use}", "mooncake"),
@@ -1048,6 +1058,7 @@ OWN_SHELL = {
     ),
     "in-order-run": ("A=1 B=mooncake; B=none; {use}", "none"),
     "in-order-export": ("export A=1 B=mooncake\nB=none\n{use}", "none"),
+    "in-order-after-a-piped-block": ("B=mooncake\necho | {{\ntrue\n}}\nB=none\n{use}", "none"),
     "in-order-export-after-a-bare-name": ("export A B=mooncake\nB=none\n{use}", "none"),
     "a-declaration-as-an-argument": ("B=mooncake; echo export A B=none; {use}", "mooncake"),
     "in-order-after-subshell": ("B=mooncake\n(\ntrue\n)\nB=none\n{use}", "none"),
