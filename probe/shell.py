@@ -53,7 +53,7 @@ _TOKEN_PATTERN = r"""
     (?P<ws>[ \t]+)
   | (?P<nl>\r?\n)
   | (?P<cont>\\\r?\n)
-  | (?P<heredoc><<-?[ \t]*BACKSLASH(?P<q1>['"]?)(?P<delim>[A-Za-z_][^\s;&|()<>'"\\$`]*)(?P=q1))
+  | (?P<heredoc><<-?[ \t]*BACKSLASH(?P<delim>(?:[^\s;&|()<>'"\\`]|'[^'\n]*'|"[^"\n]*")(?:[^\s;&|()<>'"\\`]|'[^'\n]*'|"[^"\n]*"|\\[^\n])*))
   | (?P<redir>(?:&>>?|[0-9]*(?:>>|>&|<&|>\||<>|<<<|>|<)(?:&?[0-9]+-?|&-)?))
   | (?P<op>&&|\|\||;;|[;&|()])
   | (?P<ansi>\$'(?P<ansibody>(?:[^'\\]|\\.)*)(?:'|$))
@@ -106,10 +106,16 @@ _RUN_ITEM = re.compile(
 # Between two assignments of one run (an array element's too, which ends the run).
 _RUN_GAP = re.compile(r"(?=[ \t]|\\\r?\n)[ \t]*(?:\\\r?\n[ \t]*)*"
                       r"(?=" + _NAME_RE + r"(?:\[[^\]\s;&|(){}]*\])?\+?=)")  # `\⏎` too
-# A here-document's delimiter: a word, not only a name (`<<EOF-X`, `<<'END.1'`; with
-# names only, such a body was read as code, and its `B=none` hid the script's mooncake).
-# (Its first character a letter or `_`: `<<2` is rather a shift, `(( x<<2 ))`.)
-_DELIMITER = re.compile(r"[A-Za-z_][^\s;&|()<>'\"\\$`]*\Z")
+# A here-document's delimiter is a word (`<<EOF-X`, `<<'END 1'`, `<<E"O"F`, `<<1`), the
+# line that closes it that word with its quotes removed (_delimiter). With names only, such
+# a body was read as code, and its `B=none` hid the script's mooncake (review helper).
+# (`<<1` in `(( x<<1 ))` is a shift: with no closing line it is no body, as before.)
+_DELIMITER_PIECE = re.compile(r"'([^'\n]*)'|\"([^\"\n]*)\"|\\([^\n])")
+
+
+def _delimiter(word):
+    """The line that closes a here-document opened with ``word``."""
+    return _DELIMITER_PIECE.sub(lambda m: next(g for g in m.groups() if g is not None), word)
 
 
 class _Lines:
@@ -124,7 +130,7 @@ class _Lines:
         for line in script.split("\n"):
             text = line.rstrip("\r")
             for key in ((text, False), (text.lstrip("\t"), True)):
-                if _DELIMITER.match(key[0]):
+                if key[0]:
                     self.starts.setdefault(key, []).append(pos)
             pos += len(line) + 1
 
@@ -156,14 +162,17 @@ _ANY_ASSIGNMENT = re.compile(_COMMAND_START + _ANY_ITEM.pattern)
 _RAW_VALUE = re.compile(_RAW)
 # A declaration command (`export A B=mooncake`, `local -x A B=1`) and its words: a name
 # without a value declares it and sets nothing, so it is read as blank space
-# (_bare_declared). Kept as a word, it ended the run, and `B=none; export A B=mooncake`
-# read as none: the worker admitted unjudged (left out by the last session's note).
+# (_declarations). Kept as a word, it ended the run, and `B=none; export A B=mooncake`
+# read as none: the worker admitted unjudged (left out by the last session's note). A
+# name made read-only (`readonly`, `-r`) keeps its value where a later assignment fails
+# (bash goes on, dash stops): contested (`B=mooncake; readonly B; B=none` read none).
 _DECLARATION = re.compile(
     r"(?:^|[;&|(){}\n])[ \t]*(?:(?:then|do|else|elif|!|time|command|builtin)[ \t]+)*"
-    r"(?:export|readonly|declare|typeset|local)(?:[ \t]+-[A-Za-z]+)*(?=[ \t])")
+    r"(?:(?P<readonly>readonly)|export|declare|typeset|local)"
+    r"(?P<flags>(?:[ \t]+-[A-Za-z]+)*)(?=[ \t])")
 _DECLARED = re.compile(
-    r"(?:[ \t]|\\\r?\n)+(?:(" + _NAME_RE + r")(?=[ \t\r\n;&|)]|\\\r?\n|$)|"
-    + _NAME_RE + r"(?:\[[^\]\s;&|(){}]*\])?\+?=" + _RAW + ")")
+    r"(?:[ \t]|\\\r?\n)+(?:(?P<bare>" + _NAME_RE + r")(?=[ \t\r\n;&|)]|\\\r?\n|$)|"
+    r"(?P<name>" + _NAME_RE + r")(?:\[[^\]\s;&|(){}]*\])?\+?=" + _RAW + ")")
 # The commands that set a variable without an assignment.
 _WRITER = re.compile(
     _COMMAND_START + r"(?:printf[ \t]+(?:-[^\s;&|(){}]+[ \t]+)*?-v[ \t]*|"
@@ -344,10 +353,14 @@ def foreign(script):
     command = True  # the next word is a command's first
     joining = None  # (where, ranges) of a `|`, `&&` or `||` whose next command is to come
     joined = None  # (where, ranges) of that command, until it ends
-    # A joined command that is a block (`a | {⏎B=none⏎}`, `a && while …⏎done`) ends
-    # where the block does, not at its first line's end: how many blocks are open
-    # without it (a `B=none` on its later lines was read as lasting: the left-out list).
-    joined_depth = None
+    # A joined command that is a block (`a | {⏎B=none⏎}`, `a && while …⏎done`) is
+    # foreign to where its block ends, not only to its first line's end (a `B=none` on
+    # its later lines was read as lasting): (where, ranges, blocks open in it), counted
+    # where a command starts only (an argument `{` or `}` is neither). One that never
+    # closes adds nothing (read as foreign to the end, it would drop the steps after it:
+    # review helper).
+    block = None
+    pipe_end = -1  # just after the last `|` (`|&` is one)
     lines, pending, pos, started = None, [], 0, False
     while pos < len(script):
         m = _SCAN_TOKEN.match(script, pos)
@@ -360,12 +373,13 @@ def foreign(script):
             pos = len(script) if end < 0 else end
             comments.append((m.start(), pos))
             continue
+        if kind == "op" and text == "&" and m.start() == pipe_end:
+            continue  # `|&`: the pipe goes on
         started = kind not in ("ws", "nl", "op", "cont", "heredoc", "redir")
-        opens = False
+        at_command = command
         if kind == "lit":
             if text == "{" or command and text in _OPENERS:
                 opened_blocks.append(m.start())
-                opens = command
             elif (text == "}" or command and text in _CLOSERS) and opened_blocks:
                 blocks.append((opened_blocks.pop(), pos))
             command = command and text in _KEYWORDS
@@ -374,16 +388,23 @@ def foreign(script):
         elif kind not in ("ws", "cont", "redir", "heredoc"):
             command = False
         if joining is not None and kind not in ("ws", "nl", "cont"):
+            if block is None and kind == "lit" and (text == "{" or text in _OPENERS):
+                block = [joining[0], joining[1], 0]
             joined, joining = joining, None
-            joined_depth = len(opened_blocks) - 1 if opens else None
-        if joined is not None and (
-            len(opened_blocks) <= joined_depth if joined_depth is not None
-            else kind == "nl" or kind == "op" and text != "("
-        ):
-            joined[1].append((joined[0], m.start() if joined_depth is None else pos))
-            joined = joined_depth = None
+        if block is not None and kind == "lit" and at_command:
+            if text == "{" or text in _OPENERS:
+                block[2] += 1
+            elif (text == "}" or text in _CLOSERS) and block[2] == 1:
+                block[1].append((block[0], pos))
+                block = None
+            elif text == "}" or text in _CLOSERS:
+                block[2] -= 1
+        if joined is not None and (kind == "nl" or kind == "op" and text != "("):
+            joined[1].append((joined[0], m.start()))
+            joined = None
         if kind == "op" and text in ("|", "&&", "||"):
             joining = (m.start(), other if text == "|" else conditional)
+            pipe_end = pos if text == "|" else -1
         elif kind in ("sq", "dq", "ansi", "cmdsub"):
             other.append((m.start(), pos))
         elif kind == "lit" and "`" in text:  # `X=`…``: to the closing backquote
@@ -393,7 +414,7 @@ def foreign(script):
         elif kind == "op" and text == ")" and opened:
             other.append((opened.pop(), pos))
         elif kind == "heredoc":
-            pending.append((m.group("delim"), text.startswith("<<-")))
+            pending.append((_delimiter(m.group("delim")), text.startswith("<<-")))
         elif kind == "nl" and pending:
             lines = lines or _Lines(script)
             end, closed = _heredoc_end(script, pos, pending, lines)
@@ -485,12 +506,13 @@ def script_env(script, env, budget):
     that build on it still add. What the values add is charged to ``budget``; past it,
     OverBudget (the safe side)."""
     parts = foreign(script)
-    script = _blanked(script, _bare_declared(_blanked(script, parts.comments)))
+    bare, readonly = _declarations(_blanked(script, parts.comments))
+    script = _blanked(script, bare)
     lasting = _outside(_merged(parts.other + parts.conditional))
     events = [(m.start("name"), m.group("name"), m.group("append"), m.group("raw"), m.end(),
                False) for m in _in_order(script, lasting)]
     modelled = {e[0] for e in events}
-    unknown, chosen, taken = _contested(script, env, parts, modelled)
+    unknown, chosen, taken = _contested(script, env, parts, modelled, readonly)
     outside_blocks = _outside(parts.blocks)
     local = {k: v for k, v in env.items() if k not in unknown and k not in chosen}
     guessed = set()  # names whose value rests on a default assumed for an unknown one
@@ -563,7 +585,7 @@ def _value_of(raw, local, budget):
     return value
 
 
-def _contested(script, env, parts, modelled):
+def _contested(script, env, parts, modelled, readonly):
     """(names unknown here, {name: the raw value to read it as}, the steps that build on
     a name where the script's own shell may skip them (or keeps them for one command
     only, `ARGS="$ARGS …" cmd`: read as kept, more of the line seen), as (position,
@@ -577,7 +599,8 @@ def _contested(script, env, parts, modelled):
     -x`, `eval` …, or in foreign() parts), unless that only adds to the value
     before it (`then ARGS="$ARGS --host $IP"`: script_env reads it as taken, or as
     skipped); when it is set to two values in a script with branches, loops or a
-    function's definition (where the script's own shell reads it); and by `${EP:=word}`
+    function's definition (where the script's own shell reads it), or once made
+    read-only (``readonly``: _declarations; a later assignment fails); and by `${EP:=word}`
     where the environment does not hold EP (unknown, unless a value asks for mooncake).
     Of a contested name's values, one that asks for mooncake (names the flag, or is the
     word mooncake) is read everywhere (the side on which more is seen, as for an unknown
@@ -623,6 +646,7 @@ def _contested(script, env, parts, modelled):
     functions = any(in_shell(f.start()) for f in _FUNCTION.finditer(text))
     if functions or _CONTROL.search(text):
         contested.update(n for n, vs in values.items() if len(set(vs)) > 1)
+    contested.update(n for n in readonly if len(set(values.get(n, ()))) > 1)
     defaulted = set()  # `${EP:=word}` where the environment does not hold EP
     for m in _DEFAULT_ASSIGN.finditer(text):
         if not env.get(m.group(1)):
@@ -688,24 +712,28 @@ def without_comments(script):
                              _blanked(script, foreign(script).comments))
 
 
-def _bare_declared(text):
-    """Where the names without a value of each declaration command in ``text`` are
-    (_DECLARATION), ascending: made blank, the assignments beside them are one run, as
-    the shell reads them. Linear: a command's words are read once (a declaration found
-    inside the words of the one before, in a quoted value, is not read again)."""
-    spans, end = [], 0
+def _declarations(text):
+    """(where the names without a value of each declaration command in ``text`` are
+    (_DECLARATION), ascending; the names it makes read-only). Made blank, the assignments
+    beside those names are one run, as the shell reads them. Linear: a command's words
+    are read once (a declaration found inside the words of the one before, in a quoted
+    value, is not read again)."""
+    spans, readonly, end = [], set(), 0
     for m in _DECLARATION.finditer(text):
         if m.start() < end:
             continue
         end = m.end()
+        fixed = m.group("readonly") is not None or "r" in m.group("flags")
         while True:
             word = _DECLARED.match(text, end)
             if word is None:
                 break
-            if word.group(1) is not None:
-                spans.append(word.span(1))
+            if word.group("bare") is not None:
+                spans.append(word.span("bare"))
+            if fixed:
+                readonly.add(word.group("bare") or word.group("name"))
             end = word.end()
-    return spans
+    return spans, readonly
 
 
 def _blanked(script, comments):
@@ -876,7 +904,7 @@ def words(script, env, budget, positional=(), steps=None):
                 heredocs = []
         elif kind == "heredoc":
             flush()
-            heredocs.append((m.group("delim"), text.startswith("<<-")))
+            heredocs.append((_delimiter(m.group("delim")), text.startswith("<<-")))
         elif kind == "redir":
             if started and "".join(cur).isdigit():
                 cur, started = [], False  # the "2" of "2>&1" is a file descriptor

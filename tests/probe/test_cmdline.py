@@ -970,6 +970,11 @@ OWN_SHELL = {
     # (script, the value bash and dash launch with); first what was read as none:
     "export-second-name": ("B=none; export A=1 B=mooncake; {use}", "mooncake"),
     # a name declared without a value sets nothing, and the run goes on after it:
+    "export-after-a-bare-name": ("B=none; export A B=mooncake; {use}", "mooncake"),
+    "export-between-bare-names": ("B=none\nexport A=1 C B=mooncake D\n{use}", "mooncake"),
+    "readonly-after-a-bare-name": ("B=none\nreadonly A B=mooncake\n{use}", "mooncake"),
+    "export-continued-after-a-bare-name": ("B=none\nexport A \\\nB=mooncake\n{use}",
+                                           "mooncake"),
     # a block after `|` runs in another process to its end, not to its first line's:
     "brace-group-after-a-pipe-over-lines": ("B=mooncake\necho | {{\nB=none\n}}\n{use}",
                                             "mooncake"),
@@ -977,19 +982,30 @@ OWN_SHELL = {
                                              "mooncake"),
     "loop-after-a-pipe": ("B=mooncake\necho x | while read -r l; do\nB=none\ndone\n{use}",
                           "mooncake"),
+    # ... and a block's words that only look like its start or end change nothing:
+    "an-argument-brace-inside-a-piped-block": (
+        'EP=none\nEP=mooncake\nARGS="--tp 8"\necho | {{ cat; echo {{; }}\n'
+        'ARGS="$ARGS --elastic-ep-backend $EP"\n{use}',
+        "--tp 8 --elastic-ep-backend mooncake"),
+    "a-case-pattern-like-an-opener-after-a-pipe": (
+        'EP=none\nEP=mooncake\nARGS="--tp 8"\necho | case x in\nfor) ;;\nesac\n'
+        'ARGS="$ARGS --elastic-ep-backend $EP"\n{use}',
+        "--tp 8 --elastic-ep-backend mooncake"),
+    "an-argument-brace-does-not-end-a-piped-block": (
+        "B=mooncake\necho | {{ echo }}\nB=none\n}}\n{use}", "mooncake"),
     # an escaped `)` does not end a command substitution:
     "escaped-parenthesis-in-a-command-substitution": (
         "B=mooncake\nX=$(echo \\)\nB=none\n)\n{use}", "mooncake"),
-    # a here-document whose delimiter is a word, not a name: its body is no code
-    "here-document-delimiter-with-a-dash": (
-        "B=mooncake\ncat > /dev/null <<EOF-X\nB=none\nEOF-X\n{use}", "mooncake"),
-    "quoted-here-document-delimiter-with-a-dot": (
-        "B=mooncake\ncat > /dev/null <<'END.1'\nB=none\nEND.1\n{use}", "mooncake"),
-    "export-after-a-bare-name": ("B=none; export A B=mooncake; {use}", "mooncake"),
-    "export-between-bare-names": ("B=none\nexport A=1 C B=mooncake D\n{use}", "mooncake"),
-    "readonly-after-a-bare-name": ("B=none\nreadonly A B=mooncake\n{use}", "mooncake"),
-    "export-continued-after-a-bare-name": ("B=none\nexport A \\\nB=mooncake\n{use}",
-                                           "mooncake"),
+    # a here-document's delimiter is a word, not only a name: its body is no code
+    **{
+        f"here-document-delimiter-{i}": (
+            f"B=mooncake\ncat > /dev/null <<{word}\nB=none\n{line}\n{{use}}", "mooncake")
+        for i, (word, line) in enumerate([
+            ("EOF-X", "EOF-X"), ("'END.1'", "END.1"), (".", "."), ("'1'", "1"), ("1", "1"),
+            ("EO\\F", "EOF"), ('E"O"F', "EOF"), ('EOF"X"', "EOFX"), ("EOF$X", "EOF$X"),
+            ("'END 1'", "END 1"),
+        ])
+    },
     "assignment-run": ("B=none; A=1 B=mooncake; {use}", "mooncake"),
     "subshell-over-lines": ("B=mooncake\n(\nB=none\n)\n{use}", "mooncake"),
     "heredoc-in-cmdsub": ("B=mooncake; X=$(cat <<EOF\nB=none\nEOF\n)\n{use}", "mooncake"),
@@ -1070,8 +1086,26 @@ OWN_SHELL = {
 }
 
 
-@pytest.mark.parametrize(("script", "value"), OWN_SHELL.values(), ids=OWN_SHELL.keys())
-def test_the_value_a_real_shell_launches_with_is_the_one_read(script: str, value: str) -> None:
+# What bash runs where dash does not, or stops: compared with bash alone.
+BASH_ONLY = {
+    # `|&` is a pipe (of stderr too): what comes after it runs in another process
+    "pipe-and-stderr-into-a-block": ("B=mooncake\necho |& {{\nB=none\n}}\n{use}", "mooncake"),
+    "pipe-and-stderr-over-lines": ("B=mooncake\necho |&\nB=none\n{use}", "mooncake"),
+    # a read-only name keeps its value: bash goes on after the failed assignment (dash
+    # stops: nothing is launched)
+    "readonly-then-export": ("B=mooncake\nreadonly B\nexport A B=none\n{use}", "mooncake"),
+    "readonly-then-assign": ("B=mooncake\nreadonly B\nB=none\n{use}", "mooncake"),
+    "declare-r-then-assign": ("declare -r B=mooncake\nB=none\n{use}", "mooncake"),
+}
+SHELL_CASES = [(*case, REAL_SHELLS) for case in OWN_SHELL.values()] + [
+    (*case, ("bash",)) for case in BASH_ONLY.values()]
+
+
+@pytest.mark.parametrize(("script", "value", "shells"), SHELL_CASES,
+                         ids=[*OWN_SHELL.keys(), *BASH_ONLY.keys()])
+def test_the_value_a_real_shell_launches_with_is_the_one_read(
+    script: str, value: str, shells: tuple[str, ...]
+) -> None:
     """What the launch gets, as bash and dash run the script, is what the reader reads:
     a mooncake value was hidden by a `none` set in another process, a comment, an
     argument or a here-document, by reading `export A=1 B=…` and `A=1 B=…` as setting
@@ -1079,14 +1113,15 @@ def test_the_value_a_real_shell_launches_with_is_the_one_read(script: str, value
     no request, and the worker admitted unjudged, with no probe and no gate); a value set
     after a subshell or `$(…)` ends is still read in order."""
     name = "ARGS" if "ARGS=" in script else "B"
-    for sh in REAL_SHELLS:
+    for sh in shells:
         if shutil.which(sh) is None:
             continue
         # Only PATH from this machine: no variable it happens to export reaches the script.
         real = subprocess.run([sh, "-c", script.format(use=f'echo "${name}" >&2')],
                               capture_output=True, text=True, check=True,
                               env={"PATH": os.environ.get("PATH", os.defpath)}).stderr  # fmt: skip
-        assert real.strip() == value, (sh, real)
+        # (The last line: bash says on stderr where an assignment to a read-only name failed.)
+        assert real.strip().splitlines()[-1] == value, (sh, real)
     launch = f"exec {SERVER} $ARGS" if name == "ARGS" else f"exec {SERVER} --elastic-ep-backend $B"
     r = read(["bash", "-c", script.format(use=launch)])
     assert r.requested is (value.split()[-1] == "mooncake"), (r.values, r.unresolved)
