@@ -490,8 +490,8 @@ def down(run_dir: Path = DEFAULT_RUN_DIR, *, quiet: bool = False) -> int:
     # A process that outlived SIGKILL (stuck in the kernel, or no longer leading the
     # group it was started in) keeps state.json, the record of every process, so that
     # `make down` can be run again (the rest is undone already: the host's changes, the
-    # control plane's data), and is reported: a caller that goes on as if the machine were free would start a
-    # second node on ports and a containerd that are still taken.
+    # control plane's data), and is reported: a caller that goes on as if the machine
+    # were free would start a second node on ports and a containerd still taken.
     left = [f"{p.name} (pid {p.pid})" for p in procs if p.alive()]
     if left:
         _say(f"still running after stop: {', '.join(left)}; state kept in {run_dir}")
