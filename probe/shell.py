@@ -53,8 +53,9 @@ _TOKEN_PATTERN = r"""
     (?P<ws>[ \t]+)
   | (?P<nl>\r?\n)
   | (?P<cont>\\\r?\n)
-  | (?P<heredoc><<-?[ \t]*BACKSLASH(?P<delim>(?:[^\s;&|()<>'"\\`]|'[^'\n]*'|"[^"\n]*")
-                                    (?:[^\s;&|()<>'"\\`]|'[^'\n]*'|"[^"\n]*"|\\[^\n])*))
+  | (?P<heredoc><<-?[ \t]*BACKSLASH(?P<delim>
+        (?:[^\s;&|()<>'"\\`0-9$]|\$?'[^'\n]*'|\$?"(?:[^"\\\n]|\\[^\n])*")
+        (?:[^\s;&|()<>'"\\`]|\$?'[^'\n]*'|\$?"(?:[^"\\\n]|\\[^\n])*"|\\[^\n])*))
   | (?P<redir>(?:&>>?|[0-9]*(?:>>|>&|<&|>\||<>|<<<|>|<)(?:&?[0-9]+-?|&-)?))
   | (?P<op>&&|\|\||;;|[;&|()])
   | (?P<ansi>\$'(?P<ansibody>(?:[^'\\]|\\.)*)(?:'|$))
@@ -107,16 +108,29 @@ _RUN_ITEM = re.compile(
 # Between two assignments of one run (an array element's too, which ends the run).
 _RUN_GAP = re.compile(r"(?=[ \t]|\\\r?\n)[ \t]*(?:\\\r?\n[ \t]*)*"
                       r"(?=" + _NAME_RE + r"(?:\[[^\]\s;&|(){}]*\])?\+?=)")  # `\⏎` too
-# A here-document's delimiter is a word (`<<EOF-X`, `<<'END 1'`, `<<E"O"F`, `<<1`), the
+# A case pattern: the word before `)` or `|` (`case $R in⏎for) …`), no block's opener.
+_PATTERN_END = re.compile(r"[ \t]*[|)]")
+# A here-document's delimiter is a word (`<<EOF-X`, `<<'END 1'`, `<<E"O"F`, `<<'1'`), the
 # line that closes it that word with its quotes removed (_delimiter). With names only, such
-# a body was read as code, and its `B=none` hid the script's mooncake (review helper).
-# (`<<1` in `(( x<<1 ))` is a shift: with no closing line it is no body, as before.)
-_DELIMITER_PIECE = re.compile(r"'([^'\n]*)'|\"([^\"\n]*)\"|\\([^\n])")
+# a body was read as code, and its `B=none` hid the script's mooncake (review helper). Not
+# a bare digit or `$` first: `<< 1` in `$(( (RANK << 1) ))` or `(( x<<1 ))` is a shift,
+# and a later line `1` (a here-document's body) closed it, hiding the launch between
+# (review helper). (`<<N` with a letter stays ambiguous: one with no closing line is no
+# body.)
+_DELIMITER_PIECE = re.compile(
+    r"\$?'([^'\n]*)'|\$?\"((?:[^\"\\\n]|\\[^\n])*)\"|\\([^\n])")
+_DQ_DELIMITER_ESCAPE = re.compile(r"\\([\\$`\"])")
 
 
 def _delimiter(word):
-    """The line that closes a here-document opened with ``word``."""
-    return _DELIMITER_PIECE.sub(lambda m: next(g for g in m.groups() if g is not None), word)
+    """The line that closes a here-document opened with ``word``: its quotes removed, and
+    in double quotes the backslashes before `\\`, `$`, backquote and `"` (as the shell
+    does; `$'…'` and `$"…"` read as plain quotes)."""
+    def piece(m):
+        if m.group(2) is not None:
+            return _DQ_DELIMITER_ESCAPE.sub(r"\1", m.group(2))
+        return m.group(1) if m.group(1) is not None else m.group(3)
+    return _DELIMITER_PIECE.sub(piece, word)
 
 
 class _Lines:
@@ -356,10 +370,13 @@ def foreign(script):
     joined = None  # (where, ranges) of that command, until it ends
     # A joined command that is a block (`a | {⏎B=none⏎}`, `a && while …⏎done`) is
     # foreign to where its block ends, not only to its first line's end (a `B=none` on
-    # its later lines was read as lasting): (where, ranges, blocks open in it), counted
-    # where a command starts only (an argument `{` or `}` is neither). One that never
-    # closes adds nothing (read as foreign to the end, it would drop the steps after it:
-    # review helper).
+    # its later lines was read as lasting): (where, ranges, blocks open in it). Read so
+    # that it never ends later than the shell's (foreign too far, it drops the steps
+    # after it, `ARGS="$ARGS --elastic-ep-backend $EP"`: review helpers): a block opens
+    # only where a command starts (not an argument `{`, nor a case pattern `for)`), and
+    # any `}`, `fi`, `done` or `esac` word closes one (`[[ … ]] }` too; an argument `}`
+    # ends it early, as the first line's end did before). One that never closes adds
+    # nothing.
     block = None
     pipe_end = -1  # just after the last `|` (`|&` is one)
     lines, pending, pos, started = None, [], 0, False
@@ -392,10 +409,11 @@ def foreign(script):
             if block is None and kind == "lit" and (text == "{" or text in _OPENERS):
                 block = [joining[0], joining[1], 0]
             joined, joining = joining, None
-        if block is not None and kind == "lit" and at_command:
-            if text == "{" or text in _OPENERS:
+        if block is not None and kind == "lit":
+            if (at_command and (text == "{" or text in _OPENERS)
+                    and not _PATTERN_END.match(script, pos)):
                 block[2] += 1
-            elif (text == "}" or text in _CLOSERS) and block[2] == 1:
+            elif (text == "}" or text in _CLOSERS) and block[2] <= 1:
                 block[1].append((block[0], pos))
                 block = None
             elif text == "}" or text in _CLOSERS:

@@ -991,19 +991,21 @@ OWN_SHELL = {
         'EP=none\nEP=mooncake\nARGS="--tp 8"\necho | case x in\nfor) ;;\nesac\n'
         'ARGS="$ARGS --elastic-ep-backend $EP"\n{use}',
         "--tp 8 --elastic-ep-backend mooncake"),
-    "an-argument-brace-does-not-end-a-piped-block": (
-        "B=mooncake\necho | {{ echo }}\nB=none\n}}\n{use}", "mooncake"),
     # an escaped `)` does not end a command substitution:
     "escaped-parenthesis-in-a-command-substitution": (
         "B=mooncake\nX=$(echo \\)\nB=none\n)\n{use}", "mooncake"),
+    # `<< 1` in arithmetic is a shift, not a here-document that a later line `1` closes:
+    "a-shift-by-a-number-in-arithmetic": (
+        'B=none\nif [ -n "$PATH" ]; then B=mooncake; fi\nP=$(( 3 + (R << 1) ))\n{use}\n'
+        "cat > /dev/null <<EOF\n1\nEOF", "mooncake"),
     # a here-document's delimiter is a word, not only a name: its body is no code
     **{
         f"here-document-delimiter-{i}": (
             f"B=mooncake\ncat > /dev/null <<{word}\nB=none\n{line}\n{{use}}", "mooncake")
         for i, (word, line) in enumerate([
-            ("EOF-X", "EOF-X"), ("'END.1'", "END.1"), (".", "."), ("'1'", "1"), ("1", "1"),
+            ("EOF-X", "EOF-X"), ("'END.1'", "END.1"), (".", "."), ("'1'", "1"),
             ("EO\\F", "EOF"), ('E"O"F', "EOF"), ('EOF"X"', "EOFX"), ("EOF$X", "EOF$X"),
-            ("'END 1'", "END 1"),
+            ("'END 1'", "END 1"), ('"a\\\\b"', "a\\b"),
         ])
     },
     "assignment-run": ("B=none; A=1 B=mooncake; {use}", "mooncake"),
@@ -1096,6 +1098,14 @@ BASH_ONLY = {
     "readonly-then-export": ("B=mooncake\nreadonly B\nexport A B=none\n{use}", "mooncake"),
     "readonly-then-assign": ("B=mooncake\nreadonly B\nB=none\n{use}", "mooncake"),
     "declare-r-then-assign": ("declare -r B=mooncake\nB=none\n{use}", "mooncake"),
+    # a block after `|` ends at a `}` right after `[[ … ]]`, not at a later function's
+    "a-piped-block-closed-after-a-test": (
+        'EP=none\n[ -z "$PATH" ] || EP=mooncake\nARGS="--tp 8"\n'
+        'echo x | {{ read -r f; [[ -n $f ]] }}\nARGS="$ARGS --elastic-ep-backend $EP"\n'
+        "function cleanup {{\n  true\n}}\n{use}",
+        "--tp 8 --elastic-ep-backend mooncake"),
+    "ansi-c-quoted-here-document-delimiter": (
+        "B=mooncake\ncat > /dev/null <<$'EOF'\nB=none\nEOF\n{use}", "mooncake"),
 }
 SHELL_CASES = [(*case, REAL_SHELLS) for case in OWN_SHELL.values()] + [
     (*case, ("bash",)) for case in BASH_ONLY.values()]
