@@ -352,7 +352,7 @@ def _merged(ranges):
     return merged
 
 
-def foreign(script):
+def foreign(script, lastpipe=False):
     """The Parts of ``script``, tokens as words() makes them (backquotes and parentheses
     inside a word found too, and `<<\\EOF` as an opener). What is set in ``other`` does
     not last in the script's own shell, and what is set in ``conditional`` may not
@@ -360,9 +360,13 @@ def foreign(script):
     were each read as lasting and hid a worker asking for mooncake: review helpers), so
     neither is read in order: contested (_contested reads it on the safe side). A
     tokenizer cannot tell `(( x = 1 <<true ))`, a shift, from a here-document's opener:
-    one with no closing line is no body, and words() reads it as code. One pass, linear
-    in the script."""
+    one with no closing line is no body, and words() reads it as code. ``lastpipe``
+    (bash's option, on where the script or the environment's BASHOPTS names it): the
+    last command of a pipeline runs in the script's own shell, so what comes after `|`
+    is ``conditional``, not ``other`` (a step in `a | while …; do ARGS="$ARGS …"; done`
+    was dropped: review helper). One pass, linear in the script."""
     other, conditional, blocks, comments = [], [], [], []
+    piped = conditional if lastpipe or "lastpipe" in script else other
     opened = []  # where each `(` not yet closed is
     opened_blocks = []  # where each block not yet closed starts
     command = True  # the next word is a command's first
@@ -422,7 +426,7 @@ def foreign(script):
             joined[1].append((joined[0], m.start()))
             joined = None
         if kind == "op" and text in ("|", "&&", "||"):
-            joining = (m.start(), other if text == "|" else conditional)
+            joining = (m.start(), piped if text == "|" else conditional)
             pipe_end = pos if text == "|" else -1
         elif kind in ("sq", "dq", "ansi", "cmdsub"):
             other.append((m.start(), pos))
@@ -524,7 +528,7 @@ def script_env(script, env, budget):
     stays as written (unknown here), or read as one chosen value, to which the steps
     that build on it still add. What the values add is charged to ``budget``; past it,
     OverBudget (the safe side)."""
-    parts = foreign(script)
+    parts = foreign(script, "lastpipe" in env.get("BASHOPTS", ""))
     bare, readonly = _declarations(_blanked(script, parts.comments))
     script = _blanked(script, bare)
     lasting = _outside(_merged(parts.other + parts.conditional))

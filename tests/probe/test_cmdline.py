@@ -1104,6 +1104,11 @@ BASH_ONLY = {
         'echo x | {{ read -r f; [[ -n $f ]] }}\nARGS="$ARGS --elastic-ep-backend $EP"\n'
         "function cleanup {{\n  true\n}}\n{use}",
         "--tp 8 --elastic-ep-backend mooncake"),
+    # with bash's lastpipe, the last command of a pipeline runs in the script's own shell
+    "lastpipe-step-in-a-piped-loop": (
+        'shopt -s lastpipe\nEP=none\n[ -n "$PATH" ] && EP=mooncake\nARGS="--tp 8"\n'
+        'echo h0 | while read -r h; do\n  ARGS="$ARGS --host $h --elastic-ep-backend $EP"\n'
+        "done\n{use}", "--tp 8 --host h0 --elastic-ep-backend mooncake"),
     "ansi-c-quoted-here-document-delimiter": (
         "B=mooncake\ncat > /dev/null <<$'EOF'\nB=none\nEOF\n{use}", "mooncake"),
 }
