@@ -33,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,14 +44,27 @@ from kubernetes.client.exceptions import ApiException
 
 from devcluster import ControlPlane
 from devcluster.images import BAD_WORKER, ENV_ONLY_WORKER
-from devcluster.stack import NAMESPACE
+from devcluster.stack import CHART_DIR, NAMESPACE, Stack, deploy_chart, start_cluster
 from epguard.webhook.engine.preflight import CONDITION, GATE, PREFLIGHT_LABEL
 from epguard.webhook.engine.verdicts import verdict_name
 from tests.e2e.e2e_kube import apply, eventually, output
-from tests.e2e.node_e2e import node_of, opted_in_namespace, running_cluster, worker_spec
+from tests.e2e.node_e2e import node_of, opted_in_namespace, worker_spec
 from tests.e2e.test_preflight_on_node import condition, deployment, pods
 
 POLL = 0.2
+
+
+@contextlib.contextmanager
+def running_cluster(run_dir: Path) -> Iterator[ControlPlane]:
+    """A one-node cluster as ``make up`` starts it, the chart installed; stopped after."""
+    stack = Stack(run_dir=run_dir, detached=False)
+    try:
+        start_cluster(stack)
+        assert stack.control_plane is not None
+        deploy_chart(stack, stack.control_plane, CHART_DIR, [])
+        yield stack.control_plane
+    finally:
+        stack.stop()
 
 
 def _time(stamp: str | None) -> dt.datetime | None:
