@@ -184,10 +184,12 @@ _RAW_VALUE = re.compile(_RAW)
 _DECLARATION = re.compile(
     r"(?:^|[;&|(){}\n])[ \t]*(?:(?:then|do|else|elif|!|time|command|builtin)[ \t]+)*"
     r"(?:(?P<readonly>readonly)|export|declare|typeset|local)"
-    r"(?P<flags>(?:[ \t]+-[A-Za-z]+)*)(?=[ \t])")
+    r"(?P<flags>(?:[ \t]+(?:-[A-Za-z]+|--))*)(?=[ \t])")
 _DECLARED = re.compile(
-    r"(?:[ \t]|\\\r?\n)+(?:(?P<bare>" + _NAME_RE + r")(?=[ \t\r\n;&|)]|\\\r?\n|$)|"
+    r"(?:[ \t]|\\\r?\n)+(?:(?P<bare>" + _NAME_RE + "|'" + _NAME_RE + "'|\"" + _NAME_RE
+    + r"\")(?=[ \t\r\n;&|)]|\\\r?\n|$)|"
     r"(?P<name>" + _NAME_RE + r")(?:\[[^\]\s;&|(){}]*\])?\+?=" + _RAW + ")")
+_END_OF_OPTIONS = re.compile(r"(?<![^ \t])--(?![^ \t])")
 # The commands that set a variable without an assignment.
 _WRITER = re.compile(
     _COMMAND_START + r"(?:printf[ \t]+(?:-[^\s;&|(){}]+[ \t]+)*?-v[ \t]*|"
@@ -373,8 +375,12 @@ def foreign(script, lastpipe=False):
     joining = None  # (where, ranges) of a `|`, `&&` or `||` whose next command is to come
     joined = None  # (where, ranges) of that command, until it ends
     # A joined command that is a block (`a | {⏎B=none⏎}`, `a && while …⏎done`) is
-    # foreign to where its block ends, not only to its first line's end (a `B=none` on
-    # its later lines was read as lasting): (where, ranges, blocks open in it). Read so
+    # conditional to where its block ends, not only foreign to its first line's end (a
+    # `B=none` on its later lines was read as lasting): its values contested, its steps
+    # taken, since after `|` bash may run it in the script's own shell (lastpipe, which
+    # `bash -O lastpipe`, BASH_ENV or a sourced file can set unseen: a step in `a | while
+    # …; do ARGS="$ARGS --elastic-ep-backend $EP"; done` read as foreign was dropped:
+    # review helper): (where, ranges, blocks open in it). Read so
     # that it never ends later than the shell's (foreign too far, it drops the steps
     # after it, `ARGS="$ARGS --elastic-ep-backend $EP"`: review helpers): a block opens
     # only where a command starts (not an argument `{`, nor a case pattern `for)`), and
@@ -411,7 +417,7 @@ def foreign(script, lastpipe=False):
             command = False
         if joining is not None and kind not in ("ws", "nl", "cont"):
             if block is None and kind == "lit" and (text == "{" or text in _OPENERS):
-                block = [joining[0], joining[1], 0]
+                block = [joining[0], conditional, 0]
             joined, joining = joining, None
         if block is not None and kind == "lit":
             if (at_command and (text == "{" or text in _OPENERS)
@@ -747,6 +753,10 @@ def _declarations(text):
             continue
         end = m.end()
         fixed = m.group("readonly") is not None or "r" in m.group("flags")
+        # `--` (the end of the options) is blank too: `export -- A B=…` as `export A B=…`
+        flags_at = m.start("flags")
+        spans.extend((flags_at + d.start(), flags_at + d.end())
+                     for d in _END_OF_OPTIONS.finditer(m.group("flags")))
         while True:
             word = _DECLARED.match(text, end)
             if word is None:
@@ -754,7 +764,7 @@ def _declarations(text):
             if word.group("bare") is not None:
                 spans.append(word.span("bare"))
             if fixed:
-                readonly.add(word.group("bare") or word.group("name"))
+                readonly.add((word.group("bare") or word.group("name")).strip("'\""))
             end = word.end()
     return spans, readonly
 
