@@ -993,6 +993,18 @@ OWN_SHELL = {
         'EP=none\nEP=mooncake\nARGS="--tp 8"\necho | case x in\nfor) ;;\nesac\n'
         'ARGS="$ARGS --elastic-ep-backend $EP"\n{use}',
         "--tp 8 --elastic-ep-backend mooncake"),
+    # a default the script gives its own name is a value it may have:
+    "self-default-then-none-in-a-piped-loop": (
+        'B=${{B:-mooncake}}\necho x-prefill | while read -r h; do\n'
+        '  case "$h" in *prefill*) B=none ;; esac\ndone\n{use}', "mooncake"),
+    "self-default-then-none-in-a-branch": (
+        'B=${{B:-mooncake}}\n[ -z "$PATH" ] && {{\nB=none\n}}\n{use}', "mooncake"),
+    "a-default-with-quotes-inside": (
+        'ARGS=${{ARGS:-"--tp 8 --elastic-ep-backend mooncake"}}\n{use}',
+        "--tp 8 --elastic-ep-backend mooncake"),
+    "a-default-with-single-quotes-inside": (
+        "ARGS=${{ARGS:-'--tp 8 --elastic-ep-backend mooncake'}}\n{use}",
+        "--tp 8 --elastic-ep-backend mooncake"),
     # an escaped `)` does not end a command substitution:
     "escaped-parenthesis-in-a-command-substitution": (
         "B=mooncake\nX=$(echo \\)\nB=none\n)\n{use}", "mooncake"),
