@@ -714,8 +714,11 @@ def _contested(script, env, parts, modelled, readonly):
                 if p.strip() == "mooncake" or (n and "mooncake" in p)]
         bare = [v for v, p, n in zip(raws, plain, names) if not n and "$" not in p]
         for word in defaults.get(name, ()) if not asks else ():
+            # (the flag's last value mooncake: `mooncake --elastic-ep-backend none`
+            # asks for none, and was chosen over a value unknown here: review helper)
             p = _plain(word, env, left)
-            if p.strip() == "mooncake" or (_names_flag(p) and "mooncake" in p):
+            if p.strip() == "mooncake" or (_names_flag(p) and "mooncake" in p
+                                           and not _another_backend(p)):
                 asks.append(word)
         if asks:
             chosen[name] = asks[0]

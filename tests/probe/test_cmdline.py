@@ -1231,6 +1231,10 @@ UNKNOWN_BACKEND = {
     'ARGS="--elastic-ep-backend $B"\n{use}',
     "set-only-in-a-subshell": 'ARGS="--elastic-ep-backend $EP_BACKEND"\n'
     "( export EP_BACKEND=none; true )\n{use}",
+    "beside-an-own-default-asking-for-another": (
+        'EP=${{EP:-"mooncake --elastic-ep-backend none"}}\n'
+        'if [ -n "$EP_BACKEND" ]; then EP="$EP_BACKEND"; fi\n'
+        'ARGS="--elastic-ep-backend $EP"\n{use}'),
     "beside-an-empty-value": 'start() {{ {use}; }}\nARGS=""\n'
     'ARGS="--elastic-ep-backend ${{EP_BACKEND}}"\nstart',
 }
