@@ -382,18 +382,15 @@ def foreign(script, lastpipe=False):
     joining = None  # (where, ranges) of a `|`, `&&` or `||` whose next command is to come
     joined = None  # (where, ranges) of that command, until it ends
     # A joined command that is a block (`a | {⏎B=none⏎}`, `a && while …⏎done`) is
-    # conditional to where its block ends, not only foreign to its first line's end (a
+    # conditional to where the block ends, not only foreign to its first line's end (a
     # `B=none` on its later lines was read as lasting): its values contested, its steps
     # taken, since after `|` bash may run it in the script's own shell (lastpipe, which
-    # `bash -O lastpipe`, BASH_ENV or a sourced file can set unseen: a step in `a | while
-    # …; do ARGS="$ARGS --elastic-ep-backend $EP"; done` read as foreign was dropped:
-    # review helper): (where, ranges, blocks open in it). Read so
-    # that it never ends later than the shell's (foreign too far, it drops the steps
-    # after it, `ARGS="$ARGS --elastic-ep-backend $EP"`: review helpers): a block opens
-    # only where a command starts (not an argument `{`, nor a case pattern `for)`), and
-    # any `}`, `fi`, `done` or `esac` word closes one (`[[ … ]] }` too; an argument `}`
-    # ends it early, as the first line's end did before). One that never closes adds
-    # nothing.
+    # `bash -O lastpipe`, BASH_ENV or a sourced file can set unseen). Its end is never
+    # later than the shell's (read too far, it dropped the steps after it: review
+    # helpers): a block opens only where a command starts (not an argument `{`, nor a
+    # case pattern `for)`), and any `}`, `fi`, `done` or `esac` word closes one (`[[ … ]]
+    # }` too; an argument `}` ends it early). One that never closes adds nothing.
+    # (where, ranges, blocks open in it)
     block = None
     pipe_end = -1  # just after the last `|` (`|&` is one)
     lines, pending, pos, started = None, [], 0, False
