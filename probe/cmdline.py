@@ -412,6 +412,12 @@ def steering(argv):
 
 
 _NAMED = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
+# A reference as the lenient reading puts it in: `$NAME`, `${NAME}`, or a whole
+# `${NAME:-word}` (`:=`, `:+`, `:?`, with or without the colon). Only `${NAME` was put in,
+# and `set -- ${EXTRA_ARGS:-}` read `… mooncake:-}`: the worker admitted unjudged
+# (review helper).
+_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-=+?])([^{}]{0,512}))?\}"
+                        r"|\$([A-Za-z_][A-Za-z0-9_]*)")
 _SEGMENTS = re.compile(r"[;&|\n()`]+")
 _BLANKS = re.compile(r"[\s<>]+")
 _BRACES = re.compile(r"(?<!\$)\{([^{},]*(?:,[^{},]*)+)\}")
@@ -437,8 +443,8 @@ def _unplaced(r, argv, env, shortest, budget):
     texts = []
     try:
         for a in argv:
-            texts.append(_NAMED.sub(lambda m: _put_in(m, env, named, budget), a) if "$" in a
-                         else a)
+            texts.append(_REFERENCE.sub(lambda m: _put_in(m, env, named, budget), a)
+                         if "$" in a else a)
         extra = [v for k, v in env.items() if k not in named and mentions_flag(v)]
         budget.spend(sum(map(len, extra)))
         texts += extra
@@ -510,12 +516,23 @@ def _last_value(piece, shortest, budget):
 
 
 def _put_in(m, env, named, budget):
-    """``$NAME`` replaced by the env's value (charged to ``budget``), else kept."""
-    name = m.group(1)
+    """A _REFERENCE replaced as the shell would with the env's value (charged to
+    ``budget``): `${NAME:-word}` is the word where the env lacks NAME (or holds it empty,
+    with the colon), `${NAME:+word}` the word where it holds it; any other reference to a
+    name the env lacks is kept (the image may hold it)."""
+    name = m.group(1) or m.group(4)
+    op, word = m.group(2) or "", m.group(3) or ""
     value = env.get(name)
-    if value is None:
-        return m.group(0)
-    named.add(name)
+    if value is None:  # the image may hold it: only a default's word is put in
+        if op[-1:] not in ("-", "="):
+            return m.group(0)
+        value = word
+    else:
+        named.add(name)
+        if op[-1:] == "+":
+            value = word if value or ":" not in op else ""
+        elif op[-1:] in ("-", "=") and not value and ":" in op:
+            value = word
     budget.spend(len(value))
     return value
 

@@ -1160,6 +1160,33 @@ def test_the_value_a_real_shell_launches_with_is_the_one_read(
     assert not r.requested or r.where == "sh -c script", r.where  # read from the command
 
 
+DEFAULTED_REFERENCES = {
+    "set-positional-from-a-default": 'set -- ${EXTRA_ARGS:-}\n{launch} --model-path /m "$@"',
+    "read-into-an-array": 'set -euo pipefail\nread -r -a EXTRA <<< "${EXTRA_ARGS:-}"\n'
+                          '{launch} --model-path /m "${EXTRA[@]}"',
+    "default-without-colon": 'set -- ${EXTRA_ARGS-}\n{launch} "$@"',
+    "passed-as-one-argument": '{launch} --model-path /m --extra-args "${EXTRA_ARGS:-}"',
+}
+
+
+@pytest.mark.parametrize("script", DEFAULTED_REFERENCES.values(),
+                         ids=DEFAULTED_REFERENCES.keys())
+def test_an_env_value_put_in_through_a_default_is_a_request(script: str) -> None:
+    """`set -- ${EXTRA_ARGS:-}; exec … "$@"` launches with the env's arguments, which
+    no command places: the lenient reading put in `${EXTRA_ARGS` alone, read `…
+    mooncake:-}`, and the worker was admitted unjudged (review helper). bash runs each
+    with mooncake; each is read as a request."""
+    env = {"EXTRA_ARGS": "--enable-eplb --elastic-ep-backend mooncake"}
+    if shutil.which("bash") is not None:
+        shell_env = {**env, "PATH": os.environ.get("PATH", os.defpath)}
+        real = subprocess.run(["bash", "-c", script.replace("{launch}", "echo")],
+                              capture_output=True, text=True, check=True,
+                              env=shell_env).stdout  # fmt: skip
+        assert real.split()[-2:] == ["--elastic-ep-backend", "mooncake"], real
+    r = read(["bash", "-c", script.replace("{launch}", f"exec {SERVER}")], env=env)
+    assert r.requested, (r.values, r.unresolved)
+
+
 def test_a_step_in_a_piped_loop_counts_where_bash_may_run_it_in_its_own_shell() -> None:
     """`bash -O lastpipe` (or BASH_ENV, or a sourced file) runs the last command of a
     pipeline in the script's own shell, which the script's text need not say: a step in a
