@@ -516,25 +516,15 @@ def _last_value(piece, shortest, budget):
 
 
 def _put_in(m, env, named, budget):
-    """A _REFERENCE replaced as the shell would with the env's value (charged to
-    ``budget``): `${NAME:-word}` is the word where the env lacks NAME (or holds it empty,
-    with the colon), `${NAME:+word}` the word where it holds it; any other reference to a
-    name the env lacks is kept (the image may hold it)."""
+    """A _REFERENCE replaced as the shell would with the env's value (shell.put_in:
+    `${NAME:-word}` is the word where the env lacks NAME or holds it empty); a reference
+    to a name the env lacks is kept (the image may hold it), except a default's word."""
     name = m.group(1) or m.group(4)
-    op, word = m.group(2) or "", m.group(3) or ""
-    value = env.get(name)
-    if value is None:  # the image may hold it: only a default's word is put in
-        if op[-1:] not in ("-", "="):
-            return m.group(0)
-        value = word
-    else:
+    if name in env:
         named.add(name)
-        if op[-1:] == "+":
-            value = word if value or ":" not in op else ""
-        elif op[-1:] in ("-", "=") and not value and ":" in op:
-            value = word
-    budget.spend(len(value))
-    return value
+    elif (m.group(2) or "")[-1:] not in ("-", "="):
+        return m.group(0)
+    return shell.put_in(m.group(0), env, budget)
 
 
 def _braced(word, budget):

@@ -390,8 +390,7 @@ def foreign(script, lastpipe=False):
     # helpers): a block opens only where a command starts (not an argument `{`, nor a
     # case pattern `for)`), and any `}`, `fi`, `done` or `esac` word closes one (`[[ … ]]
     # }` too; an argument `}` ends it early). One that never closes adds nothing.
-    # (where, ranges, blocks open in it)
-    block = None
+    block, depth = None, 0  # where it starts, and how many blocks are open in it
     pipe_end = -1  # just after the last `|` (`|&` is one)
     lines, pending, pos, started = None, [], 0, False
     while pos < len(script):
@@ -421,17 +420,17 @@ def foreign(script, lastpipe=False):
             command = False
         if joining is not None and kind not in ("ws", "nl", "cont"):
             if block is None and kind == "lit" and (text == "{" or text in _OPENERS):
-                block = [joining[0], conditional, 0]
+                block, depth = joining[0], 0
             joined, joining = joining, None
         if block is not None and kind == "lit":
             if (at_command and (text == "{" or text in _OPENERS)
                     and not _PATTERN_END.match(script, pos)):
-                block[2] += 1
-            elif (text == "}" or text in _CLOSERS) and block[2] <= 1:
-                block[1].append((block[0], pos))
-                block = None
+                depth += 1
             elif text == "}" or text in _CLOSERS:
-                block[2] -= 1
+                depth -= 1
+                if depth <= 0:
+                    conditional.append((block, pos))
+                    block = None
         if joined is not None and (kind == "nl" or kind == "op" and text != "("):
             joined[1].append((joined[0], m.start()))
             joined = None
@@ -710,13 +709,15 @@ def _contested(script, env, parts, modelled, readonly):
         asks = [v for v, p, n in zip(raws, plain, names)
                 if p.strip() == "mooncake" or (n and "mooncake" in p)]
         bare = [v for v, p, n in zip(raws, plain, names) if not n and "$" not in p]
-        for word in defaults.get(name, ()) if not asks else ():
-            # (the flag's last value mooncake: `mooncake --elastic-ep-backend none`
-            # asks for none, and was chosen over a value unknown here: review helper)
-            p = _plain(word, env, left)
-            if p.strip() == "mooncake" or (_names_flag(p) and "mooncake" in p
-                                           and not _another_backend(p)):
-                asks.append(word)
+        if not asks:
+            # A default of its own that asks for it (the flag's last value mooncake:
+            # `mooncake --elastic-ep-backend none` asks for none, and was chosen over a
+            # value unknown here: review helper).
+            for word in defaults.get(name, ()):
+                p = _plain(word, env, left)
+                if p.strip() == "mooncake" or (_names_flag(p) and "mooncake" in p
+                                               and not _another_backend(p)):
+                    asks.append(word)
         if asks:
             chosen[name] = asks[0]
         elif name in defaulted:
@@ -1011,7 +1012,7 @@ def words(script, env, budget, positional=(), steps=None):
 def _in_quotes(body, env, steps, at, budget, positional):
     """A double-quoted ``body`` at ``at`` of its script, its names put in (env_at)."""
     return _DQ_DOLLAR.sub(
-        lambda d: _sub(d.group(), env_at(env, steps, d.group(), at), budget, positional), body)
+        lambda d: put_in(d.group(), env_at(env, steps, d.group(), at), budget, positional), body)
 
 
 def _heredoc_end(script, pos, heredocs, lines):
@@ -1027,7 +1028,9 @@ def _heredoc_end(script, pos, heredocs, lines):
     return pos, True
 
 
-def _sub(ref, env, budget, positional=()):
+def put_in(ref, env, budget, positional=()):
+    """``ref`` (``$NAME``, ``${NAME:-word}`` …) replaced by its value (_expand), charged
+    to ``budget``; kept as written where its value cannot be known here."""
     value = _expand(ref, env, budget, positional)
     if value is None:
         return ref

@@ -456,12 +456,12 @@ async def run_writer(
             if params.next_change is not None:
                 wait = min(wait, max(0.5, (params.next_change - now).total_seconds()))
             rest = PACE * state.list_seconds
-        except ApiException as exc:
-            log.warning("backstop sync failed (%s %s: %s); retrying", exc.status, exc.reason,
-                        api_message(exc))  # fmt: skip
-            wait, rest = POLL, PACE * (time.monotonic() - started)
         except Exception as exc:  # a dropped connection must not end the writer
-            log.warning("backstop sync failed (%s: %s); retrying", type(exc).__name__, exc)
+            if isinstance(exc, ApiException):
+                log.warning("backstop sync failed (%s %s: %s); retrying", exc.status,
+                            exc.reason, api_message(exc))  # fmt: skip
+            else:
+                log.warning("backstop sync failed (%s: %s); retrying", type(exc).__name__, exc)
             wait, rest = POLL, PACE * (time.monotonic() - started)
         # A sync lists every ImageVerdict (100,000 take seconds of the API server's time
         # too): rest at least twice as long as that list took, so the backstop keeps the
