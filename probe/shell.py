@@ -24,6 +24,7 @@ Standard library only, Python >= 3.8 (the probe runs in images we do not build).
 import bisect
 import os
 import re
+from collections import ChainMap
 from dataclasses import dataclass
 from typing import List
 
@@ -80,10 +81,27 @@ _ANSI_SIMPLE = {"a": "\a", "b": "\b", "e": "\x1b", "E": "\x1b", "f": "\f", "n": 
 # What quote removal decodes, then drops, in a whole text (see unquoted()).
 _ANSI_QUOTED = re.compile(r"\$'((?:[^'\\]|\\.)*)'?", re.S)
 _QUOTE_CHARS = str.maketrans("", "", "'\"\\")
-_DQ_ESCAPE = re.compile(r"\\([\\\"$`])|\\\r?\n")
-# (A `${…}` of at most 512 characters: one with no `}` after it was scanned to the end
-# of the text from each `${`, 113 ms for 30 KB of `${a:=`; found by a review helper.)
-_DQ_DOLLAR = re.compile(r"\$(?:\{[^}]{0,512}\}|[A-Za-z_][A-Za-z0-9_]*|[@*0-9]|\{[@*0-9]\})")
+# A `${…}` reference as the shell delimits it (references()): quoted text and references
+# nested inside it (`${EP:-"mooncake"}`, `${EP:-${DEFAULT_EP:-mooncake}}`, `"${ARGS:-"--tp
+# 8 …"}"`), at most REF_CHARS characters long and REF_DEPTH references deep. Cut at its
+# first `}` or its inner quotes, such a default was read as text (`"mooncake"`,
+# `${DEFAULT_EP:-mooncake`): unresolved, so the worker was probed but never gated. (One
+# with no `}` within REF_CHARS is no reference: scanned to the end of the text from each
+# `${`, 30 KB of `${a:=` took 113 ms; found by a review helper.)
+REF_CHARS = 512
+REF_DEPTH = 4
+_REF_SPECIAL = re.compile(r"\$\{|\\.|[}\"']", re.S)
+# Where a double-quoted text ends: its `${…}` skipped whole (their own quotes inside).
+_DQ_SPECIAL = re.compile(r'\\.|"|\$\{', re.S)
+# A reference references() did not delimit: up to its first `}` (REF_CHARS at most).
+_SHORT_REF = re.compile(r"\$\{[^}]{0,512}\}")
+# The pieces of a word as the shell makes it (_made): an escape, a reference, a command
+# substitution (kept as written), single, ANSI-C and double quotes, plain text.
+_WORD_PIECE = re.compile(
+    r"(?P<esc>\\.?)|(?P<ref>\$(?:\{|[A-Za-z_][A-Za-z0-9_]*|[@*0-9]))"
+    r"|(?P<cmdsub>\$\((?:\\.|[^()\\]|\((?:\\.|[^()\\])*\))*\)|`[^`]*`)"
+    r"|(?P<ansi>\$'(?:[^'\\]|\\.)*'?)|(?P<sq>'[^']*'?)|(?P<dq>\")"
+    r"|(?P<text>[^\\$`'\"]+|.)", re.S)
 _POSITIONAL = re.compile(r"\$\{?([@*0-9])\}?$")
 # NAME=value that a script keeps for itself, to learn the variables it sets before it
 # uses them (_in_order): a run of assignments (`A=1 B=2`, `export A=1 B=2`) at the start
@@ -98,7 +116,12 @@ _POSITIONAL = re.compile(r"\$\{?([@*0-9])\}?$")
 # one before.
 _END_OF_COMMAND = re.compile(r"[ \t\r]*(?:[;\n]|&&|\|\||$)|[ \t]+#")  # (# a comment)
 _NAME_RE = r"[A-Za-z_][A-Za-z0-9_]*"
-_RAW = r"(?:\"[^\"]*\"|'[^']*'|[^\s;&|()\"'])*"
+# An assigned value's text: in double quotes a `${…}` is one piece, its own quotes inside
+# (`ARGS="${ARGS:-"--tp 8 --elastic-ep-backend mooncake"}"` was cut at its first blank); a
+# `$` not opening one is plain (the two never overlap: no backtracking between them).
+_IN_DQ_BRACES = r"\{(?:[^{}\"]|\"[^\"]*\"){0,512}\}"  # (REF_CHARS)
+_RAW = (r"(?:\"(?:[^\"$]|\$" + _IN_DQ_BRACES + r"|\$(?!" + _IN_DQ_BRACES + r"))*\""
+        r"|'[^']*'|[^\s;&|()\"'])*")
 _RUN_START = re.compile(
     r"(?:^|(?<![;&|]);|(?<!&&)(?<!\|)(?<!\\)(?<!\\\r)\n)[ \t]*"
     r"(?:(?:export|readonly|declare)[ \t]+)?"
@@ -158,16 +181,16 @@ class _Lines:
             return None
         end = self.script.find("\n", starts[i])
         return len(self.script) + 1 if end < 0 else end + 1
-# The pieces of an assigned value: double-quoted, single-quoted, or bare.
-# (First, a `${NAME:-word}` whose word holds quotes, one piece: `ARGS=${ARGS:-"--tp 8
+# The pieces of a contested name's value, to tell what it names (_unquote; the value an
+# assignment stores is made by _made): double-quoted, single-quoted, or bare. (First, a
+# `${NAME:-word}` whose word holds quotes, one piece: `ARGS=${ARGS:-"--tp 8
 # --elastic-ep-backend mooncake"}` was cut at its inner quotes and read as the literal
 # text, its last word `mooncake}`: review helper. A `}` within 512 characters and no `{`
 # before it, so that no attempt scans further.)
 _VALUE_PIECE = re.compile(
     r"(\$\{(?=[^{}]{0,512}\})[A-Za-z_][A-Za-z0-9_]*:?[-=+?](?:\"[^\"{}]*\"|'[^'{}]*'|[^{}\"'])*\})"
     r"|\"([^\"]*)\"|'([^']*)'|([^\"']+)")
-_ASSIGNED_REF = re.compile(r"\\?\$(?:\{[^{}]*\}|[A-Za-z_][A-Za-z0-9_]*)")
-_BRACED = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-=+?])(.*))?\}$", re.S)
+_BRACED = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*|[0-9]+|[@*])(?:(:?[-=+?])(.*))?\}$", re.S)
 _REF_NAME = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)")
 # Where a command starts (and the words that may come before its assignments): an
 # assignment or a variable-setting command is read only there, not in an argument or a
@@ -264,13 +287,18 @@ class Command:
     where: str
 
 
-def _expand(ref, env, budget, positional=()):
-    """The value of ``$NAME`` / ``${NAME}`` / ``${NAME:-default}`` / ``$1`` / ``$@``, or
-    None when it cannot be known here (then the text is kept as written).
+_UNSET = object()  # a positional parameter the words after the script do not give
+
+
+def _expand(ref, env, budget, positional=(), depth=0):
+    """The value of ``$NAME`` / ``${NAME}`` / ``${NAME:-word}`` / ``$1`` / ``${1:-word}``
+    / ``$@``, or None when it cannot be known here (then the text is kept as written).
 
     A name the environment does not hold is unknown (it may come from the image or an
     envFrom), not unset; its default (``:-``) or alternative (``:+``) is assumed, the
-    side on which more of the line is seen, and noted in ``budget.guesses``."""
+    side on which more of the line is seen, and noted in ``budget.guesses``. A positional
+    parameter past the words after the script is unset (``positional`` empty: unknown).
+    The word is made as the shell makes it (_made: quotes removed, references put in)."""
     m = _POSITIONAL.match(ref)
     if m is not None:
         which = m.group(1)
@@ -281,23 +309,141 @@ def _expand(ref, env, budget, positional=()):
     if not ref.startswith("${"):
         return env.get(ref[1:])
     m = _BRACED.match(ref)
-    if m is None:
+    if m is None or depth > REF_DEPTH:
         return None
     name, op, word = m.group(1), m.group(2), m.group(3)
-    value = env.get(name)
+    if name[0] in "0123456789@*":
+        if not positional:
+            value = None
+        elif name in "@*":
+            value = " ".join(positional[1:]) if len(positional) > 1 else _UNSET
+        else:
+            value = positional[int(name)] if int(name) < len(positional) else _UNSET
+        if op is not None and op.endswith("="):
+            return None  # the shell refuses to assign a positional parameter
+    else:
+        value = env.get(name)
     if op is None:
-        return value
+        return None if value is _UNSET else value
     if value is None:
         if op.endswith(("-", "=", "+")):
             budget.guesses.append(ref)
-            return word
+            return _made(word, env, budget, positional, depth + 1)
         return None
-    unset = op.startswith(":") and value == ""
+    unset = value is _UNSET or (op.startswith(":") and value == "")
     if op.endswith(("-", "=")):
-        return word if unset else value
+        return _made(word, env, budget, positional, depth + 1) if unset else value
     if op.endswith("+"):
-        return "" if unset else word
-    return value
+        return "" if unset else _made(word, env, budget, positional, depth + 1)
+    return None if value is _UNSET else value
+
+
+def references(text):
+    """``{start: end}`` of each ``${…}`` of ``text`` that closes within REF_CHARS
+    characters and REF_DEPTH references, as the shell delimits it: inside it a ``}`` in
+    quotes or escaped ends nothing, and a nested ``${…}`` is one piece. One pass over the
+    text (the text around a reference is not read: its quotes do not matter here)."""
+    ends = {}
+    stack = []  # [quoted, start]: a reference (False) or a "…" inside one (True)
+    pos = 0
+    while True:
+        m = _REF_SPECIAL.search(text, pos)
+        if m is None:
+            return ends
+        at, token = m.start(), m.group()
+        pos = m.end()
+        while stack and at - stack[0][1] > REF_CHARS:
+            del stack[0]  # no `}` within REF_CHARS: not a reference
+        if token == "${":
+            if sum(1 for quoted, _ in stack if not quoted) >= REF_DEPTH:
+                stack = []  # too deep: none of them is read
+            stack.append((False, at))
+        elif not stack or token[0] == "\\":
+            continue
+        elif stack[-1][0]:  # in "…" inside a reference
+            if token == '"':
+                stack.pop()
+        elif token == "}":
+            ends[stack.pop()[1]] = pos
+        elif token == '"':
+            stack.append((True, at))
+        else:  # ' … ': nothing inside it counts
+            close = text.find("'", pos, stack[0][1] + REF_CHARS + 1)
+            if close < 0:
+                stack = []
+            else:
+                pos = close + 1
+
+
+def _dq_end(text, pos, refs):
+    """(where the body of the double-quoted text that starts at ``pos`` ends, whether a
+    closing quote ends it): a ``${…}`` in it (``refs``) is one piece, its own quotes
+    inside."""
+    while True:
+        m = _DQ_SPECIAL.search(text, pos)
+        if m is None:
+            return len(text), False
+        if m.group() == '"':
+            return m.start(), True
+        pos = refs.get(m.start(), m.end()) if m.group() == "${" else m.end()
+
+
+def _made(text, env, budget, positional=(), depth=0, quoted=False, limit=None, at=None):
+    """``text`` as the shell makes one word of it, without splitting it: quotes removed,
+    escapes decoded, every reference put in (_expand) and one it cannot know kept as
+    written, command substitutions kept as written. ``quoted``: ``text`` is the body of
+    a double-quoted string (quotes and escapes inside it as there). ``env`` is a mapping,
+    or a function giving the mapping for a reference (env_at). OverBudget
+    as soon as the word would pass ``limit`` characters (a line that doubles itself at
+    each step is not built)."""
+    if limit is None:
+        limit = len(text) + budget.left
+    refs = references(text) if "${" in text else {}
+    out = []
+    size = pos = 0
+    n = len(text)
+    while pos < n:
+        m = _WORD_PIECE.match(text, pos)
+        kind, piece = m.lastgroup, m.group()
+        pos = m.end()
+        if quoted and kind in ("sq", "ansi"):
+            got, pos = piece[0], m.start() + 1  # no quote inside double quotes
+        elif kind == "esc":
+            if text.startswith("\r\n", m.start() + 1):
+                got, pos = "", pos + 1  # a line continuation
+            elif quoted and piece[1:] not in ("\\", '"', "$", "`", "\n"):
+                got = piece  # in double quotes only these are escapes
+            else:
+                got = "" if piece[1:] in ("", "\n") else piece[1:]
+        elif kind == "ref":
+            start = m.start()
+            if piece == "${":
+                end = refs.get(start)
+                if end is None:
+                    short = _SHORT_REF.match(text, start)
+                    end = short.end() if short is not None else pos
+                pos = end
+                piece = text[start:end]
+            mapping = env(piece) if callable(env) else env
+            got = _expand(piece, mapping, budget, positional, depth)
+            if got is None:
+                got = piece
+        elif kind == "dq" and not quoted:
+            end, closed = _dq_end(text, pos, refs)
+            got = _made(text[pos:end], env, budget, positional, depth, True, limit - size)
+            pos = end + closed
+        elif kind == "sq":
+            got = piece[1:-1] if piece.endswith("'") and len(piece) > 1 else piece[1:]
+        elif kind == "ansi":
+            body = piece[2:-1] if piece.endswith("'") and len(piece) > 2 else piece[2:]
+            got = ansi_c(body)
+        else:
+            got = piece
+        size += len(got)
+        if size > limit:
+            raise OverBudget()
+        out.append(got)
+    return "".join(out)
 
 
 def ansi_c(body):
@@ -596,24 +742,14 @@ def _names_itself(name, raw):
 
 
 def _value_of(raw, local, budget):
-    """The value an assignment's ``raw`` text stores, as the shell stores it: piece by
-    piece (`ARGS=$ARGS" mooncake"` is one value), quotes removed, names put in outside
-    single quotes (_assigned). What it adds is charged to ``budget``; past it,
-    OverBudget."""
-    limit = len(raw) + budget.left
-    pieces = []
-    for piece in _VALUE_PIECE.finditer(raw):
-        braced, double, single, bare = piece.groups()
-        if single is not None:
-            pieces.append(single)
-        else:
-            text = (braced.translate(_QUOTE_CHARS) if braced is not None
-                    else double if double is not None else bare)
-            pieces.append(_assigned(text, local, budget, limit) if "$" in text else text)
-    value = "".join(pieces)
+    """The value an assignment's ``raw`` text stores, as the shell stores it (_made: one
+    word, `ARGS=$ARGS" mooncake"` is one value, quotes removed, names the script or the
+    environment knows put in now, so a later assignment to them does not change it).
+    What it adds is charged to ``budget``; past it, OverBudget."""
+    if "$" not in raw and "'" not in raw and '"' not in raw and "\\" not in raw:
+        return raw
+    value = _made(raw, local, budget)
     if len(value) > len(raw):
-        if len(value) > limit:
-            raise OverBudget()
         budget.spend(len(value) - len(raw))
     return value
 
@@ -868,31 +1004,8 @@ def env_at(env, steps, ref, pos):
         return env
     at, values = seq
     i = bisect.bisect_left(at, pos)
-    return {m.group(1): values[i - 1] if i else values[-1]}
-
-
-def _assigned(value, local, budget, limit):
-    """``value`` as the shell stores it: each ``$NAME`` / ``${NAME…}`` the script or the
-    environment knows put in now (a later assignment to NAME does not change it), the
-    others and an escaped ``\\$`` kept as written; OverBudget as soon as it would pass
-    ``limit`` characters (a line that doubles itself at each step). One pass."""
-    out = []
-    size = pos = 0
-    for m in _ASSIGNED_REF.finditer(value):
-        ref = m.group(0)
-        if ref.startswith("\\"):
-            continue
-        got = _expand(ref, local, budget)
-        if got is None:
-            continue
-        out.append(value[pos:m.start()])
-        out.append(got)
-        size += m.start() - pos + len(got)
-        if size > limit:
-            raise OverBudget()
-        pos = m.end()
-    out.append(value[pos:])
-    return "".join(out)
+    # (the others as the environment has them: a default's word may name them)
+    return ChainMap({m.group(1): values[i - 1] if i else values[-1]}, env)
 
 
 def words(script, env, budget, positional=(), steps=None):
@@ -909,6 +1022,7 @@ def words(script, env, budget, positional=(), steps=None):
     pos = 0
     n = len(script)
     skip_next_word = False
+    refs = references(script) if "${" in script else {}
 
     def flush():
         nonlocal cur, started, skip_next_word
@@ -937,15 +1051,17 @@ def words(script, env, budget, positional=(), steps=None):
             flush()
 
     while pos < n:
-        m = _TOKEN.match(script, pos)
-        if m is None:  # cannot happen: every character matches some branch
-            cur.append(script[pos])
-            started = True
-            pos += 1
-            continue
-        kind = m.lastgroup
-        text = m.group()
-        pos = m.end()
+        at = pos
+        if pos in refs:  # a `${…}` with quotes or references inside: one piece
+            kind, text, pos = "dollar", script[pos:refs[pos]], refs[pos]
+        else:
+            m = _TOKEN.match(script, pos)
+            if m is None:  # a lone `\` at the end: kept as it is
+                cur.append(script[pos])
+                started = True
+                pos += 1
+                continue
+            kind, text, pos = m.lastgroup, m.group(), m.end()
         if kind == "ws":
             flush()
         elif kind == "cont":
@@ -974,14 +1090,19 @@ def words(script, env, budget, positional=(), steps=None):
             cur.append(ansi_c(m.group("ansibody")))
             started = True
         elif kind == "dq":
-            text = text[1:] if text.startswith("$") else text  # $"…": bash's translated "…"
-            body = text[1:-1] if text.endswith('"') and len(text) > 1 else text[1:]
-            body = _DQ_ESCAPE.sub(lambda e: e.group(1) or "", body)
+            # ($"…" is bash's translated "…"; a `${…}` inside is one piece, quotes and all.)
+            start = at + (2 if text.startswith("$") else 1)
+            end, closed = _dq_end(script, start, refs)
+            pos = end + closed
+            body = script[start:end]
             if body in ("$@", "${@}") and positional:
                 _splice(positional[1:])  # "$@": each argument its own word
                 continue
-            if "$" in body:
-                body = _in_quotes(body, env, steps, m.start(), budget, positional)
+            if "$" in body or "\\" in body:
+                made = _made(body, lambda ref, at=at: env_at(env, steps, ref, at), budget,
+                             positional, quoted=True)
+                budget.spend(max(0, len(made) - len(body)))
+                body = made
             cur.append(body)
             started = True
         elif kind == "cmdsub":
@@ -991,7 +1112,7 @@ def words(script, env, budget, positional=(), steps=None):
             cur.append(text[1])
             started = True
         elif kind == "dollar" or kind == "pos":
-            value = _expand(text, env_at(env, steps, text, m.start()), budget, positional)
+            value = _expand(text, env_at(env, steps, text, at), budget, positional)
             if value is None:
                 cur.append(text)  # unknown here: kept as written, so it is visible
                 started = True
@@ -1007,12 +1128,6 @@ def words(script, env, budget, positional=(), steps=None):
             started = True
     flush()
     return out
-
-
-def _in_quotes(body, env, steps, at, budget, positional):
-    """A double-quoted ``body`` at ``at`` of its script, its names put in (env_at)."""
-    return _DQ_DOLLAR.sub(
-        lambda d: put_in(d.group(), env_at(env, steps, d.group(), at), budget, positional), body)
 
 
 def _heredoc_end(script, pos, heredocs, lines):

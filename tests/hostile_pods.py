@@ -141,3 +141,25 @@ def assignment_like_pod(size: int = 30_000) -> dict[str, Any]:
     )
     script_container = {"name": "script", "image": IMAGE, "command": ["bash", "-c", script]}
     return _pod("assignment-like", [script_container, _worker()])
+
+
+def references_pod(size: int = 30_000) -> dict[str, Any]:
+    """A script of ``size`` characters of parameter references that never close or nest
+    past the limit, with quotes inside (`${`, `"${`, `A="${x` after `;`, `${"x" `,
+    `${a:-` five hundred deep), after a launch line whose value is a variable: what
+    shell.references() and an assigned value's double quotes look at."""
+    part = size // 5
+    script = (
+        "python3 -m sglang.launch_server --elastic-ep-backend $B\n"
+        + "${" * (part // 2)
+        + "\n"
+        + '"${' * (part // 3)
+        + "\n"
+        + ';A="${x' * (part // 7)
+        + "\n"
+        + '${"x" ' * (part // 6)
+        + "\n"
+        + "${a:-" * 500 + "}" * 500
+    )
+    script_container = {"name": "script", "image": IMAGE, "command": ["bash", "-c", script]}
+    return _pod("references", [script_container, _worker()])

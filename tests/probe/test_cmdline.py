@@ -997,6 +997,24 @@ OWN_SHELL = {
     "self-default-then-none-in-a-piped-loop": (
         'B=${{B:-mooncake}}\necho x-prefill | while read -r h; do\n'
         '  case "$h" in *prefill*) B=none ;; esac\ndone\n{use}', "mooncake"),
+    # a default is a word the shell makes: quotes removed and references put in, nested
+    # ones and positional ones too (each read as unresolved: probed, never gated):
+    "default-nested-in-a-default": ("B=${{EP_BACKEND:-${{DEFAULT_EP:-mooncake}}}}\n{use}",
+                                    "mooncake"),
+    "default-nested-two-deep": ("B=${{A:-${{C:-${{D:-mooncake}}}}}}\n{use}", "mooncake"),
+    "default-nested-in-a-default-set-to-none": (
+        "EP=\nD=none\nB=${{EP:-${{D:-mooncake}}}}\n{use}", "none"),
+    "default-from-a-name-the-script-sets": ("D=mooncake\nB=${{EP:-$D}}\n{use}", "mooncake"),
+    "default-from-a-braced-name": ("D=mooncake\nB=${{EP:-${{D}}}}\n{use}", "mooncake"),
+    "quoted-default-in-double-quotes": ('B="${{EP:-"mooncake"}}"\n{use}', "mooncake"),
+    "quoted-default-with-blanks-in-double-quotes": (
+        'ARGS="${{ARGS:-"--tp 8 --elastic-ep-backend mooncake"}}"\n{use}',
+        "--tp 8 --elastic-ep-backend mooncake"),
+    "quoted-default-with-blanks-naming-none": (
+        'ARGS=\nARGS="${{ARGS:-"--tp 8 --elastic-ep-backend none"}}"\n{use}',
+        "--tp 8 --elastic-ep-backend none"),
+    "positional-default": ("B=${{1:-mooncake}}\n{use}", "mooncake"),
+    "positional-default-in-double-quotes": ('B="${{1:-"moon"cake}}"\n{use}', "mooncake"),
     "self-default-then-none-in-a-branch": (
         'B=${{B:-mooncake}}\n[ -z "$PATH" ] && {{\nB=none\n}}\n{use}', "mooncake"),
     "a-default-with-quotes-inside": (
@@ -1158,6 +1176,47 @@ def test_the_value_a_real_shell_launches_with_is_the_one_read(
     assert r.requested is (value.split()[-1] == "mooncake"), (r.values, r.unresolved)
     assert r.unresolved is None, r.values
     assert not r.requested or r.where == "sh -c script", r.where  # read from the command
+
+
+# A default written in the launch line itself, as bash and dash make it (no words after
+# the script: $1 and "$@" are unset).
+LAUNCH_DEFAULTS = {
+    "double-quoted-word": '--elastic-ep-backend ${EP:-"mooncake"}',
+    "single-quoted-word": "--elastic-ep-backend ${EP:-'mooncake'}",
+    "escaped-word": "--elastic-ep-backend ${EP:-moon\\cake}",
+    "nested": "--elastic-ep-backend ${EP:-${DEFAULT_EP:-mooncake}}",
+    "nested-in-double-quotes": '--elastic-ep-backend "${EP:-"${DEFAULT_EP:-mooncake}"}"',
+    "quoted-word-in-double-quotes": '--elastic-ep-backend "${EP:-"mooncake"}"',
+    "positional": '--elastic-ep-backend "${1:-mooncake}"',
+    "positional-unquoted": "--elastic-ep-backend ${1:-mooncake}",
+    "all-positional": '--elastic-ep-backend "${@:-mooncake}"',
+    "quoted-word-naming-none": '--elastic-ep-backend ${EP:-"none"}',
+    "nested-naming-none": "--elastic-ep-backend ${EP:-${DEFAULT_EP:-none}}",
+}
+
+
+@pytest.mark.parametrize("flag", LAUNCH_DEFAULTS.values(), ids=LAUNCH_DEFAULTS.keys())
+def test_a_default_in_the_launch_line_is_the_word_the_shell_makes(flag: str) -> None:
+    """`--elastic-ep-backend ${EP:-"mooncake"}` (a common way to write a default),
+    `${EP:-${DEFAULT_EP:-mooncake}}` and `"${1:-mooncake}"` launch with mooncake; the
+    reading kept the quotes, cut the reference at its first `}` or knew no positional
+    default, so the value was unresolved: warned and probed in the pod, but never gated
+    (the model pulled before the probe ran). Each is read as bash and dash launch it
+    where the image sets none of the names."""
+    script = f"exec {SERVER} {flag}"
+    value = "none" if flag.endswith(('none"}', "none}}")) else "mooncake"
+    for sh in REAL_SHELLS:
+        if shutil.which(sh) is None:
+            continue
+        real = subprocess.run([sh, "-c", script.replace(f"exec {SERVER}", "echo")],
+                              capture_output=True, text=True, check=True,
+                              env={"PATH": os.environ.get("PATH", os.defpath)}).stdout  # fmt: skip
+        assert real.split() == ["--elastic-ep-backend", value], (sh, real)
+    r = read(["bash", "-c", script])
+    assert r.requested is (value == "mooncake"), r.values
+    assert not r.requested or r.where == "sh -c script", r.where
+    # (EP may be set in the image: `none` is the default assumed for it, so unresolved.)
+    assert (r.unresolved is None) is r.requested, r.values
 
 
 DEFAULTED_REFERENCES = {
