@@ -157,6 +157,22 @@ def names(value: str) -> tuple[str, ...]:
 _ARCH_RE = re.compile(r"[a-z0-9](?:[a-z0-9_.-]{0,61}[a-z0-9])?")
 
 
+# A Secret's name: a DNS-1123 subdomain (253 characters at most).
+_SECRET_RE = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+def secret_names(value: str) -> tuple[str, ...]:
+    """Secret names, comma-separated: a repeat dropped, anything that is no Secret name
+    refused (the API server would refuse every pod it was added to)."""
+    out: list[str] = []
+    for item in names(value):
+        if len(item) > 253 or not _SECRET_RE.fullmatch(item):
+            raise ValueError(f"{item!r} is no Secret name (a DNS-1123 subdomain)")
+        if item not in out:
+            out.append(item)
+    return tuple(out)
+
+
 def architectures(value: str) -> tuple[str, ...]:
     """kubernetes.io/arch values, comma-separated, as the chart's schema takes them (the
     kubelet writes them lower-case): a repeat is dropped, anything else refused, since a
@@ -400,6 +416,17 @@ class Settings:
             "image that carries the probe, for injected pods",
             "epguard:dev",
             text,
+        )
+    )
+    inject_pull_secrets: tuple[str, ...] = setting(
+        Option(
+            "EPGUARD_INJECT_PULL_SECRETS",
+            "image pull secrets added to every pod the probe is injected into (and so to its "
+            "preflight), comma-separated: the injected image's registry credentials, where "
+            "the nodes have none; each must exist in the pod's namespace",
+            (),
+            secret_names,
+            chart="injection.imagePullSecrets",
         )
     )
     probe_level: str = setting(

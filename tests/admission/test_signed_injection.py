@@ -477,3 +477,30 @@ def test_an_update_that_changes_the_probed_workers_image_is_refused(signed: Runn
     relabelled = copy.deepcopy(stored)
     relabelled["metadata"]["labels"]["team"] = "a"
     assert post(signed, "/validate", review(relabelled, operation="UPDATE", old=stored))["allowed"]
+
+
+def test_the_injected_images_pull_secrets_are_added_and_signed_with_the_probe(
+    tmp_path: Path,
+) -> None:
+    """`injection.imagePullSecrets`: a pod the probe is injected into also gets the
+    secrets for the injected image's registry (its own kept first, none twice), so a
+    namespace that pulls from a private registry with a secret does not leave the worker
+    scheduled on its GPU node and stuck in ErrImagePull on epguard's init container (the
+    chart passed the admin's secrets only to epguard's own pods). The pod as stored is
+    what was signed."""
+    with running_server(tmp_path, TEST_RULES, inject_pull_secrets=("corp-pull",)) as server:
+        server.runtime.state.keys.set(new_keyring(NOW))
+        own = worker_pod()
+        own["spec"]["imagePullSecrets"] = [{"name": "team-registry"}]
+        stored = injected(server, own)
+        assert stored["spec"]["imagePullSecrets"] == [
+            {"name": "team-registry"}, {"name": "corp-pull"}]  # fmt: skip
+        ring = server.runtime.state.keys.ring
+        assert ring is not None and verify(ring, "ml", stored).ok
+        assert post(server, "/validate", review(stored))["allowed"] is True
+        # Injected again (a later webhook changed the pod): no second copy.
+        assert injected(server, stored)["spec"]["imagePullSecrets"] == stored["spec"][
+            "imagePullSecrets"]  # fmt: skip
+        # A pod that does not ask for mooncake gets nothing.
+        plain = pod([container(image=GOOD, args=["--model-path", "m"])], annotations=INJECT)
+        assert "imagePullSecrets" not in injected(server, plain)["spec"]

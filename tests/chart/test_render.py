@@ -680,6 +680,11 @@ class TestCRDs:
         one = ci_file("one-replica-fail-values")
         assert one.maybe("CustomResourceDefinition", "clusterkopfpeerings.kopf.dev") is None
         assert ci_file("minimal-values").all("CustomResourceDefinition") == []
+        # Another kopf operator's CRD is used as it is: helm would refuse to take it over.
+        theirs = render("--set", "crds.kopfPeering=false")
+        assert theirs.maybe("CustomResourceDefinition", "clusterkopfpeerings.kopf.dev") is None
+        assert {c["metadata"]["name"] for c in theirs.all("CustomResourceDefinition")} == {
+            "imageverdicts.epguard.io", "refusedimagelists.epguard.io"}  # fmt: skip
 
 
 class TestHelmTest:
@@ -712,6 +717,12 @@ class TestHelmTest:
 class TestNotes:
     def notes(self, *extra: str) -> str:
         return notes(*extra)
+
+    def test_the_hold_warning_says_how_long_a_pod_is_held(self) -> None:
+        # It said retainSeconds (0 s), where the retry comes after the longer of it and
+        # the preflight's deadline (600 s).
+        text = self.notes("--set", "preflight.onError=hold", "--set", "preflight.retainSeconds=0")
+        assert "retried 600 s later" in text.split("\n\n", 1)[0]
 
     def test_risky_settings_come_first(self) -> None:
         text = self.notes("-f", str(CHART / "ci" / "one-replica-fail-values.yaml"))

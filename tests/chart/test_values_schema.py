@@ -12,7 +12,8 @@ import jsonschema  # type: ignore[import-untyped]
 import pytest
 import yaml
 
-from tests.chart.chartlib import CHART, CI_VALUES, run_helm
+from epguard.webhook.engine.workloads import KindError, parse_kinds
+from tests.chart.chartlib import CHART, CI_VALUES, run_helm, template
 
 SCHEMA = json.loads((CHART / "values.schema.json").read_text())
 VALUES_TEXT = (CHART / "values.yaml").read_text()
@@ -172,3 +173,73 @@ class TestTyposFail:
         f.write_text("networkPolicy:\n  enable: false\n")
         proc = run_helm("template", "x", str(CHART), "-f", str(f), check=False)
         assert proc.returncode != 0 and "enable" in proc.stderr
+
+
+class TestSettingsThatWouldBreakTheCluster:
+    """Values the schema's types allow but that render something an admin would regret
+    (found by an admin's review of the chart)."""
+
+    @pytest.mark.parametrize(
+        "settings",
+        [
+            ("webhook.podDisruptionBudget.minAvailable=2",),
+            ("controller.podDisruptionBudget.minAvailable=100%",),
+            # the disruption controller rounds a percentage up: 60% of 2 is 2
+            ("webhook.podDisruptionBudget.minAvailable=60%",),
+            ("webhook.replicaCount=3", "webhook.podDisruptionBudget.minAvailable=3"),
+        ],
+    )
+    def test_a_budget_that_keeps_every_replica_up_is_refused(
+        self, settings: tuple[str, ...]
+    ) -> None:
+        # (Rendered, it made `kubectl drain` of a node running a replica wait forever.)
+        args = [a for s in settings for a in ("--set", s)]
+        proc = run_helm("template", "x", str(CHART), *args, check=False)
+        assert proc.returncode != 0, f"{settings} was accepted"
+        assert "could ever be drained" in proc.stderr and "minAvailable" in proc.stderr
+
+    @pytest.mark.parametrize(
+        ("settings", "kept"),
+        [
+            (("webhook.podDisruptionBudget.minAvailable=50%",), "50%"),
+            (("webhook.replicaCount=3", "webhook.podDisruptionBudget.minAvailable=2"), 2),
+            (("webhook.podDisruptionBudget.minAvailable=0",), 0),
+        ],
+    )
+    def test_a_budget_that_lets_one_replica_go_is_rendered(
+        self, settings: tuple[str, ...], kept: object
+    ) -> None:
+        args = [a for s in settings for a in ("--set", s)]
+        [pdb] = [
+            o
+            for o in template(*args)
+            if o["kind"] == "PodDisruptionBudget" and "webhook" in o["metadata"]["name"]
+        ]
+        assert pdb["spec"]["minAvailable"] == kept
+
+    def test_an_extra_kind_with_an_empty_path_list_is_refused(self) -> None:
+        # The webhook refuses it at start (no path), so the release ran no webhook.
+        kind = {"group": "g.io", "versions": ["v1"], "kind": "K", "resource": "ks"}
+        for field in ("templates", "podSpecs", "containers"):
+            value = json.dumps([{**kind, field: []}])
+            proc = run_helm(
+                "template", "x", str(CHART), "--set-json", f"webhook.extraKinds={value}",
+                check=False,
+            )
+            assert proc.returncode != 0 and field in proc.stderr, (field, proc.stderr[-300:])
+
+    def test_an_extra_kind_listed_twice_is_refused_by_the_chart_and_the_webhook(self) -> None:
+        # Two entries of one resource (one a version) rendered two webhooks of one name,
+        # which the API server refuses: the whole install or upgrade failed.
+        kinds = [
+            {"group": "example.com", "versions": [v], "kind": "InferenceService",
+             "resource": "inferenceservices", "templates": [f"spec.{v}"]}
+            for v in ("v1", "v2")
+        ]  # fmt: skip
+        value = json.dumps(kinds)
+        proc = run_helm(
+            "template", "x", str(CHART), "--set-json", f"webhook.extraKinds={value}", check=False
+        )
+        assert proc.returncode != 0 and "listed twice" in proc.stderr, proc.stderr[-300:]
+        with pytest.raises(KindError, match="listed twice"):
+            parse_kinds(value, "webhook.extraKinds")

@@ -43,6 +43,7 @@ def _clean_env(**extra: str) -> dict[str, str]:
         ("webhook", "EPGUARD_VERDICT_TTL_HOURS", "-2", "at least 0"),
         ("webhook", "EPGUARD_PORT", "http", "must be a number"),
         ("webhook", "EPGUARD_PROBE_LEVEL", "deep", "must be one of import, smoke"),
+        ("webhook", "EPGUARD_INJECT_PULL_SECRETS", "corp,Bad_Name", "no Secret name"),
     ],
 )
 def test_a_bad_value_is_one_line_on_stderr_and_exit_2(
@@ -237,3 +238,14 @@ def test_declared_architectures_are_read_once_each() -> None:
     for bad in ("AMD64", "amd64-", "arm64.", "a" * 64):  # not a label value kubelets write
         with pytest.raises(SettingsError, match=r"no kubernetes\.io/arch value"):
             parse([], {"EPGUARD_ARCHITECTURES": bad})
+
+
+def test_the_injected_images_pull_secrets_are_secret_names_read_once_each() -> None:
+    """Added to tenants' pods: a name the API server refuses would refuse every such pod
+    (each a create that fails), so the webhook refuses to start on it instead."""
+    env = {"EPGUARD_INJECT_PULL_SECRETS": " corp-pull,corp-pull ,, mirror.creds"}
+    assert load([], env).inject_pull_secrets == ("corp-pull", "mirror.creds")
+    assert load([], {}).inject_pull_secrets == ()
+    for bad in ("Corp", "corp_pull", "-corp", "a" * 254):
+        with pytest.raises(SettingsError, match="no Secret name"):
+            load([], {"EPGUARD_INJECT_PULL_SECRETS": bad})

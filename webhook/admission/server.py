@@ -165,6 +165,7 @@ class Runtime:
             injection=InjectionSettings(
                 settings.inject_image,
                 level=settings.probe_level,
+                pull_secrets=settings.inject_pull_secrets,
                 preflight=settings.preflight_mode,
             ),
             ready=self.is_ready,

@@ -72,6 +72,10 @@ class InjectionSettings:
     # Gate a worker on an unjudged image until a preflight judged it (engine/preflight.py);
     # a namespace's epguard.io/preflight label overrides it.
     preflight: PreflightMode = "off"
+    # Image pull secrets added to the pod (injection.imagePullSecrets): the registry
+    # credentials of epguard_image where the nodes have none. A preflight copies the
+    # worker's, so it gets them too.
+    pull_secrets: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,15 +337,32 @@ def plan(pod_spec: Any, settings: InjectionSettings, path: str = "/spec") -> Inj
         {"op": "add", "path": f"{path}/initContainers", "value": [*injected, *kept.inits]},
         {"op": "add", "path": f"{path}/volumes", "value": [*kept.volumes, volume]},
     ]
+    out = {**spec, "initContainers": patch[0]["value"], "volumes": patch[1]["value"]}
+    secrets = _with_pull_secrets(spec.get("imagePullSecrets"), settings.pull_secrets)
+    if secrets is not None:
+        patch.append({"op": "add", "path": f"{path}/imagePullSecrets", "value": secrets})
+        out["imagePullSecrets"] = secrets
     return Injection(
         patch=patch,
         probes=tuple(p["name"] for p in probes),
         containers=injected,
         volume=volume,
         removed=kept.removed_inits or kept.removed_volume,
-        spec={**spec, "initContainers": patch[0]["value"], "volumes": patch[1]["value"]},
+        spec=out,
         settled=settled,
     )
+
+
+def _with_pull_secrets(current: Any, names: tuple[str, ...]) -> list[Any] | None:
+    """The pod's ``imagePullSecrets`` with each of ``names`` it lacks appended (what it
+    lists kept as it is, first), or None when it lacks none. Without them, in a namespace
+    whose pods pull from the injected image's private registry with a secret, the
+    worker's first init container could not be pulled: stuck on its GPU node (and the
+    preflight, which copies the worker's secrets, could not judge)."""
+    listed = list(as_list(current))
+    have = {str(as_map(s).get("name")) for s in listed}
+    missing = [{"name": n} for n in names if n not in have]
+    return [*listed, *missing] if missing else None
 
 
 def _map_op(

@@ -149,6 +149,16 @@ def parse_kinds(text: str, where: str) -> tuple[KindSpec, ...]:
     builtin = [k for k in kinds if (k.group, k.kind) in KNOWN_KINDS]
     if builtin:
         raise KindError(f"{where}: {builtin[0].kind} ({builtin[0].group}) is built in already")
+    # One entry a resource: the chart names its webhook after the resource (two entries,
+    # say one a version, made two webhooks of one name, which the API server refuses).
+    seen: set[tuple[str, str]] = set()
+    for i, k in enumerate(kinds):
+        if (k.group, k.resource) in seen:
+            raise KindError(
+                f"{where}[{i}]: {k.resource} ({k.group or 'core'}) is listed twice: give one "
+                "entry with every version in its versions"
+            )
+        seen.add((k.group, k.resource))
     return kinds
 
 

@@ -336,3 +336,24 @@ apply refuses the duplicate key), so the value's own setting is the one place fo
 {{- end -}}
 {{- toYaml (concat $env .extra) -}}
 {{- end -}}
+
+{{/*
+A PodDisruptionBudget's minAvailable, refused where it keeps every replica up (an integer
+at or above replicaCount, or a percentage that rounds up to it, as the disruption
+controller rounds it): no node that holds a replica could ever be drained.
+Call with (dict "pdb" <values> "replicas" <replicaCount> "what" "webhook").
+*/}}
+{{- define "epguard.minAvailable" -}}
+{{- $min := .pdb.minAvailable -}}
+{{- $replicas := int .replicas -}}
+{{- $kept := 0 -}}
+{{- if kindIs "string" $min -}}
+{{- $kept = int (ceil (divf (mulf (float64 (trimSuffix "%" $min)) $replicas) 100)) -}}
+{{- else -}}
+{{- $kept = int $min -}}
+{{- end -}}
+{{- if ge $kept $replicas -}}
+{{- fail (printf "%s.podDisruptionBudget.minAvailable %v keeps all %d replicas up, so no node that runs one could ever be drained: set it below %s.replicaCount, or disable the PodDisruptionBudget" .what $min $replicas .what) -}}
+{{- end -}}
+{{- $min -}}
+{{- end -}}
