@@ -90,7 +90,7 @@ _QUOTE_CHARS = str.maketrans("", "", "'\"\\")
 # `${`, 30 KB of `${a:=` took 113 ms; found by a review helper.)
 REF_CHARS = 512
 REF_DEPTH = 4
-_REF_SPECIAL = re.compile(r"\$\{|\\.|[}\"']", re.S)
+_REF_SPECIAL = re.compile(r"\$\{|\\.|[}\"]", re.S)
 # Where a double-quoted text ends: its `${…}` skipped whole (their own quotes inside).
 _DQ_SPECIAL = re.compile(r'\\.|"|\$\{', re.S)
 # A reference references() did not delimit: up to its first `}` (REF_CHARS at most).
@@ -225,7 +225,6 @@ _WRITER = re.compile(
     r"(?:read|mapfile|readarray|unset)(?:[ \t]+-[^\s;&|(){}]+)*[ \t]+|"
     r"getopts[ \t]+[^\s;&|(){}]+[ \t]+|"
     r"(?:for|select)[ \t]+)((?:[A-Za-z_][A-Za-z0-9_]*[ \t]*)+)")
-_SELF_DEFAULT = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*):?[-=]([^{}]*)\}")
 _DEFAULT_ASSIGN = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*):?=([^{}]*)\}")
 _NAME = re.compile(_NAME_RE)
 _KNOWN_REF = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
@@ -290,7 +289,20 @@ class Command:
 _UNSET = object()  # a positional parameter the words after the script do not give
 
 
-def _expand(ref, env, budget, positional=(), depth=0):
+class Shifting(tuple):
+    """``$0 $1 …`` of a script that may change them (`set -- …`, `shift`, a function's
+    own): past the words given, a parameter is unknown, not unset (`set -- mooncake;
+    … ${1:-none}` launches mooncake, and was read as none: review helper)."""
+
+
+# What changes a script's positional parameters: `shift`, or `set` with words after its
+# options (`set -- a`, `set a`; not `set -euo pipefail`).
+_SHIFTS = re.compile(
+    r"(?:^|[;&|(){}\n])[ \t]*(?:shift\b|set(?:[ \t]+(?:[-+]o[ \t]+[A-Za-z]+|[-+][A-Za-z]+))*"
+    r"[ \t]+(?:--|[^-+\s;&|#]))")
+
+
+def _expand(ref, env, budget, positional=(), depth=0, quoted=False, refs=None, at=0):
     """The value of ``$NAME`` / ``${NAME}`` / ``${NAME:-word}`` / ``$1`` / ``${1:-word}``
     / ``$@``, or None when it cannot be known here (then the text is kept as written).
 
@@ -298,7 +310,10 @@ def _expand(ref, env, budget, positional=(), depth=0):
     envFrom), not unset; its default (``:-``) or alternative (``:+``) is assumed, the
     side on which more of the line is seen, and noted in ``budget.guesses``. A positional
     parameter past the words after the script is unset (``positional`` empty: unknown).
-    The word is made as the shell makes it (_made: quotes removed, references put in)."""
+    The word is made as the shell makes it (_made: quotes removed, references put in;
+    ``quoted``: the reference is in double quotes, where a single quote or a backslash
+    before a letter in its word stays as it is; ``refs``: the references() of a text
+    holding ``ref`` at ``at``)."""
     m = _POSITIONAL.match(ref)
     if m is not None:
         which = m.group(1)
@@ -312,9 +327,10 @@ def _expand(ref, env, budget, positional=(), depth=0):
     if m is None or depth > REF_DEPTH:
         return None
     name, op, word = m.group(1), m.group(2), m.group(3)
+    made = (refs, at + m.start(3)) if refs is not None else (None, 0)
     if name[0] in "0123456789@*":
-        if not positional:
-            value = None
+        if not positional or isinstance(positional, Shifting):
+            value = None  # unknown here: a default is assumed, not certain
         elif name in "@*":
             value = " ".join(positional[1:]) if len(positional) > 1 else _UNSET
         else:
@@ -328,23 +344,31 @@ def _expand(ref, env, budget, positional=(), depth=0):
     if value is None:
         if op.endswith(("-", "=", "+")):
             budget.guesses.append(ref)
-            return _made(word, env, budget, positional, depth + 1)
+            return _made(word, env, budget, positional, depth + 1, quoted, None, *made)
         return None
     unset = value is _UNSET or (op.startswith(":") and value == "")
     if op.endswith(("-", "=")):
-        return _made(word, env, budget, positional, depth + 1) if unset else value
+        if not unset:
+            return value
+        return _made(word, env, budget, positional, depth + 1, quoted, None, *made)
     if op.endswith("+"):
-        return "" if unset else _made(word, env, budget, positional, depth + 1)
+        if unset:
+            return ""
+        return _made(word, env, budget, positional, depth + 1, quoted, None, *made)
     return None if value is _UNSET else value
 
 
 def references(text):
     """``{start: end}`` of each ``${…}`` of ``text`` that closes within REF_CHARS
     characters and REF_DEPTH references, as the shell delimits it: inside it a ``}`` in
-    quotes or escaped ends nothing, and a nested ``${…}`` is one piece. One pass over the
-    text (the text around a reference is not read: its quotes do not matter here)."""
+    double quotes or escaped ends nothing, and a nested ``${…}`` is one piece. One pass
+    over the text (the text around a reference is not read: its quotes do not matter
+    here). A single quote is no quote here: in a double-quoted `"${MSG:-it's}"` sh takes
+    it as a letter, and read as one it swallowed the script up to the next quote, the
+    launch line with it (review helper)."""
     ends = {}
     stack = []  # [quoted, start]: a reference (False) or a "…" inside one (True)
+    open_refs = 0
     pos = 0
     while True:
         m = _REF_SPECIAL.search(text, pos)
@@ -353,11 +377,12 @@ def references(text):
         at, token = m.start(), m.group()
         pos = m.end()
         while stack and at - stack[0][1] > REF_CHARS:
-            del stack[0]  # no `}` within REF_CHARS: not a reference
+            open_refs -= not stack.pop(0)[0]  # no `}` within REF_CHARS: not a reference
         if token == "${":
-            if sum(1 for quoted, _ in stack if not quoted) >= REF_DEPTH:
-                stack = []  # too deep: none of them is read
+            if open_refs >= REF_DEPTH:
+                stack, open_refs = [], 0  # too deep: none of them is read
             stack.append((False, at))
+            open_refs += 1
         elif not stack or token[0] == "\\":
             continue
         elif stack[-1][0]:  # in "…" inside a reference
@@ -365,40 +390,39 @@ def references(text):
                 stack.pop()
         elif token == "}":
             ends[stack.pop()[1]] = pos
-        elif token == '"':
+            open_refs -= 1
+        else:  # '"'
             stack.append((True, at))
-        else:  # ' … ': nothing inside it counts
-            close = text.find("'", pos, stack[0][1] + REF_CHARS + 1)
-            if close < 0:
-                stack = []
-            else:
-                pos = close + 1
 
 
-def _dq_end(text, pos, refs):
+def _dq_end(text, pos, refs, base=0):
     """(where the body of the double-quoted text that starts at ``pos`` ends, whether a
-    closing quote ends it): a ``${…}`` in it (``refs``) is one piece, its own quotes
-    inside."""
+    closing quote ends it): a ``${…}`` in it (``refs``, of a text holding ``text`` at
+    ``base``) is one piece, its own quotes inside."""
     while True:
         m = _DQ_SPECIAL.search(text, pos)
         if m is None:
             return len(text), False
         if m.group() == '"':
             return m.start(), True
-        pos = refs.get(m.start(), m.end()) if m.group() == "${" else m.end()
+        end = refs.get(base + m.start()) if m.group() == "${" else None
+        pos = m.end() if end is None else end - base
 
 
-def _made(text, env, budget, positional=(), depth=0, quoted=False, limit=None, at=None):
+def _made(text, env, budget, positional=(), depth=0, quoted=False, limit=None, refs=None,
+          base=0):
     """``text`` as the shell makes one word of it, without splitting it: quotes removed,
     escapes decoded, every reference put in (_expand) and one it cannot know kept as
     written, command substitutions kept as written. ``quoted``: ``text`` is the body of
     a double-quoted string (quotes and escapes inside it as there). ``env`` is a mapping,
     or a function giving the mapping for a reference (env_at). OverBudget
     as soon as the word would pass ``limit`` characters (a line that doubles itself at
-    each step is not built)."""
+    each step is not built). ``refs``: the references() of a text that holds ``text`` at
+    ``base`` (a nested word is not scanned again)."""
     if limit is None:
         limit = len(text) + budget.left
-    refs = references(text) if "${" in text else {}
+    if refs is None:
+        refs, base = (references(text) if "${" in text else {}), 0
     out = []
     size = pos = 0
     n = len(text)
@@ -418,19 +442,22 @@ def _made(text, env, budget, positional=(), depth=0, quoted=False, limit=None, a
         elif kind == "ref":
             start = m.start()
             if piece == "${":
-                end = refs.get(start)
-                if end is None:
+                end = refs.get(base + start)
+                if end is not None:
+                    end -= base
+                else:
                     short = _SHORT_REF.match(text, start)
                     end = short.end() if short is not None else pos
                 pos = end
                 piece = text[start:end]
             mapping = env(piece) if callable(env) else env
-            got = _expand(piece, mapping, budget, positional, depth)
+            got = _expand(piece, mapping, budget, positional, depth, quoted, refs, base + start)
             if got is None:
                 got = piece
-        elif kind == "dq" and not quoted:
-            end, closed = _dq_end(text, pos, refs)
-            got = _made(text[pos:end], env, budget, positional, depth, True, limit - size)
+        elif kind == "dq":  # (in double quotes, only inside a reference's word)
+            end, closed = _dq_end(text, pos, refs, base)
+            got = _made(text[pos:end], env, budget, positional, depth, True, limit - size,
+                        refs, base + pos)
             pos = end + closed
         elif kind == "sq":
             got = piece[1:-1] if piece.endswith("'") and len(piece) > 1 else piece[1:]
@@ -736,6 +763,20 @@ def script_env(script, env, budget):
     return local, {k: v for k, v in steps.items() if len(v[1]) > 1}
 
 
+def _own_default(name, raw):
+    """The word of the ``${NAME:-word}`` or ``${NAME:=word}`` (colon or not) that ``raw``,
+    a value given to NAME, holds, references nested in it (`EP=${EP:-${DEFAULT_EP:-
+    mooncake}}`: a pattern with no braces inside never saw that default, and a contested
+    EP read as none: review helper); None if it holds none."""
+    if "${" not in raw:
+        return None
+    for start, end in sorted(references(raw).items()):
+        m = _BRACED.match(raw, start, end)
+        if m is not None and m.group(1) == name and (m.group(2) or "+")[-1] in "-=":
+            return m.group(3)
+    return None
+
+
 def _names_itself(name, raw):
     """Does the value ``raw`` given to ``name`` use it (`$EP_DECODE` is not `$EP`)?"""
     return re.search(r"\$\{?" + name + r"(?![A-Za-z0-9_])", raw) is not None
@@ -809,12 +850,12 @@ def _contested(script, env, parts, modelled, readonly):
                 if in_shell(item.start(1)):
                     set_in_shell.add(name)
             else:
-                own = _SELF_DEFAULT.search(raw)
-                if own is not None and own.group(1) == name and not env.get(name):
+                own = _own_default(name, raw)
+                if own is not None and not env.get(name):
                     # `EP=${EP:-mooncake}`: where the environment does not hold EP, the
                     # word is a value it may have (a contested name set to `none` in a
                     # piped loop was read as none, built on by this step: review helper)
-                    defaults.setdefault(name, []).append(own.group(2))
+                    defaults.setdefault(name, []).append(own)
                 if item.start(1) not in modelled and in_shell(item.start(1)):
                     # a step on the value before it, where the shell may skip it
                     taken.append((item.start(1), name, append, raw, end, True))
@@ -850,7 +891,11 @@ def _contested(script, env, parts, modelled, readonly):
             # `mooncake --elastic-ep-backend none` asks for none, and was chosen over a
             # value unknown here: review helper).
             for word in defaults.get(name, ()):
-                p = _plain(word, env, left)
+                try:  # (made as the shell makes it: `${DEFAULT_EP:-mooncake}` in it too)
+                    p = _made(word, env, Budget(max(left[0], 0)))
+                except OverBudget:
+                    continue
+                left[0] -= len(p)
                 if p.strip() == "mooncake" or (_names_flag(p) and "mooncake" in p
                                                and not _another_backend(p)):
                     asks.append(word)
@@ -998,14 +1043,16 @@ def env_at(env, steps, ref, pos):
     ``env`` itself for any other name."""
     if not steps:
         return env
-    m = _REF_NAME.match(ref)
-    seq = steps.get(m.group(1)) if m is not None else None
-    if seq is None:
-        return env
-    at, values = seq
-    i = bisect.bisect_left(at, pos)
-    # (the others as the environment has them: a default's word may name them)
-    return ChainMap({m.group(1): values[i - 1] if i else values[-1]}, env)
+    # Every name such a reference holds (its own, and those in a default's word: `${EP:-$B}`
+    # took B's last value, not the one at its place: review helper).
+    at_pos = {}
+    for name in _REF_NAME.findall(ref):
+        seq = steps.get(name)
+        if seq is not None:
+            at, values = seq
+            i = bisect.bisect_left(at, pos)
+            at_pos[name] = values[i - 1] if i else values[-1]
+    return ChainMap(at_pos, env) if at_pos else env
 
 
 def words(script, env, budget, positional=(), steps=None):
@@ -1100,7 +1147,7 @@ def words(script, env, budget, positional=(), steps=None):
                 continue
             if "$" in body or "\\" in body:
                 made = _made(body, lambda ref, at=at: env_at(env, steps, ref, at), budget,
-                             positional, quoted=True)
+                             positional, quoted=True, refs=refs, base=start)
                 budget.spend(max(0, len(made) - len(body)))
                 body = made
             cur.append(body)
@@ -1112,7 +1159,8 @@ def words(script, env, budget, positional=(), steps=None):
             cur.append(text[1])
             started = True
         elif kind == "dollar" or kind == "pos":
-            value = _expand(text, env_at(env, steps, text, at), budget, positional)
+            value = _expand(text, env_at(env, steps, text, at), budget, positional,
+                            refs=refs, at=at)
             if value is None:
                 cur.append(text)  # unknown here: kept as written, so it is visible
                 started = True
@@ -1279,6 +1327,8 @@ def _collect(words_, where, env, budget, depth, out):
     local, steps = script_env(script, env, budget)
     # $0 $1 … of the script; with no words after it, $0 is the shell and "$@" is empty.
     positional = tuple(words_[at + 1:]) or (os.path.basename(words_[0]),)
+    if _SHIFTS.search(script) or _FUNCTION.search(script):
+        positional = Shifting(positional)
     for cmd in _split_commands(words(script, local, budget, positional, steps)):
         _collect(cmd, "sh -c script", local, budget, depth + 1, out)
 

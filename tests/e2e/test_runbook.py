@@ -1,6 +1,10 @@
 """docs/runbook.md's commands, run as the runbook gives them, by bash and the real
 kubectl against a real API server: an admin who turns injection off or uninstalls epguard
-releases the gates the controller can no longer remove, and nothing else."""
+releases the gates the controller can no longer remove, and nothing else.
+
+The API server is this module's own: the command works across all namespaces (it would
+release other tests' gates), and a cluster that still has epguard's policies refuses a
+preflight pod made by anyone but its controller (the one the command deletes)."""
 
 from __future__ import annotations
 
@@ -8,11 +12,14 @@ import json
 import os
 import re
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from devcluster import ControlPlane, binaries
+from tests.control_plane import running_control_plane
 
 pytestmark = pytest.mark.e2e
 
@@ -28,7 +35,7 @@ def _block_after(marker: str) -> str:
     return m.group(1)
 
 
-def _pod(name: str, gates: list[str], labels: dict[str, str] | None = None) -> dict:
+def _pod(name: str, gates: list[str], labels: dict[str, str] | None = None) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -40,14 +47,31 @@ def _pod(name: str, gates: list[str], labels: dict[str, str] | None = None) -> d
     }
 
 
+@pytest.fixture(scope="module")
+def own_api_server() -> Iterator[ControlPlane]:
+    with running_control_plane() as cp:
+        yield cp
+
+
 def _gates(cp: ControlPlane, namespace: str, name: str) -> list[str]:
     out = cp.kubectl("get", "pod", "-n", namespace, name, "-o", "json", check=True).stdout
     return [g["name"] for g in json.loads(out)["spec"].get("schedulingGates", [])]
 
 
+def _release(env: dict[str, str]) -> None:
+    """The runbook's release command, as an admin's shell runs it."""
+    run = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", _block_after("tests/e2e/test_runbook.py")],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
 def test_the_release_command_removes_only_epguards_gate(
-    control_plane: ControlPlane, namespace: str, tmp_path: Path
+    own_api_server: ControlPlane, tmp_path: Path
 ) -> None:
+    control_plane, namespace = own_api_server, "ml-team"
+    control_plane.kubectl("create", "namespace", namespace, check=True)
     pods = [
         _pod("behind-another-gate", ["example.com/quota", GATE]),
         _pod("epguard-only", [GATE]),
@@ -55,29 +79,20 @@ def test_the_release_command_removes_only_epguards_gate(
         _pod("preflight", [], labels={"epguard.io/preflight-pod": "true"}),
     ]
     for p in pods:
-        control_plane.kubectl(
-            "create", "-n", namespace, "-f", "-", input=json.dumps(p), check=True
-        )
+        made = control_plane.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(p))
+        assert made.returncode == 0, made.stderr
     kubectl = binaries.find("kubectl")
     env = {
         "PATH": f"{kubectl.parent}{os.pathsep}{os.environ.get('PATH', os.defpath)}",
         "KUBECONFIG": str(control_plane.kubeconfig),
         "HOME": str(tmp_path),  # kubectl's cache: not the working directory's .kube
     }
-    run = subprocess.run(
-        ["bash", "-euo", "pipefail", "-c", _block_after("tests/e2e/test_runbook.py")],
-        capture_output=True, text=True, env=env, timeout=120,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stdout + run.stderr
+    _release(env)
     assert _gates(control_plane, namespace, "behind-another-gate") == ["example.com/quota"]
     assert _gates(control_plane, namespace, "epguard-only") == []
     assert _gates(control_plane, namespace, "not-epguards") == ["example.com/quota"]
     left = control_plane.kubectl("get", "pods", "-n", namespace, "-o", "name", check=True)
     assert "pod/preflight" not in left.stdout.split()
     # Run again (nothing left to release): it changes nothing and fails nothing.
-    again = subprocess.run(
-        ["bash", "-euo", "pipefail", "-c", _block_after("tests/e2e/test_runbook.py")],
-        capture_output=True, text=True, env=env, timeout=120,
-    )  # fmt: skip
-    assert again.returncode == 0, again.stdout + again.stderr
+    _release(env)
     assert _gates(control_plane, namespace, "behind-another-gate") == ["example.com/quota"]
