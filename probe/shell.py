@@ -818,7 +818,9 @@ def _contested(script, env, parts, modelled, readonly):
     all plain text without it, the last is (whichever runs, no request); otherwise it is
     unknown. One set only where it does not last has the environment's value, or is
     unknown. Either way the steps that build on it (`ARGS="$ARGS …"`) still add to it
-    (script_env). Unknown outright: a name set by a command (`printf -v`, `read`,
+    (script_env). A default the script gives a contested name, in its own step
+    (`EP=${EP:-word}`) or at a use (`${EP:-word}`), is one of its values when it asks for
+    mooncake. Unknown outright: a name set by a command (`printf -v`, `read`,
     `mapfile`, `unset`, `getopts`, `for`, `select`) or as an array element, and every
     name a script assigns once it sets IFS on its own (words split where this reading
     does not). Comments are not read."""
@@ -877,6 +879,16 @@ def _contested(script, env, parts, modelled, readonly):
         unknown.update(_NAME.findall(m.group(1)))
     if _IFS.search(text):
         unknown |= assigned
+    # A default at a use (`--elastic-ep-backend ${EP:-mooncake}`) is a value a contested
+    # name has wherever what sets it does not run (`if [ "$ROLE" = prefill ]; then
+    # EP=none; fi`: the decode workers launch mooncake, and EP was read as none
+    # everywhere, the worker admitted unjudged: review helper).
+    if "${" in text:
+        for start, end in references(text).items():
+            m = _BRACED.match(text, start, end)
+            if (m is not None and m.group(1) in contested and not env.get(m.group(1))
+                    and (m.group(2) or "+")[-1] in "-="):
+                defaults.setdefault(m.group(1), []).append(m.group(3))
     chosen = {}
     left = [BUDGET]  # what the environment's values may add to them all, in characters
     for name in sorted(contested - unknown):  # one answer, whatever the hash seed

@@ -1414,3 +1414,34 @@ def test_a_single_quote_in_a_double_quoted_default_is_a_letter_in_sh() -> None:
         assert "--elastic-ep-backend mooncake" in real, (sh, real)
     r = read(["sh", "-c", script.format(launch=f"exec {SERVER}")], env=env)
     assert r.requested and r.where == "sh -c script", (r.values, r.where)
+
+
+DEFAULT_WHERE_A_BRANCH_DOES_NOT_RUN = {
+    "then": 'if [ "$ROLE" = prefill ]; then EP=none; fi\n'
+            "{launch} --elastic-ep-backend ${{EP:-mooncake}}",
+    "and": '[ "$ROLE" = prefill ] && EP=none\n{launch} --elastic-ep-backend "${{EP:-mooncake}}"',
+    "nested": 'if [ "$ROLE" = prefill ]; then EP=none; fi\n'
+              "{launch} --elastic-ep-backend ${{EP:-${{DEFAULT_EP:-mooncake}}}}",
+    "quoted-after-an-empty-value": "EP=\nif [ \"$ROLE\" = prefill ]; then EP=none; fi\n"
+                                   "{launch} --elastic-ep-backend ${{EP:-'moon'cake}}",
+}
+
+
+@pytest.mark.parametrize("script", DEFAULT_WHERE_A_BRANCH_DOES_NOT_RUN.values(),
+                         ids=DEFAULT_WHERE_A_BRANCH_DOES_NOT_RUN.keys())
+def test_a_default_at_a_use_counts_where_the_branch_that_sets_the_name_does_not_run(
+    script: str,
+) -> None:
+    """The prefill role sets EP=none; every other role launches the default, mooncake.
+    EP was read as none everywhere (the lenient reading saw the nested and quoted
+    defaults not at all, and the plain one only as text no command places: never
+    gated), and the decode workers admitted unjudged (review helper)."""
+    env = {"ROLE": "decode"}
+    for sh in REAL_SHELLS:
+        if shutil.which(sh) is None:
+            continue
+        real = subprocess.run([sh, "-c", script.format(launch="echo")], capture_output=True,
+                              text=True, check=True, env=_with_path(env)).stdout  # fmt: skip
+        assert real.split() == ["--elastic-ep-backend", "mooncake"], (sh, real)
+    r = read(["bash", "-c", script.format(launch=f"exec {SERVER}")], env=env)
+    assert r.requested and r.where == "sh -c script", (r.values, r.where)
