@@ -295,11 +295,31 @@ class Shifting(tuple):
     … ${1:-none}` launches mooncake, and was read as none: review helper)."""
 
 
-# What changes a script's positional parameters: `shift`, or `set` with words after its
-# options (`set -- a`, `set a`; not `set -euo pipefail`).
-_SHIFTS = re.compile(
-    r"(?:^|[;&|(){}\n])[ \t]*(?:shift\b|set(?:[ \t]+(?:[-+]o[ \t]+[A-Za-z]+|[-+][A-Za-z]+))*"
-    r"[ \t]+(?:--|[^-+\s;&|#]))")
+# What may change a script's positional parameters, wherever it stands (after `then`,
+# `do`, `eval`: review helper): `shift`, `eval`, a sourced file, `set` with words after
+# its options (_may_shift).
+_SHIFTERS = re.compile(
+    r"(?:^|(?<=[\s;&|(){}]))(?:(?:shift|eval|source)\b|\.(?=[ \t])|set(?=[ \t]))")
+_SET_WORDS = re.compile(r"[^;&|)\n#]*")
+
+
+def _may_shift(script):
+    """May ``script`` change its positional parameters (then ``$1`` past the words given
+    is unknown, not unset)? `set -euo pipefail` does not: an option word ending in `o`
+    takes the next word (a pattern read `pipefail` as a parameter: review helper)."""
+    if _FUNCTION.search(script):
+        return True  # a function's own parameters
+    for m in _SHIFTERS.finditer(script):
+        if not m.group().startswith("set"):
+            return True
+        words = _SET_WORDS.match(script, m.end()).group().split()
+        i = 0
+        while i < len(words):
+            word = words[i]
+            if word == "--" or word[:1] not in "-+" or len(word) < 2:
+                return True
+            i += 2 if word.endswith("o") else 1
+    return False
 
 
 def _expand(ref, env, budget, positional=(), depth=0, quoted=False, refs=None, at=0):
@@ -833,6 +853,10 @@ def _contested(script, env, parts, modelled, readonly):
     assigned = set()
     set_in_shell = set()  # names set somewhere the script's own shell keeps them
     defaults = {}  # name -> the words of `NAME=${NAME:-word}` (not values of their own)
+    # Names with an assignment that always runs (in order, outside any block): with a
+    # value, a default at a use never applies; any, the environment's value is gone.
+    outside_blocks = _outside(parts.blocks)
+    lasting, lasting_value = set(), set()
     end = 0
     for m in _ANY_ASSIGNMENT.finditer(text):
         if m.start(1) < end:
@@ -847,6 +871,10 @@ def _contested(script, env, parts, modelled, readonly):
                 unknown.add(name)
             elif not append and not _names_itself(name, raw):
                 values.setdefault(name, []).append(raw)
+                if item.start(1) in modelled and outside_blocks(item.start(1)):
+                    lasting.add(name)
+                    if raw not in ("", '""', "''"):
+                        lasting_value.add(name)
                 if item.start(1) not in modelled:
                     contested.add(name)
                 if in_shell(item.start(1)):
@@ -879,40 +907,56 @@ def _contested(script, env, parts, modelled, readonly):
         unknown.update(_NAME.findall(m.group(1)))
     if _IFS.search(text):
         unknown |= assigned
-    # A default at a use (`--elastic-ep-backend ${EP:-mooncake}`) is a value a contested
-    # name has wherever what sets it does not run (`if [ "$ROLE" = prefill ]; then
-    # EP=none; fi`: the decode workers launch mooncake, and EP was read as none
-    # everywhere, the worker admitted unjudged: review helper).
+    left = [BUDGET]  # what the environment's values may add to them all, in characters
+    # The values the script gives a name once, for the words below (`${EP:-$DEFAULT_EP}`
+    # with DEFAULT_EP=mooncake set by the script read none: review helper).
+    known = ChainMap({n: _plain(vs[0], env, left) for n, vs in values.items()
+                      if len(set(vs)) == 1 and n not in contested}, env)  # fmt: skip
+
+    def asks(word):
+        """Does ``word``, made as the shell makes it, ask for mooncake?"""
+        try:
+            p = _made(word, known, Budget(max(left[0], 0)))
+        except OverBudget:
+            return False
+        left[0] -= len(p)
+        return p.strip() == "mooncake" or (_names_flag(p) and "mooncake" in p
+                                           and not _another_backend(p))
+
+    # Where what sets a name may not run (a branch, a block, a loop: no assignment that
+    # always runs), the value it has there is a default at a use (`if [ "$ROLE" =
+    # prefill ]; then EP=none; fi; … ${EP:-mooncake}`) or, the environment's (EP=mooncake
+    # in the pod's env): the decode workers launch mooncake, and EP was read as none
+    # everywhere (review helpers). Either is one of its values when it asks for mooncake.
+    for name in sorted(assigned - lasting - unknown):
+        value = env.get(name)
+        if value and asks("'" + value.replace("'", "'\\''") + "'"):
+            contested.add(name)
+            defaults.setdefault(name, []).append("'" + value.replace("'", "'\\''") + "'")
     if "${" in text:
         for start, end in references(text).items():
             m = _BRACED.match(text, start, end)
-            if (m is not None and m.group(1) in contested and not env.get(m.group(1))
-                    and (m.group(2) or "+")[-1] in "-="):
+            if (m is not None and m.group(1) in assigned and not env.get(m.group(1))
+                    and m.group(1) not in lasting_value and (m.group(2) or "+")[-1] in "-="
+                    and asks(m.group(3))):
+                contested.add(m.group(1))
                 defaults.setdefault(m.group(1), []).append(m.group(3))
     chosen = {}
-    left = [BUDGET]  # what the environment's values may add to them all, in characters
     for name in sorted(contested - unknown):  # one answer, whatever the hash seed
         raws = values.get(name, [])
         plain = [_plain(v, env, left) for v in raws]
         names = [_names_flag(p) for p in plain]
-        asks = [v for v, p, n in zip(raws, plain, names)
-                if p.strip() == "mooncake" or (n and "mooncake" in p)]
+        mooncake_asked = [v for v, p, n in zip(raws, plain, names)
+                          if p.strip() == "mooncake" or (n and "mooncake" in p)]
         bare = [v for v, p, n in zip(raws, plain, names) if not n and "$" not in p]
-        if not asks:
-            # A default of its own that asks for it (the flag's last value mooncake:
+        if not mooncake_asked:
+            # A default of its own, or at a use, or the environment's value, that asks
+            # for it, made as the shell makes it (the flag's last value mooncake:
             # `mooncake --elastic-ep-backend none` asks for none, and was chosen over a
             # value unknown here: review helper).
-            for word in defaults.get(name, ()):
-                try:  # (made as the shell makes it: `${DEFAULT_EP:-mooncake}` in it too)
-                    p = _made(word, env, Budget(max(left[0], 0)))
-                except OverBudget:
-                    continue
-                left[0] -= len(p)
-                if p.strip() == "mooncake" or (_names_flag(p) and "mooncake" in p
-                                               and not _another_backend(p)):
-                    asks.append(word)
-        if asks:
-            chosen[name] = asks[0]
+            mooncake_asked = [word for word in defaults.get(name, ()) if asks(word)]
+        if mooncake_asked:
+            chosen[name] = mooncake_asked[0]
         elif name in defaulted:
             # The image may hold it (`: ${EP_BACKEND:=none}` keeps the image's value):
             # unknown, as for `${EP_BACKEND:-none}` (read as `none`, unwarned: review
@@ -1339,7 +1383,7 @@ def _collect(words_, where, env, budget, depth, out):
     local, steps = script_env(script, env, budget)
     # $0 $1 … of the script; with no words after it, $0 is the shell and "$@" is empty.
     positional = tuple(words_[at + 1:]) or (os.path.basename(words_[0]),)
-    if _SHIFTS.search(script) or _FUNCTION.search(script):
+    if _may_shift(script):
         positional = Shifting(positional)
     for cmd in _split_commands(words(script, local, budget, positional, steps)):
         _collect(cmd, "sh -c script", local, budget, depth + 1, out)

@@ -1445,3 +1445,61 @@ def test_a_default_at_a_use_counts_where_the_branch_that_sets_the_name_does_not_
         assert real.split() == ["--elastic-ep-backend", "mooncake"], (sh, real)
     r = read(["bash", "-c", script.format(launch=f"exec {SERVER}")], env=env)
     assert r.requested and r.where == "sh -c script", (r.values, r.where)
+
+
+# (script, env, words after the script): each launches mooncake in bash and dash.
+WHAT_SETS_IT_MAY_NOT_RUN = {
+    "the-pods-env-value-past-a-branch": (
+        'if [ "$ROLE" = prefill ]; then EP=none; fi\n'
+        '{launch} --elastic-ep-backend "${{EP:-"mooncake"}}"', {"EP": "mooncake"}),
+    "the-pods-env-value-past-an-and": (
+        '[ "$ROLE" = prefill ] && EP=none\n{launch} --elastic-ep-backend "$EP"',
+        {"EP": "mooncake"}),
+    "a-default-naming-what-the-script-sets": (
+        'DEFAULT_EP=mooncake\nif [ "$ROLE" = prefill ]; then EP=none; fi\n'
+        '{launch} --elastic-ep-backend "${{EP:-$DEFAULT_EP}}"', {}),
+    "a-default-past-a-block-over-lines": (
+        'if [ "$ROLE" = prefill ]; then\n  EP=none\nfi\n'
+        '{launch} --elastic-ep-backend "${{EP:-mooncake}}"', {}),
+    "a-self-default-emptied-in-a-block": (
+        'EP_ARGS="${{EP_ARGS:-"--moe-a2a-backend deepep --elastic-ep-backend mooncake"}}"\n'
+        'if [ "${{DISAGG_MODE:-decode}}" = prefill ]; then\n  EP_ARGS=""\nfi\n'
+        "{launch} ${{EP_ARGS}}", {}),
+}
+
+
+@pytest.mark.parametrize(("script", "env"), WHAT_SETS_IT_MAY_NOT_RUN.values(),
+                         ids=WHAT_SETS_IT_MAY_NOT_RUN.keys())
+def test_the_value_a_name_has_where_what_sets_it_does_not_run_counts(
+    script: str, env: dict[str, str]
+) -> None:
+    """The decode role skips the branch that sets none: it launches the pod's own
+    `EP=mooncake` or the default at the use, which were read as none (no request, or one
+    only in text no command places, never gated or probed: the second review of this
+    reader). An assignment on its own line in a block may not run either."""
+    env = {**env, "ROLE": "decode"}
+    for sh in REAL_SHELLS:
+        if shutil.which(sh) is None:
+            continue
+        real = subprocess.run([sh, "-c", script.format(launch="echo")], capture_output=True,
+                              text=True, check=True, env=_with_path(env)).stdout  # fmt: skip
+        assert real.split()[-2:] == ["--elastic-ep-backend", "mooncake"], (sh, real)
+    r = read(["bash", "-c", script.format(launch=f"exec {SERVER}")], env=env)
+    assert r.requested and r.where == "sh -c script", (r.values, r.where)
+
+
+def test_what_may_change_the_positional_parameters_is_found_where_it_stands() -> None:
+    """`shift` after `then` (the first review's fix looked only at a command's start)
+    makes `${1:-none}` unknown, and `set -o pipefail` changes nothing (a pattern read
+    `pipefail` as a parameter, and `${1:-mooncake}` as certain)."""
+    shifted = (f'if [ "$1" = "--" ]; then shift; fi\n'
+               f'exec {SERVER} --elastic-ep-backend "${{1:-none}}"')
+    r = read(["bash", "-c", shifted, "sh", "--", "mooncake"])
+    assert r.requested or r.unresolved is not None, r.values
+    assert shell._may_shift("for i in 1; do set -- m; done") and shell._may_shift("eval set -- $E")
+    assert shell._may_shift(". ./args.sh") and not shell._may_shift("./run.sh")
+    for options in ("set -o pipefail", "set -euo pipefail", "set -x", "set +o errexit -e"):
+        assert not shell._may_shift(options + "\nexec x"), options
+    piped = f'set -o pipefail\nexec {SERVER} --elastic-ep-backend "${{1:-mooncake}}"'
+    r = read(["bash", "-c", piped, "sh", "none"])
+    assert not r.requested or r.where != "sh -c script", (r.values, r.where)
