@@ -295,11 +295,12 @@ class Shifting(tuple):
     … ${1:-none}` launches mooncake, and was read as none: review helper)."""
 
 
-# What may change a script's positional parameters, wherever it stands (after `then`,
-# `do`, `eval`: review helper): `shift`, `eval`, a sourced file, `set` with words after
-# its options (_may_shift).
-_SHIFTERS = re.compile(
-    r"(?:^|(?<=[\s;&|(){}]))(?:(?:shift|eval|source)\b|\.(?=[ \t])|set(?=[ \t]))")
+# What may change a script's positional parameters, at a command's start (after `then`,
+# `do`, `eval` too: review helper): `shift`, `eval`, `set` with words after its options
+# (_may_shift). Not an argument (`echo env set up`, `find . -name`), nor a sourced file
+# (`source /opt/venv/bin/activate` changes none: both made `${1:-…}` unknown, a false
+# request one way and a lost one the other: review helper).
+_SHIFTERS = re.compile(_COMMAND_START + r"(?:(?:shift|eval)\b|set(?=[ \t]))")
 _SET_WORDS = re.compile(r"[^;&|)\n#]*")
 
 
@@ -309,8 +310,8 @@ def _may_shift(script):
     takes the next word (a pattern read `pipefail` as a parameter: review helper)."""
     if _FUNCTION.search(script):
         return True  # a function's own parameters
-    for m in _SHIFTERS.finditer(script):
-        if not m.group().startswith("set"):
+    for m in _SHIFTERS.finditer(script):  # (each command's words read once: linear)
+        if not m.group().endswith("set"):
             return True
         words = _SET_WORDS.match(script, m.end()).group().split()
         i = 0
@@ -802,13 +803,18 @@ def _names_itself(name, raw):
     return re.search(r"\$\{?" + name + r"(?![A-Za-z0-9_])", raw) is not None
 
 
+class _Literal(str):
+    """A value as it is, not shell text to make (the pod's env value of a contested
+    name: made again, 32 KB of quotes took 170 ms: review helper)."""
+
+
 def _value_of(raw, local, budget):
     """The value an assignment's ``raw`` text stores, as the shell stores it (_made: one
     word, `ARGS=$ARGS" mooncake"` is one value, quotes removed, names the script or the
     environment knows put in now, so a later assignment to them does not change it).
     What it adds is charged to ``budget``; past it, OverBudget."""
-    if "$" not in raw and "'" not in raw and '"' not in raw and "\\" not in raw:
-        return raw
+    if isinstance(raw, _Literal) or not any(c in raw for c in "$'\"\\"):
+        return str(raw)
     value = _made(raw, local, budget)
     if len(value) > len(raw):
         budget.spend(len(value) - len(raw))
@@ -853,10 +859,31 @@ def _contested(script, env, parts, modelled, readonly):
     assigned = set()
     set_in_shell = set()  # names set somewhere the script's own shell keeps them
     defaults = {}  # name -> the words of `NAME=${NAME:-word}` (not values of their own)
-    # Names with an assignment that always runs (in order, outside any block): with a
-    # value, a default at a use never applies; any, the environment's value is gone.
+    # Where each name is set by what always runs (the script's own shell, no block, no
+    # branch, no `&&`/`||`): from there on the environment's value is gone, and, where
+    # the value is known not to be empty, a default at a use no longer applies.
     outside_blocks = _outside(parts.blocks)
-    lasting, lasting_value = set(), set()
+    unconditional = _outside(_merged(parts.conditional)) if parts.conditional else None
+    lasting, valued = {}, {}  # name -> positions
+    left = [BUDGET]  # what the environment's values may add to them all, in characters
+
+    def made(word, mapping):
+        """``word`` made as the shell makes it, or None past the budget."""
+        try:
+            out = _made(word, mapping, Budget(max(left[0], 0)))
+        except OverBudget:
+            return None
+        left[0] -= len(out)
+        return out
+
+    def always(name, raw, pos):
+        if (in_shell(pos) and outside_blocks(pos)
+                and (unconditional is None or unconditional(pos))):
+            lasting.setdefault(name, []).append(pos)
+            value = made(raw, env)
+            if value and value.strip() and "$" not in value and "`" not in value:
+                valued.setdefault(name, []).append(pos)
+
     end = 0
     for m in _ANY_ASSIGNMENT.finditer(text):
         if m.start(1) < end:
@@ -871,15 +898,13 @@ def _contested(script, env, parts, modelled, readonly):
                 unknown.add(name)
             elif not append and not _names_itself(name, raw):
                 values.setdefault(name, []).append(raw)
-                if item.start(1) in modelled and outside_blocks(item.start(1)):
-                    lasting.add(name)
-                    if raw not in ("", '""', "''"):
-                        lasting_value.add(name)
+                always(name, raw, item.start(1))
                 if item.start(1) not in modelled:
                     contested.add(name)
                 if in_shell(item.start(1)):
                     set_in_shell.add(name)
             else:
+                always(name, raw, item.start(1))  # (`EP="${EP:-none}"` too)
                 own = _own_default(name, raw)
                 if own is not None and not env.get(name):
                     # `EP=${EP:-mooncake}`: where the environment does not hold EP, the
@@ -894,6 +919,9 @@ def _contested(script, env, parts, modelled, readonly):
     functions = any(in_shell(f.start()) for f in _FUNCTION.finditer(text))
     if functions or _CONTROL.search(text):
         contested.update(n for n, vs in values.items() if len(set(vs)) > 1)
+        # a step's own default beside another value (`EP_ARGS="${EP_ARGS:-"… mooncake"}"`,
+        # then `EP_ARGS=""` in a block): two values too
+        contested.update(n for n in defaults if n in values)
     contested.update(n for n in readonly if len(set(values.get(n, ()))) > 1)
     defaulted = set()  # `${EP:=word}` where the environment does not hold EP
     for m in _DEFAULT_ASSIGN.finditer(text):
@@ -907,40 +935,43 @@ def _contested(script, env, parts, modelled, readonly):
         unknown.update(_NAME.findall(m.group(1)))
     if _IFS.search(text):
         unknown |= assigned
-    left = [BUDGET]  # what the environment's values may add to them all, in characters
-    # The values the script gives a name once, for the words below (`${EP:-$DEFAULT_EP}`
-    # with DEFAULT_EP=mooncake set by the script read none: review helper).
+    # The values the script gives a name once, by what always runs, for the words below
+    # (`${EP:-$DEFAULT_EP}` with DEFAULT_EP=mooncake set by the script read none: review
+    # helper; one set in a block is no certain value: review helper).
     known = ChainMap({n: _plain(vs[0], env, left) for n, vs in values.items()
-                      if len(set(vs)) == 1 and n not in contested}, env)  # fmt: skip
+                      if len(set(vs)) == 1 and n in valued and n not in contested}, env)
 
-    def asks(word):
-        """Does ``word``, made as the shell makes it, ask for mooncake?"""
-        try:
-            p = _made(word, known, Budget(max(left[0], 0)))
-        except OverBudget:
-            return False
-        left[0] -= len(p)
-        return p.strip() == "mooncake" or (_names_flag(p) and "mooncake" in p
-                                           and not _another_backend(p))
+    def asks(text_):
+        """Does ``text_`` ask for mooncake?"""
+        return text_.strip() == "mooncake" or (_names_flag(text_) and "mooncake" in text_
+                                              and not _another_backend(text_))
 
-    # Where what sets a name may not run (a branch, a block, a loop: no assignment that
-    # always runs), the value it has there is a default at a use (`if [ "$ROLE" =
-    # prefill ]; then EP=none; fi; … ${EP:-mooncake}`) or, the environment's (EP=mooncake
-    # in the pod's env): the decode workers launch mooncake, and EP was read as none
-    # everywhere (review helpers). Either is one of its values when it asks for mooncake.
-    for name in sorted(assigned - lasting - unknown):
-        value = env.get(name)
-        if value and asks("'" + value.replace("'", "'\\''") + "'"):
+    def before(positions, pos):
+        return any(p < pos for p in positions)
+
+    # Where what sets a name may not have run at a use (a branch, a block, a loop, or
+    # nothing that always runs before it), the value it has there is a default at that
+    # use (`if [ "$ROLE" = prefill ]; then EP=none; fi; … ${EP:-mooncake}`) or the
+    # environment's (EP=mooncake in the pod's env): the decode workers launch mooncake,
+    # and EP was read as none everywhere (review helpers). Either is one of its values
+    # when it asks for mooncake.
+    first_use = {}
+    for m in _REF_NAME.finditer(text):
+        first_use.setdefault(m.group(1), m.start())
+    for name in sorted(n for n in assigned - unknown if env.get(n) and n in first_use):
+        if not before(lasting.get(name, ()), first_use[name]) and asks(env[name]):
             contested.add(name)
-            defaults.setdefault(name, []).append("'" + value.replace("'", "'\\''") + "'")
+            defaults.setdefault(name, []).append(_Literal(env[name]))
     if "${" in text:
         for start, end in references(text).items():
             m = _BRACED.match(text, start, end)
             if (m is not None and m.group(1) in assigned and not env.get(m.group(1))
-                    and m.group(1) not in lasting_value and (m.group(2) or "+")[-1] in "-="
-                    and asks(m.group(3))):
-                contested.add(m.group(1))
-                defaults.setdefault(m.group(1), []).append(m.group(3))
+                    and not before(valued.get(m.group(1), ()), start)
+                    and (m.group(2) or "+")[-1] in "-="):
+                word = made(m.group(3), known)
+                if word is not None and asks(word):
+                    contested.add(m.group(1))
+                    defaults.setdefault(m.group(1), []).append(m.group(3))
     chosen = {}
     for name in sorted(contested - unknown):  # one answer, whatever the hash seed
         raws = values.get(name, [])
@@ -954,7 +985,9 @@ def _contested(script, env, parts, modelled, readonly):
             # for it, made as the shell makes it (the flag's last value mooncake:
             # `mooncake --elastic-ep-backend none` asks for none, and was chosen over a
             # value unknown here: review helper).
-            mooncake_asked = [word for word in defaults.get(name, ()) if asks(word)]
+            mooncake_asked = [
+                word for word in defaults.get(name, ())
+                if asks(word if isinstance(word, _Literal) else made(word, known) or "")]
         if mooncake_asked:
             chosen[name] = mooncake_asked[0]
         elif name in defaulted:

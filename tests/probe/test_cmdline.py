@@ -1461,6 +1461,16 @@ WHAT_SETS_IT_MAY_NOT_RUN = {
     "a-default-past-a-block-over-lines": (
         'if [ "$ROLE" = prefill ]; then\n  EP=none\nfi\n'
         '{launch} --elastic-ep-backend "${{EP:-mooncake}}"', {}),
+    "an-always-run-assignment-empty-at-launch": (
+        'EP_BACKEND="${{EP_BACKEND_OVERRIDE}}"\n'
+        'if [ "$ROLE" = prefill ]; then EP_BACKEND="none"; fi\n'
+        '{launch} --elastic-ep-backend "${{EP_BACKEND:-mooncake}}"', {"EP_BACKEND_OVERRIDE": ""}),
+    "set-after-the-launch-started": (
+        'if [ "$ROLE" = prefill ]; then EP=none; fi\n'
+        "{launch} --elastic-ep-backend ${{EP:-mooncake}} &\nEP=done\nwait", {}),
+    "a-default-whose-name-a-block-sets": (
+        'if [ "$ROLE" = prefill ]; then EP=none; DEF=none; fi\n'
+        '{launch} --elastic-ep-backend "${{EP:-${{DEF:-mooncake}}}}"', {}),
     "a-self-default-emptied-in-a-block": (
         'EP_ARGS="${{EP_ARGS:-"--moe-a2a-backend deepep --elastic-ep-backend mooncake"}}"\n'
         'if [ "${{DISAGG_MODE:-decode}}" = prefill ]; then\n  EP_ARGS=""\nfi\n'
@@ -1497,9 +1507,39 @@ def test_what_may_change_the_positional_parameters_is_found_where_it_stands() ->
     r = read(["bash", "-c", shifted, "sh", "--", "mooncake"])
     assert r.requested or r.unresolved is not None, r.values
     assert shell._may_shift("for i in 1; do set -- m; done") and shell._may_shift("eval set -- $E")
-    assert shell._may_shift(". ./args.sh") and not shell._may_shift("./run.sh")
+    # (not a sourced file, `source /opt/venv/bin/activate`, nor an argument)
+    for other in (". ./args.sh", "source /opt/venv/bin/activate", "./run.sh",
+                  'echo "env set up"', "find . -name x"):
+        assert not shell._may_shift(other + "\nexec x"), other
     for options in ("set -o pipefail", "set -euo pipefail", "set -x", "set +o errexit -e"):
         assert not shell._may_shift(options + "\nexec x"), options
     piped = f'set -o pipefail\nexec {SERVER} --elastic-ep-backend "${{1:-mooncake}}"'
     r = read(["bash", "-c", piped, "sh", "none"])
     assert not r.requested or r.where != "sh -c script", (r.values, r.where)
+
+
+# (script, env): what always runs sets the name before the launch; bash launches none.
+SET_BY_WHAT_ALWAYS_RUNS = {
+    "its-own-default-step": (
+        'EP="${{EP:-none}}"\n{launch} --elastic-ep-backend "${{EP:-mooncake}}"', {}),
+    "a-command-substitution": (
+        "EP=$(echo none)\n{launch} --elastic-ep-backend ${{EP}}", {"EP": "mooncake"}),
+    "a-declaration-with-an-option": (
+        "declare -x EP=none\n{launch} --elastic-ep-backend $EP", {"EP": "mooncake"}),
+}
+
+
+@pytest.mark.parametrize(("script", "env"), SET_BY_WHAT_ALWAYS_RUNS.values(),
+                         ids=SET_BY_WHAT_ALWAYS_RUNS.keys())
+def test_what_always_runs_before_a_use_leaves_no_default_and_no_env_value(
+    script: str, env: dict[str, str]
+) -> None:
+    """A default at a use, or the pod's env value, counts only where nothing that always
+    runs set the name before: each of these launches none and was gated (the third
+    review of this reader)."""
+    if shutil.which("bash") is not None:
+        real = subprocess.run(["bash", "-c", script.format(launch="echo")], capture_output=True,
+                              text=True, check=True, env=_with_path(env)).stdout  # fmt: skip
+        assert real.split() == ["--elastic-ep-backend", "none"], real
+    r = read(["bash", "-c", script.format(launch=f"exec {SERVER}")], env=env)
+    assert not (r.requested and r.where == "sh -c script"), (r.values, r.where)
