@@ -289,7 +289,7 @@ class Command:
 _UNSET = object()  # a positional parameter the words after the script do not give
 
 
-class Shifting(tuple):
+class _Shifting(tuple):
     """``$0 $1 …`` of a script that may change them (`set -- …`, `shift`, a function's
     own): past the words given, a parameter is unknown, not unset (`set -- mooncake;
     … ${1:-none}` launches mooncake, and was read as none: review helper)."""
@@ -350,7 +350,7 @@ def _expand(ref, env, budget, positional=(), depth=0, quoted=False, refs=None, a
     name, op, word = m.group(1), m.group(2), m.group(3)
     made = (refs, at + m.start(3)) if refs is not None else (None, 0)
     if name[0] in "0123456789@*":
-        if not positional or isinstance(positional, Shifting):
+        if not positional or isinstance(positional, _Shifting):
             value = None  # unknown here: a default is assumed, not certain
         elif name in "@*":
             value = " ".join(positional[1:]) if len(positional) > 1 else _UNSET
@@ -844,9 +844,11 @@ def _contested(script, env, parts, modelled, readonly):
     all plain text without it, the last is (whichever runs, no request); otherwise it is
     unknown. One set only where it does not last has the environment's value, or is
     unknown. Either way the steps that build on it (`ARGS="$ARGS …"`) still add to it
-    (script_env). A default the script gives a contested name, in its own step
-    (`EP=${EP:-word}`) or at a use (`${EP:-word}`), is one of its values when it asks for
-    mooncake. Unknown outright: a name set by a command (`printf -v`, `read`,
+    (script_env). A default the script gives a contested name in its own step
+    (`EP=${EP:-word}`) is one of its values when it asks for mooncake; so are, where
+    nothing that always runs (the script's own shell, outside any block and branch) set
+    the name before, a default at a use (`${EP:-word}`) and the pod's env value, which
+    makes the name contested. Unknown outright: a name set by a command (`printf -v`, `read`,
     `mapfile`, `unset`, `getopts`, `for`, `select`) or as an array element, and every
     name a script assigns once it sets IFS on its own (words split where this reading
     does not). Comments are not read."""
@@ -941,10 +943,10 @@ def _contested(script, env, parts, modelled, readonly):
     known = ChainMap({n: _plain(vs[0], env, left) for n, vs in values.items()
                       if len(set(vs)) == 1 and n in valued and n not in contested}, env)
 
-    def asks(text_):
-        """Does ``text_`` ask for mooncake?"""
-        return text_.strip() == "mooncake" or (_names_flag(text_) and "mooncake" in text_
-                                              and not _another_backend(text_))
+    def asks(value):
+        """Does ``value`` ask for mooncake?"""
+        return value.strip() == "mooncake" or (_names_flag(value) and "mooncake" in value
+                                               and not _another_backend(value))
 
     def before(positions, pos):
         return any(p < pos for p in positions)
@@ -1417,7 +1419,7 @@ def _collect(words_, where, env, budget, depth, out):
     # $0 $1 … of the script; with no words after it, $0 is the shell and "$@" is empty.
     positional = tuple(words_[at + 1:]) or (os.path.basename(words_[0]),)
     if _may_shift(script):
-        positional = Shifting(positional)
+        positional = _Shifting(positional)
     for cmd in _split_commands(words(script, local, budget, positional, steps)):
         _collect(cmd, "sh -c script", local, budget, depth + 1, out)
 
