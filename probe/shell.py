@@ -94,7 +94,7 @@ _REF_SPECIAL = re.compile(r"\$\{|\\.|[}\"]", re.S)
 # Where a double-quoted text ends: its `${…}` skipped whole (their own quotes inside).
 _DQ_SPECIAL = re.compile(r'\\.|"|\$\{', re.S)
 # A reference references() did not delimit: up to its first `}` (REF_CHARS at most).
-_SHORT_REF = re.compile(r"\$\{[^}]{0,512}\}")
+_SHORT_REF = re.compile(r"\$\{[^}]{0,512}\}")  # (as _TOKEN's dollar, REF_CHARS)
 # The pieces of a word as the shell makes it (_made): an escape, a reference, a command
 # substitution (kept as written), single, ANSI-C and double quotes, plain text.
 _WORD_PIECE = re.compile(
@@ -348,7 +348,11 @@ def _expand(ref, env, budget, positional=(), depth=0, quoted=False, refs=None, a
     if m is None or depth > REF_DEPTH:
         return None
     name, op, word = m.group(1), m.group(2), m.group(3)
-    made = (refs, at + m.start(3)) if refs is not None else (None, 0)
+
+    def made():  # the word, as the shell makes it (its references found once, in refs)
+        return _made(word, env, budget, positional, depth + 1, quoted, None,
+                     refs, at + m.start(3) if refs is not None else 0)
+
     if name[0] in "0123456789@*":
         if not positional or isinstance(positional, _Shifting):
             value = None  # unknown here: a default is assumed, not certain
@@ -365,17 +369,13 @@ def _expand(ref, env, budget, positional=(), depth=0, quoted=False, refs=None, a
     if value is None:
         if op.endswith(("-", "=", "+")):
             budget.guesses.append(ref)
-            return _made(word, env, budget, positional, depth + 1, quoted, None, *made)
+            return made()
         return None
     unset = value is _UNSET or (op.startswith(":") and value == "")
     if op.endswith(("-", "=")):
-        if not unset:
-            return value
-        return _made(word, env, budget, positional, depth + 1, quoted, None, *made)
+        return made() if unset else value
     if op.endswith("+"):
-        if unset:
-            return ""
-        return _made(word, env, budget, positional, depth + 1, quoted, None, *made)
+        return "" if unset else made()
     return None if value is _UNSET else value
 
 
