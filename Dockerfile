@@ -18,18 +18,30 @@ ARG BASE_IMAGE=python:3.11-slim-bookworm
 FROM ${BASE_IMAGE} AS builder
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    PYTHONDONTWRITEBYTECODE=1
+    PYTHONDONTWRITEBYTECODE=1 \
+    UV_NATIVE_TLS=1 \
+    UV_LINK_MODE=copy \
+    UV_COMPILE_BYTECODE=1 \
+    UV_PYTHON_DOWNLOADS=never
+# The installer: uv, pinned (scripts/venv.sh pins the same), in a directory of its own that
+# the final stage never sees.
+ARG UV_VERSION=0.13.9
+RUN python -m pip install --quiet --root-user-action=ignore --target /opt/uv "uv==${UV_VERSION}"
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY webhook ./webhook
 COPY probe ./probe
-# Every dependency ships manylinux wheels for CPython 3.11 (amd64, arm64);
-# --only-binary keeps it that way, so no compiler is ever needed, here or later.
-RUN python -m pip wheel --no-deps --wheel-dir /wheels . \
- && python -m venv /opt/epguard/venv \
- && /opt/epguard/venv/bin/pip install --only-binary=:all: /wheels/epguard-*.whl \
- && /opt/epguard/venv/bin/pip uninstall --yes pip \
- && /opt/epguard/venv/bin/python -m compileall -q /opt/epguard/venv
+# epguard's wheel, then a venv of it and its dependencies. Every dependency ships manylinux
+# wheels for CPython 3.11 (amd64, arm64); --only-binary keeps it that way, so no compiler
+# is ever needed, here or later. The venv has no pip, and its modules are compiled
+# (UV_COMPILE_BYTECODE): the final image's user cannot write __pycache__.
+# uv's cache is a build cache mount (BuildKit, buildah): kept between builds and never in
+# a layer, so a rebuild after a source change fetches and unpacks nothing twice.
+RUN --mount=type=cache,target=/root/.cache/uv,sharing=locked \
+    /opt/uv/bin/uv build --quiet --wheel --out-dir /wheels . \
+ && python -m venv --without-pip /opt/epguard/venv \
+ && /opt/uv/bin/uv pip install --quiet --python /opt/epguard/venv/bin/python \
+        --only-binary :all: /wheels/epguard-*.whl
 
 # --- final: the venv and the probe on a fresh base, no build tools ---------------------
 FROM ${BASE_IMAGE}

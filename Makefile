@@ -14,9 +14,13 @@ venv:
 tools: venv
 	@scripts/tools.sh
 
+# mypy's cache is kept under the cache, not in the checkout: a fresh clone's check takes 1 s
+# instead of 15 (mypy checks each file's hash, so a changed file is checked again).
+MYPY_CACHE ?= $(EPGUARD_CACHE)/mypy
+
 lint: venv
 	$(PY) -m ruff check webhook probe tests bench devcluster
-	$(PY) -m mypy
+	MYPY_CACHE_DIR="$(MYPY_CACHE)" $(PY) -m mypy
 	.venv/bin/lint-imports  # .importlinter: the parts' layers, the pure engine, the stdlib probe
 
 # Two phases (scripts/test.sh): every test but the node's and the bulk ones on two pytest

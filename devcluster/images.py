@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import shutil
 import subprocess
 import sys
@@ -226,11 +227,15 @@ def build_epguard() -> Path:
             dest = context / f.relative_to(REPO_ROOT)
             dest.parent.mkdir(parents=True, exist_ok=True)
             dest.write_bytes(f.read_bytes())
+        # buildah keeps the Dockerfile's cache mounts (uv's) under $TMPDIR/buildah-cache:
+        # under the cache, beside its store, not in /var/tmp.
+        tmpdir = binaries.cache_dir() / "buildah" / "tmp"
+        tmpdir.mkdir(parents=True, exist_ok=True)
         subprocess.run(
             buildah("bud", "--quiet", "--network", "host", "--isolation", "chroot",
                     "--layers=false", "--build-arg", f"BASE_IMAGE={PYTHON_BASE_IMAGE}",
                     "--build-arg", f"REVISION={key[:12]}", "-t", EPGUARD_IMAGE, str(context)),
-            check=True,
+            check=True, env={**os.environ, "TMPDIR": str(tmpdir)},
         )  # fmt: skip
     tmp_archive = archive.with_suffix(".partial")
     tmp_archive.unlink(missing_ok=True)

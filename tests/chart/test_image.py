@@ -97,10 +97,17 @@ class TestDockerfile:
         copies = FINAL.all("COPY")
         assert any(c.startswith("--from=builder /opt/epguard/venv") for c in copies)
 
-    def test_the_builder_accepts_binary_wheels_only(self) -> None:
-        (run,) = STAGES[0].all("RUN")
-        assert "pip wheel --no-deps" in run
-        assert "--only-binary=:all:" in run
+    def test_the_builder_builds_the_wheel_then_accepts_binary_wheels_only(self) -> None:
+        (run,) = [r for r in STAGES[0].all("RUN") if "/wheels" in r]
+        build, _, install = run.partition("/opt/uv/bin/uv pip install")
+        assert "uv build --quiet --wheel --out-dir /wheels ." in build
+        assert "--only-binary :all: /wheels/epguard-" in install
+
+    def test_the_builder_pins_the_installer_the_dev_venv_uses(self) -> None:
+        pin = re.search(r"^UV_VERSION=(\S+)$", (REPO / "scripts" / "venv.sh").read_text(), re.M)
+        assert pin is not None
+        assert f"UV_VERSION={pin.group(1)}" in STAGES[0].all("ARG")
+        assert any('"uv==${UV_VERSION}"' in r for r in STAGES[0].all("RUN"))
 
     def test_the_final_stage_runs_as_a_fixed_non_root_uid(self) -> None:
         (user,) = FINAL.all("USER")

@@ -1,5 +1,6 @@
-"""Build epguard's wheel the way the Dockerfile's builder does (`pip wheel --no-deps`),
-from a copy of the files given, so that no build/ or *.egg-info lands in the checkout."""
+"""Build epguard's wheel from a copy of the files given, so that no build/ or *.egg-info
+lands in the checkout: `pip wheel --no-deps`, the same PEP 517 build by the same backend
+(pyproject's build-system) as the Dockerfile's `uv build --wheel`."""
 
 from __future__ import annotations
 
