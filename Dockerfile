@@ -4,7 +4,7 @@
 # (`epguard-controller`), and carries the in-image probe at /opt/epguard/probe so the
 # injection webhook can copy it into worker pods.
 #
-#   docker build -t epguard:dev .
+#   docker build -t epguard:dev .     # BuildKit (the default) or buildah: RUN --mount
 #   docker build --build-arg BASE_IMAGE=python:3.11-slim-bookworm@sha256:<digest> \
 #                --build-arg VERSION=0.1.0 --build-arg REVISION=$(git rev-parse HEAD) .
 #
@@ -20,12 +20,15 @@ ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     UV_NATIVE_TLS=1 \
+    UV_CACHE_DIR=/root/.cache/uv \
     UV_LINK_MODE=copy \
     UV_COMPILE_BYTECODE=1 \
     UV_PYTHON_DOWNLOADS=never
 # The installer: uv, pinned (scripts/venv.sh pins the same), in a directory of its own that
 # the final stage never sees.
 ARG UV_VERSION=0.13.9
+# Where uv installs from (uv reads no pip.conf): --build-arg UV_DEFAULT_INDEX=<mirror>.
+ARG UV_DEFAULT_INDEX=https://pypi.org/simple
 RUN python -m pip install --quiet --root-user-action=ignore --target /opt/uv "uv==${UV_VERSION}"
 WORKDIR /src
 COPY pyproject.toml README.md ./

@@ -16,7 +16,7 @@ tools: venv
 
 # mypy's cache is kept under the cache, not in the checkout: a fresh clone's check takes 1 s
 # instead of 15 (mypy checks each file's hash, so a changed file is checked again).
-MYPY_CACHE ?= $(EPGUARD_CACHE)/mypy
+MYPY_CACHE ?= $(or $(EPGUARD_CACHE),$(HOME)/.cache/epguard)/mypy
 
 lint: venv
 	$(PY) -m ruff check webhook probe tests bench devcluster

@@ -2,7 +2,8 @@
 # make test: the whole suite in two phases, one after the other.
 #
 # 1. every test but the node's and the bulk ones on two pytest workers (pytest-xdist,
-#    each module on one worker, so a module's API server starts once). Three workers
+#    each module on one worker, so a module's API server starts once; the longest modules
+#    first, tests/conftest.py's LONG_MODULES, so that both workers end together). Three workers
 #    were tried: the phase took 545, 562 and 597 s in CI against 578-581 s with two (the
 #    cores already busy 1.86 of 2 on average), no clear gain for more contention in
 #    timing-bound tests;
@@ -26,7 +27,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 py=.venv/bin/python
 start=$SECONDS
-"$py" -m pytest -n 2 --dist loadscope -m "not node and not bulk" --durations=15
+"$py" -m pytest -n 2 --dist loadscope --no-loadscope-reorder -m "not node and not bulk" \
+    --durations=15
 rest=$?
 echo "== make test: every test but the node's and the bulk ones ended ($rest) after $((SECONDS - start)) s"
 

@@ -5,12 +5,13 @@
 # mode (setuptools links webhook/ and probe/ into build/__editable__.*/epguard/), so the
 # one import root `epguard` is a real directory tree that mypy and import-linter read.
 #
-# The installer is uv (pinned below, kept in its own venv under the cache): it resolves
-# and installs the ~90 packages in 3-5 s where pip took 30-34 s on a fresh clone (pip
-# keeps no wheel cache on these machines; uv's, 0.4 GiB, is under the cache). uv trusts the
-# system's certificates (UV_NATIVE_TLS), as pip does with this machine's pip.conf. Where
-# uv cannot be had or cannot install (an index only pip is configured for, say), pip
-# does the same install, and says so.
+# The installer is uv (pinned below, in a directory of its own under the cache, with its
+# package cache, 0.4 GiB): it resolves and installs the ~90 packages in ~5 s where pip
+# took 34 s on a fresh clone (pip keeps no cache from this machine's index). uv trusts
+# the system's certificates (UV_NATIVE_TLS), as pip does here, and is given pip's index,
+# extra index and find-links settings (uv reads no pip.conf; without them it would
+# install from PyPI where an admin configured a mirror). Where uv cannot be had or
+# cannot install, pip does the same install and the script says why.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -18,25 +19,75 @@ py="${PYTHON:-python3.11}"
 command -v "$py" >/dev/null 2>&1 || py=python3
 UV_VERSION=0.13.9
 cache="${EPGUARD_CACHE:-$HOME/.cache/epguard}"
+cache="${cache:-$HOME/.cache/epguard}"
 uv_home="$cache/uv-$UV_VERSION"
+uv_log="$cache/uv-$UV_VERSION.log"
 export UV_NATIVE_TLS=1 UV_CACHE_DIR="${UV_CACHE_DIR:-$cache/uv-cache}"
 
+# Where pip is told packages come from (its environment and config files: `pip config
+# list`), told to uv in uv's terms. What the user set for uv itself wins.
+pip_settings="$("$py" -m pip config list 2>/dev/null)" || pip_settings=""
+pip_setting() {  # a key's value, quotes removed: the environment's, else a file's (last)
+    local value
+    value="$(printf '%s\n' "$pip_settings" | sed -n "s/^:env:\.$1='\(.*\)'\$/\1/p")"
+    [ -n "$value" ] ||
+        value="$(printf '%s\n' "$pip_settings" | sed -n "s/^[^:][^=]*\.$1='\(.*\)'\$/\1/p")"
+    printf '%s' "$value" | tail -n 1
+}
+index="$(pip_setting index-url)"
+extra="$(pip_setting extra-index-url)"
+links="$(pip_setting find-links)"
+[ -z "$index" ] || export UV_INDEX_URL="${UV_INDEX_URL:-$index}"
+[ -z "$extra" ] || export UV_EXTRA_INDEX_URL="${UV_EXTRA_INDEX_URL:-$extra}"
+# pip separates several find-links by blanks, uv by commas.
+links="$(printf '%s' "$links" | tr -s ' \n' ',')"
+[ -z "$links" ] || export UV_FIND_LINKS="${UV_FIND_LINKS:-$links}"
+
+uv_state=""  # "", "ready" or "missing": fetched at most once a run
+tmp=""
+trap '[ -z "$tmp" ] || rm -rf "$tmp"' EXIT
+
+# uv into $uv_home, made aside and renamed into place (a second checkout's make may be
+# doing the same): by the Python's own pip, else by a throwaway venv's (a Python with no
+# pip of its own, or PIP_REQUIRE_VIRTUALENV).
+fetch_uv() {
+    mkdir -p "$cache"
+    tmp="$(mktemp -d "$cache/.uv.XXXXXX")" || return 1
+    local want=("uv==$UV_VERSION" --quiet --disable-pip-version-check --target "$tmp")
+    if ! "$py" -m pip install "${want[@]}" >"$uv_log" 2>&1; then
+        "$py" -m venv "$tmp/.boot" >>"$uv_log" 2>&1 &&
+            "$tmp/.boot/bin/python" -m pip install "${want[@]}" >>"$uv_log" 2>&1 || return 1
+        rm -rf "$tmp/.boot"
+    fi
+    [ -x "$tmp/bin/uv" ] || return 1
+    if [ -e "$uv_home" ] && [ ! -x "$uv_home/bin/uv" ]; then
+        # What a killed run left: moved out of the way first (rename is atomic).
+        local stale
+        stale="$(mktemp -d "$cache/.uv-stale.XXXXXX")" && mv -T "$uv_home" "$stale/old" &&
+            rm -rf "$stale"
+    fi
+    mv -T "$tmp" "$uv_home" 2>/dev/null || true  # another run's uv got there first
+    [ -x "$uv_home/bin/uv" ]
+}
+
 uv_ready() {
-    [ -x "$uv_home/bin/uv" ] && return 0
-    rm -rf "$uv_home"
-    "$py" -m venv "$uv_home" >/dev/null 2>&1 &&
-        "$uv_home/bin/python" -m pip install --quiet "uv==$UV_VERSION" >/dev/null 2>&1 &&
-        return 0
-    rm -rf "$uv_home"
-    return 1
+    if [ -z "$uv_state" ]; then
+        if [ -x "$uv_home/bin/uv" ] || fetch_uv; then
+            uv_state=ready
+        else
+            uv_state=missing
+            echo "venv: uv $UV_VERSION could not be fetched (see $uv_log); pip installs" >&2
+        fi
+    fi
+    [ "$uv_state" = ready ]
 }
 
 # install ARGS...: `pip install ARGS` into .venv, by uv where it can.
 install() {
-    if uv_ready && "$uv_home/bin/uv" pip install --quiet --python .venv/bin/python "$@"; then
-        return 0
+    if uv_ready; then
+        "$uv_home/bin/uv" pip install --quiet --python .venv/bin/python "$@" && return 0
+        echo "venv: uv $UV_VERSION could not install $*; pip does" >&2
     fi
-    echo "venv: uv $UV_VERSION could not install $*; pip does" >&2
     if ! .venv/bin/python -m pip --version >/dev/null 2>&1; then
         .venv/bin/python -m ensurepip --upgrade >/dev/null
     fi

@@ -1,11 +1,12 @@
 """The node restarts a kubelet that died of kubelet v1.35.4's own start-up data race
-(once), and no other death: a pure check of the dead process's log."""
+(once) or of containerd's CRI not yet initialized, and no other death: a pure check of
+the dead process's log."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from devcluster.node import _kubelet_race
+from devcluster.node import CRI_NOT_READY, KUBELET_RACE, _kubelet_transient
 from devcluster.process import ManagedProcess
 
 RACE = [
@@ -23,10 +24,33 @@ def _dead(tmp_path: Path, name: str, lines: list[str]) -> ManagedProcess:
     return ManagedProcess(name=name, pid=1, argv=[name], log=str(log), start_time=None)
 
 
+# The last lines of the kubelet that died in CI run 98 (containerd 2.4.2, kubelet v1.35.4).
+CRI = [
+    'I1206 13:33:55.853721     840 dynamic_cafile_content.go:161] "Starting controller"',
+    'E1206 13:33:55.856026     840 run.go:72] "command failed" err="failed to run Kubelet: '
+    "validate service connection: validate CRI v1 runtime API for endpoint "
+    '\\"unix:///run/epguard-containerd/containerd.sock\\": rpc error: code = Unavailable '
+    'desc = server is not initialized yet: unavailable"',
+]
+
+
 def test_the_kubelets_start_up_race_is_recognised_under_its_stack_dump(tmp_path: Path) -> None:
-    assert _kubelet_race(_dead(tmp_path, "kubelet", RACE))
+    assert _kubelet_transient(_dead(tmp_path, "kubelet", RACE)) == KUBELET_RACE
+
+
+def test_a_cri_not_yet_initialized_is_recognised(tmp_path: Path) -> None:
+    assert _kubelet_transient(_dead(tmp_path, "kubelet", CRI)) == CRI_NOT_READY
+
+
+def test_an_old_cri_line_above_a_later_death_is_not(tmp_path: Path) -> None:
+    # The log is appended to: a start after the CRI came up that died of something else.
+    later = [*CRI, 'I1206 13:33:57.1 server.go:525] "Kubelet version"', *["x"] * 5,
+             "E1206 failed to run Kubelet: x"]  # fmt: skip
+    assert _kubelet_transient(_dead(tmp_path, "kubelet", later)) is None
 
 
 def test_any_other_death_is_not_retried(tmp_path: Path) -> None:
-    assert not _kubelet_race(_dead(tmp_path, "containerd", RACE))
-    assert not _kubelet_race(_dead(tmp_path, "kubelet", ["E1203 failed to run Kubelet: x"]))
+    assert _kubelet_transient(_dead(tmp_path, "containerd", RACE)) is None
+    assert _kubelet_transient(_dead(tmp_path, "containerd", CRI)) is None
+    other = ["E1203 failed to run Kubelet: x"]
+    assert _kubelet_transient(_dead(tmp_path, "kubelet", other)) is None
