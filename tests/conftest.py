@@ -57,7 +57,6 @@ LONG_MODULES = (
     "tests/probe/test_probe_realpkgs.py",
     "tests/probe/test_probe_doubles.py",
     "tests/e2e/test_cluster_watches.py",
-    "tests/probe/test_probe_hostile_files.py",
     "tests/e2e/test_backstop.py",
     "tests/probe/test_probe_files_only.py",
     "tests/chart/test_prefilter.py",

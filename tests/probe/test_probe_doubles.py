@@ -134,6 +134,7 @@ def test_reports_a_segfault_on_import_instead_of_dying(tmp_path):
     assert "mooncake/pg.py" in site
 
 
+@pytest.mark.waits
 def test_reports_a_hang_on_import_after_the_step_timeout(tmp_path):
     # Stands for an import that blocks (a lock, a network call, a device); also what
     # 0.3.14 does while it JIT-builds its adapter for minutes.

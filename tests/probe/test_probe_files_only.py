@@ -418,6 +418,7 @@ def test_files_not_read_within_timeout_decide_nothing(tmp_path):
     assert probe(tmp_path, root, "--files-only").rc == 1  # unpatched: proven
 
 
+@pytest.mark.waits
 @pytest.mark.timeout(120)
 def test_the_whole_run_deadline_in_files_only_decides_nothing(tmp_path):
     # The files' reading blocks (patched): the run's own deadline (16 x --timeout) ends it.

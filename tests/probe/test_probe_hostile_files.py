@@ -313,6 +313,7 @@ def test_the_whole_run_deadline_ends_a_blocked_system_call_and_kills_the_child()
     assert float(words[2]) >= deadline.RUN_STEPS * 0.05
 
 
+@pytest.mark.waits
 @pytest.mark.timeout(150)
 def test_a_probe_whose_child_never_ends_stops_at_the_whole_run_deadline(tmp_path):
     # Code in the image can write step announcements on the probe's pipe forever: each
