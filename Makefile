@@ -23,9 +23,10 @@ lint: venv
 	MYPY_CACHE_DIR="$(MYPY_CACHE)" $(PY) -m mypy
 	.venv/bin/lint-imports  # .importlinter: the parts' layers, the pure engine, the stdlib probe
 
-# Two phases (scripts/test.sh): every test but the node's and the bulk ones on two pytest
-# workers, then the tests marked node (the machine's one node) one after another, with the
-# bulk ones (CPU-bound, no tight time bound) beside them at the lowest priority.
+# Two phases (scripts/test.sh): every test but the node's, the bulk and the waiting ones on
+# two pytest workers, then the tests marked node (the machine's one node) one after another,
+# with the bulk ones (CPU-bound, no tight time bound) beside them at the lowest priority and
+# the waiting ones (the probe's deadlines, little CPU) at the normal one.
 test: tools lint
 	@scripts/test.sh
 

@@ -4,9 +4,9 @@
 # 1. every test but the node's, the bulk and the waiting ones on two pytest workers
 #    (pytest-xdist, each module on one worker, so a module's API server starts once; the
 #    longest modules first, tests/conftest.py's LONG_MODULES, so that both workers end
-#    together). Three workers were tried: the phase took 545, 562 and 597 s in CI against 578-581 s with two (the
-#    cores already busy 1.86 of 2 on average), no clear gain for more contention in
-#    timing-bound tests;
+#    together). Three workers were tried: the phase took 545, 562 and 597 s in CI against
+#    578-581 s with two (the cores already busy 1.86 of 2 on average), no clear gain for
+#    more contention in timing-bound tests;
 # 2. the node's tests (marked `node`: the machine has one node, so they run one after
 #    another), and beside them, at the lowest CPU and I/O priority, the tests marked
 #    `bulk` (CPU-bound, with only generous time bounds: the scan/probe agreement matrix,

@@ -19,29 +19,31 @@ py="${PYTHON:-python3.11}"
 command -v "$py" >/dev/null 2>&1 || py=python3
 UV_VERSION=0.13.9
 cache="${EPGUARD_CACHE:-$HOME/.cache/epguard}"
-cache="${cache:-$HOME/.cache/epguard}"
 uv_home="$cache/uv-$UV_VERSION"
 uv_log="$cache/uv-$UV_VERSION.log"
 export UV_NATIVE_TLS=1 UV_CACHE_DIR="${UV_CACHE_DIR:-$cache/uv-cache}"
 
 # Where pip is told packages come from (its environment and config files: `pip config
-# list`), told to uv in uv's terms. What the user set for uv itself wins.
-pip_settings="$("$py" -m pip config list 2>/dev/null)" || pip_settings=""
-pip_setting() {  # a key's value, quotes removed: the environment's, else a file's (last)
-    local value
-    value="$(printf '%s\n' "$pip_settings" | sed -n "s/^:env:\.$1='\(.*\)'\$/\1/p")"
-    [ -n "$value" ] ||
-        value="$(printf '%s\n' "$pip_settings" | sed -n "s/^[^:][^=]*\.$1='\(.*\)'\$/\1/p")"
-    printf '%s' "$value" | tail -n 1
+# list`), told to uv in uv's terms; what the user set for uv itself wins. Read only when
+# something is to be installed (a python start: most runs of this script install nothing).
+uv_settings() {
+    local settings index extra links
+    settings="$("$py" -m pip config list 2>/dev/null)" || settings=""
+    pip_setting() {  # a key's value, quotes removed: the environment's, else a file's (last)
+        local value
+        value="$(printf '%s\n' "$settings" | sed -n "s/^:env:\.$1='\(.*\)'\$/\1/p")"
+        [ -n "$value" ] ||
+            value="$(printf '%s\n' "$settings" | sed -n "s/^[^:][^=]*\.$1='\(.*\)'\$/\1/p")"
+        printf '%s' "$value" | tail -n 1
+    }
+    index="$(pip_setting index-url)"
+    extra="$(pip_setting extra-index-url)"
+    # pip separates several find-links by blanks, uv by commas.
+    links="$(pip_setting find-links | tr -s ' \n' ',')"
+    [ -z "$index" ] || export UV_INDEX_URL="${UV_INDEX_URL:-$index}"
+    [ -z "$extra" ] || export UV_EXTRA_INDEX_URL="${UV_EXTRA_INDEX_URL:-$extra}"
+    [ -z "$links" ] || export UV_FIND_LINKS="${UV_FIND_LINKS:-$links}"
 }
-index="$(pip_setting index-url)"
-extra="$(pip_setting extra-index-url)"
-links="$(pip_setting find-links)"
-[ -z "$index" ] || export UV_INDEX_URL="${UV_INDEX_URL:-$index}"
-[ -z "$extra" ] || export UV_EXTRA_INDEX_URL="${UV_EXTRA_INDEX_URL:-$extra}"
-# pip separates several find-links by blanks, uv by commas.
-links="$(printf '%s' "$links" | tr -s ' \n' ',')"
-[ -z "$links" ] || export UV_FIND_LINKS="${UV_FIND_LINKS:-$links}"
 
 uv_state=""  # "", "ready" or "missing": fetched at most once a run
 tmp=""
@@ -72,6 +74,7 @@ fetch_uv() {
 
 uv_ready() {
     if [ -z "$uv_state" ]; then
+        uv_settings
         if [ -x "$uv_home/bin/uv" ] || fetch_uv; then
             uv_state=ready
         else

@@ -12,7 +12,8 @@ never deleted: without kube-controller-manager a deleted namespace stays Termina
 ``shared_node`` is the one-node cluster with the chart's pods (tests/e2e/node_e2e.py)
 that the node modules share, started by ``make up`` and stopped by ``make down``; a
 module that starts a node of its own asks for ``machine_to_itself`` first. Tests marked
-``after_all`` run after every other collected test (the shared node's ``make down``).
+``after_all`` run after every other collected test (the shared node's ``make down``);
+the longest modules (``LONG_MODULES``) are collected first, for make test's two workers.
 
 Tests marked ``gpu`` need an NVIDIA driver (``libcuda.so.1``) and a visible GPU;
 they are skipped on machines without one and run where one exists.
@@ -45,11 +46,12 @@ def _has_gpu() -> bool:
 
 
 # The modules whose tests take longest in all (20 s or more in make test's first phase, on
-# two xdist workers; measured on 89dc946), longest first. They are handed out first (with
+# two xdist workers; measured on ee971b7), longest first. They are handed out first (with
 # scripts/test.sh's --no-loadscope-reorder, xdist gives each worker a module at a time in
 # this order), so that the two workers end together: xdist's own order, by number of
-# tests, handed these out last (test_backstop_scale's four tests take 85 s), and one
-# worker ran on ~14 s after the other had ended. A module missing here only runs later.
+# tests, handed these out last (test_backstop_scale's four tests take 85 s); replayed from
+# the per-test times, one worker ran on ~14 s after the other had ended. A module missing
+# here only runs later.
 LONG_MODULES = (
     "tests/e2e/test_backstop_scale.py",
     "tests/controller/test_gatekeeper.py",
