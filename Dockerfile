@@ -27,9 +27,11 @@ ENV PIP_NO_CACHE_DIR=1 \
 # The installer: uv, pinned (scripts/venv.sh pins the same), in a directory of its own that
 # the final stage never sees.
 ARG UV_VERSION=0.13.9
-# Where uv installs from (uv reads no pip.conf): --build-arg UV_DEFAULT_INDEX=<mirror>.
+# Where uv and what it installs come from (uv reads no pip.conf):
+# --build-arg UV_DEFAULT_INDEX=<mirror>.
 ARG UV_DEFAULT_INDEX=https://pypi.org/simple
-RUN python -m pip install --quiet --root-user-action=ignore --target /opt/uv "uv==${UV_VERSION}"
+RUN python -m pip install --quiet --root-user-action=ignore --index-url "${UV_DEFAULT_INDEX}" \
+        --target /opt/uv "uv==${UV_VERSION}"
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY webhook ./webhook

@@ -638,22 +638,32 @@ state = "{RUNTIME_STATE}"
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + READY_TIMEOUT
         ready = "jsonpath={.status.conditions[?(@.type=='Ready')].status}"
+        cri_until = time.monotonic() + CRI_WAIT
         raced = False
+        since = 0  # where the running kubelet's lines begin in its log (each start appends)
         while True:
             dead = [p for p in self.processes if not p.alive()]
-            why = _kubelet_transient(dead[0]) if dead else None
-            # The data race once; containerd's CRI not yet up while the deadline lasts.
-            if why and not (why == KUBELET_RACE and raced) and time.monotonic() < deadline:
+            why = _kubelet_transient(dead[0], since) if dead else None
+            # The data race once; containerd's CRI not yet up for CRI_WAIT at the most.
+            late = time.monotonic() > cri_until
+            if (why == KUBELET_RACE and raced) or (why == CRI_NOT_READY and late):
+                why = None
+            if why:
                 raced = raced or why == KUBELET_RACE
                 print(f"devcluster: the kubelet hit {why!r}; starting it again",
                       file=sys.stderr)  # fmt: skip
                 self.processes.remove(dead[0])
+                since = Path(dead[0].log).stat().st_size
                 if why == CRI_NOT_READY:
                     time.sleep(1)
                 self._start_kubelet()
                 continue
             if dead:
-                raise NodeError(f"{dead[0].name} exited; last log lines:\n{dead[0].log_tail()}")
+                said = f"{dead[0].name} exited; last log lines:\n{dead[0].log_tail()}"
+                if _kubelet_transient(dead[0], since) == CRI_NOT_READY:
+                    cri = next((p for p in self.processes if p.name == "containerd"), None)
+                    said += f"\ncontainerd's CRI never came up; its log:\n{cri and cri.log_tail()}"
+                raise NodeError(said)
             node = self.cp.kubectl("get", "node", NODE_NAME, "-o", ready)
             sa = self.cp.kubectl("get", "serviceaccount", "default", "-n", "default")
             if node.stdout.strip() == "True" and sa.returncode == 0:
@@ -794,13 +804,23 @@ def _remove_tree(path: Path) -> None:
 #   this as its last line (the machine loaded: the bulk tests had just started).
 KUBELET_RACE = "fatal error: concurrent map"
 CRI_NOT_READY = "server is not initialized yet"
+# How long a kubelet is started again while containerd's CRI is not up (each try ~1.5 s):
+# past it, the node's start fails with containerd's log.
+CRI_WAIT = 30.0
 
 
-def _kubelet_transient(proc: ManagedProcess) -> str | None:
-    """Which of the above a dead kubelet's log ends with, if any."""
+def _kubelet_transient(proc: ManagedProcess, since: int = 0) -> str | None:
+    """Which of the above a dead kubelet wrote in its log from byte ``since`` on (where
+    its start began: each start appends to the same log), if any."""
     if proc.name != "kubelet":
         return None
-    if KUBELET_RACE in proc.log_tail(400):
+    try:
+        with open(proc.log, "rb") as log:
+            log.seek(since)
+            lines = log.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    if any(KUBELET_RACE in line for line in lines[-400:]):
         return KUBELET_RACE
-    # Its last lines only: the log is appended to by each start.
-    return CRI_NOT_READY if CRI_NOT_READY in proc.log_tail(3) else None
+    # Its last lines only: the error that ended it.
+    return CRI_NOT_READY if any(CRI_NOT_READY in line for line in lines[-3:]) else None

@@ -23,26 +23,50 @@ uv_home="$cache/uv-$UV_VERSION"
 uv_log="$cache/uv-$UV_VERSION.log"
 export UV_NATIVE_TLS=1 UV_CACHE_DIR="${UV_CACHE_DIR:-$cache/uv-cache}"
 
-# Where pip is told packages come from (its environment and config files: `pip config
-# list`), told to uv in uv's terms; what the user set for uv itself wins. Read only when
-# something is to be installed (a python start: most runs of this script install nothing).
+# Where pip is told packages come from (its environment and config files, as `pip config
+# list` prints them), told to uv in uv's terms: the environment's value, else [install]'s,
+# else [global]'s, as pip itself reads them; several values (one a line in pip.conf) split.
+# What the user set for uv itself wins. Without pip's settings (a Python with no pip) uv
+# is not used: it might install from PyPI where an admin configured a mirror. Read only
+# when something is to be installed (most runs of this script install nothing).
+uv_args=()
 uv_settings() {
-    local settings index extra links
-    settings="$("$py" -m pip config list 2>/dev/null)" || settings=""
-    pip_setting() {  # a key's value, quotes removed: the environment's, else a file's (last)
-        local value
-        value="$(printf '%s\n' "$settings" | sed -n "s/^:env:\.$1='\(.*\)'\$/\1/p")"
-        [ -n "$value" ] ||
-            value="$(printf '%s\n' "$settings" | sed -n "s/^[^:][^=]*\.$1='\(.*\)'\$/\1/p")"
-        printf '%s' "$value" | tail -n 1
-    }
-    index="$(pip_setting index-url)"
-    extra="$(pip_setting extra-index-url)"
-    # pip separates several find-links by blanks, uv by commas.
-    links="$(pip_setting find-links | tr -s ' \n' ',')"
-    [ -z "$index" ] || export UV_INDEX_URL="${UV_INDEX_URL:-$index}"
-    [ -z "$extra" ] || export UV_EXTRA_INDEX_URL="${UV_EXTRA_INDEX_URL:-$extra}"
-    [ -z "$links" ] || export UV_FIND_LINKS="${UV_FIND_LINKS:-$links}"
+    local out key value
+    out="$("$py" - <<'PY'
+import ast, subprocess, sys
+r = subprocess.run([sys.executable, "-m", "pip", "config", "list"],
+                   capture_output=True, text=True)
+if r.returncode != 0:
+    sys.exit(1)
+found = {}
+rank = {":env:": 0, "install": 1, "global": 2}
+for line in r.stdout.splitlines():
+    key, sep, raw = line.partition("=")
+    section, _, name = key.partition(".")
+    if not sep or section not in rank:
+        continue
+    try:
+        value = str(ast.literal_eval(raw))
+    except (ValueError, SyntaxError):
+        continue
+    if name not in found or rank[section] < found[name][0]:
+        found[name] = (rank[section], value)
+get = lambda name: found.get(name, (0, ""))[1].split()
+for env, name, sep in (("UV_INDEX_URL", "index-url", " "),
+                       ("UV_EXTRA_INDEX_URL", "extra-index-url", " "),
+                       ("UV_FIND_LINKS", "find-links", ",")):
+    if get(name):
+        print(f"{env}={sep.join(get(name))}")
+if found.get("no-index", (0, ""))[1].lower() in ("1", "true", "yes", "on"):
+    print("NO_INDEX=1")
+PY
+)" || return 1
+    while IFS='=' read -r key value; do
+        case "$key" in
+            NO_INDEX) uv_args+=(--no-index) ;;
+            UV_*) [ -n "${!key:-}" ] || export "$key=$value" ;;
+        esac
+    done <<<"$out"
 }
 
 uv_state=""  # "", "ready" or "missing": fetched at most once a run
@@ -74,12 +98,14 @@ fetch_uv() {
 
 uv_ready() {
     if [ -z "$uv_state" ]; then
-        uv_settings
-        if [ -x "$uv_home/bin/uv" ] || fetch_uv; then
+        if ! uv_settings; then
+            uv_state=missing
+            echo "venv: $py -m pip cannot say where pip installs from; pip installs" >&2
+        elif [ -x "$uv_home/bin/uv" ] || fetch_uv; then
             uv_state=ready
         else
             uv_state=missing
-            echo "venv: uv $UV_VERSION could not be fetched (see $uv_log); pip installs" >&2
+            echo "venv: uv $UV_VERSION could not be fetched ($uv_log); pip installs" >&2
         fi
     fi
     [ "$uv_state" = ready ]
@@ -88,7 +114,8 @@ uv_ready() {
 # install ARGS...: `pip install ARGS` into .venv, by uv where it can.
 install() {
     if uv_ready; then
-        "$uv_home/bin/uv" pip install --quiet --python .venv/bin/python "$@" && return 0
+        "$uv_home/bin/uv" pip install --quiet --python .venv/bin/python "${uv_args[@]}" "$@" &&
+            return 0
         echo "venv: uv $UV_VERSION could not install $*; pip does" >&2
     fi
     if ! .venv/bin/python -m pip --version >/dev/null 2>&1; then

@@ -42,11 +42,19 @@ def test_a_cri_not_yet_initialized_is_recognised(tmp_path: Path) -> None:
     assert _kubelet_transient(_dead(tmp_path, "kubelet", CRI)) == CRI_NOT_READY
 
 
-def test_an_old_cri_line_above_a_later_death_is_not(tmp_path: Path) -> None:
-    # The log is appended to: a start after the CRI came up that died of something else.
-    later = [*CRI, 'I1206 13:33:57.1 server.go:525] "Kubelet version"', *["x"] * 5,
-             "E1206 failed to run Kubelet: x"]  # fmt: skip
-    assert _kubelet_transient(_dead(tmp_path, "kubelet", later)) is None
+def test_only_what_the_last_start_wrote_counts(tmp_path: Path) -> None:
+    # The log is appended to by each start: an earlier start's race dump or CRI error is
+    # not the reason a later start died.
+    proc = _dead(tmp_path, "kubelet", [*RACE, *CRI])
+    since = Path(proc.log).stat().st_size
+    assert _kubelet_transient(proc, since) is None  # nothing written since
+    with open(proc.log, "a") as log:
+        log.write("\n".join(CRI) + "\n")
+    assert _kubelet_transient(proc, since) == CRI_NOT_READY  # not the race above it
+    since = Path(proc.log).stat().st_size
+    with open(proc.log, "a") as log:
+        log.write('I1206 13:33:57.1 server.go:525] "Kubelet version"\nE1206 x\n')
+    assert _kubelet_transient(proc, since) is None
 
 
 def test_any_other_death_is_not_retried(tmp_path: Path) -> None:
