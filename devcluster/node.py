@@ -646,9 +646,7 @@ state = "{RUNTIME_STATE}"
             why = _kubelet_transient(dead[0], since) if dead else None
             # The data race once; containerd's CRI not yet up for CRI_WAIT at the most.
             late = time.monotonic() > cri_until
-            if (why == KUBELET_RACE and raced) or (why == CRI_NOT_READY and late):
-                why = None
-            if why:
+            if why and not (why == KUBELET_RACE and raced) and not (why == CRI_NOT_READY and late):
                 raced = raced or why == KUBELET_RACE
                 print(f"devcluster: the kubelet hit {why!r}; starting it again",
                       file=sys.stderr)  # fmt: skip
@@ -660,7 +658,7 @@ state = "{RUNTIME_STATE}"
                 continue
             if dead:
                 said = f"{dead[0].name} exited; last log lines:\n{dead[0].log_tail()}"
-                if _kubelet_transient(dead[0], since) == CRI_NOT_READY:
+                if why == CRI_NOT_READY:
                     cri = next((p for p in self.processes if p.name == "containerd"), None)
                     said += f"\ncontainerd's CRI never came up; its log:\n{cri and cri.log_tail()}"
                 raise NodeError(said)

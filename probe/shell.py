@@ -943,8 +943,12 @@ def _contested(script, env, parts, modelled, readonly):
     known = ChainMap({n: _plain(vs[0], env, left) for n, vs in values.items()
                       if len(set(vs)) == 1 and n in valued and n not in contested}, env)
 
-    def asks(value):
-        """Does ``value`` ask for mooncake?"""
+    def asks(word):
+        """Does ``word`` (a default's, made as the shell makes it; the pod's env value as
+        it is) ask for mooncake?"""
+        value = word if isinstance(word, _Literal) else made(word, known)
+        if value is None:
+            return False
         return value.strip() == "mooncake" or (_names_flag(value) and "mooncake" in value
                                                and not _another_backend(value))
 
@@ -961,7 +965,7 @@ def _contested(script, env, parts, modelled, readonly):
     for m in _REF_NAME.finditer(text):
         first_use.setdefault(m.group(1), m.start())
     for name in sorted(n for n in assigned - unknown if env.get(n) and n in first_use):
-        if not before(lasting.get(name, ()), first_use[name]) and asks(env[name]):
+        if not before(lasting.get(name, ()), first_use[name]) and asks(_Literal(env[name])):
             contested.add(name)
             defaults.setdefault(name, []).append(_Literal(env[name]))
     if "${" in text:
@@ -969,11 +973,9 @@ def _contested(script, env, parts, modelled, readonly):
             m = _BRACED.match(text, start, end)
             if (m is not None and m.group(1) in assigned and not env.get(m.group(1))
                     and not before(valued.get(m.group(1), ()), start)
-                    and (m.group(2) or "+")[-1] in "-="):
-                word = made(m.group(3), known)
-                if word is not None and asks(word):
-                    contested.add(m.group(1))
-                    defaults.setdefault(m.group(1), []).append(m.group(3))
+                    and (m.group(2) or "+")[-1] in "-=" and asks(m.group(3))):
+                contested.add(m.group(1))
+                defaults.setdefault(m.group(1), []).append(m.group(3))
     chosen = {}
     for name in sorted(contested - unknown):  # one answer, whatever the hash seed
         raws = values.get(name, [])
@@ -987,9 +989,7 @@ def _contested(script, env, parts, modelled, readonly):
             # for it, made as the shell makes it (the flag's last value mooncake:
             # `mooncake --elastic-ep-backend none` asks for none, and was chosen over a
             # value unknown here: review helper).
-            mooncake_asked = [
-                word for word in defaults.get(name, ())
-                if asks(word if isinstance(word, _Literal) else made(word, known) or "")]
+            mooncake_asked = [word for word in defaults.get(name, ()) if asks(word)]
         if mooncake_asked:
             chosen[name] = mooncake_asked[0]
         elif name in defaulted:
