@@ -1,8 +1,14 @@
 """scripts/venv.sh tells uv where pip installs from: its ``uv_settings`` function, run by
-bash with real pip configurations (pip's own ``pip config list`` reads them)."""
+bash with real pip configurations (pip's own ``pip config list`` reads them).
+
+The user's and XDG's pip files are kept out (HOME and the XDG folders under tmp_path);
+the machine's /etc/pip.conf and the venv's own cannot be, so the file here sets its keys
+under [install] (pip reads it last: it wins), and the case "nothing configured" runs only
+where those files set none of the keys."""
 
 from __future__ import annotations
 
+import configparser
 import os
 import subprocess
 import sys
@@ -11,6 +17,21 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+KEYS = ("index-url", "extra-index-url", "find-links", "no-index")
+
+
+def _machine_sets() -> list[str]:
+    """The keys this machine's pip files that no environment can hide already set."""
+    found = []
+    for path in (Path("/etc/pip.conf"), Path(sys.prefix) / "pip.conf"):
+        conf = configparser.ConfigParser(strict=False, interpolation=None)
+        try:
+            conf.read(path)
+        except configparser.Error:
+            continue
+        found += [f"{path} {s}.{k}" for s in ("global", "install") if conf.has_section(s)
+                  for k in KEYS if conf.has_option(s, k)]  # fmt: skip
+    return found
 
 
 def _settings(tmp_path: Path, conf: str, **env: str) -> tuple[dict[str, str], str]:
@@ -28,7 +49,8 @@ def _settings(tmp_path: Path, conf: str, **env: str) -> tuple[dict[str, str], st
         ["bash", "-c", body + '\nuv_settings || exit 9\nenv | grep "^UV_" | sort\n'
          'echo "args=${uv_args[*]}"'],
         env={**clean, "PIP_CONFIG_FILE": str(tmp_path / "pip.conf"), "py": sys.executable,
-             **env},
+             "HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / "xdg"),
+             "XDG_CONFIG_DIRS": str(tmp_path / "xdg-dirs"), **env},
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
@@ -39,7 +61,7 @@ def _settings(tmp_path: Path, conf: str, **env: str) -> tuple[dict[str, str], st
 
 def test_several_values_on_lines_of_their_own_are_all_passed(tmp_path: Path) -> None:
     conf = (
-        "[global]\nextra-index-url =\n    https://a.example/simple\n    https://b.example/simple\n"
+        "[install]\nextra-index-url =\n    https://a.example/simple\n    https://b.example/simple\n"
         "find-links =\n    /wheels/one\n    /wheels/two\n"
     )
     found, args = _settings(tmp_path, conf)
@@ -69,12 +91,14 @@ def test_what_the_user_set_for_uv_wins(tmp_path: Path) -> None:
 @pytest.mark.parametrize("how", ["file", "env"])
 def test_no_index_is_passed_as_uvs_flag(tmp_path: Path, how: str) -> None:
     if how == "file":
-        _, args = _settings(tmp_path, "[global]\nno-index = true\n")
+        _, args = _settings(tmp_path, "[install]\nno-index = true\n")
     else:
         _, args = _settings(tmp_path, "", PIP_NO_INDEX="1")
     assert args == "--no-index"
 
 
 def test_nothing_configured_sets_nothing(tmp_path: Path) -> None:
+    if machine := _machine_sets():
+        pytest.skip(f"this machine's pip files set {machine}")
     found, args = _settings(tmp_path, "")
     assert found == {} and args == ""
