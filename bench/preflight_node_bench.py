@@ -19,6 +19,7 @@ one-node cluster as ``make up`` starts it (containerd 2, the node's registry wit
 
     flock /tmp/epguard-node.lock .venv/bin/python bench/preflight_node_bench.py \
         [--pods 200 --namespaces 20 --images 5] [--creates 150] [--warm] [--keep-logs D]
+        [--probe-volume copy|image]
 """
 
 from __future__ import annotations
@@ -55,13 +56,15 @@ POLL = 0.2
 
 
 @contextlib.contextmanager
-def running_cluster(run_dir: Path) -> Iterator[ControlPlane]:
-    """A one-node cluster as ``make up`` starts it, the chart installed; stopped after."""
+def running_cluster(run_dir: Path, probe_volume: str) -> Iterator[ControlPlane]:
+    """A one-node cluster as ``make up`` starts it, the chart installed (with
+    ``preflight.probeVolume``); stopped after."""
     stack = Stack(run_dir=run_dir, detached=False)
     try:
         start_cluster(stack)
         assert stack.control_plane is not None
-        deploy_chart(stack, stack.control_plane, CHART_DIR, [])
+        values = [f"--set=preflight.probeVolume={probe_volume}"]
+        deploy_chart(stack, stack.control_plane, CHART_DIR, values)
         yield stack.control_plane
     finally:
         stack.stop()
@@ -452,6 +455,9 @@ def main() -> None:
     parser.add_argument("--warm", action="store_true",
                         help="keep the worker images the node holds (default: forget each "
                              "before its first-seen run, so the preflight pulls it)")  # fmt: skip
+    parser.add_argument("--probe-volume", choices=["copy", "image"], default="copy",
+                        help="the chart's preflight.probeVolume (default: the chart's "
+                             "default, copy)")  # fmt: skip
     parser.add_argument("--skip", action="append", default=[],
                         choices=["bad", "good", "judged", "scale"])  # fmt: skip
     parser.add_argument(
@@ -463,7 +469,8 @@ def main() -> None:
     args = parser.parse_args()
     with contextlib.ExitStack() as stack:
         run = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        cp = stack.enter_context(running_cluster(run))
+        cp = stack.enter_context(running_cluster(run, args.probe_volume))
+        print(f"preflight.probeVolume: {args.probe_volume}")
         if args.keep_logs:
             stack.callback(keep_logs, node_of(cp).workdir, args.keep_logs)
         if "bad" not in args.skip:

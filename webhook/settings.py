@@ -719,6 +719,18 @@ class ControllerSettings:
             chart="preflight.gpus",
         )
     )
+    preflight_probe_volume: str = setting(
+        Option(
+            "EPGUARD_PREFLIGHT_PROBE_VOLUME",
+            "copy: epguard's copy container writes the probe into a preflight's emptyDir "
+            "(any runtime); image: the epguard image is the preflight's probe volume, one "
+            "container less (Kubernetes 1.35, or 1.33-1.34 with the ImageVolume gate, and "
+            "containerd 2.1 or CRI-O 1.31)",
+            "copy",
+            choice(("copy", "image")),
+            chart="preflight.probeVolume",
+        )
+    )
     preflight_retain_seconds: int = setting(
         Option(
             "EPGUARD_PREFLIGHT_RETAIN_SECONDS",

@@ -9,8 +9,17 @@ import json
 from typing import Any
 
 from epguard.webhook.engine.injection import InjectionSettings
-from epguard.webhook.engine.preflight import PreflightSettings, key_of, preflight_pod
-from tests.chart.chartlib import Rendered, vap_refusal
+from epguard.webhook.engine.preflight import PreflightSettings, ProbeVolume, key_of, preflight_pod
+from tests.chart.chartlib import (
+    CHART,
+    NAMESPACE,
+    RELEASE,
+    Rendered,
+    notes,
+    render,
+    run_helm,
+    vap_refusal,
+)
 
 
 def _policy_text(r: Rendered) -> str:
@@ -21,12 +30,14 @@ def _policy_text(r: Rendered) -> str:
     return json.dumps(policy["spec"]["validations"])
 
 
-def _preflight() -> dict[str, Any]:
+def _preflight(probe_volume: ProbeVolume = "copy") -> dict[str, Any]:
     spec = {"containers": [{"name": "w", "image": "r.example/s:1",
                             "command": ["python3", "-m", "sglang.launch_server"],
                             "args": ["--elastic-ep-backend", "mooncake"]}]}  # fmt: skip
-    pod = preflight_pod("t", spec, key_of("t", spec, "r.example/s:1"),
-                        PreflightSettings(InjectionSettings("r.example/epguard:1")))  # fmt: skip
+    settings = PreflightSettings(
+        InjectionSettings("r.example/epguard:1"), probe_volume=probe_volume
+    )
+    pod = preflight_pod("t", spec, key_of("t", spec, "r.example/s:1"), settings)
     assert pod is not None
     return pod
 
@@ -36,16 +47,26 @@ def _cel_list(items: list[str]) -> str:
 
 
 def test_the_policy_pins_the_commands_the_engine_writes(defaults: Rendered) -> None:
+    """Both probe volumes (the policy admits either, whatever the release's value): the
+    copy command, the done container's, and the probe's own arguments, its path the
+    one each way gives it."""
     text = _policy_text(defaults)
-    pod = _preflight()
-    copy, probe = pod["spec"]["initContainers"]
-    (done,) = pod["spec"]["containers"]
+    copy, copied = _preflight("copy")["spec"]["initContainers"]
+    mounted, *more = _preflight("image")["spec"]["initContainers"]
+    assert not more
+    (done,) = _preflight()["spec"]["containers"]
     assert _cel_list(copy["command"]) in text
     assert _cel_list(done["command"]) in text
-    own = probe["command"][: probe["command"].index("--") + 1]
+    own = copied["command"][: copied["command"].index("--") + 1]
+    assert len(own) == mounted["command"].index("--") + 1
+    paths = f"(variables.copied ? '{copied['command'][2]}' : '{mounted['command'][2]}')"
     for i, arg in enumerate(own):
-        assert f"initContainers[1].command[{i}] == '{arg}'" in text, arg
-    assert f"size(object.spec.initContainers[1].command) >= {len(own)}" in text
+        if i == 2:
+            assert f"variables.probe.command[2] == {paths}" in text
+        else:
+            assert f"variables.probe.command[{i}] == '{arg}'" in text, arg
+            assert mounted["command"][i] == arg
+    assert f"size(variables.probe.command) >= {len(own)}" in text
 
 
 def test_the_engines_preflight_has_none_of_what_the_policy_refuses() -> None:
@@ -108,3 +129,25 @@ def test_the_labels_policy_names_the_labels_the_engine_writes(defaults: Rendered
     text = json.dumps(defaults.one("ValidatingAdmissionPolicy", LABELS_POLICY)["spec"])
     assert f"'{PREFLIGHT_LABEL}'" in text and f"'{KEY_LABEL}'" in text
     assert f"'{CONTROLLER}'" in text
+
+
+def test_the_image_probe_volume_reaches_the_controller_and_the_notes_warn_of_it() -> None:
+    env = {
+        e["name"]: e.get("value")
+        for o in render("--set", "preflight.probeVolume=image", "--kube-version", "1.35.0").objects
+        if o["kind"] == "Deployment" and o["metadata"]["name"] == "epguard-controller"
+        for e in o["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert env["EPGUARD_PREFLIGHT_PROBE_VOLUME"] == "image"
+    warned = "preflight.probeVolume is image: every node that may run a preflight"
+    assert warned in notes("--set", "preflight.probeVolume=image")
+    assert "probeVolume" not in notes()
+
+
+def test_the_image_probe_volume_fails_the_install_where_the_api_server_has_none() -> None:
+    for version, fails in (("1.32.9", True), ("1.33.0", False)):
+        r = run_helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE,
+                     "--set", "preflight.probeVolume=image", "--kube-version", version,
+                     check=False)  # fmt: skip
+        assert (r.returncode != 0) == fails, (version, r.stderr[-500:])
+        assert ("preflight.probeVolume: image needs image volumes" in r.stderr) == fails

@@ -18,6 +18,7 @@ the kubelet before any init container runs -- on an image nobody has judged.
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,12 +26,22 @@ from typing import Any
 import pytest
 
 from devcluster import ControlPlane
-from devcluster.images import BAD_WORKER, BUSYBOX_IMAGE, ENV_ONLY_WORKER
-from epguard.webhook.engine.preflight import CONDITION, GATE, PREFLIGHT_LABEL
+from devcluster.images import BAD_WORKER, BUSYBOX_IMAGE, ENV_ONLY_WORKER, EPGUARD_IMAGE
+from epguard.webhook.engine.injection import InjectionSettings
+from epguard.webhook.engine.outcome import PROBE_CONTAINER
+from epguard.webhook.engine.preflight import (
+    CONDITION,
+    GATE,
+    PREFLIGHT_LABEL,
+    PreflightSettings,
+    key_of,
+    preflight_pod,
+)
 from epguard.webhook.engine.verdicts import verdict_name as name_of_verdict
 from tests.e2e.e2e_kube import apply, denied_by_epguard, eventually, output
 from tests.e2e.node_e2e import (
     SharedCluster,
+    fresh_namespace,
     node_of,
     opted_in_namespace,
     wait_probe,
@@ -205,6 +216,35 @@ def test_a_bad_image_is_never_scheduled_and_its_model_never_mounted(
         return denied_by_epguard(r)
 
     eventually(refused, within=30, what="the next pod refused at admission", every=0.5)
+
+
+def test_a_preflight_whose_probe_volume_is_the_epguard_image_proves_the_cause_alone(
+    cluster: ControlPlane, tmp_path: Path
+) -> None:
+    """preflight.probeVolume: image on the real kubelet and containerd 2: the preflight
+    the engine builds for the bad worker, with the epguard image mounted read-only as the
+    probe's volume, runs its one init container, the probe from the image's own
+    directory, which proves the bad worker's cause from its files. The chart installed
+    here keeps the default (copy); the pod is created by the admin, without epguard's
+    labels, in a namespace epguard ignores (the controller's own creates and the policy
+    that holds them to this shape: test_preflight_policy.py)."""
+    ns = fresh_namespace(cluster, f"iv-{uuid.uuid4().hex[:6]}")
+    cluster.kubectl("label", "namespace", ns, "epguard.io/ignore=true", check=True)
+    spec = worker_spec(tmp_path / "models", BAD_WORKER.ref)
+    settings = PreflightSettings(InjectionSettings(EPGUARD_IMAGE), probe_volume="image")
+    pod = preflight_pod(ns, spec, key_of(ns, spec, BAD_WORKER.ref), settings)
+    assert pod is not None
+    pod["metadata"]["labels"] = {"test": "probe-volume"}
+    r = apply(cluster, pod)
+    assert r.returncode == 0, output(r)
+    found = wait_probe(cluster, ns, ["-l", "test=probe-volume"])
+    term = found["terminated"]
+    assert term["exitCode"] == 1, term
+    assert term["message"].startswith("epguard: mooncake elastic EP is unusable in this image")
+    assert "libcudart.so.12" in term["message"]
+    statuses = found["pod"]["status"]["initContainerStatuses"]
+    assert [s["name"] for s in statuses] == [PROBE_CONTAINER]
+    cluster.kubectl("delete", "namespace", ns, "--wait=false")
 
 
 def test_an_image_whose_files_prove_nothing_is_ungated_and_probed_on_the_node(

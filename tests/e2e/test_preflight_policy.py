@@ -20,6 +20,7 @@ from epguard.webhook.engine.preflight import (
     CONDITION,
     GATE,
     PreflightSettings,
+    ProbeVolume,
     condition_patch,
     key_of,
     preflight_pod,
@@ -93,10 +94,10 @@ def tenant_pod(name: str) -> dict[str, Any]:
     }
 
 
-def preflight(**spec: Any) -> dict[str, Any]:
+def preflight(probe_volume: ProbeVolume = "copy", **spec: Any) -> dict[str, Any]:
     key = key_of(TENANT, worker_spec(), WORKER_IMAGE)
-    pod = preflight_pod(TENANT, worker_spec(), key,
-                        PreflightSettings(InjectionSettings(EPGUARD_IMAGE)))  # fmt: skip
+    settings = PreflightSettings(InjectionSettings(EPGUARD_IMAGE), probe_volume=probe_volume)
+    pod = preflight_pod(TENANT, worker_spec(), key, settings)
     assert pod is not None
     pod["spec"].update(spec)
     return pod
@@ -133,7 +134,7 @@ def test_the_controller_may_give_the_preflight_the_workers_literal_env(cp: Contr
         (lambda p: p["spec"].update(hostNetwork=True), "shares nothing with the host"),
         (lambda p: p["spec"].update(automountServiceAccountToken=True), "no service account token"),
         (lambda p: p["spec"]["volumes"].append(
-            {"name": "host", "hostPath": {"path": "/"}}), "mounts only the probe's emptyDir"),
+            {"name": "host", "hostPath": {"path": "/"}}), "mounts only the probe's volume"),
         (lambda p: p["spec"]["initContainers"][1].update(
             securityContext={"privileged": True}), "runs nothing privileged"),
         (lambda p: p["spec"]["containers"][0].update(image=WORKER_IMAGE),
@@ -168,6 +169,56 @@ def test_any_other_pod_create_by_the_controller_is_refused(
     cp: ControlPlane, change: Any, why: str
 ) -> None:
     pod = preflight()
+    change(pod)
+    r = create(cp, pod)
+    assert refused(r, why), output(r)
+
+
+def test_the_controller_may_create_a_preflight_whose_probe_volume_is_the_epguard_image(
+    cp: ControlPlane,
+) -> None:
+    """preflight.probeVolume: image, accepted whatever the release's value (a controller
+    of the release before an upgrade is not refused)."""
+    r = create(cp, preflight("image"))
+    assert r.returncode == 0, output(r)
+
+
+def _other_image(pod: dict[str, Any]) -> None:
+    pod["spec"]["volumes"][0]["image"]["reference"] = "attacker.example/epguard:1"
+
+
+def _copy_beside_the_image(pod: dict[str, Any]) -> None:
+    copied = preflight()["spec"]["initContainers"][0]
+    pod["spec"]["initContainers"].insert(0, copied)
+
+
+def _image_in_a_copying_preflight(pod: dict[str, Any]) -> None:
+    pod["spec"]["volumes"] = preflight("image")["spec"]["volumes"]
+
+
+@pytest.mark.parametrize(
+    ("probe_volume", "change", "why"),
+    [
+        ("image", _other_image, "mounts only the probe's volume"),
+        ("image", _copy_beside_the_image, "mounts only the probe's volume"),
+        ("copy", _image_in_a_copying_preflight, "mounts only the probe's volume"),
+        ("image", lambda p: p["spec"]["initContainers"][0]["command"].__setitem__(
+            2, "/epguard/probe"), "and nothing else"),
+        ("copy", lambda p: p["spec"]["initContainers"][1]["command"].__setitem__(
+            2, "/epguard/opt/epguard/probe"), "and nothing else"),
+        ("image", lambda p: p["spec"]["initContainers"][0].update(args=["x"]),
+         "and nothing else"),
+        ("image", lambda p: p["spec"]["initContainers"].insert(0, {
+            "name": "tenant", "image": EPGUARD_IMAGE}), "its done container, in that order"),
+    ],
+    ids=["other-image-as-volume", "copy-container-and-image", "image-where-copied",
+         "copied-path-from-the-image", "image-path-in-the-copy", "probe-args",
+         "init-before-the-probe"],
+)  # fmt: skip
+def test_a_preflight_of_either_probe_volume_is_held_to_its_own_shape(
+    cp: ControlPlane, probe_volume: ProbeVolume, change: Any, why: str
+) -> None:
+    pod = preflight(probe_volume)
     change(pod)
     r = create(cp, pod)
     assert refused(r, why), output(r)

@@ -343,6 +343,26 @@ def test_with_a_known_probe_image_only_pods_whose_copy_container_runs_it_count(
     assert outcomes_of(pod, probe_image="epguard:dev") == []
 
 
+def test_a_preflight_whose_probe_volume_is_the_probe_image_counts_and_no_other_image_does(
+    real_probe_failure: tuple[int, str],
+) -> None:
+    """preflight.probeVolume: image -- no copy container: the epguard image itself is the
+    probe's volume. That image, and only that one, is epguard's probe."""
+    code, message = real_probe_failure
+    pod = pod_with_probe_status(message, code)
+    pod["spec"]["initContainers"].pop(0)
+    volume = {"name": "epguard-probe", "image": {"reference": "epguard:dev"}}
+    pod["spec"]["volumes"] = [volume]
+    assert len(outcomes_of(pod, probe_image="epguard:dev")) == 1
+    for other in (
+        {"name": "epguard-probe", "image": {"reference": "attacker/epguard:dev"}},
+        {"name": "other", "image": {"reference": "epguard:dev"}},  # not the probe's volume
+        {"name": "epguard-probe", "emptyDir": {}},
+    ):
+        pod["spec"]["volumes"] = [other]
+        assert outcomes_of(pod, probe_image="epguard:dev") == [], other
+
+
 # --- image causes vs environment causes -------------------------------------------------
 
 IN_THE_POD = (

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import datetime as dt
 import json
+from dataclasses import replace
 from typing import Any
 
 import jsonpatch
@@ -28,6 +29,7 @@ from epguard.webhook.engine.preflight import (
     preflight_pod,
     preflight_result,
     preflight_status,
+    shaped_as_preflight,
     signed,
     ungate_patch,
     unjudged,
@@ -253,6 +255,37 @@ def test_the_preflight_mounts_none_of_the_workers_volumes_and_holds_no_gpu() -> 
     assert p["automountServiceAccountToken"] is False
 
 
+def test_with_the_image_as_its_probe_volume_the_preflight_runs_one_init_container() -> None:
+    """preflight.probeVolume: image -- the epguard image mounted read-only as the probe's
+    volume, the probe run from the image's own directory under it: no copy container,
+    the rest as with copy (a signed, verifiable preflight of the same worker)."""
+    copied = preflight()["spec"]
+    pod = preflight(probe_volume="image")
+    p = pod["spec"]
+    assert [c["name"] for c in p["initContainers"]] == [PROBE_CONTAINER]
+    assert p["volumes"] == [
+        {
+            "name": "epguard-probe",
+            "image": {"reference": "registry.example/epguard:1", "pullPolicy": "IfNotPresent"},
+        }
+    ]
+    probe, before = p["initContainers"][0], copied["initContainers"][1]
+    assert probe["command"][2] == "/epguard/opt/epguard/probe"
+    assert before["command"][2] == "/epguard/probe"
+    assert {**probe, "command": before["command"]} == before
+    assert probe["volumeMounts"] == [
+        {"name": "epguard-probe", "mountPath": "/epguard", "readOnly": True}
+    ]
+    assert p["containers"] == copied["containers"]
+    assert shaped_as_preflight(pod)
+    ring = new_keyring(dt.datetime.now(dt.UTC))
+    made = signed(pod, ring.keys[0], dt.datetime.now(dt.UTC))
+    assert exposure(made) is None and verify(ring, "team-a", made).ok
+    tampered = copy.deepcopy(made)
+    tampered["spec"]["volumes"][0]["image"]["reference"] = "attacker/epguard:1"
+    assert not verify(ring, "team-a", tampered).ok
+
+
 def test_a_preflight_may_ask_for_the_workers_gpus() -> None:
     probe = preflight(gpus="worker")["spec"]["initContainers"][1]
     assert probe["resources"]["limits"]["nvidia.com/gpu"] == "8"
@@ -289,8 +322,6 @@ def test_two_workers_on_one_image_make_a_preflight_built_as_one() -> None:
     """Planned together, their probes were named epguard-probe-<worker>: the chart's policy
     refused that preflight, and the controller did not take it for its own (found by a
     review helper)."""
-    from epguard.webhook.engine.preflight import shaped_as_preflight
-
     spec = worker_spec()
     first = spec["containers"][0]
     spec["containers"] = [first, {**first, "name": "second"}]
@@ -361,14 +392,15 @@ def test_every_real_mooncake_worker_gets_a_valid_preflight() -> None:
         for c in spec["containers"]:
             if not isinstance(c, dict) or not isinstance(c.get("image"), str):
                 continue
-            pod = preflight_pod("ns", spec, key_of("ns", spec, c["image"]), SETTINGS)
-            if pod is None:
-                continue
-            built += 1
-            try:
-                kv.validate(yaml.safe_load(yaml.safe_dump(pod)), VERSION, strict=True)
-            except kv.ValidationError as e:
-                pytest.fail(f"{file}: {e}")
+            for settings in (SETTINGS, replace(SETTINGS, probe_volume="image")):
+                pod = preflight_pod("ns", spec, key_of("ns", spec, c["image"]), settings)
+                if pod is None:
+                    continue
+                built += 1
+                try:
+                    kv.validate(yaml.safe_load(yaml.safe_dump(pod)), VERSION, strict=True)
+                except kv.ValidationError as e:
+                    pytest.fail(f"{file} ({settings.probe_volume}): {e}")
     assert built >= 5
 
 

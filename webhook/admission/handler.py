@@ -21,7 +21,7 @@ from epguard.webhook.engine.injection import (
     plan_without_probe,
 )
 from epguard.webhook.engine.namespaces import INJECT_KEY, PreflightMode, opts_in
-from epguard.webhook.engine.outcome import PROBED_LABEL
+from epguard.webhook.engine.outcome import PROBE_VOLUME, PROBED_LABEL
 from epguard.webhook.engine.policy import (
     SKIP_ANNOTATION,
     Decision,
@@ -34,7 +34,6 @@ from epguard.webhook.engine.rules import RulesError, load_rules_text, rule_warni
 from epguard.webhook.engine.signing import (
     FRESH_SECONDS,
     PREFIX,
-    PROBE_VOLUME,
     SIGNATURE_ANNOTATION,
     KeyringHolder,
     Verification,

@@ -349,6 +349,7 @@ class PreflightConfig:
                 InjectionSettings(config.probe_image),
                 timeout_seconds=config.preflight_timeout_seconds,
                 gpus="worker" if config.preflight_gpus == "worker" else "0",
+                probe_volume="image" if config.preflight_probe_volume == "image" else "copy",
             ),
             on_error=config.preflight_on_error,
             retain_seconds=config.preflight_retain_seconds,

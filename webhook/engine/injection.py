@@ -46,9 +46,10 @@ from epguard.webhook.engine.outcome import (
     COPY_CONTAINER,
     PROBE_CALL,
     PROBE_CONTAINER,
+    PROBE_VOLUME,
     PROBED_LABEL,
 )
-from epguard.webhook.engine.signing import PROBE_VOLUME, SIGNATURE_ANNOTATION, is_epguard_name
+from epguard.webhook.engine.signing import SIGNATURE_ANNOTATION, is_epguard_name
 from epguard.webhook.engine.workloads import as_list, as_map
 
 COPY_UID = 65532  # the epguard image's user (Dockerfile)

@@ -43,6 +43,9 @@ from epguard.webhook.engine.workloads import as_list, as_map
 
 PROBE_CONTAINER = "epguard-probe"
 COPY_CONTAINER = "epguard-copy-probe"
+# The probe's volume: the emptyDir the copy container fills, or (a preflight's, with
+# preflight.probeVolume: image) the epguard image itself.
+PROBE_VOLUME = "epguard-probe"
 # Set on every pod the probe is injected into: the controller watches only pods with it
 # (a server-side label selector), not every pod in the cluster.
 PROBED_LABEL = "epguard.io/probed"
@@ -177,13 +180,20 @@ def is_probe(container: Mapping[str, Any]) -> bool:
 
 def _trusted(spec: Mapping[str, Any], probe_image: str | None) -> bool:
     """Whether a pod's probe came from epguard: when the controller knows the image that
-    carries the real probe, the pod's copy container must run that image, so a pod
+    carries the real probe, the pod's copy container must run that image, or its probe
+    volume must be that image (a preflight's, preflight.probeVolume: image), so a pod
     cannot bring its own "probe" that prints a verdict of its choosing."""
     if not probe_image:
         return True
-    return any(
+    copied = any(
         isinstance(c, Mapping) and c.get("name") == COPY_CONTAINER and c.get("image") == probe_image
         for c in as_list(spec.get("initContainers"))
+    )
+    return copied or any(
+        isinstance(v, Mapping)
+        and v.get("name") == PROBE_VOLUME
+        and as_map(v.get("image")).get("reference") == probe_image
+        for v in as_list(spec.get("volumes"))
     )
 
 

@@ -36,7 +36,7 @@ from epguard.webhook.engine.argv import analyse_container
 from epguard.webhook.engine.imageref import ImageRefError
 from epguard.webhook.engine.imageref import parse as parse_ref
 from epguard.webhook.engine.injection import InjectionSettings, plan
-from epguard.webhook.engine.outcome import PROBE_CONTAINER, PROBED_LABEL, classify
+from epguard.webhook.engine.outcome import PROBE_CONTAINER, PROBE_VOLUME, PROBED_LABEL, classify
 from epguard.webhook.engine.signing import SIGNATURE_ANNOTATION, Key, created_at, sign
 from epguard.webhook.engine.text import cut, first_line
 from epguard.webhook.engine.verdicts import VerdictLookup
@@ -161,11 +161,41 @@ def condition_patch(uid: str, condition: Mapping[str, Any]) -> dict[str, Any]:
     return {**({"metadata": {"uid": uid}} if uid else {}), "status": {"conditions": [condition]}}
 
 
+# How the probe's files reach the preflight's probe container (preflight.probeVolume):
+# "copy", epguard's copy container writes them into an emptyDir first, as in an injected
+# worker (any runtime); "image", the epguard image itself is the probe's volume, mounted
+# read-only by the kubelet (an image volume: Kubernetes 1.35, or 1.33-1.34 with the
+# ImageVolume feature gate, and a runtime that mounts them, containerd 2.1 or CRI-O
+# 1.31), one container less: ~1 s less from a preflight's creation to its answer here.
+ProbeVolume = Literal["copy", "image"]
+
+
 @dataclass(frozen=True, slots=True)
 class PreflightSettings:
     injection: InjectionSettings
     timeout_seconds: int = 600
     gpus: Literal["0", "worker"] = "0"
+    probe_volume: ProbeVolume = "copy"
+
+
+def image_probe_path(settings: InjectionSettings) -> str:
+    """Where the probe is in a preflight whose probe volume is the epguard image: the
+    image's own directory, under the volume's mount."""
+    return f"{settings.mount_path}{settings.probe_source}"
+
+
+def _mounted_from_image(
+    probe: Mapping[str, Any], settings: InjectionSettings
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The probe container that runs the probe from the epguard image mounted whole at
+    its probe volume's mount, and that volume."""
+    copied, mounted = f"{settings.mount_path}/probe", image_probe_path(settings)
+    command = [mounted if w == copied else w for w in as_list(probe.get("command"))]
+    volume = {
+        "name": PROBE_VOLUME,
+        "image": {"reference": settings.epguard_image, "pullPolicy": settings.image_pull_policy},
+    }
+    return {**probe, "command": command}, volume
 
 
 _RUN_AS = ("runAsUser", "runAsGroup", "runAsNonRoot")
@@ -243,6 +273,9 @@ def preflight_pod(
         return None
     copy, *probes = injection.containers
     (probe,) = probes
+    volume: dict[str, Any] = injection.volume
+    if settings.probe_volume == "image":
+        probe, volume = _mounted_from_image(probe, settings.injection)
     if settings.gpus == "0":
         probe = _without_extended(probe)
     # Who it runs as, and nothing that widens what it can do: the worker's own privileges
@@ -273,9 +306,9 @@ def preflight_pod(
         # The probe needs no API access; the account is there for its pull secrets.
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "initContainers": [copy, probe],
+        "initContainers": [copy, probe] if settings.probe_volume == "copy" else [probe],
         "containers": [_done_container(settings.injection)],
-        "volumes": [injection.volume],
+        "volumes": [volume],
     }
     secrets = pull_secrets(worker_spec)  # the key's: key_of made its hash from them
     if secrets:

@@ -41,7 +41,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from epguard.webhook.engine.outcome import PROBED_LABEL
+from epguard.webhook.engine.outcome import PROBE_VOLUME, PROBED_LABEL
 from epguard.webhook.engine.text import parse_stamp, stamp
 from epguard.webhook.engine.workloads import as_list, as_map
 
@@ -49,7 +49,6 @@ from epguard.webhook.engine.workloads import as_list, as_map
 # tenant wrote and /validate refuses unsigned ones. The prefix is reserved (README).
 PREFIX = "epguard-"
 SIGNATURE_ANNOTATION = "epguard.io/probe-signature"
-PROBE_VOLUME = "epguard-probe"
 FORMAT = "v3"
 # The format of the epguard before, which signed less (not the probe's termination
 # message): still checked, so that a pod an old webhook replica mutated during an upgrade
