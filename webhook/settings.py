@@ -543,8 +543,9 @@ class ControllerSettings:
         Option(
             "EPGUARD_INJECT_IMAGE",
             "the image epguard injects to copy the probe into pods; only pods whose "
-            "epguard-copy-probe runs it are trusted to report probe outcomes. Empty trusts "
-            "any probe call",
+            "epguard-copy-probe runs it, or whose epguard-probe volume is it (a "
+            "preflight's, preflight.probeVolume: image), are trusted to report probe "
+            "outcomes. Empty trusts any probe call",
             "",
             text,
             empty_is_value=True,

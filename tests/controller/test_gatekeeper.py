@@ -38,13 +38,14 @@ from epguard.webhook.controller.gatekeeper import (
 )
 from epguard.webhook.controller.owners import Unreadable
 from epguard.webhook.engine.injection import InjectionSettings
-from epguard.webhook.engine.outcome import PROBE_CONTAINER, PROBED_LABEL
+from epguard.webhook.engine.outcome import COPY_CONTAINER, PROBE_CONTAINER, PROBED_LABEL
 from epguard.webhook.engine.preflight import (
     CONDITION,
     GATE,
     KEY_LABEL,
     PREFLIGHT_LABEL,
     PreflightSettings,
+    ProbeVolume,
     is_gated,
 )
 from epguard.webhook.engine.signing import (
@@ -241,12 +242,14 @@ def setup(
     on_error: str = "open",
     retain: int = 3600,
     ring: bool = True,
+    probe_volume: ProbeVolume = "copy",
 ) -> tuple[Preflights, MemoryApi, Clock, Keyring | None]:
     clock = Clock()
     api = MemoryApi(clock)
     keyring = new_keyring(NOW) if ring else None
+    injection = InjectionSettings("r.example/epguard:1")
     config = PreflightConfig(
-        PreflightSettings(InjectionSettings("r.example/epguard:1"), timeout_seconds=300),
+        PreflightSettings(injection, timeout_seconds=300, probe_volume=probe_volume),
         on_error=on_error,
         retain_seconds=retain,
     )
@@ -409,6 +412,64 @@ def test_a_preflight_the_api_server_refuses_cannot_judge() -> None:
     assert done.ungated == ["Pod ml/w-0"]  # onError=open: nothing stays gated forever
     event = next(e for e in api.events if e[2] == "PreflightFailedGateOpened")
     assert "could not be created" in event[4] and "epguard-preflight" in event[4]
+
+
+def _init_names(api: MemoryApi) -> list[list[str]]:
+    return [[c["name"] for c in p["spec"]["initContainers"]] for p in api.preflights()]
+
+
+def test_a_refused_image_probe_volume_falls_back_to_the_copy_for_good() -> None:
+    """preflight.probeVolume: image where the API server cannot take it (the ImageVolume
+    gate off drops the volume, and the chart's policy refuses what is left; a policy
+    engine that knows no image volumes): the preflight is made with the copy container
+    at once, and so is every one after, instead of every gated pod opened unjudged."""
+    pf, api, _, ring = setup(probe_volume="image")
+    api.add(gated_pod("w-0"))
+    real, refused = api.create_pod, []
+
+    def no_image_volumes(namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        if any("image" in v for v in body["spec"]["volumes"]):
+            refused.append(body["metadata"]["name"])
+            raise Refused("denied by the ValidatingAdmissionPolicy epguard-preflight")
+        return real(namespace, body)
+
+    api.create_pod = no_image_volumes  # type: ignore[method-assign]
+    done = pf.run_once()
+    assert len(refused) == 1 and done.ungated == [] and is_gated(api.pod("ml", "w-0"))
+    assert _init_names(api) == [[COPY_CONTAINER, PROBE_CONTAINER]]
+    assert ring is not None and verify(ring, "ml", api.preflights()[0]).ok
+    assert pf.config.settings.probe_volume == "copy"
+    api.add(gated_pod("w-1", image="r.example/sglang:other"))
+    pf.run_once()
+    assert len(refused) == 1  # the next preflight is made with the copy at once
+    assert _init_names(api) == [[COPY_CONTAINER, PROBE_CONTAINER]] * 2
+
+
+def test_an_image_probe_volume_refused_for_another_reason_stays() -> None:
+    """Refused with the copy container too: the volume was not the cause. The refusal
+    is the answer (onError), and the next preflight still mounts the image."""
+    pf, api, _, _ = setup(probe_volume="image")
+    api.add(gated_pod("w-0"))
+    shapes: list[bool] = []
+
+    def refuse(namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        shapes.append(any("image" in v for v in body["spec"]["volumes"]))
+        raise Refused("denied by the namespace's policy")
+
+    api.create_pod = refuse  # type: ignore[method-assign]
+    done = pf.run_once()
+    assert shapes == [True, False] and done.ungated == ["Pod ml/w-0"]
+    assert pf.config.settings.probe_volume == "image"
+    event = next(e for e in api.events if e[2] == "PreflightFailedGateOpened")
+    assert "denied by the namespace's policy" in event[4]
+
+
+def test_an_image_probe_volume_the_api_server_takes_is_kept() -> None:
+    pf, api, _, _ = setup(probe_volume="image")
+    api.add(gated_pod("w-0"))
+    pf.run_once()
+    assert _init_names(api) == [[PROBE_CONTAINER]]
+    assert pf.config.settings.probe_volume == "image"
 
 
 @pytest.mark.parametrize("on_error", ["open", "hold"])

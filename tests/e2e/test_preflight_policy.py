@@ -6,6 +6,7 @@ refused with the policy's message; other users are not affected."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import subprocess
 from collections.abc import Iterator
@@ -24,8 +25,10 @@ from epguard.webhook.engine.preflight import (
     condition_patch,
     key_of,
     preflight_pod,
+    signed,
     ungate_patch,
 )
+from epguard.webhook.engine.signing import new_keyring, verify
 from tests.chart.chartlib import CHART, NAMESPACE, RELEASE, run_helm
 from tests.control_plane import running_control_plane
 from tests.e2e.e2e_kube import eventually, output
@@ -181,6 +184,25 @@ def test_the_controller_may_create_a_preflight_whose_probe_volume_is_the_epguard
     of the release before an upgrade is not refused)."""
     r = create(cp, preflight("image"))
     assert r.returncode == 0, output(r)
+
+
+@pytest.mark.parametrize("probe_volume", ["copy", "image"])
+def test_a_preflight_as_the_api_server_stores_it_still_verifies(
+    cp: ControlPlane, probe_volume: ProbeVolume
+) -> None:
+    """What the API server defaults in a stored preflight (an image volume's source
+    included) is not what epguard signed: the controller takes a preflight for its own
+    only while its signature verifies, so a default there would make every preflight
+    a changed one (deleted, its pods opened or held)."""
+    ring = new_keyring(dt.datetime.now(dt.UTC))
+    pod = signed(preflight(probe_volume), ring.current, dt.datetime.now(dt.UTC))
+    r = as_controller(cp, "create", "--dry-run=server", "-o", "json", "-f", "-",
+                      input=json.dumps(pod))  # fmt: skip
+    assert r.returncode == 0, output(r)
+    stored = json.loads(r.stdout)
+    assert stored["spec"]["volumes"][0].keys() == pod["spec"]["volumes"][0].keys()
+    checked = verify(ring, TENANT, stored)
+    assert checked.ok, checked.reason
 
 
 def _other_image(pod: dict[str, Any]) -> None:

@@ -286,6 +286,18 @@ def test_with_the_image_as_its_probe_volume_the_preflight_runs_one_init_containe
     assert not verify(ring, "team-a", tampered).ok
 
 
+def test_with_the_image_as_its_probe_volume_the_workers_own_words_are_kept() -> None:
+    # Only the probe's path moves: a worker argument that names the same path is the
+    # worker's, and the probe must read it as the worker wrote it (found by a review
+    # helper: every word equal to the path was rewritten).
+    spec = worker_spec()
+    spec["containers"][0]["args"] += ["--config", "/epguard/probe"]
+    (probe,) = preflight(spec, probe_volume="image")["spec"]["initContainers"]
+    cmd = probe["command"]
+    assert cmd[2] == "/epguard/opt/epguard/probe"
+    assert cmd[cmd.index("--") + 1 :][-2:] == ["--config", "/epguard/probe"]
+
+
 def test_a_preflight_may_ask_for_the_workers_gpus() -> None:
     probe = preflight(gpus="worker")["spec"]["initContainers"][1]
     assert probe["resources"]["limits"]["nvidia.com/gpu"] == "8"

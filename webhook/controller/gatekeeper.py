@@ -45,7 +45,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, cast
 
 import kopf
@@ -89,6 +89,7 @@ from epguard.webhook.engine.preflight import (
     disruption,
     is_gated,
     key_of,
+    mounts_the_probe_image,
     preflight_pod,
     preflight_result,
     preflight_status,
@@ -876,7 +877,7 @@ class Preflights:
                     made = self._body(key, pod)
                 if isinstance(made, PreflightResult):
                     return key, made
-                result = self._create(key, made, ring, done)
+                result = self._create(key, made, ring, done, pod)
                 if result is STARTED:
                     made_by_us.add(key)
                 return key, result
@@ -1057,7 +1058,9 @@ class Preflights:
             )
         return None
 
-    def _body(self, key: PreflightKey, pod: Json) -> PreflightResult | dict[str, Any]:
+    def _body(
+        self, key: PreflightKey, pod: Json, settings: PreflightSettings | None = None
+    ) -> PreflightResult | dict[str, Any]:
         """Key's preflight made from its first pod's spec, read afresh (the pass keeps
         no whole pod); or what to say instead."""
         namespace, name, _ = _name(pod)
@@ -1068,7 +1071,8 @@ class Preflights:
         if whole is None or key not in worker_keys(whole):
             # Gone or changed since listed: the next pass sees what waits now.
             return PreflightResult("running", "")
-        body = preflight_pod(key.namespace, as_map(whole.get("spec")), key, self.config.settings)
+        settings = settings or self.config.settings
+        body = preflight_pod(key.namespace, as_map(whole.get("spec")), key, settings)
         del whole
         if body is None:  # no container on that image asks for mooncake any more
             return PreflightResult("clear", "no container on this image asks for mooncake")
@@ -1082,8 +1086,15 @@ class Preflights:
         return body
 
     def _create(
-        self, key: PreflightKey, body: dict[str, Any], ring: Keyring, done: Pass
+        self,
+        key: PreflightKey,
+        body: dict[str, Any],
+        ring: Keyring,
+        done: Pass,
+        pod: Json | None = None,
     ) -> PreflightResult:
+        """Create ``body`` (made from ``pod``: with it, an image-shaped preflight the API
+        server refuses is made again with the copy container, :meth:`_copied`)."""
         try:
             # Signed now, not at the start of the pass: /validate refuses a stale signature.
             now = self.clock()
@@ -1113,11 +1124,44 @@ class Preflights:
             return PreflightResult("gone", "the namespace is being deleted")
         except Refused as exc:
             log.warning("preflight %s/%s refused: %s", key.namespace, key.pod_name, exc)
+            if pod is not None and mounts_the_probe_image(body):
+                return self._copied(key, pod, ring, done, exc)
             said = f"the preflight pod could not be created: {exc}"
             if "exceeded quota" in str(exc):  # the namespace's own pods may free it
                 return PreflightResult("running", "", said)
             return PreflightResult("failed", said)
         return PreflightResult("running", "")
+
+    def _copied(
+        self, key: PreflightKey, pod: Json, ring: Keyring, done: Pass, refused: Refused
+    ) -> PreflightResult:
+        """A preflight with the epguard image as its probe volume was refused: made again
+        with the copy container. Where that one is created, the image volume was what
+        the API server refused (the ImageVolume feature gate off: the API server drops
+        the volume, and the chart's policy refuses a preflight without it; a policy
+        engine that knows no image volumes; the chart's policy of an earlier release
+        while an upgrade rolls), and the controller uses the copy from then on, said
+        once in its log, rather than opening or holding every gated pod as a failed
+        preflight (preflight.onError). Where it is refused too, the image volume was not
+        the cause: that refusal is the answer, and the setting stays."""
+        settings = replace(self.config.settings, probe_volume="copy")
+        with self._whole:
+            made = self._body(key, pod, settings)
+        if isinstance(made, PreflightResult):
+            return made
+        result = self._create(key, made, ring, done)
+        if result is STARTED and self.config.settings.probe_volume == "image":
+            self.config = replace(self.config, settings=settings)
+            log.warning(
+                "preflight.probeVolume is image, but the API server refused preflight %s/%s "
+                "with the epguard image as its probe volume (%s) and created it with epguard's "
+                "copy container: this controller makes every preflight with the copy from "
+                "now on (are image volumes on in this cluster? docs/preflight.md)",
+                key.namespace,
+                key.pod_name,
+                refused,
+            )
+        return result
 
     def _decide(
         self,

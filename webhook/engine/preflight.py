@@ -36,7 +36,13 @@ from epguard.webhook.engine.argv import analyse_container
 from epguard.webhook.engine.imageref import ImageRefError
 from epguard.webhook.engine.imageref import parse as parse_ref
 from epguard.webhook.engine.injection import InjectionSettings, plan
-from epguard.webhook.engine.outcome import PROBE_CONTAINER, PROBE_VOLUME, PROBED_LABEL, classify
+from epguard.webhook.engine.outcome import (
+    PROBE_CALL,
+    PROBE_CONTAINER,
+    PROBE_VOLUME,
+    PROBED_LABEL,
+    classify,
+)
 from epguard.webhook.engine.signing import SIGNATURE_ANNOTATION, Key, created_at, sign
 from epguard.webhook.engine.text import cut, first_line
 from epguard.webhook.engine.verdicts import VerdictLookup
@@ -166,7 +172,7 @@ def condition_patch(uid: str, condition: Mapping[str, Any]) -> dict[str, Any]:
 # worker (any runtime); "image", the epguard image itself is the probe's volume, mounted
 # read-only by the kubelet (an image volume: Kubernetes 1.35, or 1.33-1.34 with the
 # ImageVolume feature gate, and a runtime that mounts them, containerd 2.1 or CRI-O
-# 1.31), one container less: ~1 s less from a preflight's creation to its answer here.
+# 1.31), one container less: its answer ~1 s sooner on the local node (docs/preflight.md).
 ProbeVolume = Literal["copy", "image"]
 
 
@@ -184,13 +190,23 @@ def image_probe_path(settings: InjectionSettings) -> str:
     return f"{settings.mount_path}{settings.probe_source}"
 
 
+def mounts_the_probe_image(pod: Mapping[str, Any]) -> bool:
+    """Whether ``pod``'s probe volume is an image (preflight.probeVolume: image)."""
+    return any(
+        as_map(v).get("name") == PROBE_VOLUME and "image" in as_map(v)
+        for v in as_list(as_map(pod.get("spec")).get("volumes"))
+    )
+
+
 def _mounted_from_image(
     probe: Mapping[str, Any], settings: InjectionSettings
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The probe container that runs the probe from the epguard image mounted whole at
     its probe volume's mount, and that volume."""
-    copied, mounted = f"{settings.mount_path}/probe", image_probe_path(settings)
-    command = [mounted if w == copied else w for w in as_list(probe.get("command"))]
+    command = list(as_list(probe.get("command")))
+    # The probe's own path, right after PROBE_CALL (injection._probe_container); never a
+    # word of the worker's argv, which may name the same path.
+    command[len(PROBE_CALL)] = image_probe_path(settings)
     volume = {
         "name": PROBE_VOLUME,
         "image": {"reference": settings.epguard_image, "pullPolicy": settings.image_pull_policy},
