@@ -418,50 +418,75 @@ def _init_names(api: MemoryApi) -> list[list[str]]:
     return [[c["name"] for c in p["spec"]["initContainers"]] for p in api.preflights()]
 
 
-def test_a_refused_image_probe_volume_falls_back_to_the_copy_for_good() -> None:
+def test_a_refused_image_probe_volume_falls_back_to_the_copy_in_that_namespace() -> None:
     """preflight.probeVolume: image where the API server cannot take it (the ImageVolume
     gate off drops the volume, and the chart's policy refuses what is left; a policy
     engine that knows no image volumes): the preflight is made with the copy container
-    at once, and so is every one after, instead of every gated pod opened unjudged."""
+    at once, and so is every later one of that namespace, instead of every gated pod
+    opened unjudged. Another namespace still tries the image volume: one namespace's
+    policy must not change how another's preflights are made."""
     pf, api, _, ring = setup(probe_volume="image")
     api.add(gated_pod("w-0"))
     real, refused = api.create_pod, []
 
     def no_image_volumes(namespace: str, body: dict[str, Any]) -> dict[str, Any]:
         if any("image" in v for v in body["spec"]["volumes"]):
-            refused.append(body["metadata"]["name"])
+            refused.append(namespace)
             raise Refused("denied by the ValidatingAdmissionPolicy epguard-preflight")
         return real(namespace, body)
 
     api.create_pod = no_image_volumes  # type: ignore[method-assign]
     done = pf.run_once()
-    assert len(refused) == 1 and done.ungated == [] and is_gated(api.pod("ml", "w-0"))
+    assert refused == ["ml"] and done.ungated == [] and is_gated(api.pod("ml", "w-0"))
     assert _init_names(api) == [[COPY_CONTAINER, PROBE_CONTAINER]]
     assert ring is not None and verify(ring, "ml", api.preflights()[0]).ok
-    assert pf.config.settings.probe_volume == "copy"
     api.add(gated_pod("w-1", image="r.example/sglang:other"))
     pf.run_once()
-    assert len(refused) == 1  # the next preflight is made with the copy at once
-    assert _init_names(api) == [[COPY_CONTAINER, PROBE_CONTAINER]] * 2
+    assert refused == ["ml"]  # the namespace's next preflight is made with the copy at once
+    api.add(gated_pod("w-2", namespace="team-b"))
+    pf.run_once()
+    assert refused == ["ml", "team-b"]
+    assert _init_names(api) == [[COPY_CONTAINER, PROBE_CONTAINER]] * 3
+    assert pf.config.settings.probe_volume == "image"
 
 
-def test_an_image_probe_volume_refused_for_another_reason_stays() -> None:
-    """Refused with the copy container too: the volume was not the cause. The refusal
-    is the answer (onError), and the next preflight still mounts the image."""
+def test_an_image_probe_volume_refused_with_the_copy_too_says_the_copys_refusal() -> None:
+    """Refused with the copy container too: the copy's refusal is the answer (onError),
+    and the namespace's next preflight still mounts the image."""
     pf, api, _, _ = setup(probe_volume="image")
     api.add(gated_pod("w-0"))
     shapes: list[bool] = []
 
     def refuse(namespace: str, body: dict[str, Any]) -> dict[str, Any]:
-        shapes.append(any("image" in v for v in body["spec"]["volumes"]))
-        raise Refused("denied by the namespace's policy")
+        image = any("image" in v for v in body["spec"]["volumes"])
+        shapes.append(image)
+        raise Refused("no image volumes here" if image else "denied by the namespace's policy")
 
     api.create_pod = refuse  # type: ignore[method-assign]
     done = pf.run_once()
     assert shapes == [True, False] and done.ungated == ["Pod ml/w-0"]
-    assert pf.config.settings.probe_volume == "image"
     event = next(e for e in api.events if e[2] == "PreflightFailedGateOpened")
     assert "denied by the namespace's policy" in event[4]
+    assert "no image volumes" not in event[4]
+    api.add(gated_pod("w-1", image="r.example/sglang:other"))
+    pf.run_once()
+    assert shapes[2] is True
+
+
+def test_an_image_probe_volume_refused_over_quota_waits_and_is_not_copied() -> None:
+    """A quota the namespace's own pods may free says nothing about the volume: the
+    preflight waits, as with the copy, and is not made twice."""
+    pf, api, _, _ = setup(probe_volume="image")
+    api.add(gated_pod("w-0"))
+    shapes: list[bool] = []
+
+    def over_quota(namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        shapes.append(any("image" in v for v in body["spec"]["volumes"]))
+        raise Refused('pods "epguard-preflight-x" is forbidden: exceeded quota: pods')
+
+    api.create_pod = over_quota  # type: ignore[method-assign]
+    done = pf.run_once()
+    assert shapes == [True] and done.ungated == [] and is_gated(api.pod("ml", "w-0"))
 
 
 def test_an_image_probe_volume_the_api_server_takes_is_kept() -> None:

@@ -158,6 +158,10 @@ LISTS = 2  # lists at once in all: a pass's and an answer run's, or two of an an
 # pass still takes them all (a count of 24 took 84 passes of 2,000 pods each, 45 s, in
 # bench/preflight_bench.py, where one pass takes ~1 s).
 CREATE_SECONDS = 2.0
+# Namespaces a controller remembers as making their preflights with the copy container
+# (Preflights._copied): a short name each. Past it, a new one pays a refused create per
+# preflight instead of one in all.
+COPYING_NAMESPACES = 10_000
 # An opened pod's condition is written up to OPENED_WRITES times (OPENED_BACKOFF s, then
 # twice that, between): no pass lists a pod once its gate is gone, so a failed write
 # would leave what it said before ("waiting for the preflight") for good.
@@ -672,6 +676,12 @@ class Preflights:
         self._had_preflight: set[PreflightKey] = set()
         self._whole = threading.BoundedSemaphore(WHOLE_PODS)
         self._unreadable: set[tuple[str, str]] = set()  # said once each (bounded)
+        # Namespaces whose preflights are made with the copy container although
+        # preflight.probeVolume is image: there the API server refused the image volume
+        # and took the copy (_copied). Per namespace, never for the whole cluster: one
+        # namespace's policy engine or quota must not change how another's are made.
+        self._copying: set[str] = set()
+        self._copying_lock = threading.Lock()
         # The condition this process last wrote on each gated pod: a pass and an answer
         # run (:meth:`answer`) may decide one pod side by side, each from its own list,
         # and the older list must neither undo the newer one's decision nor repeat it
@@ -1058,6 +1068,12 @@ class Preflights:
             )
         return None
 
+    def _settings(self, namespace: str) -> PreflightSettings:
+        settings = self.config.settings
+        if settings.probe_volume == "image" and namespace in self._copying:
+            return replace(settings, probe_volume="copy")
+        return settings
+
     def _body(
         self, key: PreflightKey, pod: Json, settings: PreflightSettings | None = None
     ) -> PreflightResult | dict[str, Any]:
@@ -1071,7 +1087,7 @@ class Preflights:
         if whole is None or key not in worker_keys(whole):
             # Gone or changed since listed: the next pass sees what waits now.
             return PreflightResult("running", "")
-        settings = settings or self.config.settings
+        settings = settings or self._settings(key.namespace)
         body = preflight_pod(key.namespace, as_map(whole.get("spec")), key, settings)
         del whole
         if body is None:  # no container on that image asks for mooncake any more
@@ -1124,11 +1140,11 @@ class Preflights:
             return PreflightResult("gone", "the namespace is being deleted")
         except Refused as exc:
             log.warning("preflight %s/%s refused: %s", key.namespace, key.pod_name, exc)
-            if pod is not None and mounts_the_probe_image(body):
-                return self._copied(key, pod, ring, done, exc)
             said = f"the preflight pod could not be created: {exc}"
             if "exceeded quota" in str(exc):  # the namespace's own pods may free it
                 return PreflightResult("running", "", said)
+            if pod is not None and mounts_the_probe_image(body):
+                return self._copied(key, pod, ring, done, exc)
             return PreflightResult("failed", said)
         return PreflightResult("running", "")
 
@@ -1140,26 +1156,35 @@ class Preflights:
         the API server refused (the ImageVolume feature gate off: the API server drops
         the volume, and the chart's policy refuses a preflight without it; a policy
         engine that knows no image volumes; the chart's policy of an earlier release
-        while an upgrade rolls), and the controller uses the copy from then on, said
-        once in its log, rather than opening or holding every gated pod as a failed
-        preflight (preflight.onError). Where it is refused too, the image volume was not
-        the cause: that refusal is the answer, and the setting stays."""
-        settings = replace(self.config.settings, probe_volume="copy")
+        while an upgrade rolls), and the controller makes that namespace's preflights
+        with the copy from then on (until it restarts), said once in its log, rather
+        than opening or holding every gated pod as a failed preflight (onError). Where
+        the copy is refused too, its refusal is the answer, and the namespace keeps the
+        image volume."""
+        copy_settings = replace(self.config.settings, probe_volume="copy")
         with self._whole:
-            made = self._body(key, pod, settings)
+            made = self._body(key, pod, copy_settings)
         if isinstance(made, PreflightResult):
             return made
         result = self._create(key, made, ring, done)
-        if result is STARTED and self.config.settings.probe_volume == "image":
-            self.config = replace(self.config, settings=settings)
+        if result is not STARTED:
+            return result
+        with self._copying_lock:
+            new = key.namespace not in self._copying
+            if new and len(self._copying) < COPYING_NAMESPACES:
+                self._copying.add(key.namespace)
+        if new:
             log.warning(
                 "preflight.probeVolume is image, but the API server refused preflight %s/%s "
-                "with the epguard image as its probe volume (%s) and created it with epguard's "
-                "copy container: this controller makes every preflight with the copy from "
-                "now on (are image volumes on in this cluster? docs/preflight.md)",
+                "with the epguard image as its probe volume (%s) and created it with "
+                "epguard's copy container: this controller makes the preflights of "
+                "namespace %s with the copy from now on. A refusal by epguard's own "
+                "preflight policy in every namespace means image volumes are off in this "
+                "cluster (docs/preflight.md); in one, a policy of that namespace's",
                 key.namespace,
                 key.pod_name,
                 refused,
+                key.namespace,
             )
         return result
 
