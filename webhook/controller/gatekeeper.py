@@ -1178,9 +1178,9 @@ class Preflights:
                 "preflight.probeVolume is image, but the API server refused preflight %s/%s "
                 "with the epguard image as its probe volume (%s) and created it with "
                 "epguard's copy container: this controller makes the preflights of "
-                "namespace %s with the copy from now on. A refusal by epguard's own "
-                "preflight policy in every namespace means image volumes are off in this "
-                "cluster (docs/preflight.md); in one, a policy of that namespace's",
+                "namespace %s with the copy from now on. Refused so in every namespace: "
+                "image volumes are off in this cluster (docs/preflight.md); in this one "
+                "only: a policy of this namespace's",
                 key.namespace,
                 key.pod_name,
                 refused,

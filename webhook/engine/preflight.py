@@ -13,7 +13,9 @@ A preflight pod is built here (:func:`preflight_pod`) from the worker: the probe
 injected exactly as for a worker (``injection.plan``), judging the image's files only
 (``--files-only``), with the worker's pull secrets, service account and placement
 (node selector, affinity, tolerations: it pulls where the worker could run and warms
-that node's cache), none of the worker's volumes, and no GPU unless asked. The
+that node's cache), none of the worker's volumes, and no GPU unless asked. The probe's
+files come as in a worker, through epguard's copy container, or (``preflight.probeVolume:
+image``, :data:`ProbeVolume`) from the epguard image mounted as the probe's volume. The
 controller signs it like an injected pod, so its outcome is recorded by the same path
 as every probe's (``controller/recorder.py``).
 
