@@ -174,7 +174,8 @@ def condition_patch(uid: str, condition: Mapping[str, Any]) -> dict[str, Any]:
 # worker (any runtime); "image", the epguard image itself is the probe's volume, mounted
 # read-only by the kubelet (an image volume: Kubernetes 1.35, or 1.33-1.34 with the
 # ImageVolume feature gate, and a runtime that mounts them, containerd 2.1 or CRI-O
-# 1.31), one container less: its answer ~1 s sooner on the local node (docs/preflight.md).
+# 1.31), one container less (~1 s of the kubelet's work on the local node; end to end
+# within the benchmark's run-to-run spread: docs/preflight.md).
 ProbeVolume = Literal["copy", "image"]
 
 
