@@ -812,13 +812,7 @@ def _kubelet_transient(proc: ManagedProcess, since: int = 0) -> str | None:
     its start began: each start appends to the same log), if any."""
     if proc.name != "kubelet":
         return None
-    try:
-        with open(proc.log, "rb") as log:
-            log.seek(since)
-            lines = log.read().decode(errors="replace").splitlines()
-    except OSError:
-        return None
-    if any(KUBELET_RACE in line for line in lines[-400:]):
+    if KUBELET_RACE in proc.log_tail(400, since):
         return KUBELET_RACE
     # Its last lines only: the error that ended it.
-    return CRI_NOT_READY if any(CRI_NOT_READY in line for line in lines[-3:]) else None
+    return CRI_NOT_READY if CRI_NOT_READY in proc.log_tail(3, since) else None

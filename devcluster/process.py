@@ -135,9 +135,12 @@ class ManagedProcess:
             return False
         return running(self.pid)
 
-    def log_tail(self, lines: int = 40) -> str:
+    def log_tail(self, lines: int = 40, since: int = 0) -> str:
+        """The log's last ``lines`` lines among those written from byte ``since`` on."""
         try:
-            text = Path(self.log).read_text(errors="replace")
+            with open(self.log, "rb") as log:
+                log.seek(since)
+                text = log.read().decode(errors="replace")
         except OSError:
             return "(no log)"
         return "\n".join(text.splitlines()[-lines:])

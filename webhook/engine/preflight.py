@@ -187,12 +187,6 @@ class PreflightSettings:
     probe_volume: ProbeVolume = "copy"
 
 
-def image_probe_path(settings: InjectionSettings) -> str:
-    """Where the probe is in a preflight whose probe volume is the epguard image: the
-    image's own directory, under the volume's mount."""
-    return f"{settings.mount_path}{settings.probe_source}"
-
-
 def mounts_the_probe_image(pod: Mapping[str, Any]) -> bool:
     """Whether ``pod``'s probe volume is an image (preflight.probeVolume: image)."""
     return any(
@@ -207,9 +201,10 @@ def _mounted_from_image(
     """The probe container that runs the probe from the epguard image mounted whole at
     its probe volume's mount, and that volume."""
     command = list(as_list(probe.get("command")))
-    # The probe's own path, right after PROBE_CALL (injection._probe_container); never a
-    # word of the worker's argv, which may name the same path.
-    command[len(PROBE_CALL)] = image_probe_path(settings)
+    # The probe's own path, right after PROBE_CALL (injection._probe_container): the
+    # image's own directory under the volume's mount; never a word of the worker's argv,
+    # which may name the same path.
+    command[len(PROBE_CALL)] = f"{settings.mount_path}{settings.probe_source}"
     volume = {
         "name": PROBE_VOLUME,
         "image": {"reference": settings.epguard_image, "pullPolicy": settings.image_pull_policy},
